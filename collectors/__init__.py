@@ -1,0 +1,1 @@
+"""Collectors: NVTX capture (the injection library), NVML sampler, host sampler."""

@@ -1,0 +1,1 @@
+"""PyTorch and TensorFlow patches that put NVTX ranges around ops and modules."""

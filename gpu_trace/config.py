@@ -1,0 +1,106 @@
+"""One home for settings.
+
+Precedence, highest first: an explicit argument, a CLI flag, a ``GPU_TRACE_*`` environment
+variable, the default. Every variable the project reads is listed in :data:`ENVIRONMENT`; nothing
+else in the code base reads ``os.environ`` for a ``GPU_TRACE_*`` name.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+#: Every environment variable gpu-trace reads, with what it means.
+ENVIRONMENT: dict[str, str] = {
+    "GPU_TRACE_HOME": "Data directory: runs and the embedded store. Default ~/.local/share/gpu-trace.",
+    "GPU_TRACE_STORE": "Store DSN: chdb:///path (embedded, the default under GPU_TRACE_HOME/store) "
+    "or http(s)://user:password@host:port for a ClickHouse server.",
+    "GPU_TRACE_CLUSTER": "ClickHouse cluster name; DDL runs ON CLUSTER with Distributed tables.",
+    "GPU_TRACE_RUN_DIR": "Set by `gpu-trace record` for the traced program and its children: the "
+    "run directory the recorder spools into. When set, recording starts at interpreter start.",
+    "GPU_TRACE_RUN_ID": "Set by `gpu-trace record`: the run id.",
+    "GPU_TRACE_FLUSH_INTERVAL": "Seconds between background flushes to the spool. Default 0.5.",
+    "GPU_TRACE_BUFFER_EVENTS": "Per-thread buffer capacity in events; beyond it events are dropped "
+    "and counted. Default 1048576.",
+    "GPU_TRACE_NVTX": "NVTX capture: native (the C injection library, default), python (patch the "
+    "Python nvtx package only) or off.",
+    "GPU_TRACE_CC": "C compiler used to build the NVTX injection library on first use. Default cc.",
+    "TRACEPARENT": "W3C trace context of a parent; a run started under it joins that trace.",
+}
+
+DEFAULT_FLUSH_INTERVAL_S = 0.5
+DEFAULT_BUFFER_EVENTS = 1 << 20
+
+
+def _env(name: str) -> str | None:
+    value = os.environ.get(name)
+    return value if value not in (None, "") else None
+
+
+def home() -> Path:
+    """The data directory (``GPU_TRACE_HOME``)."""
+    value = _env("GPU_TRACE_HOME")
+    if value:
+        return Path(value).expanduser()
+    return Path("~/.local/share/gpu-trace").expanduser()
+
+
+def store_dsn(explicit: str | None = None) -> str:
+    """The store DSN: explicit value, ``GPU_TRACE_STORE``, or the embedded chDB under home."""
+    if explicit:
+        return explicit
+    return _env("GPU_TRACE_STORE") or f"chdb://{home() / 'store'}"
+
+
+def cluster(explicit: str | None = None) -> str | None:
+    return explicit or _env("GPU_TRACE_CLUSTER")
+
+
+def runs_dir() -> Path:
+    """Where `gpu-trace record` puts run directories unless told otherwise."""
+    return home() / "runs"
+
+
+@dataclass(frozen=True)
+class RecorderSettings:
+    """Settings of the in-process recorder."""
+
+    run_dir: Path | None
+    run_id: str | None
+    flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S
+    buffer_events: int = DEFAULT_BUFFER_EVENTS
+    nvtx: str = "native"
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> RecorderSettings:
+        run_dir = _env("GPU_TRACE_RUN_DIR")
+        values: dict[str, object] = {
+            "run_dir": Path(run_dir) if run_dir else None,
+            "run_id": _env("GPU_TRACE_RUN_ID"),
+            "flush_interval_s": _float("GPU_TRACE_FLUSH_INTERVAL", DEFAULT_FLUSH_INTERVAL_S),
+            "buffer_events": int(_float("GPU_TRACE_BUFFER_EVENTS", DEFAULT_BUFFER_EVENTS)),
+            "nvtx": (_env("GPU_TRACE_NVTX") or "native").lower(),
+        }
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        settings = cls(**values)  # type: ignore[arg-type]
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        if self.flush_interval_s <= 0 or self.flush_interval_s > 60:
+            raise ValueError(f"flush interval must be in (0, 60] seconds, got {self.flush_interval_s}")
+        if self.buffer_events < 16:
+            raise ValueError(f"buffer capacity must be at least 16 events, got {self.buffer_events}")
+        if self.nvtx not in ("native", "python", "off"):
+            raise ValueError(f"GPU_TRACE_NVTX must be native, python or off, got {self.nvtx!r}")
+
+
+def _float(name: str, default: float) -> float:
+    value = _env(name)
+    if value is None:
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {value!r}") from None

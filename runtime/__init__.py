@@ -1,0 +1,1 @@
+"""Forwarding client, GPU server, wire protocol and sharing (quotas, scheduler, reclamation)."""

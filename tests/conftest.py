@@ -1,0 +1,44 @@
+"""Shared fixtures: an isolated GPU_TRACE_HOME, a real chDB store, and leak checks."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpu_trace.tracer import recorder
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test sees the user's data directory, store or an inherited run."""
+    monkeypatch.setenv("GPU_TRACE_HOME", str(tmp_path / "home"))
+    for name in list(os.environ):
+        if name.startswith("GPU_TRACE_") and name != "GPU_TRACE_HOME":
+            monkeypatch.delenv(name)
+    monkeypatch.delenv("TRACEPARENT", raising=False)
+    monkeypatch.delenv("NVTX_INJECTION64_PATH", raising=False)
+
+
+@pytest.fixture(autouse=True)
+def _no_recorder_left() -> object:
+    """Every test that starts a recorder stops it."""
+    yield
+    left = recorder.active
+    if left is not None:
+        recorder.stop()
+        pytest.fail(f"a recorder was left active for {left.run_dir}")
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    return tmp_path / "home"
+
+
+@pytest.fixture
+def python() -> str:
+    return sys.executable

@@ -1,0 +1,407 @@
+"""The in-process recorder: per-thread buffers, sources, and the background flusher.
+
+One recorder per process records into one run directory. Threads append to their own
+:class:`~gpu_trace.tracer.buffer.ThreadBuffer`; native sources (the NVTX injection library) keep
+their own buffers and are drained by the same flusher. The flusher writes spool files at least
+every ``flush_interval_s`` and once more at exit, on an uncaught exception, on SIGINT and SIGTERM.
+After ``fork`` the child starts with empty buffers, its own spool files and its own flusher.
+
+Nothing here raises into the traced program: failures are logged once and recording goes on or
+stops quietly.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import weakref
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import pyarrow as pa
+
+from gpu_trace.config import RecorderSettings
+from gpu_trace.tracer.buffer import ThreadBuffer
+from gpu_trace.tracer.clock import now_ns
+from gpu_trace.tracer.records import (
+    CLOCK_SYNC_SCHEMA,
+    COUNTER_SCHEMA,
+    SPAN_SCHEMA,
+    STEP,
+    STEP_LANE,
+    attrs_column,
+    dict_column,
+    numeric_column,
+)
+from gpu_trace.tracer.spool import SpoolWriter
+
+log = logging.getLogger(__name__)
+
+STATS_DIR = "stats"
+
+
+class Source(Protocol):
+    """A producer of records with buffers of its own (for example native NVTX capture)."""
+
+    name: str
+
+    def drain(self) -> Iterable[tuple[str, pa.Table]]:
+        """Return ``(kind, table)`` pairs of everything recorded since the last call."""
+
+    def dropped(self) -> int:
+        """Events dropped so far because a buffer was full."""
+
+    def after_fork_in_child(self) -> None:
+        """Forget the parent's events; called in a forked child."""
+
+    def close(self) -> None: ...
+
+
+class Recorder:
+    """Records one process's events into one run directory."""
+
+    def __init__(self, settings: RecorderSettings, *, trace_id: str = "", run_id: str = "") -> None:
+        if settings.run_dir is None:
+            raise ValueError("a recorder needs a run directory")
+        self.settings = settings
+        self.run_dir = Path(settings.run_dir)
+        self.run_id = run_id or settings.run_id or self.run_dir.name
+        self.trace_id = trace_id
+        self.host = socket.gethostname()
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._buffers: list[tuple[weakref.ref, ThreadBuffer]] = []
+        self._sources: list[Source] = []
+        self._clock_samples: list[tuple] = []
+        self._step: tuple | None = None  # (number, start_ns, tid, span_id)
+        self._step_number = -1
+        self._events = 0
+        self._write_errors = 0
+        self._stop = threading.Event()
+        self._flusher: threading.Thread | None = None
+        self._flush_lock = threading.Lock()
+        self._closed = False
+        self._open_writer()
+
+    # ---- set-up -------------------------------------------------------------------------------
+
+    def _open_writer(self) -> None:
+        self.pid = os.getpid()
+        meta = {
+            "run_id": self.run_id,
+            "trace_id": self.trace_id,
+            "host": self.host,
+            "pid": str(self.pid),
+            "process_name": _process_name(),
+            "clock": "CLOCK_MONOTONIC",
+        }
+        self.writer = SpoolWriter(self.run_dir, meta)
+
+    def start(self) -> None:
+        """Start the background flusher."""
+        self._stop.clear()
+        self._flusher = threading.Thread(target=self._flush_loop, name="gpu-trace-flusher", daemon=True)
+        self._flusher.start()
+
+    def add_source(self, source: Source) -> None:
+        with self._lock:
+            self._sources.append(source)
+
+    # ---- hot path helpers ---------------------------------------------------------------------
+
+    def buffer(self) -> ThreadBuffer:
+        """This thread's buffer, created on first use."""
+        try:
+            return self._local.buf
+        except AttributeError:
+            return self._new_buffer()
+
+    def _new_buffer(self) -> ThreadBuffer:
+        buf = ThreadBuffer(self.settings.buffer_events)
+        self._local.buf = buf
+        with self._lock:
+            self._buffers.append((weakref.ref(threading.current_thread()), buf))
+        return buf
+
+    def begin_step(self, number: int | None) -> int:
+        """Close the open step range (if any) and open step ``number`` (default: the next one)."""
+        now = now_ns()
+        with self._lock:
+            self._close_step(now)
+            self._step_number = self._step_number + 1 if number is None else int(number)
+            buf = self.buffer()
+            self._step = (self._step_number, now, buf, buf.next_id())
+            return self._step_number
+
+    def end_step(self, number: int | None = None) -> None:
+        now = now_ns()
+        with self._lock:
+            if self._step is not None and (number is None or self._step[0] == number):
+                self._close_step(now)
+
+    def _close_step(self, now: int) -> None:
+        if self._step is None:
+            return
+        number, start, buf, sid = self._step
+        self._step = None
+        buf.add_span((sid, 0, STEP_LANE, STEP, f"ProfilerStep#{number}", start, now, 0, None))
+
+    def add_clock_sample(self, peer: str, ts_ns: int, offset_ns: int, rtt_ns: int, uncertainty_ns: int) -> None:
+        with self._lock:
+            self._clock_samples.append((peer, ts_ns, offset_ns, rtt_ns, uncertainty_ns))
+
+    # ---- flushing -----------------------------------------------------------------------------
+
+    def _flush_loop(self) -> None:
+        while not self._stop.wait(self.settings.flush_interval_s):
+            self.flush()
+
+    def flush(self) -> None:
+        """Write everything recorded so far to the spool. Never raises."""
+        with self._flush_lock:
+            try:
+                self._flush()
+            except Exception:  # one boundary for every collector and writer failure
+                self._write_errors += 1
+                if self._write_errors == 1:
+                    log.exception("gpu-trace: flushing to %s failed; recording continues", self.run_dir)
+
+    def _flush(self) -> None:
+        with self._lock:
+            buffers = list(self._buffers)
+            sources = list(self._sources)
+            samples, self._clock_samples = self._clock_samples, []
+        spans: list[tuple] = []
+        tids: list[np.ndarray] = []
+        counters: list[tuple] = []
+        dead = []
+        for ref, buf in buffers:
+            s, c = buf.drain()
+            spans.extend(s)
+            tids.append(np.full(len(s), buf.tid, dtype=np.uint64))
+            counters.extend(c)
+            if ref() is None or not ref().is_alive():
+                dead.append(buf)
+        self._write_spans(spans, tids)
+        self._write_counters(counters)
+        if samples:
+            cols = list(zip(*samples))
+            arrays = [dict_column(cols[0])] + [numeric_column(c, pa.int64()) for c in cols[1:]]
+            self._write("clock_sync", pa.table(arrays, schema=CLOCK_SYNC_SCHEMA))
+        for source in sources:
+            try:
+                for kind, table in source.drain():
+                    self._write(kind, table)
+            except Exception:
+                log.exception("gpu-trace: source %s failed to drain; dropping it", source.name)
+                with self._lock:
+                    self._sources.remove(source)
+        if dead:
+            with self._lock:
+                self._buffers = [(r, b) for r, b in self._buffers if b not in dead or b.spans or b.counters]
+        self._write_stats(buffers, sources)
+
+    def _write(self, kind: str, table: pa.Table) -> None:
+        if table.num_rows:
+            self.writer.write(kind, table)
+            if kind in ("spans", "counters"):
+                self._events += table.num_rows
+
+    def _write_spans(self, spans: list[tuple], tids: list[np.ndarray]) -> None:
+        if not spans:
+            return
+        sid, parent, lane, cat, name, start, end, depth, attrs = zip(*spans)
+        tid = np.concatenate(tids)
+        table = pa.table(
+            {
+                "span_id": numeric_column(sid, pa.uint64()),
+                "parent_span_id": numeric_column(parent, pa.uint64()),
+                "pid": numeric_column(np.full(len(sid), self.pid), pa.uint32()),
+                "tid": numeric_column(tid, pa.uint64()),
+                "lane": dict_column(lane),
+                "category": dict_column(cat),
+                "name": dict_column(name),
+                "start_ns": numeric_column(start, pa.int64()),
+                "end_ns": numeric_column(end, pa.int64()),
+                "depth": numeric_column(depth, pa.uint16()),
+                "attrs": attrs_column(list(attrs)),
+            },
+            schema=SPAN_SCHEMA,
+        )
+        self._write("spans", table)
+
+    def _write_counters(self, counters: list[tuple]) -> None:
+        if not counters:
+            return
+        source, device, metric, ts, value, labels = zip(*counters)
+        table = pa.table(
+            {
+                "source": dict_column(source),
+                "device": dict_column(device),
+                "metric": dict_column(metric),
+                "ts_ns": numeric_column(ts, pa.int64()),
+                "value": numeric_column(value, pa.float64()),
+                "labels": attrs_column(list(labels)),
+            },
+            schema=COUNTER_SCHEMA,
+        )
+        self._write("counters", table)
+
+    def dropped(self) -> int:
+        with self._lock:
+            total = sum(b.dropped for _, b in self._buffers)
+            sources = list(self._sources)
+        return total + sum(s.dropped() for s in sources)
+
+    def _write_stats(self, buffers: list[tuple[weakref.ref, ThreadBuffer]], sources: list[Source]) -> None:
+        """Per-process totals, rewritten at every flush so a killed process still reports them."""
+        threads = {str(b.tid): b.thread_name for _, b in buffers}
+        stats = {
+            "pid": self.pid,
+            "process_name": _process_name(),
+            "events": self._events,
+            "dropped": sum(b.dropped for _, b in buffers) + sum(s.dropped() for s in sources),
+            "threads": threads,
+        }
+        d = self.run_dir / STATS_DIR
+        d.mkdir(exist_ok=True)
+        tmp = d / f".{self.pid}.json.tmp"
+        tmp.write_text(json.dumps(stats))
+        os.replace(tmp, d / f"{self.pid}.json")
+
+    # ---- lifetime -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the flusher and write everything left. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        flusher = self._flusher
+        if flusher is not None and flusher is not threading.current_thread() and flusher.is_alive():
+            flusher.join(timeout=5)
+        with self._lock:
+            self._close_step(now_ns())
+        self.flush()
+        for source in list(self._sources):
+            try:
+                source.close()
+            except Exception:
+                log.exception("gpu-trace: closing source %s failed", source.name)
+
+    def after_fork_in_child(self) -> None:
+        """Called in a forked child: new pid, empty buffers, own spool files, own flusher."""
+        self._lock = threading.Lock()
+        self._flush_lock = threading.Lock()
+        self._local = threading.local()
+        self._buffers = []
+        self._clock_samples = []
+        self._step = None
+        self._events = 0
+        self._closed = False
+        self._stop = threading.Event()
+        self._open_writer()
+        for source in self._sources:
+            try:
+                source.after_fork_in_child()
+            except Exception:
+                log.exception("gpu-trace: source %s failed after fork", source.name)
+        self.start()
+
+
+def _process_name() -> str:
+    argv = getattr(sys, "argv", None) or [sys.executable]
+    return " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(argv[:4]))[:200]
+
+
+# ---- the process-wide recorder -----------------------------------------------------------------
+
+#: The active recorder, or None. Read on the hot path, so a plain module global.
+active: Recorder | None = None
+_hooks_installed = False
+
+
+def start(settings: RecorderSettings, *, trace_id: str = "", run_id: str = "") -> Recorder:
+    """Make a recorder active for this process (replacing none: it is an error if one is)."""
+    global active
+    if active is not None:
+        raise ValueError(f"a recorder is already active for {active.run_dir}")
+    rec = Recorder(settings, trace_id=trace_id, run_id=run_id)
+    rec.start()
+    active = rec
+    _install_hooks()
+    return rec
+
+
+def stop() -> Recorder | None:
+    """Flush and deactivate the active recorder; returns it (or None if none was active)."""
+    global active
+    rec, active = active, None
+    if rec is not None:
+        rec.close()
+    return rec
+
+
+def _at_exit() -> None:
+    try:
+        stop()
+    except Exception:
+        log.exception("gpu-trace: final flush failed")
+
+
+def _after_fork_in_child() -> None:
+    rec = active
+    if rec is not None:
+        try:
+            rec.after_fork_in_child()
+            _register_mp_finalizer()
+        except Exception:
+            log.exception("gpu-trace: could not restart recording after fork")
+
+
+def _register_mp_finalizer() -> None:
+    # multiprocessing's forked workers leave through os._exit, which skips atexit; its own exit
+    # function runs finalizers that have an exit priority, so flush there.
+    mp_util = sys.modules.get("multiprocessing.util")
+    if mp_util is not None:
+        mp_util.Finalize(None, _at_exit, exitpriority=-100)
+
+
+def _signal_handler(signum: int, frame: object) -> None:
+    _at_exit()
+    previous = _previous_handlers.get(signum, signal.SIG_DFL)
+    if callable(previous):
+        previous(signum, frame)
+        return
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+_previous_handlers: dict[int, object] = {}
+
+
+def _install_hooks() -> None:
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    _hooks_installed = True
+    atexit.register(_at_exit)
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+    if threading.current_thread() is threading.main_thread():
+        # SIGINT raises KeyboardInterrupt by default and atexit then flushes; SIGTERM kills
+        # without running atexit, so flush first. A handler the program installs later wins.
+        try:
+            previous = signal.getsignal(signal.SIGTERM)
+            if previous in (signal.SIG_DFL, None):
+                _previous_handlers[signal.SIGTERM] = signal.SIG_DFL
+                signal.signal(signal.SIGTERM, _signal_handler)
+        except (ValueError, OSError):
+            pass

@@ -1,0 +1,170 @@
+"""The plain record types every layer shares: spans, counters and clock-sync samples.
+
+In memory a record is a tuple (the hot path appends tuples, see ``buffer.py``); on disk and
+between layers it is a column in an Arrow table with one of the schemas below. The store adds
+``run_id``, ``trace_id`` and ``host`` from the spool file's metadata at ingest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import pyarrow as pa
+
+# Categories of spans (DESIGN.md, data model).
+NVTX = "nvtx"
+OP = "op"
+MODULE = "module"
+FORWARD = "forward"
+SERVER = "server"
+KERNEL = "kernel"
+MEMCPY = "memcpy"
+STEP = "step"
+MARK = "mark"
+CATEGORIES = (NVTX, OP, MODULE, FORWARD, SERVER, KERNEL, MEMCPY, STEP, MARK)
+
+#: Lane of `gpu_trace.range` and `gpu_trace.mark`: they are NVTX ranges in the domain "gpu_trace".
+API_DOMAIN = "gpu_trace"
+STEP_LANE = "steps"
+
+
+def nvtx_lane(domain: str | None) -> str:
+    """The lane of an NVTX range: ``nvtx/<domain>``, ``nvtx/default`` for the default domain."""
+    return f"nvtx/{domain or 'default'}"
+
+
+ATTRS = pa.map_(pa.string(), pa.string())
+#: Low-cardinality strings (lane, category, name, metric) are dictionary-encoded in spool files.
+NAME = pa.dictionary(pa.int32(), pa.string())
+
+SPAN_SCHEMA = pa.schema(
+    [
+        ("span_id", pa.uint64()),
+        ("parent_span_id", pa.uint64()),
+        ("pid", pa.uint32()),
+        ("tid", pa.uint64()),
+        ("lane", NAME),
+        ("category", NAME),
+        ("name", NAME),
+        ("start_ns", pa.int64()),
+        ("end_ns", pa.int64()),
+        ("depth", pa.uint16()),
+        ("attrs", ATTRS),
+    ]
+)
+
+COUNTER_SCHEMA = pa.schema(
+    [
+        ("source", NAME),
+        ("device", NAME),
+        ("metric", NAME),
+        ("ts_ns", pa.int64()),
+        ("value", pa.float64()),
+        ("labels", ATTRS),
+    ]
+)
+
+CLOCK_SYNC_SCHEMA = pa.schema(
+    [
+        ("peer", NAME),
+        ("ts_ns", pa.int64()),
+        ("offset_ns", pa.int64()),
+        ("rtt_ns", pa.int64()),
+        ("uncertainty_ns", pa.int64()),
+    ]
+)
+
+#: Spool kinds: the file name prefix and the schema of each.
+SCHEMAS: dict[str, pa.Schema] = {
+    "spans": SPAN_SCHEMA,
+    "counters": COUNTER_SCHEMA,
+    "clock_sync": CLOCK_SYNC_SCHEMA,
+}
+
+
+class Span(NamedTuple):
+    """One span, as the recorder's Python path keeps it until flush."""
+
+    span_id: int
+    parent_span_id: int
+    tid: int
+    lane: str
+    category: str
+    name: str
+    start_ns: int
+    end_ns: int
+    depth: int
+    attrs: dict[str, str] | None
+
+
+class Counter(NamedTuple):
+    source: str
+    device: str
+    metric: str
+    ts_ns: int
+    value: float
+    labels: dict[str, str] | None
+
+
+class ClockSample(NamedTuple):
+    peer: str
+    ts_ns: int
+    offset_ns: int
+    rtt_ns: int
+    uncertainty_ns: int
+
+
+# Columns are built from buffers, never with ``pa.array`` on Python objects: that call asks whether
+# pandas is installed and imports it, a side effect in the traced program (and an error at
+# interpreter shutdown). It is also slower than these paths.
+
+
+def numeric_column(values: Sequence[object] | np.ndarray, type: pa.DataType) -> pa.Array:
+    """A fixed-width Arrow column from numbers."""
+    a = np.ascontiguousarray(values, dtype=_NUMPY[type])
+    return pa.Array.from_buffers(type, len(a), [None, pa.py_buffer(a)])
+
+
+def string_column(values: Sequence[str]) -> pa.Array:
+    """A plain Arrow string column."""
+    encoded = [v.encode("utf-8", "surrogateescape") for v in values]
+    offsets = np.zeros(len(encoded) + 1, dtype=np.int32)
+    np.cumsum(np.fromiter(map(len, encoded), dtype=np.int32, count=len(encoded)), out=offsets[1:])
+    return pa.Array.from_buffers(
+        pa.string(), len(encoded), [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(encoded))]
+    )
+
+
+def dict_column(values: Sequence[str]) -> pa.Array:
+    """A dictionary-encoded string column (names, lanes: few distinct values)."""
+    index: dict[str, int] = {}
+    codes = np.fromiter((index.setdefault(v, len(index)) for v in values), dtype=np.int32, count=len(values))
+    return pa.DictionaryArray.from_arrays(numeric_column(codes, pa.int32()), string_column(list(index)))
+
+
+def attrs_column(values: Sequence[dict[str, str] | None]) -> pa.Array:
+    """Arrow map column from attribute dicts (``None`` is an empty map)."""
+    offsets = np.zeros(len(values) + 1, dtype=np.int32)
+    keys: list[str] = []
+    items: list[str] = []
+    if any(values):
+        for i, v in enumerate(values):
+            if v:
+                keys.extend(v.keys())
+                items.extend(v.values())
+            offsets[i + 1] = len(keys)
+    return pa.MapArray.from_arrays(
+        numeric_column(offsets, pa.int32()), string_column(keys), string_column(items), type=ATTRS
+    )
+
+
+_NUMPY = {
+    pa.int64(): np.int64,
+    pa.uint64(): np.uint64,
+    pa.int32(): np.int32,
+    pa.uint32(): np.uint32,
+    pa.uint16(): np.uint16,
+    pa.float64(): np.float64,
+}

@@ -1,0 +1,83 @@
+"""Starting and stopping recording in a process: from `gpu-trace record`'s environment or by hand."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from gpu_trace import config
+from gpu_trace.tracer import context, recorder
+from gpu_trace.tracer.clock import anchor, now_ns
+from gpu_trace.tracer.run import RunInfo, new_run_id
+
+log = logging.getLogger(__name__)
+
+_owned_run: Path | None = None  # set when this process created the run (programmatic start)
+
+
+def start_from_env() -> recorder.Recorder | None:
+    """Start recording if `gpu-trace record` asked for it (``GPU_TRACE_RUN_DIR``)."""
+    settings = config.RecorderSettings.from_env()
+    if settings.run_dir is None or recorder.active is not None:
+        return recorder.active
+    run_id = settings.run_id or settings.run_dir.name
+    trace_id = context.trace_id_from_env() or ""
+    rec = recorder.start(settings, trace_id=trace_id, run_id=run_id)
+    _attach_collectors(rec, settings)
+    return rec
+
+
+def start_run(run_dir: Path | None = None, **overrides: Any) -> Path:
+    """Start a run in this process (see :func:`gpu_trace.start`)."""
+    global _owned_run
+    if recorder.active is not None:
+        raise ValueError(f"already recording into {recorder.active.run_dir}")
+    run_id = new_run_id() if run_dir is None else Path(run_dir).name
+    run_dir = Path(run_dir) if run_dir is not None else config.runs_dir() / run_id
+    settings = config.RecorderSettings.from_env(run_dir=run_dir, run_id=run_id, **overrides)
+    trace_id = context.trace_id_from_env() or context.new_trace_id()
+    if not RunInfo.exists(run_dir):
+        a = anchor()
+        info = RunInfo(
+            run_id=run_id,
+            trace_id=trace_id,
+            started_ns=now_ns(),
+            command=" ".join(sys.argv) or sys.executable,
+            attrs={"anchor_mono_ns": str(a.mono_ns), "anchor_wall_ns": str(a.wall_ns), "pid": str(os.getpid())},
+        )
+        info.save(run_dir)
+        _owned_run = run_dir
+    else:
+        trace_id = RunInfo.load(run_dir).trace_id
+    rec = recorder.start(settings, trace_id=trace_id, run_id=run_id)
+    _attach_collectors(rec, settings)
+    return run_dir
+
+
+def stop_run() -> Path | None:
+    """Stop recording, flush, and close the run if this process started it."""
+    global _owned_run
+    rec = recorder.stop()
+    if rec is None:
+        return None
+    if _owned_run is not None and _owned_run == rec.run_dir:
+        info = RunInfo.load(rec.run_dir)
+        info.ended_ns = now_ns()
+        info.status = "finished"
+        info.save(rec.run_dir)
+        _owned_run = None
+    return rec.run_dir
+
+
+def _attach_collectors(rec: recorder.Recorder, settings: config.RecorderSettings) -> None:
+    if settings.nvtx == "off":
+        return
+    try:
+        from gpu_trace.collectors import nvtx
+
+        nvtx.attach(rec, settings.nvtx)
+    except Exception:
+        log.exception("gpu-trace: NVTX capture is off")
