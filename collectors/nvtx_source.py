@@ -16,14 +16,13 @@ from collections.abc import Iterable
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-
 from gpu_trace.tracer.records import (
     ATTRS,
     MARK,
     NVTX,
     SPAN_SCHEMA,
-    nvtx_lane,
     numeric_column,
+    nvtx_lane,
     string_column,
 )
 
