@@ -23,7 +23,8 @@ KERNEL = "kernel"
 MEMCPY = "memcpy"
 STEP = "step"
 MARK = "mark"
-CATEGORIES = (NVTX, OP, MODULE, FORWARD, SERVER, KERNEL, MEMCPY, STEP, MARK)
+OTEL = "otel"  # the program's own OpenTelemetry spans (tracer/otel.py)
+CATEGORIES = (NVTX, OP, MODULE, FORWARD, SERVER, KERNEL, MEMCPY, STEP, MARK, OTEL)
 
 #: Lane of `gpu_trace.range` and `gpu_trace.mark`: they are NVTX ranges in the domain "gpu_trace".
 API_DOMAIN = "gpu_trace"

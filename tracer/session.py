@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_trace import config
+from gpu_trace._imports import when_imported
 from gpu_trace.tracer import context, recorder
 from gpu_trace.tracer.clock import anchor, now_ns
 from gpu_trace.tracer.run import RunInfo, new_run_id
@@ -73,6 +74,8 @@ def stop_run() -> Path | None:
 
 
 def _attach_collectors(rec: recorder.Recorder, settings: config.RecorderSettings) -> None:
+    # The program's OpenTelemetry spans, if it uses the SDK (not imported otherwise).
+    when_imported("opentelemetry.sdk.trace", _install_otel)
     if settings.nvtx == "off":
         return
     try:
@@ -81,3 +84,9 @@ def _attach_collectors(rec: recorder.Recorder, settings: config.RecorderSettings
         nvtx.attach(rec, settings.nvtx)
     except Exception:
         log.exception("gpu-trace: NVTX capture is off")
+
+
+def _install_otel(module: object) -> None:
+    from gpu_trace.tracer import otel
+
+    otel.install()
