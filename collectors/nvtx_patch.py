@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 from typing import Any
 
@@ -35,6 +36,15 @@ def _warn_once(what: str) -> None:
     if not _warned:
         _warned = True
         log.exception("gpu-trace: recording an NVTX %s failed; the program goes on", what)
+
+
+def _after_fork_in_child() -> None:
+    # Like the injection library: ranges the parent opened are not the child's to close.
+    global _local
+    _local = threading.local()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # ---- attrs as the native path formats them ---------------------------------------------------
