@@ -146,6 +146,18 @@ def _same_file(a: str, b: str) -> bool:
         return False
 
 
+def _is_ours(path: str) -> bool:
+    """A build of our library from another place (a wheel's prebuilt copy, another cache)."""
+    name = os.path.basename(path)
+    if not (name.startswith("libgpu_trace_nvtx-") and name.endswith(".so")):
+        return False  # never dlopen another tool's library ourselves
+    try:
+        declare(ctypes.CDLL(path))
+    except (OSError, AttributeError, RuntimeError):
+        return False
+    return True
+
+
 def _load_native() -> tuple[ctypes.CDLL | None, str | None]:
     """Our library as this process's NVTX injection, or None and the reason it can't be."""
     if not sys.platform.startswith("linux"):
@@ -156,7 +168,7 @@ def _load_native() -> tuple[ctypes.CDLL | None, str | None]:
     current = os.environ.get(ENV)
     if current == "./.":
         return None, f"{ENV}='./.' asks for no NVTX tool"
-    if current and not _same_file(current, str(path)):
+    if current and not _same_file(current, str(path)) and not _is_ours(current):
         return None, f"another NVTX tool is attached ({ENV}={current}); a process loads only one"
     set_here = not current
     if set_here:

@@ -63,6 +63,7 @@ _Static_assert(sizeof(gt_event) == 64, "gt_event must be 64 bytes");
 
 typedef struct gt_frame {
     uint64_t span_id;
+    uint64_t parent;
     int64_t start_ns;
     uint64_t payload;
     uint32_t domain, name, category, color;
@@ -114,7 +115,9 @@ static uint64_t g_capacity = 1u << 16;
 static int g_init_count;
 static uint64_t g_rng;
 
-static __thread gt_thread* t_state;
+/* initial-exec: a plain %fs-relative load instead of a __tls_get_addr call on every event; one
+ * pointer fits in the static TLS surplus glibc keeps for dlopen'ed libraries. */
+static __thread gt_thread* t_state __attribute__((tls_model("initial-exec")));
 
 /* string table */
 typedef struct gt_str {
@@ -425,6 +428,7 @@ static int push(uint32_t domain, const gt_attrs* at) {
     gt_frame* parent = innermost(t, domain);
     gt_frame* f = &t->stack[t->top++];
     f->span_id = next_id(t);
+    f->parent = parent ? parent->span_id : 0;
     f->start_ns = ts;
     f->payload = at->payload;
     f->domain = domain;
@@ -449,18 +453,12 @@ static int pop(uint32_t domain) {
         }
         return -1;
     }
-    gt_frame* parent = NULL;
-    for (gt_frame* p = f - 1; p >= t->stack; p--)
-        if (p->open && p->domain == domain) {
-            parent = p;
-            break;
-        }
     int depth = f->depth;
     if (__atomic_load_n(&g_enabled, __ATOMIC_RELAXED)) {
         gt_event* e = slot(t);
         if (e) {
             e->span_id = f->span_id;
-            e->parent = parent ? parent->span_id : 0;
+            e->parent = f->parent;
             e->start_ns = f->start_ns;
             e->end_ns = ts;
             e->payload = f->payload;

@@ -1,0 +1,253 @@
+"""Per-range recording cost: gpu-trace vs NVTX tools and peers, side by side in one run.
+
+    python bench/range_overhead.py [--n 100000] [--repeat 5]
+
+Each variant runs in its own process (the NVTX injection differs between them) and reports the best
+of ``--repeat`` timings of ``--n`` ranges, in ns per range with the empty loop's cost subtracted.
+The table's ratios are against "NVTX no-op tool": the NVTX calls themselves with a tool attached
+that does nothing, the floor for any NVTX-based capture. This machine is shared and noisy: read
+ratios, not absolute numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+NOOP_TOOL = r"""
+#define NVTX_NO_IMPL
+#include <nvtx3/nvToolsExt.h>
+static int NVTX_API push(nvtxDomainHandle_t d, const nvtxEventAttributes_t* a) { (void)d; (void)a; return 0; }
+static int NVTX_API pop(nvtxDomainHandle_t d) { (void)d; return 0; }
+static nvtxDomainHandle_t NVTX_API create(const char* n) { (void)n; return (nvtxDomainHandle_t)1; }
+static nvtxStringHandle_t NVTX_API reg(nvtxDomainHandle_t d, const char* s) { (void)d; (void)s; return (nvtxStringHandle_t)1; }
+__attribute__((visibility("default"))) int InitializeInjectionNvtx2(NvtxGetExportTableFunc_t get) {
+    const NvtxExportTableCallbacks* cb = (const NvtxExportTableCallbacks*)get(NVTX_ETID_CALLBACKS);
+    NvtxFunctionTable t = 0; unsigned int n = 0;
+    if (!cb || !cb->GetModuleFunctionTable(NVTX_CB_MODULE_CORE2, &t, &n)) return 0;
+    *t[NVTX_CBID_CORE2_DomainRangePushEx] = (NvtxFunctionPointer)push;
+    *t[NVTX_CBID_CORE2_DomainRangePop] = (NvtxFunctionPointer)pop;
+    *t[NVTX_CBID_CORE2_DomainCreateA] = (NvtxFunctionPointer)create;
+    *t[NVTX_CBID_CORE2_DomainRegisterStringA] = (NvtxFunctionPointer)reg;
+    return 1;
+}
+"""
+
+VARIANTS = [
+    # name, label, scale (fewer iterations for the slow peers)
+    ("api_cm", "gpu_trace.range (with)", 1),
+    ("api_deco", "gpu_trace.range (decorator)", 1),
+    ("nvtx_captured", "NVTX domain push/pop, captured by gpu-trace", 1),
+    ("nvtx_noop", "NVTX no-op tool", 1),
+    ("nvtx_python_path", "NVTX domain push/pop, gpu-trace Python path", 5),
+    ("annotate_no_tool", "nvtx.annotate, no tool", 1),
+    ("torch_record_function", "torch.profiler.record_function (CPU profile)", 5),
+    ("otel_span", "OpenTelemetry SDK span (no exporter)", 5),
+    ("viztracer_call", "VizTracer, per traced call", 5),
+]
+BASELINE = "nvtx_noop"
+
+
+def _best(fn, n: int, repeat: int, between=None) -> float:
+    """Best ns per iteration of ``fn(n)`` over ``repeat`` runs."""
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter_ns()
+        fn(n)
+        best = min(best, (time.perf_counter_ns() - t0) / n)
+        if between is not None:
+            between()
+    return best
+
+
+def _empty(n: int) -> None:
+    for _ in range(n):
+        pass
+
+
+def _noop() -> None:
+    pass
+
+
+def _calls(n: int) -> None:
+    f = _noop
+    for _ in range(n):
+        f()
+
+
+def run_variant(name: str, n: int, repeat: int) -> float:
+    """ns per range of one variant, measured in this process."""
+    loop = _best(_empty, n, repeat)
+    if name in ("api_cm", "api_deco", "nvtx_captured", "nvtx_python_path"):
+        from gpu_trace.tracer import recorder
+
+        import gpu_trace
+
+        mode = {"nvtx_captured": "native", "nvtx_python_path": "python"}.get(name, "off")
+        gpu_trace.start(Path(tempfile.mkdtemp()) / "run", nvtx=mode)
+        flush = recorder.active.flush
+        try:
+            if name == "api_cm":
+                rng = gpu_trace.range
+
+                def body(k: int) -> None:
+                    for _ in range(k):
+                        with rng("step"):
+                            pass
+
+                return _best(body, n, repeat, flush) - loop
+            if name == "api_deco":
+                f = gpu_trace.range("step")(_noop)
+
+                def body(k: int) -> None:
+                    for _ in range(k):
+                        f()
+
+                return _best(body, n, repeat, flush) - _best(_calls, n, repeat)
+            return _domain_push_pop(n, repeat, flush) - loop
+        finally:
+            gpu_trace.stop()
+    if name == "nvtx_noop":
+        return _domain_push_pop(n, repeat) - loop
+    if name == "annotate_no_tool":
+        import nvtx
+
+        def body(k: int) -> None:
+            for _ in range(k):
+                with nvtx.annotate("step"):
+                    pass
+
+        return _best(body, n, repeat) - loop
+    if name == "torch_record_function":
+        import torch
+        from torch.profiler import ProfilerActivity, profile, record_function
+
+        with profile(activities=[ProfilerActivity.CPU]):
+
+            def body(k: int) -> None:
+                for _ in range(k):
+                    with record_function("step"):
+                        pass
+
+            return _best(body, n, repeat) - loop
+        del torch
+    if name == "otel_span":
+        from opentelemetry.sdk.trace import TracerProvider
+
+        tracer = TracerProvider().get_tracer("bench")
+
+        def body(k: int) -> None:
+            for _ in range(k):
+                with tracer.start_as_current_span("step"):
+                    pass
+
+        return _best(body, n, repeat) - loop
+    if name == "viztracer_call":
+        from viztracer import VizTracer
+
+        plain = _best(_calls, n, repeat)
+        tracer = VizTracer(tracer_entries=4 * n + 1000, verbose=0)
+        tracer.start()
+        try:
+            traced = _best(_calls, n, repeat, tracer.clear)
+        finally:
+            tracer.stop()
+        return traced - plain
+    raise ValueError(f"unknown variant {name!r}")
+
+
+def _domain_push_pop(n: int, repeat: int, between=None) -> float:
+    import nvtx
+
+    domain = nvtx.get_domain("bench")
+    attrs = domain.get_event_attributes(message="step", color="blue")
+    push, pop = domain.push_range, domain.pop_range
+
+    def body(k: int) -> None:
+        for _ in range(k):
+            push(attrs)
+            pop()
+
+    return _best(body, n, repeat, between)
+
+
+def _build_noop_tool(workdir: Path) -> Path | None:
+    from gpu_trace.collectors import nvtx_build
+
+    cc = os.environ.get("GPU_TRACE_CC") or "cc"
+    inc = nvtx_build.include_dir()
+    if inc is None or shutil.which(cc) is None:
+        return None
+    src = workdir / "noop_tool.c"
+    src.write_text(NOOP_TOOL)
+    out = workdir / "libnoop_tool.so"
+    subprocess.run(
+        [cc, "-O2", "-fPIC", "-shared", "-I", str(inc), str(src), "-o", str(out)], check=True
+    )
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=100_000, help="ranges per timing")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--variant", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.variant:
+        print(json.dumps({"ns": run_variant(args.variant, args.n, args.repeat)}))
+        return
+
+    from gpu_trace.collectors import nvtx as collector
+
+    workdir = Path(tempfile.mkdtemp(prefix="gpu-trace-bench-"))
+    noop = _build_noop_tool(workdir)
+    ours = collector.library_path()
+    keep = ("GPU_TRACE_HOME", "GPU_TRACE_CC")  # the same library cache as ours above
+    base_env = {
+        k: v
+        for k, v in os.environ.items()
+        if k != "NVTX_INJECTION64_PATH" and (k in keep or not k.startswith("GPU_TRACE_"))
+    }
+    results: dict[str, float | str] = {}
+    for name, _label, scale in VARIANTS:
+        env = dict(base_env)
+        if name == "nvtx_noop":
+            if noop is None:
+                results[name] = "no C compiler"
+                continue
+            env["NVTX_INJECTION64_PATH"] = str(noop)
+        if name == "nvtx_captured":
+            if ours is None:
+                results[name] = f"library not built: {collector.build_error()}"
+                continue
+            env["NVTX_INJECTION64_PATH"] = str(ours)
+        if name in ("nvtx_python_path", "annotate_no_tool"):
+            env["NVTX_INJECTION64_PATH"] = "./."  # explicitly no tool
+        cmd = [sys.executable, __file__, "--variant", name, "--n", str(max(args.n // scale, 1000))]
+        cmd += ["--repeat", str(args.repeat)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+        try:
+            results[name] = json.loads(proc.stdout.strip().splitlines()[-1])["ns"]
+        except (IndexError, ValueError, KeyError):
+            results[name] = "failed: " + (proc.stderr.strip().splitlines() or ["?"])[-1][:60]
+    base = results.get(BASELINE)
+    print(f"{'variant':<48} {'ns/range':>10} {'vs no-op tool':>14}")
+    for name, label, _ in VARIANTS:
+        value = results[name]
+        if isinstance(value, float):
+            ratio = f"{value / base:.2f}x" if isinstance(base, float) and base > 0 else "-"
+            print(f"{label:<48} {value:>10.0f} {ratio:>14}")
+        else:
+            print(f"{label:<48} {value}")
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
