@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
@@ -63,6 +64,21 @@ class Sample(NamedTuple):
     def ts_ns(self) -> int:
         """When the sample was taken, on the client's clock: the exchange's midpoint."""
         return (self.t0 + self.t3) // 2
+
+    @classmethod
+    def of(cls, raw: Iterable[object]) -> Sample:
+        """A sample from any four integers (numpy's too); ``ValueError`` for anything else."""
+        try:
+            values = tuple(operator.index(t) for t in raw)  # type: ignore[call-overload]
+        except TypeError:
+            raise ValueError(
+                f"clock sample timestamps must be integer nanoseconds, got {raw!r}"
+            ) from None
+        if len(values) != 4:
+            raise ValueError(
+                f"a clock sample has four timestamps (t0, t1, t2, t3), got {len(values)}"
+            )
+        return cls(*values)
 
     def problem(self) -> str | None:
         """Why this sample is unusable, or None if it is fine."""
@@ -124,7 +140,13 @@ class ClockModel:
         valid: list[_Point] = []
         rejected = 0
         for raw in samples:
-            s = Sample(*raw)
+            try:
+                s = Sample.of(raw)
+            except ValueError:
+                if strict:
+                    raise
+                rejected += 1
+                continue
             problem = s.problem()
             if problem is not None:
                 if strict:
@@ -368,10 +390,14 @@ def measure(
         raise ValueError(f"need at least one exchange, got n={n}")
     from gpu_trace.tracer import recorder
 
-    samples = []
+    samples: list[object] = []
     for _ in range(n):
-        s = Sample(*exchange())
-        samples.append(s)
+        raw = exchange()
+        samples.append(raw)
+        try:
+            s = Sample.of(raw)
+        except ValueError:
+            continue
         if s.problem() is not None:
             continue
         rec = recorder.active

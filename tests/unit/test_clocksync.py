@@ -116,11 +116,23 @@ def test_only_garbage_is_a_value_error_that_counts_it() -> None:
         ClockModel([(100, 5, 6, 50), (0, 10, 500, 100)])
 
 
+def test_samples_from_any_integers_and_nothing_else() -> None:
+    np = pytest.importorskip("numpy")
+    assert Sample.of(np.array([1, 2, 3, 4], dtype=np.int64)) == Sample(1, 2, 3, 4)
+    assert type(Sample.of(np.array([1, 2, 3, 4])).t0) is int
+    with pytest.raises(ValueError, match="integer"):
+        Sample.of((1.5, 2, 3, 4))
+    with pytest.raises(ValueError, match="four timestamps"):
+        Sample.of((1, 2, 3))
+    with pytest.raises(ValueError, match="integer"):
+        Sample.of(None)  # type: ignore[arg-type]
+
+
 def test_garbage_is_filtered_and_counted() -> None:
     peer = Peer(offset_ns=2 * MS)
     good = [peer.exchange(ORIGIN + i * MS, 20 * US, 2 * US, 20 * US) for i in range(4)]
-    model = ClockModel([*good, (100, 5, 6, 50), (0, 10, 500, 100)])
-    assert model.n_rejected == 2
+    model = ClockModel([*good, (100, 5, 6, 50), (0, 10, 500, 100), (1, 2, 3), ("a", "b", "c", "d")])
+    assert model.n_rejected == 4
     assert model.n_samples == 4
     assert model.offset_at(ORIGIN) == 2 * MS
 
