@@ -50,10 +50,27 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 # ---- attrs as the native path formats them ---------------------------------------------------
 
 
-def _color(color: Any) -> str:
-    from nvtx.colors import color_to_hex
+_colors: dict[Any, str] = {}
+_lanes: dict[str | None, str] = {}
 
-    return f"#{color_to_hex(color) & 0xFFFFFFFF:08x}"
+
+def _color(color: Any) -> str:
+    try:
+        return _colors[color]
+    except (KeyError, TypeError):
+        from nvtx.colors import color_to_hex
+
+        text = f"#{color_to_hex(color) & 0xFFFFFFFF:08x}"
+        if len(_colors) < 4096 and isinstance(color, (str, int, type(None))):
+            _colors[color] = text
+        return text
+
+
+def _lane(domain: str | None) -> str:
+    lane = _lanes.get(domain)
+    if lane is None:
+        lane = _lanes[domain] = nvtx_lane(domain)
+    return lane
 
 
 def make_attrs(
@@ -107,7 +124,7 @@ def pop(domain: str | None) -> None:
         if stack:
             sid, parent, depth, name, attrs, start = stack.pop()
             rec.buffer().add_span(
-                (sid, parent, nvtx_lane(domain), NVTX, name, start, end, depth, attrs)
+                (sid, parent, _lane(domain), NVTX, name, start, end, depth, attrs)
             )
     except Exception:
         _warn_once("pop")
@@ -122,9 +139,7 @@ def mark_event(domain: str | None, name: str, attrs: dict[str, str] | None) -> N
         buf = rec.buffer()
         stack = _stack(domain or None)
         parent = stack[-1][0] if stack else 0
-        buf.add_span(
-            (buf.next_id(), parent, nvtx_lane(domain), MARK, name, t, t, len(stack), attrs)
-        )
+        buf.add_span((buf.next_id(), parent, _lane(domain), MARK, name, t, t, len(stack), attrs))
     except Exception:
         _warn_once("mark")
 
@@ -135,7 +150,7 @@ def start(domain: str | None, name: str, attrs: dict[str, str] | None) -> tuple 
         return None
     try:
         buf = rec.buffer()
-        return (buf, buf.next_id(), nvtx_lane(domain), name, attrs, now_ns())
+        return (buf, buf.next_id(), _lane(domain), name, attrs, now_ns())
     except Exception:
         _warn_once("start")
         return None
