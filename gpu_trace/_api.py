@@ -84,7 +84,19 @@ class range:  # noqa: A001 - the public name mirrors NVTX's "range"
                     stack.remove(sid)
                 spans = buf.spans
                 if len(spans) < buf.capacity:
-                    spans.append((sid, self._parent, _LANE, NVTX, self.name, self._start, end, self._depth, self.attrs))
+                    spans.append(
+                        (
+                            sid,
+                            self._parent,
+                            _LANE,
+                            NVTX,
+                            self.name,
+                            self._start,
+                            end,
+                            self._depth,
+                            self.attrs,
+                        )
+                    )
                 else:
                     buf.dropped += 1
             except Exception:
@@ -116,7 +128,17 @@ def mark(name: str, /, **attrs: Any) -> None:
         buf = rec.buffer()
         stack = buf.stack
         buf.add_span(
-            (buf.next_id(), stack[-1] if stack else 0, _LANE, MARK, str(name), t, t, len(stack), _attrs(attrs))
+            (
+                buf.next_id(),
+                stack[-1] if stack else 0,
+                _LANE,
+                MARK,
+                str(name),
+                t,
+                t,
+                len(stack),
+                _attrs(attrs),
+            )
         )
     except Exception:
         _warn_once("mark")
@@ -128,7 +150,9 @@ def counter(name: str, value: float, /, *, device: str = "", **labels: Any) -> N
     if rec is None:
         return
     try:
-        rec.buffer().add_counter(("user", device, str(name), now_ns(), float(value), _attrs(labels)))
+        rec.buffer().add_counter(
+            ("user", device, str(name), now_ns(), float(value), _attrs(labels))
+        )
     except Exception:
         _warn_once("counter")
 
@@ -181,4 +205,3 @@ def stop() -> Path | None:
     from gpu_trace.tracer.session import stop_run
 
     return stop_run()
-

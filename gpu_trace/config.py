@@ -89,9 +89,13 @@ class RecorderSettings:
 
     def validate(self) -> None:
         if self.flush_interval_s <= 0 or self.flush_interval_s > 60:
-            raise ValueError(f"flush interval must be in (0, 60] seconds, got {self.flush_interval_s}")
+            raise ValueError(
+                f"flush interval must be in (0, 60] seconds, got {self.flush_interval_s}"
+            )
         if self.buffer_events < 16:
-            raise ValueError(f"buffer capacity must be at least 16 events, got {self.buffer_events}")
+            raise ValueError(
+                f"buffer capacity must be at least 16 events, got {self.buffer_events}"
+            )
         if self.nvtx not in ("native", "python", "off"):
             raise ValueError(f"GPU_TRACE_NVTX must be native, python or off, got {self.nvtx!r}")
 

@@ -18,7 +18,18 @@ import threading
 class ThreadBuffer:
     """Events of one thread of one process."""
 
-    __slots__ = ("spans", "counters", "stack", "capacity", "dropped", "tid", "thread_name", "prefix", "seq", "__weakref__")
+    __slots__ = (
+        "spans",
+        "counters",
+        "stack",
+        "capacity",
+        "dropped",
+        "tid",
+        "thread_name",
+        "prefix",
+        "seq",
+        "__weakref__",
+    )
 
     def __init__(self, capacity: int) -> None:
         self.spans: list[tuple] = []

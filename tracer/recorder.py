@@ -41,11 +41,10 @@ from gpu_trace.tracer.records import (
     dict_column,
     numeric_column,
 )
+from gpu_trace.tracer.run import STATS_DIR
 from gpu_trace.tracer.spool import SpoolWriter
 
 log = logging.getLogger(__name__)
-
-STATS_DIR = "stats"
 
 
 class Source(Protocol):
@@ -108,7 +107,9 @@ class Recorder:
     def start(self) -> None:
         """Start the background flusher."""
         self._stop.clear()
-        self._flusher = threading.Thread(target=self._flush_loop, name="gpu-trace-flusher", daemon=True)
+        self._flusher = threading.Thread(
+            target=self._flush_loop, name="gpu-trace-flusher", daemon=True
+        )
         self._flusher.start()
 
     def add_source(self, source: Source) -> None:
@@ -134,10 +135,10 @@ class Recorder:
     def begin_step(self, number: int | None) -> int:
         """Close the open step range (if any) and open step ``number`` (default: the next one)."""
         now = now_ns()
+        buf = self.buffer()  # before the lock: a new buffer registers itself under it
         with self._lock:
             self._close_step(now)
             self._step_number = self._step_number + 1 if number is None else int(number)
-            buf = self.buffer()
             self._step = (self._step_number, now, buf, buf.next_id())
             return self._step_number
 
@@ -154,7 +155,9 @@ class Recorder:
         self._step = None
         buf.add_span((sid, 0, STEP_LANE, STEP, f"ProfilerStep#{number}", start, now, 0, None))
 
-    def add_clock_sample(self, peer: str, ts_ns: int, offset_ns: int, rtt_ns: int, uncertainty_ns: int) -> None:
+    def add_clock_sample(
+        self, peer: str, ts_ns: int, offset_ns: int, rtt_ns: int, uncertainty_ns: int
+    ) -> None:
         with self._lock:
             self._clock_samples.append((peer, ts_ns, offset_ns, rtt_ns, uncertainty_ns))
 
@@ -172,7 +175,9 @@ class Recorder:
             except Exception:  # one boundary for every collector and writer failure
                 self._write_errors += 1
                 if self._write_errors == 1:
-                    log.exception("gpu-trace: flushing to %s failed; recording continues", self.run_dir)
+                    log.exception(
+                        "gpu-trace: flushing to %s failed; recording continues", self.run_dir
+                    )
 
     def _flush(self) -> None:
         with self._lock:
@@ -206,7 +211,9 @@ class Recorder:
                     self._sources.remove(source)
         if dead:
             with self._lock:
-                self._buffers = [(r, b) for r, b in self._buffers if b not in dead or b.spans or b.counters]
+                self._buffers = [
+                    (r, b) for r, b in self._buffers if b not in dead or b.spans or b.counters
+                ]
         self._write_stats(buffers, sources)
 
     def _write(self, kind: str, table: pa.Table) -> None:
@@ -261,7 +268,9 @@ class Recorder:
             sources = list(self._sources)
         return total + sum(s.dropped() for s in sources)
 
-    def _write_stats(self, buffers: list[tuple[weakref.ref, ThreadBuffer]], sources: list[Source]) -> None:
+    def _write_stats(
+        self, buffers: list[tuple[weakref.ref, ThreadBuffer]], sources: list[Source]
+    ) -> None:
         """Per-process totals, rewritten at every flush so a killed process still reports them."""
         threads = {str(b.tid): b.thread_name for _, b in buffers}
         stats = {

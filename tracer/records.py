@@ -141,8 +141,12 @@ def string_column(values: Sequence[str]) -> pa.Array:
 def dict_column(values: Sequence[str]) -> pa.Array:
     """A dictionary-encoded string column (names, lanes: few distinct values)."""
     index: dict[str, int] = {}
-    codes = np.fromiter((index.setdefault(v, len(index)) for v in values), dtype=np.int32, count=len(values))
-    return pa.DictionaryArray.from_arrays(numeric_column(codes, pa.int32()), string_column(list(index)))
+    codes = np.fromiter(
+        (index.setdefault(v, len(index)) for v in values), dtype=np.int32, count=len(values)
+    )
+    return pa.DictionaryArray.from_arrays(
+        numeric_column(codes, pa.int32()), string_column(list(index))
+    )
 
 
 def attrs_column(values: Sequence[dict[str, str] | None]) -> pa.Array:

@@ -57,3 +57,19 @@ class RunInfo:
     @classmethod
     def exists(cls, run_dir: Path) -> bool:
         return (Path(run_dir) / RUN_FILE).is_file()
+
+
+STATS_DIR = "stats"
+
+
+def read_stats(run_dir: Path) -> list[dict]:
+    """Per-process totals the recorders wrote (``stats/<pid>.json``); unreadable files are skipped."""
+    d = Path(run_dir) / STATS_DIR
+    out = []
+    if d.is_dir():
+        for p in sorted(d.glob("*.json")):
+            try:
+                out.append(json.loads(p.read_text()))
+            except (OSError, ValueError):
+                continue
+    return out

@@ -47,7 +47,11 @@ def start_run(run_dir: Path | None = None, **overrides: Any) -> Path:
             trace_id=trace_id,
             started_ns=now_ns(),
             command=" ".join(sys.argv) or sys.executable,
-            attrs={"anchor_mono_ns": str(a.mono_ns), "anchor_wall_ns": str(a.wall_ns), "pid": str(os.getpid())},
+            attrs={
+                "anchor_mono_ns": str(a.mono_ns),
+                "anchor_wall_ns": str(a.wall_ns),
+                "pid": str(os.getpid()),
+            },
         )
         info.save(run_dir)
         _owned_run = run_dir

@@ -48,7 +48,9 @@ class SpoolWriter:
         schema = SCHEMAS.get(kind, table.schema)
         table = table.cast(schema) if kind in SCHEMAS else table
         meta = {**self.meta, "kind": kind}
-        table = table.replace_schema_metadata({k.encode(): str(v).encode() for k, v in meta.items()})
+        table = table.replace_schema_metadata(
+            {k.encode(): str(v).encode() for k, v in meta.items()}
+        )
         name = f"{kind}-{self.pid}-{self._tag}-{next(self._seq):06d}{SUFFIX}"
         tmp = self.dir / f".{name}.tmp"
         with pa.OSFile(str(tmp), "wb") as sink, ipc.new_stream(sink, table.schema) as writer:

@@ -1,0 +1,463 @@
+"""The `gpu-trace` command line: record, ingest, ls, show, export, sql, demo.
+
+Only this module prints or exits. Errors are one line on stderr, ``gpu-trace: ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from gpu_trace import __version__, config
+from gpu_trace import _format as fmt
+
+EPILOG = "Data lives under GPU_TRACE_HOME (default ~/.local/share/gpu-trace). See docs/cli.md."
+
+
+class CLIError(Exception):
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _store_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--store",
+        metavar="DSN",
+        help="chdb:///path (embedded) or http(s)://user:pass@host:port (ClickHouse server); "
+        "default GPU_TRACE_STORE or the embedded store under GPU_TRACE_HOME",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpu-trace",
+        description="Profile local and forwarded GPU work: NVTX ranges, counters, one timeline.",
+        epilog=EPILOG,
+    )
+    parser.add_argument("--version", action="version", version=f"gpu-trace {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser(
+        "record",
+        help="run a command and record it",
+        description="Run COMMAND with recording in place (Python programs and their Python "
+        "children are instrumented before their first line), then ingest the run into the store.",
+        usage="gpu-trace record [OPTIONS] -- COMMAND [ARGS...]",
+    )
+    p.add_argument(
+        "--run-dir",
+        type=Path,
+        metavar="DIR",
+        help="spool directory (default: a new one under GPU_TRACE_HOME/runs)",
+    )
+    _store_arg(p)
+    p.add_argument(
+        "--nvtx",
+        choices=["native", "python", "off"],
+        help="NVTX capture: native injection library (default), Python nvtx package only, or off",
+    )
+    p.add_argument(
+        "--no-ingest", action="store_true", help="leave the spool for `gpu-trace ingest`"
+    )
+    p.add_argument(
+        "argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="the command to run, after --"
+    )
+    p.set_defaults(func=cmd_record)
+
+    p = sub.add_parser("ingest", help="load a run directory's spool into the store (idempotent)")
+    p.add_argument("run_dir", type=Path, metavar="DIR")
+    _store_arg(p)
+    p.set_defaults(func=cmd_ingest)
+
+    p = sub.add_parser("ls", help="list recorded runs, newest first")
+    _store_arg(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--limit", type=int, default=20, help="at most this many runs (default 20)")
+    p.add_argument("--search", metavar="TEXT", help="only runs whose id or command contains TEXT")
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser("show", help="summarize a run: top ranges by total and self time, per lane")
+    p.add_argument("run", metavar="RUN", help="run id, unique prefix, or 'last'")
+    _store_arg(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--top", type=int, default=10, help="ranges per lane (default 10)")
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser(
+        "export", help="write a run as Chrome trace JSON (Perfetto, chrome://tracing, HTA)"
+    )
+    p.add_argument("run", metavar="RUN", help="run id, unique prefix, or 'last'")
+    p.add_argument(
+        "-o", "--output", type=Path, required=True, metavar="FILE", help="FILE.json or FILE.json.gz"
+    )
+    p.add_argument("--rank", type=int, default=0, help="distributedInfo rank (default 0)")
+    _store_arg(p)
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("sql", help="run a read-only SQL query on the store's tables")
+    p.add_argument(
+        "query",
+        metavar="QUERY",
+        help='e.g. "SELECT name, count() FROM gpu_trace.spans GROUP BY name"',
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object per row")
+    p.add_argument(
+        "-p",
+        "--param",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a {NAME:Type} query parameter",
+    )
+    _store_arg(p)
+    p.set_defaults(func=cmd_sql)
+
+    p = sub.add_parser("demo", help="record a small built-in workload, summarize and export it")
+    _store_arg(p)
+    p.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        metavar="FILE",
+        help="Chrome trace to write (default: in the run directory)",
+    )
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+# ---- commands ---------------------------------------------------------------------------------
+
+
+def cmd_record(args: argparse.Namespace) -> int:
+    from gpu_trace import launch
+
+    argv = list(args.argv)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    dsn = config.store_dsn(args.store)
+    if not args.no_ingest:
+        problem = _store_module().check_writable(dsn)
+        if problem:
+            raise CLIError(f"store {dsn} is not usable: {problem}", 2)
+    try:
+        prepared = launch.prepare(argv, run_dir=args.run_dir, nvtx=args.nvtx)
+    except launch.LaunchError as exc:
+        raise CLIError(str(exc), exc.exit_code) from None
+    for note in prepared.notes:
+        _err(note)
+    try:
+        code = launch.run(prepared)
+    except launch.LaunchError as exc:
+        raise CLIError(str(exc), exc.exit_code) from None
+    _finish_run(prepared.run_dir, dsn, ingest=not args.no_ingest)
+    return code
+
+
+def _finish_run(run_dir: Path, dsn: str, *, ingest: bool) -> None:
+    from gpu_trace.tracer.run import RunInfo, read_stats
+
+    info = RunInfo.load(run_dir)
+    stats = read_stats(run_dir)
+    events = sum(int(s.get("events", 0)) for s in stats)
+    dropped = sum(int(s.get("dropped", 0)) for s in stats)
+    if not ingest:
+        _err(
+            f"run {info.run_id}: {fmt.count(events)} events, {fmt.count(dropped)} dropped, spooled in {run_dir} (not ingested: gpu-trace ingest {run_dir})"
+        )
+        return
+    store_mod = _store_module()
+    try:
+        with store_mod.Store(dsn) as store:
+            report = store.ingest(run_dir)
+    except store_mod.StoreError as exc:
+        _err(
+            f"run {info.run_id}: {fmt.count(events)} events, {fmt.count(dropped)} dropped, NOT stored: {exc}"
+        )
+        _err(f"the spool is kept in {run_dir}; load it later with: gpu-trace ingest {run_dir}")
+        return
+    for problem in report.problems:
+        _err(problem)
+    _err(
+        f"run {info.run_id}: {fmt.count(report.rows_total)} events, {fmt.count(dropped)} dropped, stored in {dsn}"
+    )
+
+
+def cmd_ingest(args: argparse.Namespace) -> int:
+    from gpu_trace.tracer.run import RunInfo
+
+    run_dir: Path = args.run_dir
+    if not RunInfo.exists(run_dir):
+        raise CLIError(f"{run_dir} is not a run directory (no run.json)", 2)
+    dsn = config.store_dsn(args.store)
+    store_mod = _store_module()
+    try:
+        with store_mod.Store(dsn) as store:
+            report = store.ingest(run_dir)
+    except store_mod.StoreError as exc:
+        raise CLIError(f"ingest failed, spool kept: {exc}") from None
+    for problem in report.problems:
+        _err(problem)
+    _out(
+        f"{report.run_id}: {fmt.count(report.rows_total)} rows from {report.files_ingested} files ({report.files_skipped} already ingested) into {dsn}"
+    )
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    with _open_store(args) as store:
+        runs = store.runs(limit=args.limit, search=args.search)
+    if args.json:
+        _out(json.dumps(runs, default=str, indent=2))
+        return 0
+    if not runs:
+        _out("no runs yet: gpu-trace record -- python your_script.py")
+        return 0
+    rows = []
+    for r in runs:
+        rows.append(
+            [
+                r["run_id"],
+                fmt.wall_time(_wall_ns(r)),
+                fmt.duration(max(0, r["ended_ns"] - r["started_ns"])) if r.get("ended_ns") else "-",
+                fmt.count(int(r.get("spans", 0)) + int(r.get("counters", 0))),
+                r.get("status", ""),
+                ",".join(r.get("hosts") or []),
+                _clip(r.get("command", ""), 60),
+            ]
+        )
+    _out(
+        fmt.table(
+            ["RUN", "STARTED", "DURATION", "EVENTS", "STATUS", "HOSTS", "COMMAND"],
+            rows,
+            right={2, 3},
+        )
+    )
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    with _open_store(args) as store:
+        run_id = _resolve(store, args.run)
+        run = store.run(run_id)
+        summary = store.summary(run_id, top=args.top)
+    if args.json:
+        _out(json.dumps({"run": run, "summary": summary}, default=str, indent=2))
+        return 0
+    _out(_render_summary(run, summary))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from gpu_trace.tracer import chrome
+
+    out: Path = args.output
+    if out.suffix not in (".json", ".gz"):
+        raise CLIError(f"output must end in .json or .json.gz, got {out}", 2)
+    with _open_store(args) as store:
+        run_id = _resolve(store, args.run)
+        run = store.run(run_id)
+        counts = store.counts(run_id)
+        progress = chrome.TerminalProgress(sys.stderr)
+        stats = chrome.write_chrome_trace(
+            out,
+            run,
+            store.threads(run_id),
+            store.iter_spans(run_id),
+            store.iter_counters(run_id),
+            total_spans=counts.get("spans"),
+            progress=progress,
+            rank=args.rank,
+        )
+    _err(f"wrote {out}: {fmt.count(stats.get('events', 0))} events")
+    return 0
+
+
+def cmd_sql(args: argparse.Namespace) -> int:
+    params: dict[str, str] = {}
+    for item in args.param:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise CLIError(f"--param takes NAME=VALUE, got {item!r}", 2)
+        params[name] = value
+    with _open_store(args) as store:
+        store_mod = _store_module()
+        try:
+            columns, rows = store.sql(args.query, parameters=params or None)
+        except store_mod.StoreError as exc:
+            raise CLIError(str(exc)) from None
+    if args.json:
+        for row in rows:
+            _out(json.dumps(dict(zip(columns, row)), default=str))
+        return 0
+    _out(fmt.table(list(columns), [[_cell(v) for v in row] for row in rows]))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from gpu_trace import launch
+    from gpu_trace.tracer import chrome
+
+    workload = Path(__file__).resolve().parent / "_demo_workload.py"
+    dsn = config.store_dsn(args.store)
+    problem = _store_module().check_writable(dsn)
+    if problem:
+        raise CLIError(f"store {dsn} is not usable: {problem}", 2)
+    prepared = launch.prepare([sys.executable, str(workload)])
+    for note in prepared.notes:
+        _err(note)
+    code = launch.run(prepared)
+    _finish_run(prepared.run_dir, dsn, ingest=True)
+    if code != 0:
+        raise CLIError(f"the demo workload failed with status {code}")
+    out = args.output or prepared.run_dir / "trace.json.gz"
+    with _store_module().Store(dsn) as store:
+        run_id = prepared.info.run_id
+        _out(_render_summary(store.run(run_id), store.summary(run_id, top=5)))
+        chrome.write_chrome_trace(
+            out,
+            store.run(run_id),
+            store.threads(run_id),
+            store.iter_spans(run_id),
+            store.iter_counters(run_id),
+        )
+    _out(f"\nChrome trace: {out}  (open it in https://ui.perfetto.dev or chrome://tracing)")
+    _out(
+        f'Next: gpu-trace show {run_id} · gpu-trace sql "SELECT lane, count() FROM gpu_trace.spans GROUP BY lane"'
+    )
+    return 0
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+
+def _store_module() -> Any:
+    from gpu_trace.tracer import store
+
+    return store
+
+
+def _open_store(args: argparse.Namespace) -> Any:
+    store_mod = _store_module()
+    dsn = config.store_dsn(getattr(args, "store", None))
+    try:
+        return store_mod.Store(dsn)
+    except store_mod.StoreError as exc:
+        raise CLIError(f"cannot open store {dsn}: {exc}") from None
+
+
+def _resolve(store: Any, ref: str) -> str:
+    store_mod = _store_module()
+    try:
+        return store.resolve_run(ref)
+    except store_mod.UnknownRunError as exc:
+        raise CLIError(str(exc)) from None
+
+
+def _wall_ns(run: dict) -> int | None:
+    attrs = run.get("attrs") or {}
+    try:
+        return int(run["started_ns"]) - int(attrs["anchor_mono_ns"]) + int(attrs["anchor_wall_ns"])
+    except (KeyError, ValueError, TypeError):
+        return None
+
+
+def _render_summary(run: dict, summary: dict) -> str:
+    lines = []
+    dur = (run.get("ended_ns") or 0) - (run.get("started_ns") or 0)
+    lines.append(
+        f"run {run['run_id']}  {run.get('status', '')}  {fmt.wall_time(_wall_ns(run))}  {fmt.duration(dur) if dur > 0 else ''}"
+    )
+    lines.append(f"command: {run.get('command', '')}")
+    lines.append(f"trace id: {run.get('trace_id', '')}  hosts: {','.join(run.get('hosts') or [])}")
+    for lane in summary.get("lanes", []):
+        lines.append("")
+        lines.append(
+            f"{lane['lane']}  ({fmt.count(lane['count'])} spans, {fmt.duration(lane['total_ns'])} total)"
+        )
+        rows = [
+            [
+                _clip(r["name"], 48),
+                fmt.count(r["count"]),
+                fmt.duration(r["total_ns"]),
+                fmt.duration(r["self_ns"]),
+                fmt.duration(r["mean_ns"]),
+                fmt.duration(r["max_ns"]),
+            ]
+            for r in lane["ranges"]
+        ]
+        lines.append(
+            fmt.table(
+                ["NAME", "COUNT", "TOTAL", "SELF", "MEAN", "MAX"], rows, right={1, 2, 3, 4, 5}
+            )
+        )
+    counters = summary.get("counters") or []
+    if counters:
+        lines.append("")
+        rows = [
+            [
+                c["source"],
+                c["device"] or "-",
+                c["metric"],
+                fmt.count(c["count"]),
+                f"{c['min']:.4g}",
+                f"{c['mean']:.4g}",
+                f"{c['max']:.4g}",
+            ]
+            for c in counters
+        ]
+        lines.append(
+            fmt.table(
+                ["SOURCE", "DEVICE", "METRIC", "SAMPLES", "MIN", "MEAN", "MAX"],
+                rows,
+                right={3, 4, 5, 6},
+            )
+        )
+    return "\n".join(lines)
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _cell(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, default=str)
+
+
+def _out(text: str) -> None:
+    print(text)
+
+
+def _err(text: str) -> None:
+    print(f"gpu-trace: {text}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="gpu-trace: %(message)s",
+    )
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except CLIError as exc:
+        _err(str(exc))
+        return exc.exit_code
+    except KeyboardInterrupt:
+        _err("interrupted")
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

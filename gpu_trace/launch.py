@@ -1,0 +1,180 @@
+"""`gpu-trace record`'s runner: prepare a run, start the program with recording in place, wait.
+
+The program gets, through its environment, the run directory, the run's W3C trace context, a
+PYTHONPATH entry whose ``sitecustomize`` starts the recorder before the program's first line (in
+every Python process it starts, too) and the NVTX injection library. The runner itself only
+forwards signals and waits: nothing is recorded in this process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpu_trace import config
+from gpu_trace.tracer import context
+from gpu_trace.tracer.clock import anchor, now_ns
+from gpu_trace.tracer.run import RunInfo, new_run_id
+
+log = logging.getLogger(__name__)
+
+BOOT_DIR = Path(__file__).resolve().parent / "_boot"
+
+
+class LaunchError(Exception):
+    """The program could not be started; the message is one line for the user."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass
+class Launch:
+    run_dir: Path
+    info: RunInfo
+    argv: list[str]
+    env: dict[str, str]
+    nvtx_mode: str
+    notes: list[str] = field(default_factory=list)
+
+
+def prepare(
+    argv: list[str],
+    *,
+    run_dir: Path | None = None,
+    nvtx: str | None = None,
+    environ: dict[str, str] | None = None,
+) -> Launch:
+    """Create the run directory and the program's environment. Raises LaunchError."""
+    if not argv:
+        raise LaunchError("no command given: gpu-trace record [OPTIONS] -- COMMAND [ARGS...]", 2)
+    environ = dict(os.environ if environ is None else environ)
+    executable = shutil.which(argv[0], path=environ.get("PATH"))
+    if executable is None:
+        raise LaunchError(f"command not found: {argv[0]}", 127)
+    run_id = new_run_id() if run_dir is None else Path(run_dir).name
+    run_dir = Path(run_dir) if run_dir is not None else config.runs_dir() / run_id
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise LaunchError(
+            f"run directory {run_dir} is not writable: {exc.strerror or exc}", 2
+        ) from None
+    if any(run_dir.iterdir()):
+        raise LaunchError(f"run directory {run_dir} is not empty; give a new one", 2)
+
+    incoming = context.extract(environ) if hasattr(context, "extract") else None
+    trace_id = incoming[0] if incoming else context.new_trace_id()
+    a = anchor()
+    info = RunInfo(
+        run_id=run_id,
+        trace_id=trace_id,
+        started_ns=now_ns(),
+        command=" ".join(argv),
+        hosts=[socket.gethostname()],
+        attrs={
+            "anchor_mono_ns": str(a.mono_ns),
+            "anchor_wall_ns": str(a.wall_ns),
+            "cwd": os.getcwd(),
+        },
+    )
+    if incoming:
+        info.attrs["parent_span_id"] = incoming[1]
+    info.save(run_dir)
+
+    mode = (nvtx or environ.get("GPU_TRACE_NVTX") or "native").lower()
+    if mode not in ("native", "python", "off"):
+        raise LaunchError(f"--nvtx must be native, python or off, got {mode!r}", 2)
+    env = dict(environ)
+    env["GPU_TRACE_RUN_DIR"] = str(run_dir.resolve())
+    env["GPU_TRACE_RUN_ID"] = run_id
+    env["GPU_TRACE_NVTX"] = mode
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(BOOT_DIR), environ.get("PYTHONPATH", "")) if p
+    )
+    env["TRACEPARENT"] = context.format_traceparent(
+        trace_id, int(incoming[1], 16) if incoming else 1
+    )
+    notes: list[str] = []
+    if mode == "native":
+        from gpu_trace.collectors import nvtx as nvtx_collector
+
+        try:
+            inject = nvtx_collector.injection_env()
+        except Exception as exc:  # the build must never stop a recording
+            inject = {}
+            log.debug("NVTX injection unavailable", exc_info=True)
+            notes.append(
+                f"native NVTX capture is off ({exc}); Python NVTX ranges are still recorded"
+            )
+        if inject:
+            env.update(inject)
+        elif not notes:
+            reason = nvtx_collector.build_error() or "the injection library is unavailable"
+            notes.append(
+                f"native NVTX capture is off ({reason}); Python NVTX ranges are still recorded"
+            )
+        if not inject:
+            env["GPU_TRACE_NVTX"] = "python"
+    info.attrs["nvtx"] = env["GPU_TRACE_NVTX"]
+    info.save(run_dir)
+    return Launch(run_dir, info, [executable, *argv[1:]], env, env["GPU_TRACE_NVTX"], notes)
+
+
+def run(launch: Launch) -> int:
+    """Run the program to completion, forwarding SIGINT and SIGTERM; returns its exit status.
+
+    A program killed by a signal gives 128 + the signal number, as a shell reports it.
+    """
+    try:
+        proc = subprocess.Popen(launch.argv, env=launch.env)
+    except OSError as exc:
+        finish(launch, 126, f"could not start: {exc.strerror or exc}")
+        raise LaunchError(f"cannot run {launch.argv[0]}: {exc.strerror or exc}", 126) from None
+
+    def forward(signum: int, _frame: object) -> None:
+        try:
+            proc.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            try:
+                returncode = proc.wait()
+                break
+            except KeyboardInterrupt:  # pragma: no cover - the handler above replaces it
+                continue
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    if returncode < 0:
+        name = signal.Signals(-returncode).name
+        finish(launch, 128 - returncode, f"killed by {name}")
+        return 128 - returncode
+    finish(launch, returncode, "" if returncode == 0 else f"exited with status {returncode}")
+    return returncode
+
+
+def finish(launch: Launch, exit_code: int, reason: str) -> None:
+    """Close the run in run.json: status finished, failed or killed, with the exit code."""
+    info = launch.info
+    info.ended_ns = now_ns()
+    info.status = (
+        "finished" if exit_code == 0 else "killed" if reason.startswith("killed") else "failed"
+    )
+    info.attrs["exit_code"] = str(exit_code)
+    if reason:
+        info.attrs["reason"] = reason
+    info.save(launch.run_dir)
