@@ -1,0 +1,347 @@
+"""Ingest: a run directory's spool files, stats and run.json into the store.
+
+Spool files go in as Arrow, batched across files (about :data:`BATCH_ROWS` rows per insert),
+with ``run_id``, ``trace_id`` and ``host`` added from each file's metadata. Ingest is idempotent:
+
+- every file is recorded in ``ingest_log`` by run id, file name and size; a file logged ``done``
+  is skipped the next time;
+- a batch is logged ``pending`` before its insert and ``done`` after it, so a file found
+  ``pending`` (a crash between the two) is inserted again without the rows already there, matched
+  by key (spans by pid and span id, counters by source, device, metric and time, clock samples by
+  peer and time).
+
+Ingest never changes the spool: when the store fails, :class:`~gpu_trace.tracer.store.StoreError`
+is raised and the same command can be run again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from gpu_trace.tracer.records import SCHEMAS
+from gpu_trace.tracer.recorder import STATS_DIR
+from gpu_trace.tracer.run import RunInfo
+from gpu_trace.tracer.spool import list_spool, read_spool_file, spool_dir
+
+if TYPE_CHECKING:
+    from gpu_trace.tracer.store import Store
+
+log = logging.getLogger(__name__)
+
+#: Rows per insert. Larger batches are faster until memory matters; one batch is held at a time.
+BATCH_ROWS = 1_000_000
+
+#: Columns the store adds to each kind from the spool file's metadata, in table order.
+ADDED_COLUMNS = {
+    "spans": ("run_id", "trace_id", "host"),
+    "counters": ("run_id", "host"),
+    "clock_sync": ("run_id", "host"),
+}
+
+#: What identifies a row already in the store, when a crashed ingest is resumed.
+_KEYS = {
+    "spans": (("pid", "span_id"), "start_ns"),
+    "counters": (("source", "device", "metric", "ts_ns"), "ts_ns"),
+    "clock_sync": (("peer", "ts_ns"), "ts_ns"),
+}
+
+
+@dataclass
+class IngestReport:
+    """What one ingest did."""
+
+    run_id: str
+    rows: dict[str, int] = field(default_factory=lambda: {kind: 0 for kind in SCHEMAS})
+    files_ingested: int = 0
+    files_skipped: int = 0
+    problems: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def total_rows(self) -> int:
+        return sum(self.rows.values())
+
+    def summary(self) -> str:
+        """One line for the CLI."""
+        parts = ", ".join(f"{n} {kind}" for kind, n in self.rows.items() if n)
+        text = f"run {self.run_id}: {parts or 'no new rows'} from {self.files_ingested} files"
+        if self.files_skipped:
+            text += f" ({self.files_skipped} already ingested)"
+        if self.problems:
+            text += f"; {len(self.problems)} problem(s)"
+        return text
+
+
+@dataclass
+class _Pending:
+    """Files read and waiting for one batched insert of one kind."""
+
+    tables: list[pa.Table] = field(default_factory=list)
+    files: list[tuple[str, int, int, str]] = field(
+        default_factory=list
+    )  # name, size, rows, problem
+    rows: int = 0
+
+
+def ingest(store: Store, run_dir: Path) -> IngestReport:
+    """Ingest ``run_dir`` into ``store``; see the module docstring. Raises StoreError on store failure."""
+    t0 = time.perf_counter()
+    run_dir = Path(run_dir)
+    if not RunInfo.exists(run_dir) and not spool_dir(run_dir).is_dir():
+        raise ValueError(f"{run_dir} is not a run directory (no run.json and no spool/)")
+    files = list_spool(run_dir)
+    info, info_problem = _run_info(run_dir, files)
+    report = IngestReport(info.run_id)
+    if info_problem:
+        report.problems.append(info_problem)
+    logged = _logged(store, info.run_id)
+    pending = {kind: _Pending() for kind in SCHEMAS}
+    hosts: list[str] = list(info.hosts)
+    pid_hosts: dict[int, str] = {}
+
+    for path in files:
+        size = path.stat().st_size
+        state = logged.get((path.name, size))
+        if state == "done":
+            report.files_skipped += 1
+            continue
+        spool = read_spool_file(path)
+        kind = spool.kind
+        if kind not in SCHEMAS:
+            report.problems.append(f"{path.name}: skipped: unknown kind {kind!r}")
+            continue
+        host = spool.meta.get("host") or (info.hosts[0] if info.hosts else "")
+        if host and host not in hosts:
+            hosts.append(host)
+        if spool.meta.get("pid", "").isdigit():
+            pid_hosts.setdefault(int(spool.meta["pid"]), host)
+        table, problem = _prepare(kind, spool.table, spool.meta, info, host)
+        if spool.problem:
+            problem = spool.problem if problem is None else f"{spool.problem}; {problem}"
+        kept = table.num_rows if table is not None else 0
+        if problem:
+            report.problems.append(f"{path.name}: kept {kept} rows, skipped the rest: {problem}")
+            log.warning("gpu-trace: %s: kept %d rows, skipped the rest: %s", path, kept, problem)
+        if table is not None and kept and state is not None:
+            # Logged but not done: an earlier ingest stopped between its insert and its log entry.
+            table = _drop_present(store, kind, table)
+        batch = pending[kind]
+        batch.files.append((path.name, size, kept, problem or ""))
+        if table is not None and table.num_rows:
+            batch.tables.append(table)
+            batch.rows += table.num_rows
+        if batch.rows >= BATCH_ROWS:
+            _flush(store, info.run_id, kind, batch, report)
+            pending[kind] = _Pending()
+    for kind, batch in pending.items():
+        if batch.files:
+            _flush(store, info.run_id, kind, batch, report)
+
+    stats = _read_stats(run_dir, report)
+    info.hosts = hosts
+    info.attrs = {
+        **info.attrs,
+        "events": str(sum(int(s.get("events", 0)) for s in stats)),
+        "dropped": str(sum(int(s.get("dropped", 0)) for s in stats)),
+        "processes": str(len(stats)),
+    }
+    _write_threads(store, info, stats, pid_hosts)
+    store.upsert_run(info)
+    report.seconds = time.perf_counter() - t0
+    log.info("gpu-trace: ingested %s in %.2f s", report.summary(), report.seconds)
+    return report
+
+
+# ---- run.json, stats, threads --------------------------------------------------------------------
+
+
+def _run_info(run_dir: Path, files: list[Path]) -> tuple[RunInfo, str | None]:
+    if RunInfo.exists(run_dir):
+        try:
+            return RunInfo.load(run_dir), None
+        except (OSError, ValueError, TypeError) as exc:
+            problem = f"run.json: unreadable ({exc}); run identity taken from the spool"
+    else:
+        problem = "run.json: missing; run identity taken from the spool"
+    meta: dict[str, str] = {}
+    for path in files[:1]:
+        meta = read_spool_file(path).meta
+    info = RunInfo(
+        run_id=meta.get("run_id") or run_dir.name,
+        trace_id=meta.get("trace_id", ""),
+        started_ns=0,
+        hosts=[meta["host"]] if meta.get("host") else [],
+        status="unknown",
+    )
+    return info, problem
+
+
+def _read_stats(run_dir: Path, report: IngestReport) -> list[dict[str, Any]]:
+    out = []
+    d = run_dir / STATS_DIR
+    if not d.is_dir():
+        return out
+    for path in sorted(d.glob("*.json")):
+        if path.name.startswith("."):
+            continue
+        try:
+            data = json.loads(path.read_text())
+            if not isinstance(data, dict):
+                raise ValueError("not an object")
+            out.append(data)
+        except (OSError, ValueError) as exc:
+            report.problems.append(f"stats/{path.name}: skipped: {exc}")
+    return out
+
+
+def _write_threads(
+    store: Store, info: RunInfo, stats: list[dict[str, Any]], pid_hosts: dict[int, str]
+) -> None:
+    default_host = info.hosts[0] if info.hosts else ""
+    now = time.time_ns()
+    rows = []
+    for s in stats:
+        try:
+            pid = int(s["pid"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        host = pid_hosts.get(pid, default_host)
+        for tid, name in (s.get("threads") or {}).items():
+            if str(tid).isdigit():
+                rows.append(
+                    [
+                        info.run_id,
+                        host,
+                        pid,
+                        int(tid),
+                        str(s.get("process_name", "")),
+                        str(name),
+                        now,
+                    ]
+                )
+    store._insert_rows(
+        "threads",
+        ["run_id", "host", "pid", "tid", "process_name", "thread_name", "updated_ns"],
+        rows,
+    )
+
+
+# ---- spool tables --------------------------------------------------------------------------------
+
+
+def _constant(value: str, n: int) -> pa.Array:
+    return pa.DictionaryArray.from_arrays(
+        pa.array(np.zeros(n, dtype=np.int32)), pa.array([value], pa.string())
+    )
+
+
+def _prepare(
+    kind: str, table: pa.Table | None, meta: dict[str, str], info: RunInfo, host: str
+) -> tuple[pa.Table | None, str | None]:
+    """The spool table in the store's column order, with run_id, trace_id and host added."""
+    if table is None or table.num_rows == 0:
+        return None, None
+    schema = SCHEMAS[kind]
+    n = table.num_rows
+    columns: list[pa.ChunkedArray | pa.Array] = []
+    names: list[str] = []
+    missing = []
+    for f in schema:
+        if f.name in table.column_names:
+            col = table.column(f.name)
+            if col.type != f.type:
+                try:
+                    col = col.cast(f.type)
+                except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+                    return None, f"column {f.name} has type {col.type}, expected {f.type}: {exc}"
+        else:
+            missing.append(f.name)
+            # Nulls become the column's default in ClickHouse (input_format_null_as_default).
+            col = pa.nulls(n, pa.string() if pa.types.is_dictionary(f.type) else f.type)
+        columns.append(col)
+        names.append(f.name)
+    added = {
+        "run_id": meta.get("run_id") or info.run_id,
+        "trace_id": meta.get("trace_id") or info.trace_id,
+        "host": host,
+    }
+    for name in ADDED_COLUMNS[kind]:
+        columns.append(_constant(added[name], n))
+        names.append(name)
+    problem = f"columns missing, stored as defaults: {', '.join(missing)}" if missing else None
+    return pa.Table.from_arrays(columns, names=names), problem
+
+
+def _drop_present(store: Store, kind: str, table: pa.Table) -> pa.Table:
+    """Rows of ``table`` not yet in the store (for a file whose earlier ingest was cut short)."""
+    keys, time_col = _KEYS[kind]
+    run_id = table.column("run_id")[0].as_py()
+    host = table.column("host")[0].as_py()
+    lo, hi = pc.min_max(table.column(time_col)).values()
+    existing = store._query_arrow(
+        f"SELECT {', '.join(keys)} FROM __db__.{kind} WHERE run_id = {{run_id:String}} AND host = {{host:String}}"
+        f" AND {time_col} BETWEEN {{lo:Int64}} AND {{hi:Int64}}",
+        {"run_id": run_id, "host": host, "lo": lo.as_py(), "hi": hi.as_py()},
+    )
+    if existing.num_rows == 0:
+        return table
+    left = {}
+    for k in keys:
+        col = table.column(k)
+        left[k] = col.cast(pa.string()) if pa.types.is_dictionary(col.type) else col
+    left["__row"] = pa.array(np.arange(table.num_rows, dtype=np.int64))
+    right = pa.table({k: existing.column(k).cast(left[k].type) for k in keys})
+    kept = pa.table(left).join(right, keys=list(keys), join_type="left anti")
+    rows = np.sort(kept.column("__row").to_numpy())
+    log.info(
+        "gpu-trace: resumed %s: %d of %d rows were already stored",
+        kind,
+        table.num_rows - len(rows),
+        table.num_rows,
+    )
+    return table.take(pa.array(rows))
+
+
+def _logged(store: Store, run_id: str) -> dict[tuple[str, int], str]:
+    result = store._query(
+        """
+        SELECT file, size, argMax(status, ingested_ns) FROM __db__.ingest_log
+        WHERE run_id = {run_id:String} GROUP BY file, size
+        """,
+        {"run_id": run_id},
+    )
+    return {(f, int(s)): status for f, s, status in result.result_rows}
+
+
+def _log(
+    store: Store, run_id: str, kind: str, files: list[tuple[str, int, int, str]], status: str
+) -> None:
+    now = time.time_ns()
+    rows = [
+        [run_id, name, size, kind, kept, status, problem, now]
+        for name, size, kept, problem in files
+    ]
+    store._insert_rows(
+        "ingest_log",
+        ["run_id", "file", "size", "kind", "rows", "status", "problem", "ingested_ns"],
+        rows,
+    )
+
+
+def _flush(store: Store, run_id: str, kind: str, batch: _Pending, report: IngestReport) -> None:
+    _log(store, run_id, kind, batch.files, "pending")
+    if batch.tables:
+        table = pa.concat_tables(batch.tables).unify_dictionaries()
+        store._insert_arrow(kind, table)
+        report.rows[kind] += table.num_rows
+    _log(store, run_id, kind, batch.files, "done")
+    report.files_ingested += len(batch.files)

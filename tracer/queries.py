@@ -1,0 +1,336 @@
+"""The store's read side: runs, counts, the per-lane summary and streaming iterators.
+
+:class:`RunQueries` is mixed into :class:`gpu_trace.tracer.store.Store`; it needs only the store's
+``_query`` and ``_query_arrow`` helpers. Every query is a template with ``{name:Type}`` parameters
+and ``__db__`` for the (validated) database name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pyarrow as pa
+
+INT64_MIN = -(1 << 63)
+INT64_MAX = (1 << 63) - 1
+
+_RUN_COLUMNS = (
+    "run_id, trace_id, started_ns, ended_ns, started_wall_ns, command, hosts, status, attrs"
+)
+
+SPAN_COLUMNS = "trace_id, span_id, parent_span_id, host, pid, tid, lane, category, name, start_ns, end_ns, depth, attrs"
+COUNTER_COLUMNS = "host, source, device, metric, ts_ns, value, labels"
+
+# Self time: a span's duration minus the durations of its direct children on the same thread
+# (children found by parent_span_id). Work a span started elsewhere (another thread, the server
+# side of a forwarded call) runs concurrently and does not count against it. Marks are instants
+# and left out. One scan groups by (lane, name); window functions pick the top rows per lane by
+# total and by self time.
+_SUMMARY = """
+WITH children AS (
+    SELECT parent_span_id AS sid, host, pid, tid, sum(end_ns - start_ns) AS child_ns
+    FROM __db__.spans
+    WHERE run_id = {run_id:String} AND parent_span_id != 0
+    GROUP BY sid, host, pid, tid
+),
+per_name AS (
+    SELECT s.lane AS lane, s.name AS name, any(s.category) AS category, count() AS count,
+           sum(s.end_ns - s.start_ns) AS total_ns,
+           sum(s.end_ns - s.start_ns - c.child_ns) AS self_ns,
+           max(s.end_ns - s.start_ns) AS max_ns
+    FROM __db__.spans AS s
+    LEFT JOIN children AS c ON c.sid = s.span_id AND c.host = s.host AND c.pid = s.pid AND c.tid = s.tid
+    WHERE s.run_id = {run_id:String} AND s.category != 'mark'
+    GROUP BY lane, name
+)
+SELECT * FROM (
+    SELECT lane, name, category, count, total_ns, self_ns, max_ns,
+           row_number() OVER (PARTITION BY lane ORDER BY total_ns DESC, name) AS rank_total,
+           row_number() OVER (PARTITION BY lane ORDER BY self_ns DESC, name) AS rank_self,
+           sum(count) OVER (PARTITION BY lane) AS lane_count,
+           sum(self_ns) OVER (PARTITION BY lane) AS lane_self_ns
+    FROM per_name
+)
+WHERE rank_total <= {top:UInt32} OR rank_self <= {top:UInt32}
+ORDER BY lane, rank_total
+"""
+
+
+class UnknownRunError(LookupError):
+    """No run matches a reference; the message lists the most recent runs."""
+
+    def __init__(self, message: str, recent: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.recent = recent or []
+
+
+class RunQueries:
+    """Read methods of the store (mixed into ``Store``)."""
+
+    def _query(self, template: str, params: dict[str, Any] | None = None) -> Any:
+        raise NotImplementedError
+
+    def _query_arrow(self, template: str, params: dict[str, Any] | None = None) -> pa.Table:
+        raise NotImplementedError
+
+    def _dicts(self, template: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        return list(self._query(template, params).named_results())
+
+    # ---- runs -------------------------------------------------------------------------------------
+
+    def runs(self, limit: int = 50, search: str | None = None) -> list[dict[str, Any]]:
+        """Runs newest first (by wall-clock start), each with ``spans``, ``counters`` and ``duration_ns``.
+
+        ``search`` keeps runs whose id, command, status or a host contains it (case-insensitive).
+        """
+        rows = self._dicts(
+            f"""
+            SELECT {_RUN_COLUMNS} FROM __db__.runs FINAL
+            WHERE {{search:String}} = ''
+               OR positionCaseInsensitive(run_id, {{search:String}}) > 0
+               OR positionCaseInsensitive(command, {{search:String}}) > 0
+               OR positionCaseInsensitive(status, {{search:String}}) > 0
+               OR arrayExists(h -> positionCaseInsensitive(h, {{search:String}}) > 0, hosts)
+            ORDER BY started_wall_ns DESC, run_id DESC
+            LIMIT {{limit:UInt32}}
+            """,
+            {"search": search or "", "limit": max(0, int(limit))},
+        )
+        if not rows:
+            return []
+        ids = [r["run_id"] for r in rows]
+        counts: dict[str, dict[str, int]] = {i: {"spans": 0, "counters": 0} for i in ids}
+        for kind in ("spans", "counters"):
+            result = self._query(
+                f"SELECT run_id, count() FROM __db__.{kind} WHERE run_id IN {{ids:Array(String)}} GROUP BY run_id",
+                {"ids": ids},
+            )
+            for run_id, n in result.result_rows:
+                counts[run_id][kind] = int(n)
+        return [_run_dict(r, counts[r["run_id"]]) for r in rows]
+
+    def _recent_ids(self, n: int = 5) -> list[str]:
+        return [r["run_id"] for r in self.runs(limit=n)]
+
+    def resolve_run(self, ref: str) -> str:
+        """A run id from a full id, a unique prefix of one, or ``last`` (the newest run)."""
+        ref = (ref or "").strip()
+        if ref == "last":
+            recent = self._recent_ids(1)
+            if not recent:
+                raise UnknownRunError("there are no runs in the store yet")
+            return recent[0]
+        if ref:
+            exact = self._query(
+                "SELECT run_id FROM __db__.runs WHERE run_id = {ref:String} LIMIT 1", {"ref": ref}
+            )
+            if exact.result_rows:
+                return ref
+            matches = sorted(
+                {
+                    r[0]
+                    for r in self._query(
+                        "SELECT DISTINCT run_id FROM __db__.runs WHERE startsWith(run_id, {ref:String}) LIMIT 11",
+                        {"ref": ref},
+                    ).result_rows
+                }
+            )
+            if len(matches) == 1:
+                return matches[0]
+            if matches:
+                shown = ", ".join(matches[:10]) + (", ..." if len(matches) > 10 else "")
+                raise UnknownRunError(f"run prefix {ref!r} is ambiguous: {shown}", matches)
+        recent = self._recent_ids(5)
+        listing = ", ".join(recent) if recent else "none yet"
+        raise UnknownRunError(f"no run {ref!r} in the store; recent runs: {listing}", recent)
+
+    def run(self, run_id: str) -> dict[str, Any]:
+        """The ``runs`` row of one run with its counts and duration."""
+        rows = self._dicts(
+            f"SELECT {_RUN_COLUMNS} FROM __db__.runs FINAL WHERE run_id = {{run_id:String}}",
+            {"run_id": run_id},
+        )
+        if not rows:
+            recent = self._recent_ids(5)
+            raise UnknownRunError(
+                f"no run {run_id!r} in the store; recent runs: {', '.join(recent) or 'none yet'}",
+                recent,
+            )
+        counts = self.counts(run_id)
+        return _run_dict(rows[0], counts)
+
+    def counts(self, run_id: str) -> dict[str, int]:
+        """Rows of a run per table: spans, counters, clock_sync, threads."""
+        out = {}
+        for table in ("spans", "counters", "clock_sync"):
+            result = self._query(
+                f"SELECT count() FROM __db__.{table} WHERE run_id = {{run_id:String}}",
+                {"run_id": run_id},
+            )
+            out[table] = int(result.result_rows[0][0])
+        result = self._query(
+            "SELECT count() FROM __db__.threads FINAL WHERE run_id = {run_id:String}",
+            {"run_id": run_id},
+        )
+        out["threads"] = int(result.result_rows[0][0])
+        return out
+
+    def threads(self, run_id: str) -> list[dict[str, Any]]:
+        """Threads of a run (from the recorders' stats files): host, pid, tid, process and thread name."""
+        return self._dicts(
+            """
+            SELECT host, pid, tid, process_name, thread_name FROM __db__.threads FINAL
+            WHERE run_id = {run_id:String} ORDER BY host, pid, tid
+            """,
+            {"run_id": run_id},
+        )
+
+    def clock_sync(self, run_id: str) -> list[dict[str, Any]]:
+        """Every clock-offset measurement of a run, oldest first."""
+        return self._dicts(
+            """
+            SELECT host, peer, ts_ns, offset_ns, rtt_ns, uncertainty_ns FROM __db__.clock_sync
+            WHERE run_id = {run_id:String} ORDER BY ts_ns, host, peer
+            """,
+            {"run_id": run_id},
+        )
+
+    # ---- summary ----------------------------------------------------------------------------------
+
+    def summary(self, run_id: str, top: int = 20) -> dict[str, Any]:
+        """Per lane, the top ``top`` range names by total and by self time.
+
+        Returns ``{"run_id", "lanes": [{"lane", "count", "self_ns", "by_total": [...],
+        "by_self": [...]}]}``; each row has ``name, category, count, total_ns, self_ns, mean_ns,
+        max_ns``. Self time is a span's duration minus its direct children's on the same thread.
+        """
+        rows = self._dicts(_SUMMARY, {"run_id": run_id, "top": max(1, int(top))})
+        lanes: dict[str, dict[str, Any]] = {}
+        for r in rows:
+            lane = lanes.setdefault(
+                r["lane"],
+                {
+                    "lane": r["lane"],
+                    "count": int(r["lane_count"]),
+                    "self_ns": int(r["lane_self_ns"]),
+                    "by_total": [],
+                    "by_self": [],
+                },
+            )
+            entry = {
+                "name": r["name"],
+                "category": r["category"],
+                "count": int(r["count"]),
+                "total_ns": int(r["total_ns"]),
+                "self_ns": int(r["self_ns"]),
+                "mean_ns": int(r["total_ns"]) // max(1, int(r["count"])),
+                "max_ns": int(r["max_ns"]),
+            }
+            if r["rank_total"] <= top:
+                lane["by_total"].append((r["rank_total"], entry))
+            if r["rank_self"] <= top:
+                lane["by_self"].append((r["rank_self"], entry))
+        for lane in lanes.values():
+            lane["by_total"] = [e for _, e in sorted(lane["by_total"], key=lambda x: x[0])]
+            lane["by_self"] = [e for _, e in sorted(lane["by_self"], key=lambda x: x[0])]
+        ordered = sorted(lanes.values(), key=lambda v: v["lane"])
+        return {"run_id": run_id, "lanes": ordered}
+
+    # ---- streaming --------------------------------------------------------------------------------
+
+    def iter_spans(
+        self,
+        run_id: str,
+        batch_rows: int = 200_000,
+        start_ns: int | None = None,
+        end_ns: int | None = None,
+    ) -> Iterator[pa.Table]:
+        """Spans of a run as Arrow tables of about ``batch_rows`` rows, ordered by ``start_ns``.
+
+        With ``start_ns``/``end_ns``, only spans overlapping ``[start_ns, end_ns)``. Memory stays
+        bounded by one batch: pages are fetched by keyset (``start_ns`` after the last page's),
+        each page extended with ties so no start time is split between pages. Within a page, rows
+        with equal ``start_ns`` come parents first (by depth).
+        """
+        yield from self._iter_ordered(
+            "spans",
+            SPAN_COLUMNS,
+            "start_ns",
+            "end_ns",
+            "depth, span_id",
+            run_id,
+            batch_rows,
+            start_ns,
+            end_ns,
+        )
+
+    def iter_counters(
+        self,
+        run_id: str,
+        batch_rows: int = 200_000,
+        start_ns: int | None = None,
+        end_ns: int | None = None,
+    ) -> Iterator[pa.Table]:
+        """Counter samples of a run as Arrow tables, ordered by ``ts_ns``, within ``[start_ns, end_ns)``."""
+        yield from self._iter_ordered(
+            "counters",
+            COUNTER_COLUMNS,
+            "ts_ns",
+            "ts_ns",
+            "metric, device, host",
+            run_id,
+            batch_rows,
+            start_ns,
+            end_ns,
+        )
+
+    def _iter_ordered(
+        self,
+        table: str,
+        columns: str,
+        key: str,
+        end_key: str,
+        tie_order: str,
+        run_id: str,
+        batch_rows: int,
+        start_ns: int | None,
+        end_ns: int | None,
+    ) -> Iterator[pa.Table]:
+        if batch_rows < 1:
+            raise ValueError(f"batch_rows must be positive, got {batch_rows}")
+        template = f"""
+            SELECT {columns} FROM (
+                SELECT {columns} FROM __db__.{table}
+                WHERE run_id = {{run_id:String}} AND {key} >= {{lo:Int64}} AND {key} < {{hi:Int64}}
+                  AND {end_key} >= {{window_start:Int64}}
+                ORDER BY {key} LIMIT {{n:UInt64}} WITH TIES
+            ) ORDER BY {key}, {tie_order}
+        """
+        params: dict[str, Any] = {
+            "run_id": run_id,
+            "lo": INT64_MIN,
+            "hi": INT64_MAX if end_ns is None else int(end_ns),
+            "window_start": INT64_MIN if start_ns is None else int(start_ns),
+            "n": int(batch_rows),
+        }
+        while True:
+            page = self._query_arrow(template, params)
+            if page.num_rows == 0:
+                return
+            yield page
+            if page.num_rows < batch_rows:
+                return
+            last = page.column(key)[-1].as_py()
+            if last >= INT64_MAX:
+                return
+            params["lo"] = last + 1
+
+
+def _run_dict(row: dict[str, Any], counts: dict[str, int]) -> dict[str, Any]:
+    out = dict(row)
+    out["hosts"] = list(row.get("hosts") or [])
+    out["attrs"] = dict(row.get("attrs") or {})
+    out["duration_ns"] = row["ended_ns"] - row["started_ns"] if row["ended_ns"] else None
+    out.update(counts)
+    return out

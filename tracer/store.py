@@ -1,0 +1,538 @@
+"""The ClickHouse store: one client API for embedded chDB and a ClickHouse server or cluster.
+
+A :class:`Store` opens a DSN (``chdb:///path`` or ``http(s)://user:password@host:port[/db]``)
+through clickhouse-connect, creates the database and tables if they are missing (the same DDL for
+both; ``ON CLUSTER`` plus Distributed tables when a cluster is named), ingests run directories
+(:mod:`gpu_trace.tracer.ingest`) and answers the queries the CLI, the dashboard and the exporters
+ask (:mod:`gpu_trace.tracer.queries`). Every value reaches the server as a ``{name:Type}`` query
+parameter; the only names put into SQL text are the database and cluster, checked against a
+strict identifier pattern first.
+
+chDB keeps one store directory to one process at a time (ClickHouse locks ``<dir>/status``); a
+second process gets :class:`StoreError` naming the process that holds it, after waiting up to
+``lock_timeout_s`` for it to let go.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import re
+import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote, urlparse
+
+import pyarrow as pa
+
+from gpu_trace import config
+from gpu_trace.tracer.queries import RunQueries, UnknownRunError
+from gpu_trace.tracer.run import RunInfo
+
+if TYPE_CHECKING:
+    from gpu_trace.tracer.ingest import IngestReport
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "Store",
+    "StoreError",
+    "UnknownRunError",
+    "Target",
+    "parse_dsn",
+    "schema_ddl",
+    "check_writable",
+]
+
+DEFAULT_DATABASE = "gpu_trace"
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_CLUSTER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+#: Statements `Store.sql` lets through to the engine (which also runs them with readonly=1).
+_READ_STATEMENTS = ("SELECT", "WITH", "SHOW", "DESCRIBE", "DESC", "EXPLAIN", "EXISTS")
+
+
+class StoreError(RuntimeError):
+    """The store can't be opened, written or asked; the message says why in one line."""
+
+
+# ---- DSN -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a DSN points: an embedded chDB directory or a ClickHouse server."""
+
+    kind: str  # "chdb" or "http"
+    path: str = ""  # chdb: the store directory ("" = in memory)
+    host: str = ""
+    port: int = 0
+    username: str = "default"
+    password: str = field(default="", repr=False)
+    secure: bool = False
+    database: str = DEFAULT_DATABASE
+
+    def display(self) -> str:
+        """The DSN without its password, for messages and logs."""
+        if self.kind == "chdb":
+            return f"chdb://{self.path or ':memory:'}"
+        scheme = "https" if self.secure else "http"
+        return f"{scheme}://{self.username}@{self.host}:{self.port}/{self.database}"
+
+
+def parse_dsn(dsn: str) -> Target:
+    """Parse a store DSN. A bare path means a chDB directory. Raises ValueError when malformed."""
+    dsn = dsn.strip()
+    if not dsn:
+        raise ValueError("empty store DSN")
+    if dsn.startswith("chdb:"):
+        rest = dsn[len("chdb:") :]
+        if rest.startswith("//"):
+            rest = rest[2:]
+        if rest in ("", "memory", ":memory:"):
+            return Target("chdb", path="")
+        if not rest.startswith("/"):  # chdb://relative/dir or chdb:~/dir
+            rest = os.path.expanduser(rest)
+        return Target("chdb", path=os.path.abspath(os.path.expanduser(unquote(rest))))
+    if "://" not in dsn:
+        return Target("chdb", path=os.path.abspath(os.path.expanduser(dsn)))
+    url = urlparse(dsn)
+    if url.scheme not in ("http", "https"):
+        raise ValueError(f"store DSN must be chdb://, http:// or https://, got {url.scheme}://")
+    if not url.hostname:
+        raise ValueError(f"store DSN has no host: {dsn.split('@')[-1]}")
+    secure = url.scheme == "https"
+    database = unquote(url.path.strip("/")) or DEFAULT_DATABASE
+    if not _IDENTIFIER.match(database):
+        raise ValueError(f"database name must be a plain identifier, got {database!r}")
+    try:
+        port = url.port or (8443 if secure else 8123)
+    except ValueError:
+        raise ValueError("store DSN has an invalid port") from None
+    return Target(
+        "http",
+        host=url.hostname,
+        port=port,
+        username=unquote(url.username) if url.username else "default",
+        password=unquote(url.password) if url.password else "",
+        secure=secure,
+        database=database,
+    )
+
+
+# ---- schema --------------------------------------------------------------------------------------
+
+#: Table name -> (columns, engine, ORDER BY, shard key for Distributed). docs/schema.md explains them.
+TABLES: dict[str, tuple[str, str, str, str]] = {
+    "runs": (
+        "run_id String, trace_id String, started_ns Int64, ended_ns Int64, started_wall_ns Int64,"
+        " command String, hosts Array(String), status LowCardinality(String),"
+        " attrs Map(String, String), updated_ns Int64",
+        "ReplacingMergeTree(updated_ns)",
+        "run_id",
+        "cityHash64(run_id)",
+    ),
+    "spans": (
+        "run_id LowCardinality(String), trace_id LowCardinality(String), span_id UInt64,"
+        " parent_span_id UInt64, host LowCardinality(String), pid UInt32, tid UInt64,"
+        " lane LowCardinality(String), category LowCardinality(String), name LowCardinality(String),"
+        " start_ns Int64, end_ns Int64, depth UInt16, attrs Map(String, String)",
+        "MergeTree",
+        "(run_id, start_ns)",
+        "rand()",
+    ),
+    "counters": (
+        "run_id LowCardinality(String), host LowCardinality(String), source LowCardinality(String),"
+        " device LowCardinality(String), metric LowCardinality(String), ts_ns Int64, value Float64,"
+        " labels Map(String, String)",
+        "MergeTree",
+        "(run_id, ts_ns)",
+        "rand()",
+    ),
+    "clock_sync": (
+        "run_id LowCardinality(String), host LowCardinality(String), peer LowCardinality(String),"
+        " ts_ns Int64, offset_ns Int64, rtt_ns Int64, uncertainty_ns Int64",
+        "MergeTree",
+        "(run_id, ts_ns)",
+        "cityHash64(run_id)",
+    ),
+    "threads": (
+        "run_id String, host LowCardinality(String), pid UInt32, tid UInt64, process_name String,"
+        " thread_name String, updated_ns Int64",
+        "ReplacingMergeTree(updated_ns)",
+        "(run_id, host, pid, tid)",
+        "cityHash64(run_id)",
+    ),
+    "ingest_log": (
+        "run_id String, file String, size UInt64, kind LowCardinality(String), rows UInt64,"
+        " status LowCardinality(String), problem String, ingested_ns Int64",
+        "ReplacingMergeTree(ingested_ns)",
+        "(run_id, file, size)",
+        "cityHash64(run_id)",
+    ),
+}
+
+
+def schema_ddl(database: str = DEFAULT_DATABASE, cluster: str | None = None) -> list[str]:
+    """The statements that create the database and tables, in order; all ``IF NOT EXISTS``.
+
+    With a cluster, each table is ``<name>_local`` on every node (``ON CLUSTER``) and ``<name>`` is
+    a Distributed table over them, so queries read ``<name>`` either way.
+    """
+    if not _IDENTIFIER.match(database):
+        raise ValueError(f"database name must be a plain identifier, got {database!r}")
+    if cluster is not None and not _CLUSTER.match(cluster):
+        raise ValueError(f"cluster name may hold letters, digits, '_', '.', '-', got {cluster!r}")
+    on = f" ON CLUSTER `{cluster}`" if cluster else ""
+    out = [f"CREATE DATABASE IF NOT EXISTS {database}{on}"]
+    for name, (columns, engine, order_by, shard_key) in TABLES.items():
+        local = f"{name}_local" if cluster else name
+        out.append(
+            f"CREATE TABLE IF NOT EXISTS {database}.{local}{on} ({columns}) "
+            f"ENGINE = {engine} ORDER BY {order_by}"
+        )
+        if cluster:
+            out.append(
+                f"CREATE TABLE IF NOT EXISTS {database}.{name}{on} AS {database}.{local} "
+                f"ENGINE = Distributed('{cluster}', '{database}', '{local}', {shard_key})"
+            )
+    return out
+
+
+# ---- writability and chDB's directory lock -------------------------------------------------------
+
+
+def check_writable(dsn: str | None = None) -> str | None:
+    """None if the store can be written, else a one-line reason. Call before starting a program.
+
+    For chDB the directory (or its nearest existing parent) must be a directory a file can be
+    created in; for a server, it must answer and not be read-only for this user.
+    """
+    try:
+        target = parse_dsn(config.store_dsn(dsn))
+    except ValueError as exc:
+        return str(exc)
+    if target.kind == "chdb":
+        return _check_dir_writable(target.path) if target.path else None
+    try:
+        client = _connect(target, lock_timeout_s=0)
+    except StoreError as exc:
+        return str(exc)
+    try:
+        readonly = client.query("SELECT getSetting('readonly')").result_rows[0][0]
+        if str(readonly) != "0":
+            return f"{target.display()} is read-only for user {target.username}"
+    except Exception as exc:
+        return f"cannot ask {target.display()}: {_first_line(exc)}"
+    finally:
+        client.close()
+    return None
+
+
+def _check_dir_writable(path: str) -> str | None:
+    p = Path(path)
+    probe = p
+    while not probe.exists():
+        if probe.parent == probe:
+            return f"no existing parent directory for the store {path}"
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"the store {path} can't be created: {probe} is not a directory"
+    if probe != p:
+        # A parent exists; the store's own directory must be creatable in it.
+        try:
+            p.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            return f"the store directory {path} can't be created: {exc.strerror or exc}"
+    try:
+        fd, name = tempfile.mkstemp(prefix=".gpu-trace-probe-", dir=p)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as exc:
+        return f"the store directory {path} is not writable: {exc.strerror or exc}"
+    return None
+
+
+def lock_holder(path: str) -> str | None:
+    """Which other process holds a chDB directory open ("pid N (cmd)"), or None if it is free."""
+    status = Path(path) / "status"
+    try:
+        fd = os.open(status, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            pass
+        else:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None  # a stale status file from a process that died
+        text = os.pread(fd, 4096, 0).decode("utf-8", "replace")
+    finally:
+        os.close(fd)
+    m = re.search(r"PID:\s*(\d+)", text)
+    if not m:
+        return "another process"
+    pid = int(m.group(1))
+    if pid == os.getpid():
+        return None  # this process: chDB shares its engine between clients on one path
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        cmd = ""
+    return f"pid {pid}" + (f" ({cmd[:120]})" if cmd else "")
+
+
+# ---- connection ----------------------------------------------------------------------------------
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    # chDB puts the reason after a long prefix and a stack trace after it.
+    for marker in ("e.what() = ", "DB::Exception: "):
+        if marker in text:
+            text = text.rsplit(marker, 1)[-1]
+    return text.splitlines()[0][:300] if text else type(exc).__name__
+
+
+def _connect(target: Target, *, lock_timeout_s: float) -> Any:
+    import clickhouse_connect
+
+    if target.kind == "http":
+        try:
+            return clickhouse_connect.get_client(
+                host=target.host,
+                port=target.port,
+                username=target.username,
+                password=target.password,
+                secure=target.secure,
+                interface="https" if target.secure else "http",
+                compress=False,
+            )
+        except Exception as exc:
+            raise StoreError(
+                f"cannot reach the store {target.display()}: {_first_line(exc)}"
+            ) from exc
+    if target.path:
+        problem = _check_dir_writable(target.path)
+        if problem:
+            raise StoreError(problem)
+    deadline = time.monotonic() + lock_timeout_s
+    while True:
+        holder = lock_holder(target.path) if target.path else None
+        if holder is None:
+            try:
+                return clickhouse_connect.get_client(interface="chdb", path=target.path or None)
+            except Exception as exc:
+                holder = lock_holder(target.path) if target.path else None
+                if holder is None:
+                    raise StoreError(
+                        f"cannot open the store {target.display()}: {_first_line(exc)}"
+                    ) from exc
+        if time.monotonic() >= deadline:
+            raise StoreError(
+                f"the store {target.path} is in use by {holder}; chDB lets one process open a store "
+                "directory at a time. Stop that process, or point GPU_TRACE_STORE at a ClickHouse "
+                "server (http://user:password@host:8123)"
+            )
+        log.info("gpu-trace: store %s is in use by %s; waiting", target.path, holder)
+        time.sleep(0.2)
+
+
+class Store(RunQueries):
+    """A connection to the gpu-trace database: ingest, queries, read-only SQL.
+
+    ``Store()`` opens the configured store (``GPU_TRACE_STORE``, default chDB under
+    ``GPU_TRACE_HOME/store``) and creates what is missing. Use it as a context manager or call
+    :meth:`close`: an embedded store is locked to this process while it is open.
+    """
+
+    def __init__(
+        self, dsn: str | None = None, *, cluster: str | None = None, lock_timeout_s: float = 10.0
+    ) -> None:
+        self.dsn = config.store_dsn(dsn)
+        try:
+            self.target = parse_dsn(self.dsn)
+        except ValueError as exc:
+            raise StoreError(f"bad store DSN: {exc}") from None
+        self.cluster = config.cluster(cluster)
+        if self.cluster and self.target.kind == "chdb":
+            raise StoreError("a cluster needs a ClickHouse server DSN (http://...), not chDB")
+        self.database = self.target.database
+        ddl = schema_ddl(self.database, self.cluster)
+        self.client = _connect(self.target, lock_timeout_s=lock_timeout_s)
+        self._insert_settings: dict[str, Any] = (
+            {"insert_distributed_sync": 1} if self.cluster else {}
+        )
+        try:
+            for statement in ddl:
+                self.client.command(statement)
+            self.client.database = self.database
+        except Exception as exc:
+            self.client.close()
+            raise StoreError(
+                f"cannot create the gpu-trace tables in {self.target.display()}: {_first_line(exc)}"
+            ) from exc
+
+    def __repr__(self) -> str:
+        return f"Store({self.target.display()!r})"
+
+    # ---- lifetime ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the connection (and release an embedded store's directory). Idempotent."""
+        client, self.client = getattr(self, "client", None), None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- low level --------------------------------------------------------------------------------
+
+    def _table(self, name: str) -> str:
+        return f"{self.database}.{name}"
+
+    def _sql(self, template: str) -> str:
+        return template.replace("__db__", self.database)
+
+    def _query(self, template: str, params: dict[str, Any] | None = None) -> Any:
+        if self.client is None:
+            raise StoreError("the store is closed")
+        try:
+            return self.client.query(self._sql(template), parameters=params or {})
+        except Exception as exc:
+            raise StoreError(
+                f"query failed on {self.target.display()}: {_first_line(exc)}"
+            ) from exc
+
+    def _query_arrow(self, template: str, params: dict[str, Any] | None = None) -> pa.Table:
+        if self.client is None:
+            raise StoreError("the store is closed")
+        try:
+            return self.client.query_arrow(
+                self._sql(template), parameters=params or {}, use_strings=True
+            )
+        except Exception as exc:
+            raise StoreError(
+                f"query failed on {self.target.display()}: {_first_line(exc)}"
+            ) from exc
+
+    def _insert_arrow(self, table_name: str, table: pa.Table) -> None:
+        """Insert an Arrow table as one ArrowStream body (the same call for chDB and a server)."""
+        if self.client is None:
+            raise StoreError("the store is closed")
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table, max_chunksize=1 << 20)
+        body = memoryview(sink.getvalue())
+        try:
+            self.client.raw_insert(
+                self._table(table_name),
+                table.column_names,
+                body,
+                settings=self._insert_settings,
+                fmt="ArrowStream",
+            )
+        except Exception as exc:
+            raise StoreError(
+                f"writing {table.num_rows} rows to {table_name} in {self.target.display()} failed: {_first_line(exc)}"
+            ) from exc
+
+    def _insert_rows(self, table_name: str, columns: list[str], rows: Iterable[list[Any]]) -> None:
+        if self.client is None:
+            raise StoreError("the store is closed")
+        rows = list(rows)
+        if not rows:
+            return
+        try:
+            self.client.insert(
+                self._table(table_name), rows, column_names=columns, settings=self._insert_settings
+            )
+        except Exception as exc:
+            raise StoreError(
+                f"writing to {table_name} in {self.target.display()} failed: {_first_line(exc)}"
+            ) from exc
+
+    # ---- writing ----------------------------------------------------------------------------------
+
+    def ingest(self, run_dir: str | Path) -> IngestReport:
+        """Ingest a run directory's spool, stats and run.json (see :mod:`gpu_trace.tracer.ingest`)."""
+        from gpu_trace.tracer.ingest import ingest
+
+        return ingest(self, Path(run_dir))
+
+    def upsert_run(self, info: RunInfo) -> None:
+        """Insert or replace the ``runs`` row of a run."""
+        attrs = {str(k): str(v) for k, v in info.attrs.items()}
+        wall = 0
+        try:
+            wall = (
+                int(attrs["anchor_wall_ns"]) + int(info.started_ns) - int(attrs["anchor_mono_ns"])
+            )
+        except (KeyError, ValueError):
+            pass
+        row = [
+            info.run_id,
+            info.trace_id,
+            int(info.started_ns),
+            int(info.ended_ns),
+            wall,
+            info.command,
+            [str(h) for h in info.hosts],
+            info.status,
+            attrs,
+            time.time_ns(),
+        ]
+        columns = [
+            "run_id",
+            "trace_id",
+            "started_ns",
+            "ended_ns",
+            "started_wall_ns",
+            "command",
+            "hosts",
+            "status",
+            "attrs",
+            "updated_ns",
+        ]
+        self._insert_rows("runs", columns, [row])
+
+    # ---- read-only SQL ----------------------------------------------------------------------------
+
+    def sql(
+        self, query: str, parameters: dict[str, Any] | None = None
+    ) -> tuple[list[str], list[tuple]]:
+        """Run one read-only statement (``SELECT``, ``WITH``, ``SHOW``, ``DESCRIBE``, ``EXPLAIN``).
+
+        The database ``gpu_trace`` is the default, so ``SELECT count() FROM spans`` works. Values go
+        in as ``{name:Type}`` parameters. Anything that writes is refused before it is sent, and the
+        engine runs the statement with ``readonly=1`` as well (which also refuses ``SETTINGS``).
+        """
+        if self.client is None:
+            raise StoreError("the store is closed")
+        text = query.strip().rstrip(";").strip()
+        first = re.sub(r"^(\s|--[^\n]*\n?|/\*.*?\*/|\()*", "", text, flags=re.S).split(None, 1)
+        keyword = first[0].upper() if first else ""
+        if keyword not in _READ_STATEMENTS:
+            raise StoreError(
+                f"gpu-trace sql is read-only: {keyword or 'an empty statement'} is not allowed "
+                f"(use {', '.join(_READ_STATEMENTS)})"
+            )
+        try:
+            result = self.client.query(text, parameters=parameters or {}, settings={"readonly": 1})
+        except Exception as exc:
+            message = _first_line(exc)
+            if "readonly" in message.lower() or "(READONLY)" in str(exc):
+                raise StoreError(f"gpu-trace sql is read-only: {message}") from exc
+            raise StoreError(f"query failed: {message}") from exc
+        return list(result.column_names), [tuple(r) for r in result.result_rows]
