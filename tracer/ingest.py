@@ -26,10 +26,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-
 from gpu_trace.tracer.records import SCHEMAS
-from gpu_trace.tracer.recorder import STATS_DIR
-from gpu_trace.tracer.run import RunInfo
+from gpu_trace.tracer.run import STATS_DIR, RunInfo
 from gpu_trace.tracer.spool import list_spool, read_spool_file, spool_dir
 
 if TYPE_CHECKING:
@@ -67,7 +65,7 @@ class IngestReport:
     seconds: float = 0.0
 
     @property
-    def total_rows(self) -> int:
+    def rows_total(self) -> int:
         return sum(self.rows.values())
 
     def summary(self) -> str:

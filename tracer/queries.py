@@ -49,6 +49,7 @@ SELECT * FROM (
            row_number() OVER (PARTITION BY lane ORDER BY total_ns DESC, name) AS rank_total,
            row_number() OVER (PARTITION BY lane ORDER BY self_ns DESC, name) AS rank_self,
            sum(count) OVER (PARTITION BY lane) AS lane_count,
+           sum(total_ns) OVER (PARTITION BY lane) AS lane_total_ns,
            sum(self_ns) OVER (PARTITION BY lane) AS lane_self_ns
     FROM per_name
 )
@@ -201,9 +202,11 @@ class RunQueries:
     def summary(self, run_id: str, top: int = 20) -> dict[str, Any]:
         """Per lane, the top ``top`` range names by total and by self time.
 
-        Returns ``{"run_id", "lanes": [{"lane", "count", "self_ns", "by_total": [...],
-        "by_self": [...]}]}``; each row has ``name, category, count, total_ns, self_ns, mean_ns,
-        max_ns``. Self time is a span's duration minus its direct children's on the same thread.
+        Returns ``{"run_id", "lanes": [...], "counters": [...]}``. A lane is ``{"lane", "count",
+        "total_ns", "self_ns", "by_total", "by_self", "ranges"}`` (``ranges`` is ``by_total``);
+        each of their rows has ``name, category, count, total_ns, self_ns, mean_ns, max_ns``. Self
+        time is a span's duration minus its direct children's on the same thread (marks are left
+        out). ``counters`` has one row per host/source/device/metric: ``count, min, mean, max``.
         """
         rows = self._dicts(_SUMMARY, {"run_id": run_id, "top": max(1, int(top))})
         lanes: dict[str, dict[str, Any]] = {}
@@ -213,6 +216,7 @@ class RunQueries:
                 {
                     "lane": r["lane"],
                     "count": int(r["lane_count"]),
+                    "total_ns": int(r["lane_total_ns"]),
                     "self_ns": int(r["lane_self_ns"]),
                     "by_total": [],
                     "by_self": [],
@@ -234,8 +238,18 @@ class RunQueries:
         for lane in lanes.values():
             lane["by_total"] = [e for _, e in sorted(lane["by_total"], key=lambda x: x[0])]
             lane["by_self"] = [e for _, e in sorted(lane["by_self"], key=lambda x: x[0])]
+            lane["ranges"] = lane["by_total"]
         ordered = sorted(lanes.values(), key=lambda v: v["lane"])
-        return {"run_id": run_id, "lanes": ordered}
+        counters = self._dicts(
+            """
+            SELECT host, source, device, metric, count() AS count, min(value) AS min,
+                   avg(value) AS mean, max(value) AS max
+            FROM __db__.counters WHERE run_id = {run_id:String}
+            GROUP BY host, source, device, metric ORDER BY source, device, metric, host
+            """,
+            {"run_id": run_id},
+        )
+        return {"run_id": run_id, "lanes": ordered, "counters": counters}
 
     # ---- streaming --------------------------------------------------------------------------------
 

@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlparse
 
 import pyarrow as pa
-
-from gpu_trace import config
 from gpu_trace.tracer.queries import RunQueries, UnknownRunError
 from gpu_trace.tracer.run import RunInfo
+
+from gpu_trace import config
 
 if TYPE_CHECKING:
     from gpu_trace.tracer.ingest import IngestReport
@@ -474,13 +474,11 @@ class Store(RunQueries):
     def upsert_run(self, info: RunInfo) -> None:
         """Insert or replace the ``runs`` row of a run."""
         attrs = {str(k): str(v) for k, v in info.attrs.items()}
-        wall = 0
-        try:
+        wall = 0  # unknown without the run's clock anchor
+        with contextlib.suppress(KeyError, ValueError):
             wall = (
                 int(attrs["anchor_wall_ns"]) + int(info.started_ns) - int(attrs["anchor_mono_ns"])
             )
-        except (KeyError, ValueError):
-            pass
         row = [
             info.run_id,
             info.trace_id,
