@@ -16,9 +16,11 @@ is raised and the same command can be run again.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,8 +37,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Rows per insert. Larger batches are faster until memory matters; one batch is held at a time.
-BATCH_ROWS = 1_000_000
+#: Rows per insert. Larger batches are faster until memory matters.
+BATCH_ROWS = 500_000
+#: Inserts in flight at once, each on its own connection: the engine parses and writes one batch
+#: while the next is read and encoded. At most this many batches are held in memory.
+INSERT_WORKERS = 2
 
 #: Columns the store adds to each kind from the spool file's metadata, in table order.
 ADDED_COLUMNS = {
@@ -102,6 +107,32 @@ def ingest(store: Store, run_dir: Path) -> IngestReport:
     if info_problem:
         report.problems.append(info_problem)
     logged = _logged(store, info.run_id)
+    with _Inserter(store, info.run_id, report) as inserter:
+        hosts, pid_hosts = _ingest_files(store, files, info, logged, inserter, report)
+
+    stats = _read_stats(run_dir, report)
+    info.hosts = hosts
+    info.attrs = {
+        **info.attrs,
+        "events": str(sum(int(s.get("events", 0)) for s in stats)),
+        "dropped": str(sum(int(s.get("dropped", 0)) for s in stats)),
+        "processes": str(len(stats)),
+    }
+    _write_threads(store, info, stats, pid_hosts)
+    store.upsert_run(info)
+    report.seconds = time.perf_counter() - t0
+    log.info("gpu-trace: ingested %s in %.2f s", report.summary(), report.seconds)
+    return report
+
+
+def _ingest_files(
+    store: Store,
+    files: list[Path],
+    info: RunInfo,
+    logged: dict[tuple[str, int], str],
+    inserter: _Inserter,
+    report: IngestReport,
+) -> tuple[list[str], dict[int, str]]:
     pending = {kind: _Pending() for kind in SCHEMAS}
     hosts: list[str] = list(info.hosts)
     pid_hosts: dict[int, str] = {}
@@ -138,25 +169,12 @@ def ingest(store: Store, run_dir: Path) -> IngestReport:
             batch.tables.append(table)
             batch.rows += table.num_rows
         if batch.rows >= BATCH_ROWS:
-            _flush(store, info.run_id, kind, batch, report)
+            inserter.submit(kind, batch)
             pending[kind] = _Pending()
     for kind, batch in pending.items():
         if batch.files:
-            _flush(store, info.run_id, kind, batch, report)
-
-    stats = _read_stats(run_dir, report)
-    info.hosts = hosts
-    info.attrs = {
-        **info.attrs,
-        "events": str(sum(int(s.get("events", 0)) for s in stats)),
-        "dropped": str(sum(int(s.get("dropped", 0)) for s in stats)),
-        "processes": str(len(stats)),
-    }
-    _write_threads(store, info, stats, pid_hosts)
-    store.upsert_run(info)
-    report.seconds = time.perf_counter() - t0
-    log.info("gpu-trace: ingested %s in %.2f s", report.summary(), report.seconds)
-    return report
+            inserter.submit(kind, batch)
+    return hosts, pid_hosts
 
 
 # ---- run.json, stats, threads --------------------------------------------------------------------
@@ -335,11 +353,73 @@ def _log(
     )
 
 
-def _flush(store: Store, run_id: str, kind: str, batch: _Pending, report: IngestReport) -> None:
-    _log(store, run_id, kind, batch.files, "pending")
-    if batch.tables:
-        table = pa.concat_tables(batch.tables).unify_dictionaries()
-        store._insert_arrow(kind, table)
-        report.rows[kind] += table.num_rows
-    _log(store, run_id, kind, batch.files, "done")
-    report.files_ingested += len(batch.files)
+class _Inserter:
+    """Runs batched inserts on worker connections, logging each batch pending before and done after.
+
+    The log entries go through the store's own connection from the calling thread, so a batch is
+    never logged done before its insert returned. A failed insert raises StoreError from
+    ``submit`` or ``__exit__`` after the other in-flight inserts have finished.
+    """
+
+    def __init__(self, store: Store, run_id: str, report: IngestReport) -> None:
+        self.store = store
+        self.run_id = run_id
+        self.report = report
+        self._clients: list[Any] = []
+        self._free: list[Any] = []
+        self._pool: ThreadPoolExecutor | None = None
+        self._in_flight: list[tuple[Future, str, _Pending, Any]] = []
+
+    def __enter__(self) -> _Inserter:
+        return self
+
+    def submit(self, kind: str, batch: _Pending) -> None:
+        _log(self.store, self.run_id, kind, batch.files, "pending")
+        if not batch.tables:
+            self._done(kind, batch, 0)
+            return
+        while len(self._in_flight) >= INSERT_WORKERS:
+            self._wait_oldest()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(INSERT_WORKERS, thread_name_prefix="gpu-trace-ingest")
+        if not self._free:
+            client = self.store._worker_client()
+            self._clients.append(client)
+            self._free.append(client)
+        client = self._free.pop()
+        future = self._pool.submit(_insert_batch, self.store, kind, batch.tables, client)
+        self._in_flight.append((future, kind, batch, client))
+
+    def _wait_oldest(self) -> None:
+        future, kind, batch, client = self._in_flight.pop(0)
+        try:
+            rows = future.result()
+        finally:
+            self._free.append(client)
+        self._done(kind, batch, rows)
+
+    def _done(self, kind: str, batch: _Pending, rows: int) -> None:
+        _log(self.store, self.run_id, kind, batch.files, "done")
+        self.report.rows[kind] += rows
+        self.report.files_ingested += len(batch.files)
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        error: BaseException | None = None
+        while self._in_flight:
+            try:
+                self._wait_oldest()
+            except BaseException as e:  # keep waiting for the rest, then raise the first
+                error = error or e
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        for client in self._clients:
+            with contextlib.suppress(Exception):
+                client.close()
+        if error is not None and exc_type is None:
+            raise error
+
+
+def _insert_batch(store: Store, kind: str, tables: list[pa.Table], client: Any) -> int:
+    table = pa.concat_tables(tables).unify_dictionaries()
+    store._insert_arrow(kind, table, client=client)
+    return table.num_rows

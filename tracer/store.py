@@ -427,25 +427,34 @@ class Store(RunQueries):
                 f"query failed on {self.target.display()}: {_first_line(exc)}"
             ) from exc
 
-    def _insert_arrow(self, table_name: str, table: pa.Table) -> None:
+    def _worker_client(self) -> Any:
+        """Another connection to the same store, for inserts running beside this one's queries."""
+        return _connect(self.target, lock_timeout_s=0)
+
+    def _insert_arrow(self, table_name: str, table: pa.Table, client: Any = None) -> None:
         """Insert an Arrow table as one ArrowStream body (the same call for chDB and a server)."""
-        if self.client is None:
+        client = client or self.client
+        if client is None:
             raise StoreError("the store is closed")
-        sink = pa.BufferOutputStream()
-        with pa.ipc.new_stream(sink, table.schema) as writer:
+        # Sized once, written once: a growing buffer costs more than the insert's own parsing.
+        mock = pa.MockOutputStream()
+        with pa.ipc.new_stream(mock, table.schema) as writer:
             writer.write_table(table, max_chunksize=1 << 20)
-        body = memoryview(sink.getvalue())
+        buf = pa.allocate_buffer(mock.size())
+        with pa.ipc.new_stream(pa.FixedSizeBufferWriter(buf), table.schema) as writer:
+            writer.write_table(table, max_chunksize=1 << 20)
         try:
-            self.client.raw_insert(
+            client.raw_insert(
                 self._table(table_name),
                 table.column_names,
-                body,
+                memoryview(buf),
                 settings=self._insert_settings,
                 fmt="ArrowStream",
             )
         except Exception as exc:
             raise StoreError(
-                f"writing {table.num_rows} rows to {table_name} in {self.target.display()} failed: {_first_line(exc)}"
+                f"writing {table.num_rows} rows to {table_name} in {self.target.display()} failed: "
+                f"{_first_line(exc)}"
             ) from exc
 
     def _insert_rows(self, table_name: str, columns: list[str], rows: Iterable[list[Any]]) -> None:
