@@ -105,6 +105,8 @@ def parse_dsn(dsn: str) -> Target:
         raise ValueError(f"store DSN must be chdb://, http:// or https://, got {url.scheme}://")
     if not url.hostname:
         raise ValueError(f"store DSN has no host: {dsn.split('@')[-1]}")
+    if url.params or url.query or url.fragment:
+        raise ValueError("store DSN takes no parameters after the database name")
     secure = url.scheme == "https"
     database = unquote(url.path.strip("/")) or DEFAULT_DATABASE
     if not _IDENTIFIER.match(database):
@@ -527,8 +529,10 @@ class Store(RunQueries):
         """
         if self.client is None:
             raise StoreError("the store is closed")
-        text = query.strip().rstrip(";").strip()
-        first = re.sub(r"^(\s|--[^\n]*\n?|/\*.*?\*/|\()*", "", text, flags=re.S).split(None, 1)
+        text = _single_statement(query)
+        first = re.sub(r"^(\s|--[^\n]*\n?|#[^\n]*\n?|/\*.*?\*/|\()*", "", text, flags=re.S).split(
+            None, 1
+        )
         keyword = first[0].upper() if first else ""
         if keyword not in _READ_STATEMENTS:
             raise StoreError(
@@ -537,9 +541,40 @@ class Store(RunQueries):
             )
         try:
             result = self.client.query(text, parameters=parameters or {}, settings={"readonly": 1})
+            rows = [tuple(r) for r in result.result_rows]
         except Exception as exc:
             message = _first_line(exc)
             if "readonly" in message.lower() or "(READONLY)" in str(exc):
                 raise StoreError(f"gpu-trace sql is read-only: {message}") from exc
             raise StoreError(f"query failed: {message}") from exc
-        return list(result.column_names), [tuple(r) for r in result.result_rows]
+        return list(result.column_names), rows
+
+
+def _single_statement(query: str) -> str:
+    """The query without a trailing ``;``; StoreError if it holds more than one statement.
+
+    chDB would run every statement of a multi-statement text, so they are refused here, outside
+    string literals, quoted names and comments.
+    """
+    text = query.strip()
+    i, n = 0, len(text)
+    end = n
+    while i < n:
+        c = text[i]
+        if c in "'\"`":
+            i += 1
+            while i < n and text[i] != c:
+                i += 2 if text[i] == "\\" else 1
+        elif text.startswith("--", i) or c == "#":
+            nl = text.find("\n", i)
+            i = n if nl < 0 else nl
+        elif text.startswith("/*", i):
+            close = text.find("*/", i + 2)
+            i = n if close < 0 else close + 1
+        elif c == ";":
+            if text[i + 1 :].strip(" \t\r\n;"):
+                raise StoreError("gpu-trace sql is read-only and runs one statement at a time")
+            end = i
+            break
+        i += 1
+    return text[:end].strip()
