@@ -44,7 +44,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from gpu_trace.tracer.exporter import ExportResult, check_batch
-from gpu_trace.tracer.records import FORWARD, KERNEL, MARK, MEMCPY, MODULE, NVTX, OP, STEP, STEP_LANE
+from gpu_trace.tracer.records import (
+    FORWARD,
+    KERNEL,
+    MARK,
+    MEMCPY,
+    MODULE,
+    NVTX,
+    OP,
+    STEP,
+    STEP_LANE,
+)
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +112,15 @@ class ChromeTraceExporter:
     ) -> None:
         if categories not in ("kineto", "native"):
             raise ValueError(f"categories must be 'kineto' or 'native', got {categories!r}")
-        if not isinstance(rank, int) or rank < 0 or not isinstance(world_size, int) or world_size <= rank:
-            raise ValueError(f"need 0 <= rank < world_size, got rank={rank!r} world_size={world_size!r}")
+        if (
+            not isinstance(rank, int)
+            or rank < 0
+            or not isinstance(world_size, int)
+            or world_size <= rank
+        ):
+            raise ValueError(
+                f"need 0 <= rank < world_size, got rank={rank!r} world_size={world_size!r}"
+            )
         if not isinstance(run, dict):
             raise ValueError(f"run must be a dict, got {type(run).__name__}")
         self.path = Path(path)
@@ -152,6 +169,7 @@ class ChromeTraceExporter:
             "complete": False,
         }
         self._closed = False
+        self._failed = False
         self._first = True
         self._tmp = self.path.with_name(f".{self.path.name}.tmp")
         raw = open(self._tmp, "wb")  # noqa: SIM115 - closed by shutdown
@@ -172,6 +190,7 @@ class ChromeTraceExporter:
         try:
             self.write_spans(batch)
         except Exception:
+            self._failed = True
             log.exception("gpu-trace: Chrome trace export to %s failed", self.path)
             return ExportResult.FAILURE
         return ExportResult.SUCCESS
@@ -189,7 +208,7 @@ class ChromeTraceExporter:
     def shutdown(self) -> None:
         """Write the trailer and move the file into place. Idempotent; never raises."""
         try:
-            self.close()
+            self.close(complete=not self._failed)
         except Exception:
             log.exception("gpu-trace: finishing %s failed", self.path)
 
@@ -313,11 +332,15 @@ class ChromeTraceExporter:
         self._write_strings(events)
         self.stats["counters"] += n
 
-    def close(self) -> dict[str, Any]:
-        """Write the trailer, close and move the file into place; returns the stats."""
+    def close(self, complete: bool = True) -> dict[str, Any]:
+        """Write the trailer, close and move the file into place; returns the stats.
+
+        ``complete=False`` records in the trailer that the export stopped early.
+        """
         if self._closed:
             return self.stats
         self._closed = True
+        self.stats["complete"] = complete
         try:
             self._write_trailer()
             self._file.close()
@@ -349,7 +372,6 @@ class ChromeTraceExporter:
         self._put(head.encode())
 
     def _write_trailer(self) -> None:
-        self.stats["complete"] = True
         base = self.base_ns if self.base_ns is not None else 0
         info = {
             "run_id": self.run.get("run_id", ""),
@@ -365,6 +387,7 @@ class ChromeTraceExporter:
             "counters": self.stats["counters"],
             "flows": self.stats["flows"],
             "flow_window": self.flow_window,
+            "complete": self.stats["complete"],
         }
         tail = f'\n],\n"gpu_trace": {_json(info)}'
         attrs = self.run.get("attrs") or {}
@@ -426,7 +449,9 @@ class ChromeTraceExporter:
         host_name = next(h for h, i in self._hosts.items() if i == host)
         lane_name = self._lane_names[lane]
         cpid = self._process(host_name, pid)
-        rank, lanes = self._threads.get((cpid, tid), (sum(1 for c, _ in self._threads if c == cpid), 0))
+        rank, lanes = self._threads.get(
+            (cpid, tid), (sum(1 for c, _ in self._threads if c == cpid), 0)
+        )
         self._threads[(cpid, tid)] = (rank, lanes + 1)
         if lane_name == STEP_LANE and 0 < tid < SYNTHETIC_BASE and tid not in self._used_tids:
             ctid, order = tid, 0
@@ -450,7 +475,11 @@ class ChromeTraceExporter:
     def _track_columns(self, batch: pa.Table) -> tuple[np.ndarray, np.ndarray, pa.Array, pa.Array]:
         """Per row: Chrome pid, Chrome tid, the ``"pid":..,"tid":..`` and lane args fragments."""
         host_codes, host_dict = _dictionary(batch["host"])
-        host_map = np.array([self._hosts.setdefault(h or "", len(self._hosts)) for h in host_dict.to_pylist()] or [0], dtype=np.int64)
+        host_map = np.array(
+            [self._hosts.setdefault(h or "", len(self._hosts)) for h in host_dict.to_pylist()]
+            or [0],
+            dtype=np.int64,
+        )
         lane_codes, lane_dict = _dictionary(batch["lane"])
         lane_ids = []
         for lane in lane_dict.to_pylist():
@@ -460,14 +489,25 @@ class ChromeTraceExporter:
                 self._lane_names.append(lane)
             lane_ids.append(self._lanes[lane])
         lane_map = np.array(lane_ids or [0], dtype=np.int64)
-        keys = np.empty((batch.num_rows, 4), dtype=np.int64)
-        keys[:, 0] = host_map[host_codes]
-        keys[:, 1] = _int64(batch["pid"])
-        keys[:, 2] = _uint64(batch["tid"]).view(np.int64)
-        keys[:, 3] = lane_map[lane_codes]
-        uniq, inverse = np.unique(keys, axis=0, return_inverse=True)
-        inverse = inverse.reshape(-1)
-        tracks = [self._track(int(h), int(p), int(np.int64(t).view(np.uint64)), int(ln)) for h, p, t, ln in uniq]
+        # Distinct (host, pid, tid, lane) by hashing, not sorting: one mixed-radix code per row.
+        parts = [host_map[host_codes], lane_map[lane_codes]]
+        values = []
+        for col in (_int64(batch["pid"]), _uint64(batch["tid"]).view(np.int64)):
+            codes, uniq = _dictionary_codes(col)
+            parts.append(codes)
+            values.append(uniq)
+        radix = [len(self._hosts), len(self._lane_names), len(values[0]), len(values[1])]
+        code = np.zeros(batch.num_rows, dtype=np.int64)
+        for part, r in zip(parts, radix):
+            code = code * r + part
+        inverse, combos = _dictionary_codes(code)
+        tracks = []
+        for c in combos.tolist():
+            c, t = divmod(c, radix[3])
+            c, p = divmod(c, radix[2])
+            h, ln = divmod(c, radix[1])
+            tid = int(np.int64(values[1][t]).view(np.uint64))
+            tracks.append(self._track(int(h), int(values[0][p]), tid, int(ln)))
         cpid = np.array([t[0] for t in tracks], dtype=np.int64)[inverse]
         ctid = np.array([t[1] for t in tracks], dtype=np.int64)[inverse]
         idx = pa.array(inverse.astype(np.int32))
@@ -520,7 +560,9 @@ class ChromeTraceExporter:
             return
         child = rows[cross]
         k = len(child)
-        ids = pa.array(np.arange(self._next_flow, self._next_flow + k, dtype=np.int64)).cast(pa.string())
+        ids = pa.array(np.arange(self._next_flow, self._next_flow + k, dtype=np.int64)).cast(
+            pa.string()
+        )
         self._next_flow += k
         common = f',"cat":"{FLOW_CATEGORY}","name":"parent"'
         starts = pc.binary_join_element_wise(
@@ -569,7 +611,9 @@ class ChromeTraceExporter:
             arr = arr.combine_chunks()
         if len(arr) == 0:
             return
-        offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32, count=len(arr) + 1, offset=arr.offset * 4)
+        offsets = np.frombuffer(
+            arr.buffers()[1], dtype=np.int32, count=len(arr) + 1, offset=arr.offset * 4
+        )
         data = arr.buffers()[2]
         self._put(memoryview(data)[offsets[0] : offsets[-1]])
 
@@ -620,11 +664,23 @@ def _dictionary(col: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, pa.Array]:
     return codes, dictionary
 
 
+def _dictionary_codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Codes (int64) and distinct values of an int64 array, by hashing."""
+    encoded = pc.dictionary_encode(pa.array(values, pa.int64()))
+    return np.asarray(encoded.indices, dtype=np.int64), np.asarray(
+        encoded.dictionary, dtype=np.int64
+    )
+
+
 def _quote(col: pa.Array | pa.ChunkedArray) -> pa.Array:
     """Each string as a JSON string literal (quoted and escaped); nulls become ``""``."""
     col = _combined(col)
     if pa.types.is_dictionary(col.type):
-        return _quote(col.dictionary).take(col.indices.fill_null(0)) if len(col.dictionary) else pa.array(['""'] * len(col), pa.string())
+        return (
+            _quote(col.dictionary).take(col.indices.fill_null(0))
+            if len(col.dictionary)
+            else pa.array(['""'] * len(col), pa.string())
+        )
     col = col.cast(pa.string()).fill_null("")
     try:
         col.validate(full=True)  # invalid UTF-8 would make the whole file unreadable
@@ -661,7 +717,11 @@ def _attrs_fragment(col: pa.Array | pa.ChunkedArray, n: int) -> pa.Array | str:
     if len(keys) == 0:
         return ""
     keys = _plain(keys).fill_null("")
-    keys = pc.if_else(pc.is_in(keys, pa.array(RESERVED_ARGS)), pc.binary_join_element_wise("attr.", keys, ""), keys)
+    keys = pc.if_else(
+        pc.is_in(keys, pa.array(RESERVED_ARGS)),
+        pc.binary_join_element_wise("attr.", keys, ""),
+        keys,
+    )
     pairs = pc.binary_join_element_wise(",", _quote(keys), ":", _quote(_plain(items)), "")
     offsets = col.offsets
     lists = pa.ListArray.from_arrays(offsets, pairs)
@@ -688,7 +748,9 @@ def write_chrome_trace(
     (``rank``, ``world_size``, ``categories``, ``flow_window``, ``compresslevel``). Errors raise;
     the file is still finished with what was written (``gpu_trace.complete`` is false then).
     """
-    exporter = ChromeTraceExporter(path, run=run, threads=threads, progress=progress, total_spans=total_spans, **options)
+    exporter = ChromeTraceExporter(
+        path, run=run, threads=threads, progress=progress, total_spans=total_spans, **options
+    )
     ok = False
     try:
         for batch in span_batches:
@@ -697,11 +759,7 @@ def write_chrome_trace(
             exporter.write_counters(batch)
         ok = True
     finally:
-        if not ok:
-            exporter.stats["complete"] = False
-        stats = exporter.close()
-        if not ok:
-            stats["complete"] = False
+        stats = exporter.close(complete=ok)
     return stats
 
 

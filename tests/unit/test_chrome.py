@@ -1,0 +1,556 @@
+"""Chrome trace export: exact formatting, tracks, flows, counters, escaping, streaming memory."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import re
+import sys
+import threading
+import tracemalloc
+from decimal import Decimal
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+import gpu_trace
+from gpu_trace.tracer.chrome import (
+    SYNTHETIC_BASE,
+    ChromeTraceExporter,
+    TerminalProgress,
+    write_chrome_trace,
+)
+from gpu_trace.tracer.records import ATTRS
+from gpu_trace.tracer.spool import list_spool, read_spool_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.export import synthetic_batches  # noqa: E402
+
+BASE = 1_000_000_000
+RUN = {
+    "run_id": "r1",
+    "trace_id": "ab" * 16,
+    "started_ns": BASE,
+    "hosts": ["h1", "h2"],
+    "attrs": {"anchor_mono_ns": str(BASE - 5), "anchor_wall_ns": "1700000000000000000"},
+}
+THREADS = [
+    {
+        "host": "h1",
+        "pid": 10,
+        "tid": 10,
+        "process_name": "python train.py",
+        "thread_name": "MainThread",
+    },
+    {
+        "host": "h2",
+        "pid": 10,
+        "tid": 77,
+        "process_name": "gpu-trace serve",
+        "thread_name": "worker",
+    },
+]
+
+
+def spans(rows: list[tuple], *, dictionary: bool = False) -> pa.Table:
+    """rows: (host, span_id, parent, pid, tid, lane, category, name, start, end, attrs)."""
+    cols = list(zip(*rows))
+
+    def s(values: tuple) -> pa.Array:
+        arr = pa.array(list(values), pa.string())
+        return arr.dictionary_encode() if dictionary else arr
+
+    return pa.table(
+        {
+            "run_id": pa.array(["r1"] * len(rows)),
+            "trace_id": pa.array([RUN["trace_id"]] * len(rows)),
+            "host": s(cols[0]),
+            "span_id": pa.array(cols[1], pa.uint64()),
+            "parent_span_id": pa.array(cols[2], pa.uint64()),
+            "pid": pa.array(cols[3], pa.uint32()),
+            "tid": pa.array(cols[4], pa.uint64()),
+            "lane": s(cols[5]),
+            "category": s(cols[6]),
+            "name": s(cols[7]),
+            "start_ns": pa.array(cols[8], pa.int64()),
+            "end_ns": pa.array(cols[9], pa.int64()),
+            "depth": pa.array([0] * len(rows), pa.uint16()),
+            "attrs": pa.array([list(a.items()) if a else [] for a in cols[10]], ATTRS),
+        }
+    )
+
+
+ROWS = [
+    ("h1", 1, 0, 10, 10, "steps", "step", "ProfilerStep#0", BASE + 1_000, BASE + 9_000, None),
+    (
+        "h1",
+        2,
+        0,
+        10,
+        10,
+        "nvtx/gpu_trace",
+        "nvtx",
+        "forward",
+        BASE + 1_500,
+        BASE + 3_001,
+        {"batch": "3"},
+    ),
+    ("h1", 3, 2, 10, 10, "nvtx/gpu_trace", "op", "aten::mm", BASE + 1_600, BASE + 2_999, None),
+    ("h1", 4, 2, 10, 10, "nvtx/gpu_trace", "mark", "here", BASE + 2_000, BASE + 2_000, None),
+    (
+        "h1",
+        5,
+        0,
+        10,
+        10,
+        "forward/send",
+        "forward",
+        "send aten::mm",
+        BASE + 3_100,
+        BASE + 3_200,
+        None,
+    ),
+    (
+        "h2",
+        6,
+        5,
+        10,
+        77,
+        "server/queue",
+        "server",
+        "queue",
+        BASE + 3_500,
+        BASE + 4_250,
+        {"tenant": "a"},
+    ),
+    ("h1", 7, 0, 10, 11, "gpu0/stream7", "kernel", "sgemm", BASE + 4_000, BASE + 4_000_123, None),
+]
+COUNTERS = pa.table(
+    {
+        "host": ["h1", "h1", "h1"],
+        "source": ["nvml", "nvml", "user"],
+        "device": ["gpu0", "gpu0", ""],
+        "metric": ["sm_util", "sm_util", "loss"],
+        "ts_ns": pa.array([BASE + 100, BASE + 200, BASE + 300], pa.int64()),
+        "value": [50.0, float("nan"), 0.25],
+    }
+)
+
+
+def load(path: Path) -> dict:
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return json.load(f)
+
+
+def by_phase(trace: dict, ph: str) -> list[dict]:
+    return [e for e in trace["traceEvents"] if e["ph"] == ph]
+
+
+def assert_nested(events: list[dict]) -> None:
+    """Complete events on each (pid, tid) nest: Chrome's rule for one thread."""
+    tracks: dict[tuple, list[dict]] = {}
+    for e in events:
+        if e["ph"] == "X":
+            tracks.setdefault((e["pid"], e["tid"]), []).append(e)
+    for key, evs in tracks.items():
+        stack: list[Decimal] = []
+        for e in sorted(evs, key=lambda e: (Decimal(str(e["ts"])), -Decimal(str(e["dur"])))):
+            ts, end = Decimal(str(e["ts"])), Decimal(str(e["ts"])) + Decimal(str(e["dur"]))
+            while stack and stack[-1] <= ts:
+                stack.pop()
+            assert not stack or end <= stack[-1], f"{e['name']} overlaps its parent on {key}"
+            stack.append(end)
+
+
+def test_golden_small_run(tmp_path: Path) -> None:
+    path = tmp_path / "trace.json"
+    stats = write_chrome_trace(path, RUN, THREADS, [spans(ROWS[:4]), spans(ROWS[4:])], [COUNTERS])
+    text = path.read_text()
+    trace = json.loads(text)
+
+    assert (
+        stats["spans"] == 6
+        and stats["marks"] == 1
+        and stats["counters"] == 2
+        and stats["flows"] == 1
+    )
+    assert stats["complete"] is True
+    assert re.search(r'"distributedInfo": \{"rank": 0, "world_size": 1\}', text.splitlines()[1])
+    assert trace["displayTimeUnit"] == "ns" and trace["deviceProperties"] == []
+    assert trace["gpu_trace"]["time_base_ns"] == BASE and trace["gpu_trace"]["complete"] is True
+    assert trace["baseTimeNanoseconds"] == 1700000000000000000 + 5
+
+    # Exact microseconds from integer nanoseconds: three fraction digits, no float rounding.
+    lines = text.splitlines()
+    fwd = next(line for line in lines if '"name":"forward"' in line)
+    assert '"ts":1.500,"dur":1.501' in fwd
+    assert '"ts":1.600,"dur":1.399' in next(
+        line for line in lines if "aten::mm" in line and '"ph":"X"' in line
+    )
+    assert '"ts":4.000,"dur":3996.123' in next(line for line in lines if "sgemm" in line)
+
+    x = {e["name"]: e for e in by_phase(trace, "X")}
+    step = x["ProfilerStep#0"]
+    assert (step["pid"], step["tid"], step["cat"]) == (10, 10, "user_annotation")  # real tid
+    assert x["aten::mm"]["cat"] == "cpu_op" and x["aten::mm"]["args"]["category"] == "op"
+    assert x["forward"]["args"] == {
+        "span_id": "2",
+        "category": "nvtx",
+        "lane": "nvtx/gpu_trace",
+        "batch": "3",
+    }
+    assert x["aten::mm"]["args"]["parent_span_id"] == "2"
+    assert x["sgemm"]["cat"] == "kernel" and (
+        x["sgemm"]["args"]["device"],
+        x["sgemm"]["args"]["stream"],
+    ) == (0, 7)
+    # Lanes of one OS thread are separate tracks; the steps lane keeps the OS tid.
+    assert x["forward"]["tid"] == x["aten::mm"]["tid"] >= SYNTHETIC_BASE
+    assert x["forward"]["tid"] != x["send aten::mm"]["tid"]
+    assert_nested(trace["traceEvents"])
+
+    # The same pid on another host is another process.
+    queue = x["queue"]
+    assert queue["pid"] != 10 and queue["args"]["tenant"] == "a"
+
+    meta = by_phase(trace, "M")
+    names = {(e["name"], e["pid"], e.get("tid")): e["args"] for e in meta}
+    assert names[("process_name", 10, None)] == {"name": "h1 10 python train.py"}
+    assert names[("process_name", queue["pid"], None)] == {"name": "h2 10 gpu-trace serve"}
+    assert names[("thread_name", 10, 10)] == {"name": "MainThread · steps"}
+    assert names[("thread_name", 10, x["forward"]["tid"])] == {
+        "name": "MainThread · nvtx/gpu_trace"
+    }
+    assert names[("thread_name", queue["pid"], queue["tid"])] == {"name": "worker · server/queue"}
+    assert names[("thread_name", 10, x["sgemm"]["tid"])] == {"name": "thread 11 · gpu0/stream7"}
+    sort = {e["tid"]: e["args"]["sort_index"] for e in meta if e["name"] == "thread_sort_index"}
+    assert sort[10] < sort[x["forward"]["tid"]] < sort[x["send aten::mm"]["tid"]]
+
+    (mark,) = by_phase(trace, "i")
+    assert (
+        mark["name"] == "here"
+        and mark["s"] == "t"
+        and "dur" not in mark
+        and mark["tid"] == x["forward"]["tid"]
+    )
+    assert '"ts":2.000,' in next(line for line in lines if '"name":"here"' in line)
+
+    # One flow: the client's send (h1) is the parent of the server's queue span (h2).
+    (s,) = by_phase(trace, "s")
+    (f,) = by_phase(trace, "f")
+    assert s["id"] == f["id"] and f["bp"] == "e" and s["cat"] == f["cat"]
+    send = x["send aten::mm"]
+    assert (s["pid"], s["tid"], s["ts"]) == (send["pid"], send["tid"], send["ts"])
+    assert (f["pid"], f["tid"], f["ts"]) == (queue["pid"], queue["tid"], queue["ts"])
+
+    # Counters: NaN dropped, one series per device, "value" where there is none.
+    counters = by_phase(trace, "C")
+    assert [(c["name"], c["args"]) for c in counters] == [
+        ("sm_util", {"gpu0": 50.0}),
+        ("loss", {"value": 0.25}),
+    ]
+    assert '"ts":0.100,' in next(line for line in lines if '"ph":"C"' in line)
+    cpid = counters[0]["pid"]
+    assert names[("process_name", cpid, None)] == {"name": "h1 counters"}
+
+
+def test_gzip_and_dictionary_columns_give_the_same_trace(tmp_path: Path) -> None:
+    write_chrome_trace(tmp_path / "a.json", RUN, THREADS, [spans(ROWS)], [COUNTERS])
+    write_chrome_trace(
+        tmp_path / "b.json.gz", RUN, THREADS, [spans(ROWS, dictionary=True)], [COUNTERS]
+    )
+    assert gzip.open(tmp_path / "b.json.gz").read() == (tmp_path / "a.json").read_bytes()
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("dictionary", [False, True])
+def test_weird_strings_round_trip(tmp_path: Path, dictionary: bool) -> None:
+    weird = [
+        '"quote"\n<script>',
+        "back\\slash\ttab\r\x00\x01\x1f\x7f",
+        "ünïcødé 🚀 \u2028\u2029 </script>",
+        "",
+        "{}[],:",
+    ]
+    rows = [
+        (
+            'h"1',
+            i + 1,
+            0,
+            10,
+            10,
+            w or "lane",
+            "nvtx",
+            w,
+            BASE + i,
+            BASE + i + 1,
+            {w or "k": w, "span_id": "mine"},
+        )
+        for i, w in enumerate(weird)
+    ]
+    path = tmp_path / "w.json"
+    write_chrome_trace(path, {**RUN, "run_id": 'r"\n'}, [], [spans(rows, dictionary=dictionary)])
+    trace = load(path)
+    x = by_phase(trace, "X")
+    assert [e["name"] for e in x] == weird
+    for e, w in zip(x, weird):
+        assert e["args"][w or "k"] == w
+        assert e["args"]["attr.span_id"] == "mine"  # our own argument names win
+        assert e["args"]["lane"] == (w or "lane")
+    assert trace["traceName"] == 'r"\n'
+    assert any(
+        e["args"]["name"].startswith('h"1 10')
+        for e in by_phase(trace, "M")
+        if e["name"] == "process_name"
+    )
+
+
+def test_timestamps_are_exact_and_may_be_negative(tmp_path: Path) -> None:
+    big = 123_456_789_012_345_678
+    rows = [
+        ("h1", 1, 0, 10, 10, "steps", "step", "ProfilerStep#0", BASE - 1_234, BASE + 5, None),
+        ("h1", 2, 0, 10, 10, "steps", "step", "ProfilerStep#1", BASE + big, BASE + big + 999, None),
+    ]
+    path = tmp_path / "t.json"
+    write_chrome_trace(path, RUN, [], [spans(rows)])
+    trace = json.loads(path.read_text(), parse_float=Decimal)
+    a, b = by_phase(trace, "X")
+    assert (a["ts"], a["dur"]) == (Decimal("-1.234"), Decimal("1.239"))
+    assert (b["ts"], b["dur"]) == (Decimal(big) / 1000, Decimal("0.999"))
+    assert a["ts"] * 1000 + BASE == BASE - 1_234
+
+
+def test_base_defaults_to_first_span_without_run_start(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    write_chrome_trace(path, {"run_id": "x"}, [], [spans(ROWS[1:3])])
+    trace = load(path)
+    assert trace["gpu_trace"]["time_base_ns"] == BASE + 1_500
+    assert by_phase(trace, "X")[0]["ts"] == 0
+    assert "baseTimeNanoseconds" not in trace
+
+
+def test_flow_parents_are_looked_up_in_a_bounded_window(tmp_path: Path) -> None:
+    # Parent 1 is a plain span on h1, parent 2 a forward span; 100 local spans come in between.
+    rows = [
+        ("h1", 1, 0, 10, 10, "cpu", "nvtx", "old", BASE, BASE + 10, None),
+        ("h1", 2, 0, 10, 10, "forward/send", "forward", "send", BASE + 1, BASE + 2, None),
+    ]
+    rows += [
+        ("h1", 100 + i, 0, 10, 10, "cpu", "nvtx", "x", BASE + 3 + i, BASE + 4 + i, None)
+        for i in range(100)
+    ]
+    rows += [
+        (
+            "h2",
+            900,
+            1,
+            20,
+            20,
+            "server/queue",
+            "server",
+            "child of old",
+            BASE + 500,
+            BASE + 501,
+            None,
+        ),
+        (
+            "h2",
+            901,
+            2,
+            20,
+            20,
+            "server/queue",
+            "server",
+            "child of send",
+            BASE + 502,
+            BASE + 503,
+            None,
+        ),
+    ]
+    batches = [spans(rows[i : i + 10]) for i in range(0, len(rows), 10)]
+    small = write_chrome_trace(tmp_path / "a.json", RUN, [], batches, flow_window=16)
+    assert small["flows"] == 1  # the forward span is kept, the old plain span fell out
+    (f,) = by_phase(load(tmp_path / "a.json"), "f")
+    assert f["ts"] == 0.502
+    assert write_chrome_trace(tmp_path / "b.json", RUN, [], batches, flow_window=1000)["flows"] == 2
+    assert write_chrome_trace(tmp_path / "c.json", RUN, [], batches, flow_window=0)["flows"] == 0
+
+
+def test_an_error_midway_still_leaves_a_valid_file(tmp_path: Path) -> None:
+    def batches():
+        yield spans(ROWS[:3])
+        raise KeyboardInterrupt
+
+    path = tmp_path / "t.json"
+    with pytest.raises(KeyboardInterrupt):
+        write_chrome_trace(path, RUN, THREADS, batches())
+    trace = load(path)
+    assert len(by_phase(trace, "X")) == 3 and trace["gpu_trace"]["complete"] is False
+
+
+def test_exporter_contract_and_bad_input(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    progress: list[tuple[int, int | None]] = []
+    exp = ChromeTraceExporter(
+        tmp_path / "t.json",
+        run=RUN,
+        threads=THREADS,
+        progress=lambda d, t: progress.append((d, t)),
+        total_spans=7,
+    )
+    assert exp.export(spans(ROWS[:4])).name == "SUCCESS"
+    assert exp.export(pa.table({"name": ["x"]})).name == "FAILURE"
+    assert "lacks columns" in caplog.text
+    assert exp.export(spans(ROWS[4:])).name == "SUCCESS"
+    assert exp.force_flush(timeout_millis=100)
+    exp.shutdown()
+    exp.shutdown()
+    assert exp.export(spans(ROWS)).name == "FAILURE"
+    assert progress == [(4, 7), (7, 7)]
+    trace = load(tmp_path / "t.json")
+    assert len(by_phase(trace, "X")) == 6 and trace["gpu_trace"]["complete"] is False
+    with pytest.raises(ValueError):
+        ChromeTraceExporter(tmp_path / "missing" / "t.json", run=RUN)
+    with pytest.raises(ValueError):
+        ChromeTraceExporter(tmp_path / "t.json", run=RUN, rank=2, world_size=2)
+    with pytest.raises(ValueError):
+        ChromeTraceExporter(tmp_path / "t.json", run=RUN, categories="hta")
+
+
+def test_native_categories(tmp_path: Path) -> None:
+    write_chrome_trace(tmp_path / "t.json", RUN, [], [spans(ROWS)], categories="native")
+    assert {e["cat"] for e in by_phase(load(tmp_path / "t.json"), "X")} == {
+        "step",
+        "nvtx",
+        "op",
+        "forward",
+        "server",
+        "kernel",
+    }
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_terminal_progress_draws_only_on_a_terminal() -> None:
+    plain = io.StringIO()
+    bar = TerminalProgress(plain)
+    bar(5, 10)
+    bar.close()
+    assert plain.getvalue() == ""
+    tty = _Tty()
+    bar = TerminalProgress(tty, width=10)
+    bar(5, 10)
+    bar(5, 10)  # unchanged: not redrawn
+    bar(10, 10)
+    bar(3, None)
+    bar.close()
+    assert tty.getvalue() == (
+        "\r[#####.....]  50% 5/10 spans\r[##########] 100% 10/10 spans\r3 spans\n"
+    )
+
+
+def test_export_of_a_real_recording(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPU_TRACE_NVTX", "off")
+    run_dir = tmp_path / "run"
+    gpu_trace.start(run_dir)
+    try:
+        for i in range(3):
+            gpu_trace.step(i)
+            with gpu_trace.range("forward", batch=i), gpu_trace.range('inner "q"\n'):
+                gpu_trace.mark("checkpoint", i=i)
+            gpu_trace.counter("loss", 1.0 / (i + 1))
+        gpu_trace.step(3)
+    finally:
+        gpu_trace.stop()
+
+    tables, counters, threads = [], [], []
+    for f in list_spool(run_dir):
+        sf = read_spool_file(f)
+        assert sf.problem is None and sf.table is not None
+        t = sf.table.replace_schema_metadata(None)
+        n = t.num_rows
+        t = t.append_column("host", pa.array([sf.meta["host"]] * n))
+        if sf.kind == "spans":
+            tables.append(t)
+            threads.append(
+                {
+                    "host": sf.meta["host"],
+                    "pid": int(sf.meta["pid"]),
+                    "tid": threading.get_native_id(),
+                    "process_name": sf.meta["process_name"],
+                    "thread_name": "MainThread",
+                }
+            )
+        elif sf.kind == "counters":
+            counters.append(t)
+    all_spans = pa.concat_tables(tables).sort_by("start_ns")
+    run = json.loads((run_dir / "run.json").read_text())
+    path = tmp_path / "rank-0.json"
+    stats = write_chrome_trace(
+        path,
+        run,
+        threads,
+        all_spans.to_batches(max_chunksize=5),
+        counters,
+        total_spans=all_spans.num_rows,
+    )
+    trace = load(path)
+    x = by_phase(trace, "X")
+    steps = [e for e in x if e["name"].startswith("ProfilerStep#")]
+    assert [e["name"] for e in steps] == [f"ProfilerStep#{i}" for i in range(4)]
+    assert {e["tid"] for e in steps} == {threading.get_native_id()}
+    assert (
+        sum(e["name"] == "forward" for e in x) == 3
+        and sum(e["name"] == 'inner "q"\n' for e in x) == 3
+    )
+    assert [e["args"]["batch"] for e in x if e["name"] == "forward"] == ["0", "1", "2"]
+    assert [e["args"]["i"] for e in by_phase(trace, "i")] == ["0", "1", "2"]
+    assert [c["args"]["value"] for c in by_phase(trace, "C")] == [1.0, 0.5, 1.0 / 3]
+    assert stats["spans"] + stats["marks"] == all_spans.num_rows and stats["flows"] == 0
+    assert_nested(trace["traceEvents"])
+    # Durations equal the recorded ones to the nanosecond.
+    rec = {r["span_id"]: r["end_ns"] - r["start_ns"] for r in all_spans.to_pylist()}
+    for e in x:
+        assert round(Decimal(str(e["dur"])) * 1000) == rec[int(e["args"]["span_id"])]
+
+
+def _export_peak(path: Path, n: int) -> tuple[int, int, dict]:
+    """Peak memory (Python and numpy via tracemalloc, plus Arrow's pool) of one streamed export."""
+    pool = pa.proxy_memory_pool(pa.default_memory_pool())
+    old = pa.default_memory_pool()
+    seen = {"bytes": 0}
+
+    def counted():
+        for b in synthetic_batches(n, 65536):
+            seen["bytes"] += b.nbytes
+            yield b
+
+    pa.set_memory_pool(pool)
+    tracemalloc.start()
+    try:
+        stats = write_chrome_trace(path, {"run_id": "big", "started_ns": 0}, [], counted())
+        py_peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        pa.set_memory_pool(old)
+    return py_peak + pool.max_memory(), seen["bytes"], stats
+
+
+@pytest.mark.slow
+def test_memory_stays_flat_for_a_million_spans(tmp_path: Path) -> None:
+    """Streaming: peak memory does not grow with the number of spans."""
+    small_peak, _, _ = _export_peak(tmp_path / "small.json", 2 * 65536)
+    peak, data, stats = _export_peak(tmp_path / "big.json", 1_000_000)
+    out = (tmp_path / "big.json").stat().st_size
+    assert stats["spans"] == 1_000_000 and out > 150_000_000
+    # 8x the spans, (about) the same peak: a batch's worth of buffers, not the run's.
+    assert peak < 1.5 * small_peak, (peak, small_peak)
+    assert peak < 0.5 * data and peak < 0.3 * out, (peak, data, out)
+    # the file is whole: its trailer parses
+    tail = (tmp_path / "big.json").read_bytes()[-4000:].decode()
+    assert json.loads("{" + tail[tail.index('"gpu_trace"') :])["gpu_trace"]["spans"] == 1_000_000
