@@ -42,7 +42,6 @@ from typing import IO, Any, TextIO
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-
 from gpu_trace.tracer.exporter import ExportResult, check_batch
 from gpu_trace.tracer.records import (
     FORWARD,
@@ -75,6 +74,8 @@ SYNTHETIC_BASE = 1 << 30
 #: Argument names the exporter writes itself; an attribute with one of these names gets "attr.".
 RESERVED_ARGS = ("span_id", "parent_span_id", "category", "lane", "device", "stream")
 FLOW_CATEGORY = "flow"
+#: Rows formatted at a time; bounds the exporter's memory whatever the batch size.
+CHUNK_ROWS = 1 << 14
 
 _NEEDS_ESCAPE = r'[\x00-\x1f"\\]'
 _GPU_LANE = re.compile(r"^gpu(\d+)/stream(\d+)$")
@@ -165,6 +166,7 @@ class ChromeTraceExporter:
             "flows": 0,
             "processes": 0,
             "tracks": 0,
+            "events": 0,
             "bytes": 0,
             "complete": False,
         }
@@ -221,9 +223,19 @@ class ChromeTraceExporter:
         check_batch(batch)
         if isinstance(batch, pa.RecordBatch):
             batch = pa.Table.from_batches([batch])
+        # Big batches are formatted in slices: memory follows CHUNK_ROWS, not the caller's batch.
+        for offset in range(0, batch.num_rows, CHUNK_ROWS):
+            self._write_span_chunk(batch.slice(offset, CHUNK_ROWS))
+        if self.progress is not None:
+            done = self.stats["spans"] + self.stats["marks"]
+            try:
+                self.progress(done, self.total_spans)
+            except Exception:
+                log.exception("gpu-trace: progress callback failed; export goes on without it")
+                self.progress = None
+
+    def _write_span_chunk(self, batch: pa.Table) -> None:
         n = batch.num_rows
-        if n == 0:
-            return
         start = _int64(batch["start_ns"])
         if self.base_ns is None:
             self.base_ns = int(start.min())
@@ -278,13 +290,6 @@ class ChromeTraceExporter:
 
         categories = np.array(cat_names, dtype=object)[cat_codes] if len(cat_names) else None
         self._link_flows(sid, parent, has_parent, cpid, ctid, rel, categories)
-        if self.progress is not None:
-            done = self.stats["spans"] + self.stats["marks"]
-            try:
-                self.progress(done, self.total_spans)
-            except Exception:
-                log.exception("gpu-trace: progress callback failed; export goes on without it")
-                self.progress = None
 
     def write_counters(self, batch: pa.Table | pa.RecordBatch) -> None:
         """Write counter samples (``host, device, metric, ts_ns, value``; ``source`` optional)."""
@@ -418,7 +423,7 @@ class ChromeTraceExporter:
         label = " ".join(p for p in (host, str(pid), pname) if p)
         meta = self._meta("process_name", cpid, None, {"name": label})
         meta += self._meta("process_sort_index", cpid, None, {"sort_index": len(self._pids)})
-        self._put(meta.encode())
+        self._put_meta(meta, 2)
         self.stats["processes"] += 1
         return cpid
 
@@ -436,7 +441,7 @@ class ChromeTraceExporter:
             label = f"{host} counters" if host else "counters"
             meta = self._meta("process_name", cpid, None, {"name": label})
             meta += self._meta("process_sort_index", cpid, None, {"sort_index": 1 << 20})
-            self._put(meta.encode())
+            self._put_meta(meta, 2)
             self.stats["processes"] += 1
         return cpid
 
@@ -463,7 +468,7 @@ class ChromeTraceExporter:
         base = self._thread_names.get((host_name, pid, tid)) or f"thread {tid}"
         meta = self._meta("thread_name", cpid, ctid, {"name": f"{base} · {lane_name}"})
         meta += self._meta("thread_sort_index", cpid, ctid, {"sort_index": rank * 1024 + order})
-        self._put(meta.encode())
+        self._put_meta(meta, 2)
         self.stats["tracks"] += 1
         lane_args = f',"lane":{_json(lane_name)}'
         m = _GPU_LANE.match(lane_name)
@@ -498,7 +503,7 @@ class ChromeTraceExporter:
             values.append(uniq)
         radix = [len(self._hosts), len(self._lane_names), len(values[0]), len(values[1])]
         code = np.zeros(batch.num_rows, dtype=np.int64)
-        for part, r in zip(parts, radix):
+        for part, r in zip(parts, radix, strict=True):
             code = code * r + part
         inverse, combos = _dictionary_codes(code)
         tracks = []
@@ -597,6 +602,10 @@ class ChromeTraceExporter:
 
     # ---- bytes out ----------------------------------------------------------------------------
 
+    def _put_meta(self, text: str, events: int) -> None:
+        self.stats["events"] += events
+        self._put(text.encode())
+
     def _put(self, data: bytes | memoryview) -> None:
         # Every event starts with ",\n"; the first one in the array must not.
         if self._first and data[:2] == b",\n":
@@ -606,11 +615,12 @@ class ChromeTraceExporter:
         self.stats["bytes"] += len(data)
 
     def _write_strings(self, arr: pa.Array | pa.ChunkedArray) -> None:
-        """Write the concatenation of a string array without copying it into Python."""
+        """Write the concatenation of a string array (one event each) without a Python copy."""
         if isinstance(arr, pa.ChunkedArray):
             arr = arr.combine_chunks()
         if len(arr) == 0:
             return
+        self.stats["events"] += len(arr)
         offsets = np.frombuffer(
             arr.buffers()[1], dtype=np.int32, count=len(arr) + 1, offset=arr.offset * 4
         )
@@ -788,6 +798,9 @@ class TerminalProgress:
         if line != self._last:
             self._last = line
             self.stream.write("\r" + line)
+            if total and done >= total:  # finished: end the line so later output starts clean
+                self.stream.write("\n")
+                self._last = None
             self.stream.flush()
 
     def close(self) -> None:
