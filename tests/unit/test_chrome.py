@@ -521,8 +521,9 @@ def test_export_of_a_real_recording(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 
 def test_big_batches_are_formatted_in_slices(tmp_path: Path) -> None:
-    one = write_chrome_trace(tmp_path / "a.json", RUN, [], synthetic_batches(40_000, 40_000))
-    many = write_chrome_trace(tmp_path / "b.json", RUN, [], synthetic_batches(40_000, 1_000))
+    table = next(synthetic_batches(40_000, 40_000))
+    one = write_chrome_trace(tmp_path / "a.json", RUN, [], [table])
+    many = write_chrome_trace(tmp_path / "b.json", RUN, [], table.to_batches(max_chunksize=1_000))
     assert one == {**many, "path": one["path"]}
 
     def events(name: str) -> list[str]:
