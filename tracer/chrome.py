@@ -73,6 +73,9 @@ KINETO_CATEGORIES = {
 SYNTHETIC_BASE = 1 << 30
 #: Argument names the exporter writes itself; an attribute with one of these names gets "attr.".
 RESERVED_ARGS = ("span_id", "parent_span_id", "category", "lane", "device", "stream")
+#: Kineto argument names HTA reads as integers: attributes with these names and an integer value
+#: are written as JSON numbers (everything else stays a string, as recorded).
+INT_ARGS = ("correlation", "External id", "Sequence number", "Fwd thread id", "Ev Idx", "cbid")
 FLOW_CATEGORY = "flow"
 #: Rows formatted at a time; bounds the exporter's memory whatever the batch size.
 CHUNK_ROWS = 1 << 14
@@ -314,7 +317,9 @@ class ChromeTraceExporter:
             hosts = host_dict.to_pylist()
         else:
             host_codes, hosts = np.zeros(n, dtype=np.int32), [""]
-        pid_frag = pa.array([f'"pid":{self._counter_pid(h or "")}' for h in hosts], pa.string())
+        pid_frag = pa.array(
+            [f'"pid":{self._counter_pid(h or "")},"tid":0' for h in hosts], pa.string()
+        )
         if "device" in batch.column_names:
             device = pc.fill_null(_plain(batch["device"]), "")
             series = pc.if_else(pc.equal(device, ""), "value", device)
@@ -406,8 +411,9 @@ class ChromeTraceExporter:
         self._put((tail + "\n}\n").encode())
 
     def _meta(self, name: str, pid: int, tid: int | None, args: dict[str, Any]) -> str:
-        t = "" if tid is None else f',"tid":{tid}'
-        return f',\n{{"ph":"M","name":"{name}","pid":{pid}{t},"args":{_json(args)}}}'
+        # Process-wide events carry tid 0 as Kineto's do: a missing tid turns HTA's tid column
+        # into floats.
+        return f',\n{{"ph":"M","name":"{name}","pid":{pid},"tid":{tid or 0},"args":{_json(args)}}}'
 
     def _process(self, host: str, pid: int) -> int:
         key = (host, pid)
@@ -732,7 +738,14 @@ def _attrs_fragment(col: pa.Array | pa.ChunkedArray, n: int) -> pa.Array | str:
         pc.binary_join_element_wise("attr.", keys, ""),
         keys,
     )
-    pairs = pc.binary_join_element_wise(",", _quote(keys), ":", _quote(_plain(items)), "")
+    items = _plain(items).fill_null("")
+    values = _quote(items)
+    numeric = pc.and_(
+        pc.is_in(keys, pa.array(INT_ARGS)), pc.match_substring_regex(items, r"^-?[0-9]{1,18}$")
+    )
+    if pc.any(numeric).as_py():
+        values = pc.if_else(numeric, items, values)
+    pairs = pc.binary_join_element_wise(",", _quote(keys), ":", values, "")
     offsets = col.offsets
     lists = pa.ListArray.from_arrays(offsets, pairs)
     return pc.fill_null(pc.binary_join(lists, ""), "")

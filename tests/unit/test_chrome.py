@@ -218,8 +218,8 @@ def test_golden_small_run(tmp_path: Path) -> None:
 
     meta = by_phase(trace, "M")
     names = {(e["name"], e["pid"], e.get("tid")): e["args"] for e in meta}
-    assert names[("process_name", 10, None)] == {"name": "h1 10 python train.py"}
-    assert names[("process_name", queue["pid"], None)] == {"name": "h2 10 gpu-trace serve"}
+    assert names[("process_name", 10, 0)] == {"name": "h1 10 python train.py"}
+    assert names[("process_name", queue["pid"], 0)] == {"name": "h2 10 gpu-trace serve"}
     assert names[("thread_name", 10, 10)] == {"name": "MainThread · steps"}
     assert names[("thread_name", 10, x["forward"]["tid"])] == {
         "name": "MainThread · nvtx/gpu_trace"
@@ -254,7 +254,7 @@ def test_golden_small_run(tmp_path: Path) -> None:
     ]
     assert '"ts":0.100,' in next(line for line in lines if '"ph":"C"' in line)
     cpid = counters[0]["pid"]
-    assert names[("process_name", cpid, None)] == {"name": "h1 counters"}
+    assert names[("process_name", cpid, 0)] == {"name": "h1 counters"}
 
 
 def test_gzip_and_dictionary_columns_give_the_same_trace(tmp_path: Path) -> None:
