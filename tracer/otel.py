@@ -216,9 +216,12 @@ def install(module: object = None) -> None:
                 original(self, *args, **kwargs)
                 return
             if len(args) < 5 and kwargs.get("id_generator") is None:
-                trace_id = trace_context.trace_id_from_env()
-                if trace_id:
-                    kwargs["id_generator"] = RunTraceIdGenerator(trace_id)
+                try:
+                    trace_id = trace_context.trace_id_from_env()
+                    if trace_id:
+                        kwargs["id_generator"] = RunTraceIdGenerator(trace_id)
+                except Exception:
+                    log.exception("gpu-trace: root spans keep their own trace ids")
             original(self, *args, **kwargs)
             _attach(self)
 
