@@ -42,7 +42,7 @@ _warned = False
 
 
 def _compiler() -> str | None:
-    return config._env("GPU_TRACE_CC")
+    return config.c_compiler()
 
 
 def library_path() -> Path | None:

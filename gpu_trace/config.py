@@ -57,6 +57,11 @@ def cluster(explicit: str | None = None) -> str | None:
     return explicit or _env("GPU_TRACE_CLUSTER")
 
 
+def c_compiler() -> str | None:
+    """``GPU_TRACE_CC``, the compiler command for the NVTX library (None: use ``cc``)."""
+    return _env("GPU_TRACE_CC")
+
+
 def runs_dir() -> Path:
     """Where `gpu-trace record` puts run directories unless told otherwise."""
     return home() / "runs"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -73,8 +74,10 @@ def prepare(
     if any(run_dir.iterdir()):
         raise LaunchError(f"run directory {run_dir} is not empty; give a new one", 2)
 
-    incoming = context.extract(environ) if hasattr(context, "extract") else None
-    trace_id = incoming[0] if incoming else context.new_trace_id()
+    incoming = context.extract(environ)
+    trace_id = incoming.trace_id if incoming else context.new_trace_id()
+    # The run's root: the parent of everything the program records across processes and hosts.
+    root_span_id = secrets.randbits(63) | 1
     a = anchor()
     info = RunInfo(
         run_id=run_id,
@@ -88,22 +91,20 @@ def prepare(
             "cwd": os.getcwd(),
         },
     )
+    info.attrs["root_span_id"] = f"{root_span_id:016x}"
     if incoming:
-        info.attrs["parent_span_id"] = incoming[1]
+        info.attrs["parent_span_id"] = f"{incoming.parent_span_id:016x}"
     info.save(run_dir)
 
     mode = (nvtx or environ.get("GPU_TRACE_NVTX") or "native").lower()
     if mode not in ("native", "python", "off"):
         raise LaunchError(f"--nvtx must be native, python or off, got {mode!r}", 2)
-    env = dict(environ)
+    env = context.child_env(environ, trace_id, root_span_id)
     env["GPU_TRACE_RUN_DIR"] = str(run_dir.resolve())
     env["GPU_TRACE_RUN_ID"] = run_id
     env["GPU_TRACE_NVTX"] = mode
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(BOOT_DIR), environ.get("PYTHONPATH", "")) if p
-    )
-    env["TRACEPARENT"] = context.format_traceparent(
-        trace_id, int(incoming[1], 16) if incoming else 1
     )
     notes: list[str] = []
     if mode == "native":

@@ -352,11 +352,23 @@ def start(settings: RecorderSettings, *, trace_id: str = "", run_id: str = "") -
 
 def stop() -> Recorder | None:
     """Flush and deactivate the active recorder; returns it (or None if none was active)."""
-    global active
+    global active, _stopping, _deferred_signal
     rec, active = active, None
     if rec is not None:
-        rec.close()
+        _stopping = True
+        try:
+            rec.close()
+        finally:
+            _stopping = False
+            signum, _deferred_signal = _deferred_signal, None
+            if signum is not None:
+                _reraise(signum)
     return rec
+
+
+#: True while stop() flushes; a SIGTERM arriving then is deferred until the flush is done.
+_stopping = False
+_deferred_signal: int | None = None
 
 
 def _at_exit() -> None:
@@ -377,15 +389,34 @@ def _after_fork_in_child() -> None:
 
 
 def _register_mp_finalizer() -> None:
-    # multiprocessing's forked workers leave through os._exit, which skips atexit; its own exit
-    # function runs finalizers that have an exit priority, so flush there.
+    # multiprocessing's forked processes leave through os._exit, which skips atexit; its own exit
+    # function runs finalizers that have an exit priority, so flush there. Process._bootstrap
+    # clears the finalizers inherited at fork and then runs its after-fork callbacks, so the
+    # finalizer is registered again from one of those.
+    mp_util = sys.modules.get("multiprocessing.util")
+    if mp_util is not None and active is not None:
+        mp_util.Finalize(None, _at_exit, exitpriority=-100)
+        mp_util.register_after_fork(active, _mp_after_fork)
+
+
+def _mp_after_fork(_rec: Recorder) -> None:
     mp_util = sys.modules.get("multiprocessing.util")
     if mp_util is not None:
         mp_util.Finalize(None, _at_exit, exitpriority=-100)
 
 
 def _signal_handler(signum: int, frame: object) -> None:
+    global _deferred_signal
+    if _stopping:
+        # The process is already flushing (at exit, say, when a pool terminates its worker):
+        # let that flush finish, then die of this signal.
+        _deferred_signal = signum
+        return
     _at_exit()
+    _reraise(signum, frame)
+
+
+def _reraise(signum: int, frame: object = None) -> None:
     previous = _previous_handlers.get(signum, signal.SIG_DFL)
     if callable(previous):
         previous(signum, frame)

@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up everything on a fresh machine, then run the whole test suite. Extra args go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/setup.sh
+python -m pytest -q -p no:cacheprovider "$@"

@@ -1,0 +1,267 @@
+"""`gpu-trace record` end to end: a real child program, real spool files, the real chDB store."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+
+def gpu_trace(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "gpu_trace", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        cwd=cwd,
+        timeout=240,
+    )
+
+
+def script(tmp_path: Path, body: str, name: str = "prog.py") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def sql_json(query: str, **params: str) -> list[dict]:
+    args = ["sql", "--json", query]
+    for k, v in params.items():
+        args += ["-p", f"{k}={v}"]
+    out = gpu_trace(*args)
+    assert out.returncode == 0, out.stderr
+    return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+
+
+def last_run() -> dict:
+    out = gpu_trace("show", "last", "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_record_python_program_end_to_end(tmp_path: Path) -> None:
+    prog = script(
+        tmp_path,
+        """
+        import sys
+        # instrumentation is in place before the first line of the program
+        from gpu_trace.tracer import recorder
+        assert recorder.active is not None, "not recording at the first line"
+        import gpu_trace
+        for i in range(3):
+            gpu_trace.step(i)
+            with gpu_trace.range("outer", i=i):
+                with gpu_trace.range("inner"):
+                    pass
+            gpu_trace.counter("loss", 1.0 / (i + 1))
+        gpu_trace.mark("done")
+        sys.exit(3)
+        """,
+    )
+    out = gpu_trace("record", "--", sys.executable, str(prog))
+    assert out.returncode == 3, out.stderr
+    summary = out.stderr.strip().splitlines()[-1]
+    assert (
+        summary.startswith("gpu-trace: run ") and " events, 0 dropped, stored in chdb://" in summary
+    )
+
+    shown = last_run()
+    run = shown["run"]
+    assert run["status"] == "failed" and run["attrs"]["exit_code"] == "3"
+    names = {r["name"] for lane in shown["summary"]["lanes"] for r in lane["ranges"]}
+    assert {"outer", "inner", "ProfilerStep#0", "ProfilerStep#2"} <= names
+    rows = sql_json(
+        "SELECT name, depth, parent_span_id != 0 AS has_parent FROM gpu_trace.spans WHERE run_id = {r:String} AND name = 'inner'",
+        r=run["run_id"],
+    )
+    assert len(rows) == 3 and all(r["depth"] == 1 and r["has_parent"] for r in rows)
+
+    ls = json.loads(gpu_trace("ls", "--json").stdout)
+    assert ls[0]["run_id"] == run["run_id"]
+
+    trace = tmp_path / "t.json"
+    exported = gpu_trace("export", "last", "-o", str(trace))
+    assert exported.returncode == 0, exported.stderr
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert sum(1 for e in events if e.get("name") == "inner" and e.get("ph") == "X") == 3
+
+
+def test_children_processes_are_recorded(tmp_path: Path) -> None:
+    child = script(
+        tmp_path, "import gpu_trace\nwith gpu_trace.range('in-subprocess'):\n    pass\n", "child.py"
+    )
+    prog = script(
+        tmp_path,
+        f"""
+        import multiprocessing as mp, subprocess, sys
+        import gpu_trace
+
+        def work(tag):
+            with gpu_trace.range("in-" + tag):
+                return tag
+
+        if __name__ == "__main__":
+            with gpu_trace.range("parent"):
+                subprocess.run([sys.executable, {str(child)!r}], check=True)
+                for method in ("fork", "spawn"):
+                    with mp.get_context(method).Pool(1) as pool:
+                        assert pool.apply(work, (method,)) == method
+                    p = mp.get_context(method).Process(target=work, args=(method + "-process",))
+                    p.start(); p.join()
+        """,
+    )
+    out = gpu_trace("record", "--", sys.executable, str(prog))
+    assert out.returncode == 0, out.stderr
+    run_id = last_run()["run"]["run_id"]
+    rows = sql_json(
+        "SELECT name, pid FROM gpu_trace.spans WHERE run_id = {r:String} AND lane = 'nvtx/gpu_trace'",
+        r=run_id,
+    )
+    by_name = {r["name"]: r["pid"] for r in rows}
+    expected = {
+        "parent",
+        "in-subprocess",
+        "in-fork",
+        "in-spawn",
+        "in-fork-process",
+        "in-spawn-process",
+    }
+    assert expected <= set(by_name), by_name
+    assert len({by_name[n] for n in expected}) == len(expected), "each child is its own process"
+    trace_ids = sql_json(
+        "SELECT DISTINCT trace_id FROM gpu_trace.spans WHERE run_id = {r:String}", r=run_id
+    )
+    assert len(trace_ids) == 1, "every process of the run shares the run's trace id"
+
+
+def test_uncaught_exception_and_sigterm_still_flush(tmp_path: Path) -> None:
+    crash = script(
+        tmp_path,
+        "import gpu_trace\nwith gpu_trace.range('before-crash'):\n    pass\nraise RuntimeError('boom')\n",
+    )
+    out = gpu_trace("record", "--", sys.executable, str(crash))
+    assert out.returncode == 1 and "RuntimeError: boom" in out.stderr
+    assert "before-crash" in {
+        r["name"] for lane in last_run()["summary"]["lanes"] for r in lane["ranges"]
+    }
+
+    term = script(
+        tmp_path,
+        "import os, signal, gpu_trace\nwith gpu_trace.range('before-term'):\n    pass\nos.kill(os.getpid(), signal.SIGTERM)\n",
+        "term.py",
+    )
+    out = gpu_trace("record", "--", sys.executable, str(term))
+    assert out.returncode == 128 + signal.SIGTERM
+    shown = last_run()
+    assert shown["run"]["status"] == "killed"
+    assert "before-term" in {
+        r["name"] for lane in shown["summary"]["lanes"] for r in lane["ranges"]
+    }
+
+
+def test_sigkill_keeps_everything_flushed_before_it(tmp_path: Path) -> None:
+    prog = script(
+        tmp_path,
+        """
+        import os, signal, time, gpu_trace
+        for i in range(1000):
+            with gpu_trace.range("flushed"):
+                pass
+        time.sleep(1.0)  # several flush intervals
+        with gpu_trace.range("lost"):
+            pass
+        os.kill(os.getpid(), signal.SIGKILL)
+        """,
+    )
+    out = gpu_trace(
+        "record", "--", sys.executable, str(prog), env={"GPU_TRACE_FLUSH_INTERVAL": "0.1"}
+    )
+    assert out.returncode == 128 + signal.SIGKILL
+    run_id = last_run()["run"]["run_id"]
+    rows = sql_json(
+        "SELECT name, count() AS n FROM gpu_trace.spans WHERE run_id = {r:String} GROUP BY name",
+        r=run_id,
+    )
+    assert {r["name"]: r["n"] for r in rows}.get("flushed") == 1000
+
+
+def test_trace_context_is_honoured(tmp_path: Path) -> None:
+    prog = script(tmp_path, "import os\nprint(os.environ['TRACEPARENT'])\n")
+    incoming = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    out = gpu_trace("record", "--", sys.executable, str(prog), env={"TRACEPARENT": incoming})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("-")[1] == "0af7651916cd43dd8448eb211c80319c"
+    assert last_run()["run"]["trace_id"] == "0af7651916cd43dd8448eb211c80319c"
+    # a malformed incoming context is ignored: a fresh trace id, no error
+    out = gpu_trace("record", "--", sys.executable, str(prog), env={"TRACEPARENT": "garbage"})
+    assert out.returncode == 0, out.stderr
+    assert len(last_run()["run"]["trace_id"]) == 32
+
+
+def test_command_not_found_is_one_line_and_127(tmp_path: Path) -> None:
+    out = gpu_trace("record", "--", "no-such-command-xyz")
+    assert out.returncode == 127
+    assert out.stderr.strip().splitlines() == ["gpu-trace: command not found: no-such-command-xyz"]
+
+
+def test_unwritable_store_is_reported_before_the_program_starts(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    prog = script(tmp_path, f"open({str(marker)!r}, 'w').close()\n")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    out = gpu_trace("record", "--store", f"chdb://{blocker}/store", "--", sys.executable, str(prog))
+    assert out.returncode == 2
+    assert "is not usable" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert not marker.exists()
+
+
+def test_failed_ingest_keeps_the_spool_for_gpu_trace_ingest(tmp_path: Path) -> None:
+    prog = script(tmp_path, "import gpu_trace\nwith gpu_trace.range('kept'):\n    pass\n")
+    run_dir = tmp_path / "run"
+    out = gpu_trace(
+        "record", "--run-dir", str(run_dir), "--no-ingest", "--", sys.executable, str(prog)
+    )
+    assert out.returncode == 0 and f"gpu-trace ingest {run_dir}" in out.stderr
+    bad = gpu_trace("ingest", str(run_dir), "--store", "http://default:@127.0.0.1:9/")
+    assert bad.returncode != 0 and "spool kept" in bad.stderr
+    assert list((run_dir / "spool").glob("*.arrow"))
+    ok = gpu_trace("ingest", str(run_dir))
+    assert ok.returncode == 0, ok.stderr
+    again = gpu_trace("ingest", str(run_dir))
+    assert again.returncode == 0
+    rows = sql_json("SELECT count() AS n FROM gpu_trace.spans WHERE name = 'kept'")
+    assert rows[0]["n"] == 1
+
+
+def test_unknown_run_lists_recent_runs(tmp_path: Path) -> None:
+    prog = script(tmp_path, "pass\n")
+    assert gpu_trace("record", "--", sys.executable, str(prog)).returncode == 0
+    out = gpu_trace("show", "no-such-run")
+    assert out.returncode == 1
+    assert "no-such-run" in out.stderr and last_run()["run"]["run_id"] in out.stderr
+
+
+def test_sql_is_read_only() -> None:
+    out = gpu_trace("sql", "DROP TABLE gpu_trace.spans")
+    assert out.returncode != 0
+    assert (
+        sql_json(
+            "SELECT count() AS n FROM system.tables WHERE database = 'gpu_trace' AND name = 'spans'"
+        )[0]["n"]
+        == 1
+    )
+
+
+@pytest.mark.parametrize("args", [["record"], ["record", "--"], ["export", "last", "-o", "x.txt"]])
+def test_bad_arguments_are_clear(args: list[str]) -> None:
+    out = gpu_trace(*args)
+    assert out.returncode == 2
+    assert out.stderr.strip().startswith("gpu-trace: ")
