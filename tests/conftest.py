@@ -25,13 +25,22 @@ def _isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _no_recorder_left() -> object:
-    """Every test that starts a recorder stops it."""
+def _nothing_left_behind() -> object:
+    """Every test that starts a recorder stops it, and nothing stays patched (STYLE.md 8)."""
     yield
     left = recorder.active
     if left is not None:
         recorder.stop()
         pytest.fail(f"a recorder was left active for {left.run_dir}")
+    from gpu_trace.collectors import nvtx_patch
+
+    if nvtx_patch.is_patched():
+        nvtx_patch.unpatch()
+        pytest.fail("the nvtx package was left patched")
+    otel = sys.modules.get("gpu_trace.tracer.otel")
+    if otel is not None and otel.installed():
+        otel.uninstall()
+        pytest.fail("the OpenTelemetry SDK was left patched")
 
 
 @pytest.fixture

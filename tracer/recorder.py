@@ -378,7 +378,29 @@ def _at_exit() -> None:
         log.exception("gpu-trace: final flush failed")
 
 
+#: The recorder whose flush lock _before_fork took, released after the fork in the parent.
+_held_for_fork: Recorder | None = None
+
+
+def _before_fork() -> None:
+    # A fork while the flusher is inside Arrow or file I/O would leave those libraries' internal
+    # locks held forever in the child; wait (bounded) for the flush to finish instead.
+    global _held_for_fork
+    rec = active
+    if rec is not None and rec._flush_lock.acquire(timeout=2.0):
+        _held_for_fork = rec
+
+
+def _after_fork_in_parent() -> None:
+    global _held_for_fork
+    rec, _held_for_fork = _held_for_fork, None
+    if rec is not None:
+        rec._flush_lock.release()
+
+
 def _after_fork_in_child() -> None:
+    global _held_for_fork
+    _held_for_fork = None  # the child gets fresh locks below
     rec = active
     if rec is not None:
         try:
@@ -434,7 +456,9 @@ def _install_hooks() -> None:
         return
     _hooks_installed = True
     atexit.register(_at_exit)
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(
+        before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child
+    )
     if threading.current_thread() is threading.main_thread():
         # SIGINT raises KeyboardInterrupt by default and atexit then flushes; SIGTERM kills
         # without running atexit, so flush first. A handler the program installs later wins.

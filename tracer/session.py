@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_trace import config
-from gpu_trace._imports import when_imported
+from gpu_trace._imports import discard, when_imported
 from gpu_trace.tracer import context, recorder
 from gpu_trace.tracer.clock import anchor, now_ns
 from gpu_trace.tracer.run import RunInfo, new_run_id
@@ -66,6 +66,7 @@ def stop_run() -> Path | None:
     """Stop recording, flush, and close the run if this process started it."""
     global _owned_run
     rec = recorder.stop()
+    _detach_collectors()
     if rec is None:
         return None
     if _owned_run is not None and _owned_run == rec.run_dir:
@@ -88,6 +89,14 @@ def _attach_collectors(rec: recorder.Recorder, settings: config.RecorderSettings
         nvtx.attach(rec, settings.nvtx)
     except Exception:
         log.exception("gpu-trace: NVTX capture is off")
+
+
+def _detach_collectors() -> None:
+    """Undo what _attach_collectors patched (NVTX patches are undone by their source's close)."""
+    discard("opentelemetry.sdk.trace", _install_otel)
+    otel = sys.modules.get("gpu_trace.tracer.otel")
+    if otel is not None:
+        otel.uninstall()
 
 
 def _install_otel(module: object) -> None:
