@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+
 from gpu_trace.tracer.records import SPAN_SCHEMA, numeric_column
 from gpu_trace.tracer.run import RunInfo, new_trace_id
 from gpu_trace.tracer.spool import SpoolWriter

@@ -8,6 +8,7 @@ forwards signals and waits: nothing is recorded in this process.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -144,10 +145,8 @@ def run(launch: Launch) -> int:
         raise LaunchError(f"cannot run {launch.argv[0]}: {exc.strerror or exc}", 126) from None
 
     def forward(signum: int, _frame: object) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signum)
-        except ProcessLookupError:
-            pass
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:

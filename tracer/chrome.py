@@ -42,6 +42,7 @@ from typing import IO, Any, TextIO
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
 from gpu_trace.tracer.exporter import ExportResult, check_batch
 from gpu_trace.tracer.records import (
     FORWARD,

@@ -24,6 +24,7 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Any, Protocol, runtime_checkable
 
 import pyarrow as pa
+
 from gpu_trace.tracer.records import ATTRS
 
 log = logging.getLogger(__name__)

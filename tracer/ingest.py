@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
 from gpu_trace.tracer.records import SCHEMAS
 from gpu_trace.tracer.run import STATS_DIR, RunInfo
 from gpu_trace.tracer.spool import list_spool, read_spool_file, spool_dir

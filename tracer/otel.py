@@ -32,15 +32,16 @@ import time
 import weakref
 from typing import Any
 
-from gpu_trace.tracer import context as trace_context
-from gpu_trace.tracer import recorder as _recorder
-from gpu_trace.tracer.clock import Anchor, anchor, now_ns
-from gpu_trace.tracer.records import OTEL
 from opentelemetry import trace as trace_api
 from opentelemetry.context import Context
 from opentelemetry.sdk import trace as sdk_trace
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
+from gpu_trace.tracer import context as trace_context
+from gpu_trace.tracer import recorder as _recorder
+from gpu_trace.tracer.clock import Anchor, anchor, now_ns
+from gpu_trace.tracer.records import OTEL
 
 log = logging.getLogger(__name__)
 

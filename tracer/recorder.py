@@ -457,7 +457,9 @@ def _install_hooks() -> None:
     _hooks_installed = True
     atexit.register(_at_exit)
     os.register_at_fork(
-        before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child
+        before=_before_fork,
+        after_in_parent=_after_fork_in_parent,
+        after_in_child=_after_fork_in_child,
     )
     if threading.current_thread() is threading.main_thread():
         # SIGINT raises KeyboardInterrupt by default and atexit then flushes; SIGTERM kills

@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlparse
 
 import pyarrow as pa
-from gpu_trace.tracer.queries import RunQueries, UnknownRunError
-from gpu_trace.tracer.run import RunInfo
 
 from gpu_trace import config
+from gpu_trace.tracer.queries import RunQueries, UnknownRunError
+from gpu_trace.tracer.run import RunInfo
 
 if TYPE_CHECKING:
     from gpu_trace.tracer.ingest import IngestReport

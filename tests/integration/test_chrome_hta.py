@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+
 from gpu_trace.tracer.chrome import write_chrome_trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))

@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+
+import gpu_trace
 from gpu_trace.tracer.records import SPAN_SCHEMA, attrs_column, dict_column, numeric_column
 from gpu_trace.tracer.run import RunInfo
 from gpu_trace.tracer.spool import SpoolWriter, list_spool, read_spool_file
 from gpu_trace.tracer.store import Store, StoreError, UnknownRunError, check_writable
-
-import gpu_trace
 
 
 @pytest.fixture

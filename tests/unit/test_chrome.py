@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+
+import gpu_trace
 from gpu_trace.tracer.chrome import (
     SYNTHETIC_BASE,
     ChromeTraceExporter,
@@ -22,8 +24,6 @@ from gpu_trace.tracer.chrome import (
 )
 from gpu_trace.tracer.records import ATTRS
 from gpu_trace.tracer.spool import list_spool, read_spool_file
-
-import gpu_trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.export import synthetic_batches  # noqa: E402

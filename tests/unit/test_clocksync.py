@@ -7,10 +7,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from gpu_trace.tracer.clocksync import ClockModel, Sample, measure
-from gpu_trace.tracer.spool import list_spool, read_spool_file
 
 import gpu_trace
+from gpu_trace.tracer.clocksync import ClockModel, Sample, measure
+from gpu_trace.tracer.spool import list_spool, read_spool_file
 
 ORIGIN = 1_000_000_000_000  # a CLOCK_MONOTONIC-like client time at the start of the run
 US = 1_000

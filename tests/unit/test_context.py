@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from opentelemetry import trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
 from gpu_trace.tracer import context
 from gpu_trace.tracer.context import (
     TraceParent,
@@ -15,8 +18,6 @@ from gpu_trace.tracer.context import (
     parse_traceparent,
     trace_id_from_env,
 )
-from opentelemetry import trace
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 SPAN = 0x00F067AA0BA902B7

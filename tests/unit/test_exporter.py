@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+
 from gpu_trace.tracer.chrome import ChromeTraceExporter
 from gpu_trace.tracer.exporter import (
     REQUIRED_COLUMNS,

@@ -7,11 +7,11 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+
+import gpu_trace
 from gpu_trace.collectors import nvtx as nvtx_collector
 from gpu_trace.collectors import nvtx_patch
 from gpu_trace.tracer.spool import list_spool, read_spool_file
-
-import gpu_trace
 
 nvtx = pytest.importorskip("nvtx")
 

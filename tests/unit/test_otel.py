@@ -11,10 +11,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from gpu_trace.tracer import otel, recorder
-from gpu_trace.tracer.otel import GpuTraceSpanProcessor
-from gpu_trace.tracer.records import OTEL
-from gpu_trace.tracer.spool import list_spool, read_spool_file
 from opentelemetry import trace as trace_api
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
@@ -22,6 +18,10 @@ from opentelemetry.trace import Status, StatusCode
 
 import gpu_trace
 from gpu_trace import _imports
+from gpu_trace.tracer import otel, recorder
+from gpu_trace.tracer.otel import GpuTraceSpanProcessor
+from gpu_trace.tracer.records import OTEL
+from gpu_trace.tracer.spool import list_spool, read_spool_file
 
 REPO = Path(__file__).resolve().parents[2]
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"

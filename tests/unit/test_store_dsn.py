@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+
 from gpu_trace.tracer.store import TABLES, parse_dsn, schema_ddl
 
 
