@@ -44,34 +44,39 @@ def main() -> None:
     loader = threading.Thread(target=_loader, args=(batches, STEPS), name="loader")
     loader.start()
     for step in range(STEPS):
-        gpu_trace.step(step)
-        with gpu_trace.range("dataloader.wait"):
-            _, x, y = batches.get()
-        with gpu_trace.range("forward", batch=BATCH):
-            with nvtx.annotate("linear1", domain="model"):
-                h = np.maximum(x @ w1, 0)
-            with nvtx.annotate("linear2", domain="model"):
-                logits = h @ w2
-        with gpu_trace.range("loss"):
-            p = np.exp(logits - logits.max(1, keepdims=True))
-            p /= p.sum(1, keepdims=True)
-            loss = float(-np.log(p[np.arange(BATCH), y] + 1e-9).mean())
-        with gpu_trace.range("backward"):
-            g = p
-            g[np.arange(BATCH), y] -= 1
-            gw2 = h.T @ g / BATCH
-            gh = g @ w2.T * (h > 0)
-            gw1 = x.T @ gh / BATCH
-        with gpu_trace.range("optimizer.step"):
-            w1 -= 0.1 * gw1
-            w2 -= 0.1 * gw2
-        gpu_trace.counter("loss", loss)
-        if step % 5 == 4:
-            gpu_trace.mark("checkpoint", step=step)
+        with gpu_trace.step(step):
+            train_step(step, batches, w1, w2)
     loader.join()
     with mp.get_context("spawn").Pool(1) as pool:
         score = pool.apply(_evaluate, (w1[:, :10].copy(),))
-    print(f"demo: {STEPS} steps, final loss {loss:.3f}, eval {score:.3f}")
+    print(f"demo: {STEPS} steps, eval {score:.3f}")
+
+
+def train_step(step: int, batches: queue.Queue, w1: np.ndarray, w2: np.ndarray) -> None:
+    """One iteration: wait for a batch, forward, loss, backward, update."""
+    with gpu_trace.range("dataloader.wait"):
+        _, x, y = batches.get()
+    with gpu_trace.range("forward", batch=BATCH):
+        with nvtx.annotate("linear1", domain="model"):
+            h = np.maximum(x @ w1, 0)
+        with nvtx.annotate("linear2", domain="model"):
+            logits = h @ w2
+    with gpu_trace.range("loss"):
+        p = np.exp(logits - logits.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        loss = float(-np.log(p[np.arange(BATCH), y] + 1e-9).mean())
+    with gpu_trace.range("backward"):
+        g = p
+        g[np.arange(BATCH), y] -= 1
+        gw2 = h.T @ g / BATCH
+        gh = g @ w2.T * (h > 0)
+        gw1 = x.T @ gh / BATCH
+    with gpu_trace.range("optimizer.step"):
+        w1 -= 0.1 * gw1
+        w2 -= 0.1 * gw2
+    gpu_trace.counter("loss", loss)
+    if step % 5 == 4:
+        gpu_trace.mark("checkpoint", step=step)
 
 
 if __name__ == "__main__":

@@ -84,6 +84,7 @@ class Recorder:
         self._step_number = -1
         self._events = 0
         self._write_errors = 0
+        self._warned_drop = False
         self._stop = threading.Event()
         self._flusher: threading.Thread | None = None
         self._flush_lock = threading.Lock()
@@ -215,6 +216,12 @@ class Recorder:
                     (r, b) for r, b in self._buffers if b not in dead or b.spans or b.counters
                 ]
         self._write_stats(buffers, sources)
+        if not self._warned_drop and any(b.dropped for _, b in buffers):
+            self._warned_drop = True
+            log.warning(
+                "gpu-trace: a thread's event buffer filled up between flushes; events are being "
+                "dropped and counted (raise GPU_TRACE_BUFFER_EVENTS or lower GPU_TRACE_FLUSH_INTERVAL)"
+            )
 
     def _write(self, kind: str, table: pa.Table) -> None:
         if table.num_rows:

@@ -1,0 +1,30 @@
+"""`gpu-trace demo`: the README's first command records, summarizes and exports a real run."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_demo_end_to_end(tmp_path: Path) -> None:
+    trace = tmp_path / "demo.json.gz"
+    out = subprocess.run(
+        [sys.executable, "-m", "gpu_trace", "demo", "-o", str(trace)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "0 dropped, stored in chdb://" in out.stderr
+    for lane in ("nvtx/gpu_trace", "nvtx/model", "nvtx/dataloader", "steps"):
+        assert lane in out.stdout, lane
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    names = {e.get("name") for e in events}
+    assert {"forward", "linear1", "load_batch", "evaluate", "ProfilerStep#19", "loss"} <= names
+    pids = {e["pid"] for e in events if e.get("ph") == "X"}
+    assert len(pids) >= 2, "the worker process is on the timeline too"
