@@ -265,3 +265,51 @@ def test_bad_arguments_are_clear(args: list[str]) -> None:
     out = gpu_trace(*args)
     assert out.returncode == 2
     assert out.stderr.strip().startswith("gpu-trace: ")
+
+
+def test_opentelemetry_spans_join_the_run(tmp_path: Path) -> None:
+    prog = script(
+        tmp_path,
+        """
+        from opentelemetry import trace
+        from opentelemetry.sdk.trace import TracerProvider
+        import gpu_trace
+
+        provider = TracerProvider()
+        tracer = provider.get_tracer("app.training")
+        with gpu_trace.range("around"):
+            with tracer.start_as_current_span("otel-outer"):
+                with tracer.start_as_current_span("otel-inner", attributes={"batch": 7}):
+                    pass
+        provider.shutdown()
+        """,
+    )
+    out = gpu_trace("record", "--", sys.executable, str(prog))
+    assert out.returncode == 0, out.stderr
+    run = last_run()["run"]
+    rows = sql_json(
+        "SELECT name, lane, category, span_id, parent_span_id, attrs['batch'] AS batch, attrs['otel.trace_id'] AS tid"
+        " FROM gpu_trace.spans WHERE run_id = {r:String} AND category = 'otel' ORDER BY start_ns",
+        r=run["run_id"],
+    )
+    assert [r["name"] for r in rows] == ["otel-outer", "otel-inner"]
+    outer, inner = rows
+    assert outer["lane"] == "otel/app.training"
+    assert inner["parent_span_id"] == outer["span_id"] and inner["batch"] == "7"
+    assert outer["tid"] == run["trace_id"], "the program's OTel spans carry the run's trace id"
+    around = sql_json(
+        "SELECT start_ns, end_ns FROM gpu_trace.spans WHERE run_id = {r:String} AND name = 'around'",
+        r=run["run_id"],
+    )[0]
+    times = sql_json(
+        "SELECT start_ns, end_ns FROM gpu_trace.spans WHERE run_id = {r:String} AND category = 'otel'",
+        r=run["run_id"],
+    )
+    # same clock: the OTel spans lie inside the range around them (1 ms slack for the wall-clock mapping)
+    assert all(
+        around["start_ns"] - 1_000_000
+        <= t["start_ns"]
+        <= t["end_ns"]
+        <= around["end_ns"] + 1_000_000
+        for t in times
+    )
