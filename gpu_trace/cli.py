@@ -254,6 +254,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from gpu_trace._progress import TerminalProgress
     from gpu_trace.tracer import chrome
 
     out: Path = args.output
@@ -263,7 +264,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         run_id = _resolve(store, args.run)
         run = store.run(run_id)
         counts = store.counts(run_id)
-        progress = chrome.TerminalProgress(sys.stderr)
+        progress = TerminalProgress(sys.stderr)
         stats = chrome.write_chrome_trace(
             out,
             run,

@@ -2,7 +2,8 @@
 
 The output is the Trace Event Format's JSON object form, written as a stream: a header, one event
 per line, a trailer. Memory stays constant in the number of spans: each Arrow batch is formatted
-by vectorized string kernels into one buffer and written out before the next is read.
+by vectorized string kernels (``json_fragments.py``) into one buffer and written out before the
+next is read.
 
 What goes where (docs/export.md has the user's view):
 
@@ -22,8 +23,9 @@ What goes where (docs/export.md has the user's view):
   named ``ProfilerStep#N`` by the recorder, which is what HTA's iteration analysis looks for.
 - A span whose parent is in another process (a forwarded call's server spans) gets a flow arrow
   (``s``/``f`` events) from the parent's start to the child's start. Parents are looked up in a
-  bounded window: the most recent ``flow_window`` spans of any category plus the most recent
-  ``flow_window`` spans of category ``forward``; a parent older than both is not linked.
+  bounded window (``flows.py``): the most recent ``flow_window`` spans of any category plus the
+  most recent ``flow_window`` spans of category ``forward``; a parent older than both is not
+  linked.
 - Counters are counter events (``ph: C``) on a per-host ``counters`` process, named by metric,
   one series per device.
 """
@@ -31,21 +33,32 @@ What goes where (docs/export.md has the user's view):
 from __future__ import annotations
 
 import gzip
-import json
 import logging
 import os
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import IO, Any, TextIO
+from typing import IO, Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from gpu_trace.tracer.exporter import ExportResult, check_batch
+from gpu_trace.tracer.flows import FlowLinker
+from gpu_trace.tracer.json_fragments import (
+    attrs_fragment,
+    combined,
+    dictionary,
+    dictionary_codes,
+    dumps,
+    int64,
+    micros,
+    plain,
+    quote,
+    uint64,
+)
 from gpu_trace.tracer.records import (
-    FORWARD,
     KERNEL,
     MARK,
     MEMCPY,
@@ -77,16 +90,10 @@ RESERVED_ARGS = ("span_id", "parent_span_id", "category", "lane", "device", "str
 #: Kineto argument names HTA reads as integers: attributes with these names and an integer value
 #: are written as JSON numbers (everything else stays a string, as recorded).
 INT_ARGS = ("correlation", "External id", "Sequence number", "Fwd thread id", "Ev Idx", "cbid")
-FLOW_CATEGORY = "flow"
 #: Rows formatted at a time; bounds the exporter's memory whatever the batch size.
 CHUNK_ROWS = 1 << 14
 
-_NEEDS_ESCAPE = r'[\x00-\x1f"\\]'
 _GPU_LANE = re.compile(r"^gpu(\d+)/stream(\d+)$")
-
-
-def _json(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 class ChromeTraceExporter:
@@ -159,9 +166,7 @@ class ChromeTraceExporter:
         self._counter_pids: dict[str, int] = {}
         self._next_pid = SYNTHETIC_BASE
         self._next_tid = SYNTHETIC_BASE
-        self._next_flow = 1
-        self._recent: list[tuple[np.ndarray, ...]] = []
-        self._forward: list[tuple[np.ndarray, ...]] = []
+        self._flows = FlowLinker(self.flow_window)
         self.stats: dict[str, Any] = {
             "path": str(self.path),
             "spans": 0,
@@ -240,25 +245,25 @@ class ChromeTraceExporter:
 
     def _write_span_chunk(self, batch: pa.Table) -> None:
         n = batch.num_rows
-        start = _int64(batch["start_ns"])
+        start = int64(batch["start_ns"])
         if self.base_ns is None:
             self.base_ns = int(start.min())
-        end = _int64(batch["end_ns"])
+        end = int64(batch["end_ns"])
         rel = start - self.base_ns
         dur = np.maximum(end - start, 0)
 
         cpid, ctid, track_frag, lane_frag = self._track_columns(batch)
-        cat_codes, cat_dict = _dictionary(batch["category"])
+        cat_codes, cat_dict = dictionary(batch["category"])
         cat_names = cat_dict.to_pylist()
         is_mark_cat = np.array([c == MARK for c in cat_names], dtype=bool)
         is_mark = is_mark_cat[cat_codes] if len(cat_names) else np.zeros(n, dtype=bool)
         shown = [KINETO_CATEGORIES.get(c, c) if self._kineto else c for c in cat_names]
-        cat_json = pa.array([_json(c) for c in shown], pa.string()).take(pa.array(cat_codes))
-        our_cat = _quote(cat_dict).take(pa.array(cat_codes))
+        cat_json = pa.array([dumps(c) for c in shown], pa.string()).take(pa.array(cat_codes))
+        our_cat = quote(cat_dict).take(pa.array(cat_codes))
         mark = pa.array(is_mark)
 
-        sid = _uint64(batch["span_id"])
-        parent = _uint64(batch["parent_span_id"])
+        sid = uint64(batch["span_id"])
+        parent = uint64(batch["parent_span_id"])
         has_parent = parent != 0
         parent_str = pc.cast(pa.array(parent), pa.string())
         parent_frag = pc.if_else(
@@ -270,12 +275,12 @@ class ChromeTraceExporter:
             pc.if_else(mark, ',\n{"ph":"i","s":"t","cat":', ',\n{"ph":"X","cat":'),
             cat_json,
             ',"name":',
-            _quote(batch["name"]),
+            quote(batch["name"]),
             ",",
             track_frag,
             ',"ts":',
-            _micros(rel),
-            pc.if_else(mark, "", pc.binary_join_element_wise(',"dur":', _micros(dur), "")),
+            micros(rel),
+            pc.if_else(mark, "", pc.binary_join_element_wise(',"dur":', micros(dur), "")),
             ',"args":{"span_id":"',
             pc.cast(pa.array(sid), pa.string()),
             '"',
@@ -283,7 +288,7 @@ class ChromeTraceExporter:
             ',"category":',
             our_cat,
             lane_frag,
-            _attrs_fragment(batch["attrs"], n),
+            attrs_fragment(batch["attrs"], reserved=RESERVED_ARGS, integer_keys=INT_ARGS),
             "}}",
             "",
         )
@@ -293,7 +298,12 @@ class ChromeTraceExporter:
         self.stats["spans"] += n - marks
 
         categories = np.array(cat_names, dtype=object)[cat_codes] if len(cat_names) else None
-        self._link_flows(sid, parent, has_parent, cpid, ctid, rel, categories)
+        arrows = self._flows.link(sid, parent, has_parent, cpid, ctid, rel, categories)
+        if arrows is not None:
+            starts, ends = arrows
+            self._write_strings(starts)
+            self._write_strings(ends)
+            self.stats["flows"] += len(starts)
 
     def write_counters(self, batch: pa.Table | pa.RecordBatch) -> None:
         """Write counter samples (``host, device, metric, ts_ns, value``; ``source`` optional)."""
@@ -310,11 +320,11 @@ class ChromeTraceExporter:
         n = batch.num_rows
         if n == 0:
             return
-        ts = _int64(batch["ts_ns"])
+        ts = int64(batch["ts_ns"])
         if self.base_ns is None:
             self.base_ns = int(ts.min())
         if "host" in batch.column_names:
-            host_codes, host_dict = _dictionary(batch["host"])
+            host_codes, host_dict = dictionary(batch["host"])
             hosts = host_dict.to_pylist()
         else:
             host_codes, hosts = np.zeros(n, dtype=np.int32), [""]
@@ -322,21 +332,21 @@ class ChromeTraceExporter:
             [f'"pid":{self._counter_pid(h or "")},"tid":0' for h in hosts], pa.string()
         )
         if "device" in batch.column_names:
-            device = pc.fill_null(_plain(batch["device"]), "")
+            device = pc.fill_null(plain(batch["device"]), "")
             series = pc.if_else(pc.equal(device, ""), "value", device)
         else:
             series = pa.array(["value"] * n, pa.string())
         events = pc.binary_join_element_wise(
             ',\n{"ph":"C","name":',
-            _quote(batch["metric"]),
+            quote(batch["metric"]),
             ",",
             pid_frag.take(pa.array(host_codes)),
             ',"ts":',
-            _micros(ts - self.base_ns),
+            micros(ts - self.base_ns),
             ',"args":{',
-            _quote(series),
+            quote(series),
             ":",
-            pc.cast(_combined(value.filter(keep)), pa.string()),
+            pc.cast(combined(value.filter(keep)), pa.string()),
             "}}",
             "",
         )
@@ -362,8 +372,7 @@ class ChromeTraceExporter:
             self._raw.close()
             raise
         finally:
-            self._recent.clear()
-            self._forward.clear()
+            self._flows.clear()
         return self.stats
 
     # ---- header, trailer, metadata events -----------------------------------------------------
@@ -377,7 +386,7 @@ class ChromeTraceExporter:
             '"schemaVersion": 1,\n'
             '"displayTimeUnit": "ns",\n'
             '"deviceProperties": [],\n'
-            f'"traceName": {_json(str(self.run.get("run_id", "")))},\n'
+            f'"traceName": {dumps(str(self.run.get("run_id", "")))},\n'
             '"traceEvents": [\n'
         )
         self._put(head.encode())
@@ -400,7 +409,7 @@ class ChromeTraceExporter:
             "flow_window": self.flow_window,
             "complete": self.stats["complete"],
         }
-        tail = f'\n],\n"gpu_trace": {_json(info)}'
+        tail = f'\n],\n"gpu_trace": {dumps(info)}'
         attrs = self.run.get("attrs") or {}
         if isinstance(attrs, list):  # a map as the store may return it: (key, value) pairs
             attrs = dict(attrs)
@@ -414,7 +423,7 @@ class ChromeTraceExporter:
     def _meta(self, name: str, pid: int, tid: int | None, args: dict[str, Any]) -> str:
         # Process-wide events carry tid 0 as Kineto's do: a missing tid turns HTA's tid column
         # into floats.
-        return f',\n{{"ph":"M","name":"{name}","pid":{pid},"tid":{tid or 0},"args":{_json(args)}}}'
+        return f',\n{{"ph":"M","name":"{name}","pid":{pid},"tid":{tid or 0},"args":{dumps(args)}}}'
 
     def _process(self, host: str, pid: int) -> int:
         key = (host, pid)
@@ -477,7 +486,7 @@ class ChromeTraceExporter:
         meta += self._meta("thread_sort_index", cpid, ctid, {"sort_index": rank * 1024 + order})
         self._put_meta(meta, 2)
         self.stats["tracks"] += 1
-        lane_args = f',"lane":{_json(lane_name)}'
+        lane_args = f',"lane":{dumps(lane_name)}'
         m = _GPU_LANE.match(lane_name)
         if m:
             lane_args += f',"device":{int(m.group(1))},"stream":{int(m.group(2))}'
@@ -486,13 +495,13 @@ class ChromeTraceExporter:
 
     def _track_columns(self, batch: pa.Table) -> tuple[np.ndarray, np.ndarray, pa.Array, pa.Array]:
         """Per row: Chrome pid, Chrome tid, the ``"pid":..,"tid":..`` and lane args fragments."""
-        host_codes, host_dict = _dictionary(batch["host"])
+        host_codes, host_dict = dictionary(batch["host"])
         host_map = np.array(
             [self._hosts.setdefault(h or "", len(self._hosts)) for h in host_dict.to_pylist()]
             or [0],
             dtype=np.int64,
         )
-        lane_codes, lane_dict = _dictionary(batch["lane"])
+        lane_codes, lane_dict = dictionary(batch["lane"])
         lane_ids = []
         for lane in lane_dict.to_pylist():
             lane = lane or ""
@@ -504,15 +513,15 @@ class ChromeTraceExporter:
         # Distinct (host, pid, tid, lane) by hashing, not sorting: one mixed-radix code per row.
         parts = [host_map[host_codes], lane_map[lane_codes]]
         values = []
-        for col in (_int64(batch["pid"]), _uint64(batch["tid"]).view(np.int64)):
-            codes, uniq = _dictionary_codes(col)
+        for col in (int64(batch["pid"]), uint64(batch["tid"]).view(np.int64)):
+            codes, uniq = dictionary_codes(col)
             parts.append(codes)
             values.append(uniq)
         radix = [len(self._hosts), len(self._lane_names), len(values[0]), len(values[1])]
         code = np.zeros(batch.num_rows, dtype=np.int64)
         for part, r in zip(parts, radix, strict=True):
             code = code * r + part
-        inverse, combos = _dictionary_codes(code)
+        inverse, combos = dictionary_codes(code)
         tracks = []
         for c in combos.tolist():
             c, t = divmod(c, radix[3])
@@ -526,86 +535,6 @@ class ChromeTraceExporter:
         track_frag = pa.array([t[2] for t in tracks], pa.string()).take(idx)
         lane_frag = pa.array([t[3] for t in tracks], pa.string()).take(idx)
         return cpid, ctid, track_frag, lane_frag
-
-    # ---- flow arrows --------------------------------------------------------------------------
-
-    def _link_flows(
-        self,
-        sid: np.ndarray,
-        parent: np.ndarray,
-        has_parent: np.ndarray,
-        cpid: np.ndarray,
-        ctid: np.ndarray,
-        rel: np.ndarray,
-        categories: np.ndarray | None,
-    ) -> None:
-        if self.flow_window == 0:
-            return
-        order = np.argsort(sid, kind="stable")
-        chunk = (sid[order], cpid[order], ctid[order], rel[order])
-        _push(self._recent, chunk, self.flow_window)
-        if categories is not None:
-            fwd = categories == FORWARD
-            if fwd.any():
-                sel = order[fwd[order]]
-                _push(self._forward, (sid[sel], cpid[sel], ctid[sel], rel[sel]), self.flow_window)
-        rows = np.flatnonzero(has_parent)
-        if len(rows) == 0:
-            return
-        want = parent[rows]
-        found = np.zeros(len(rows), dtype=bool)
-        p_pid = np.zeros(len(rows), dtype=np.int64)
-        p_tid = np.zeros(len(rows), dtype=np.int64)
-        p_ts = np.zeros(len(rows), dtype=np.int64)
-        for ids, c_pid, c_tid, c_ts in reversed(self._recent + self._forward):
-            todo = np.flatnonzero(~found)
-            if len(todo) == 0:
-                break
-            pos = np.searchsorted(ids, want[todo])
-            pos_ok = np.minimum(pos, len(ids) - 1)
-            hit = (pos < len(ids)) & (ids[pos_ok] == want[todo])
-            at, src = todo[hit], pos_ok[hit]
-            found[at] = True
-            p_pid[at], p_tid[at], p_ts[at] = c_pid[src], c_tid[src], c_ts[src]
-        cross = found & (p_pid != cpid[rows])
-        if not cross.any():
-            return
-        child = rows[cross]
-        k = len(child)
-        ids = pa.array(np.arange(self._next_flow, self._next_flow + k, dtype=np.int64)).cast(
-            pa.string()
-        )
-        self._next_flow += k
-        common = f',"cat":"{FLOW_CATEGORY}","name":"parent"'
-        starts = pc.binary_join_element_wise(
-            ',\n{"ph":"s","id":',
-            ids,
-            common,
-            ',"pid":',
-            pa.array(p_pid[cross]).cast(pa.string()),
-            ',"tid":',
-            pa.array(p_tid[cross]).cast(pa.string()),
-            ',"ts":',
-            _micros(p_ts[cross]),
-            "}",
-            "",
-        )
-        ends = pc.binary_join_element_wise(
-            ',\n{"ph":"f","bp":"e","id":',
-            ids,
-            common,
-            ',"pid":',
-            pa.array(cpid[child]).cast(pa.string()),
-            ',"tid":',
-            pa.array(ctid[child]).cast(pa.string()),
-            ',"ts":',
-            _micros(rel[child]),
-            "}",
-            "",
-        )
-        self._write_strings(starts)
-        self._write_strings(ends)
-        self.stats["flows"] += k
 
     # ---- bytes out ----------------------------------------------------------------------------
 
@@ -635,124 +564,7 @@ class ChromeTraceExporter:
         self._put(memoryview(data)[offsets[0] : offsets[-1]])
 
 
-def _push(chunks: list[tuple[np.ndarray, ...]], chunk: tuple[np.ndarray, ...], limit: int) -> None:
-    """Append a chunk and drop the oldest rows beyond ``limit``."""
-    if len(chunk[0]) == 0:
-        return
-    chunks.append(chunk)
-    total = sum(len(c[0]) for c in chunks)
-    while total - len(chunks[0][0]) >= limit and len(chunks) > 1:
-        total -= len(chunks.pop(0)[0])
-
-
-# ---- vectorized formatting ---------------------------------------------------------------------
-
-
-def _combined(col: pa.Array | pa.ChunkedArray) -> pa.Array:
-    return col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
-
-
-def _int64(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
-    return np.asarray(_combined(col).cast(pa.int64()).fill_null(0), dtype=np.int64)
-
-
-def _uint64(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
-    return np.asarray(_combined(col).cast(pa.uint64()).fill_null(0), dtype=np.uint64)
-
-
-def _plain(col: pa.Array | pa.ChunkedArray) -> pa.Array:
-    col = _combined(col)
-    if pa.types.is_dictionary(col.type):
-        col = col.dictionary_decode()
-    return col.cast(pa.string())
-
-
-def _dictionary(col: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, pa.Array]:
-    """Codes (int32, no nulls) and dictionary of a string column."""
-    col = _combined(col)
-    if not pa.types.is_dictionary(col.type):
-        col = pc.dictionary_encode(col.cast(pa.string()), null_encoding="encode")
-    codes = np.asarray(col.indices.cast(pa.int32()).fill_null(0), dtype=np.int32)
-    dictionary = col.dictionary.cast(pa.string())
-    if dictionary.null_count:
-        dictionary = dictionary.fill_null("")
-    if len(dictionary) == 0:
-        dictionary = pa.array([""], pa.string())
-    return codes, dictionary
-
-
-def _dictionary_codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Codes (int64) and distinct values of an int64 array, by hashing."""
-    encoded = pc.dictionary_encode(pa.array(values, pa.int64()))
-    return np.asarray(encoded.indices, dtype=np.int64), np.asarray(
-        encoded.dictionary, dtype=np.int64
-    )
-
-
-def _quote(col: pa.Array | pa.ChunkedArray) -> pa.Array:
-    """Each string as a JSON string literal (quoted and escaped); nulls become ``""``."""
-    col = _combined(col)
-    if pa.types.is_dictionary(col.type):
-        return (
-            _quote(col.dictionary).take(col.indices.fill_null(0))
-            if len(col.dictionary)
-            else pa.array(['""'] * len(col), pa.string())
-        )
-    col = col.cast(pa.string()).fill_null("")
-    try:
-        col.validate(full=True)  # invalid UTF-8 would make the whole file unreadable
-        plain = not pc.any(pc.match_substring_regex(col, _NEEDS_ESCAPE)).as_py()
-    except pa.ArrowInvalid:
-        plain = False
-    if plain:
-        return pc.binary_join_element_wise('"', col, '"', "")
-    raw = col.cast(pa.binary()).to_pylist()
-    return pa.array([_json(b.decode("utf-8", "replace")) for b in raw], pa.string())
-
-
-def _micros(ns: np.ndarray) -> pa.Array:
-    """Integer nanoseconds as exact decimal microseconds: 1234567 -> ``1234.567``."""
-    ns = np.asarray(ns, dtype=np.int64)
-    neg = ns < 0
-    mag = np.abs(ns)
-    whole = pa.array(mag // 1000).cast(pa.string())
-    frac = pc.utf8_lpad(pa.array(mag % 1000).cast(pa.string()), 3, "0")
-    if neg.any():
-        return pc.binary_join_element_wise(pc.if_else(pa.array(neg), "-", ""), whole, ".", frac, "")
-    return pc.binary_join_element_wise(whole, ".", frac, "")
-
-
-def _attrs_fragment(col: pa.Array | pa.ChunkedArray, n: int) -> pa.Array | str:
-    """Per row ``,"key":"value",...`` for the attributes (``""`` for none)."""
-    col = _combined(col)
-    if isinstance(col, pa.MapArray):
-        keys, items = col.keys, col.items
-    elif pa.types.is_list(col.type) and pa.types.is_struct(col.type.value_type):
-        keys, items = col.values.field(0), col.values.field(1)
-    else:
-        raise ValueError(f"attrs must be a map or a list of (key, value) structs, not {col.type}")
-    if len(keys) == 0:
-        return ""
-    keys = _plain(keys).fill_null("")
-    keys = pc.if_else(
-        pc.is_in(keys, pa.array(RESERVED_ARGS)),
-        pc.binary_join_element_wise("attr.", keys, ""),
-        keys,
-    )
-    items = _plain(items).fill_null("")
-    values = _quote(items)
-    numeric = pc.and_(
-        pc.is_in(keys, pa.array(INT_ARGS)), pc.match_substring_regex(items, r"^-?[0-9]{1,18}$")
-    )
-    if pc.any(numeric).as_py():
-        values = pc.if_else(numeric, items, values)
-    pairs = pc.binary_join_element_wise(",", _quote(keys), ":", values, "")
-    offsets = col.offsets
-    lists = pa.ListArray.from_arrays(offsets, pairs)
-    return pc.fill_null(pc.binary_join(lists, ""), "")
-
-
-# ---- the convenience entry point and the progress bar ------------------------------------------
+# ---- the convenience entry point ----------------------------------------------------------------
 
 
 def write_chrome_trace(
@@ -785,41 +597,3 @@ def write_chrome_trace(
     finally:
         stats = exporter.close(complete=ok)
     return stats
-
-
-class TerminalProgress:
-    """A one-line progress bar for ``progress=``; draws only when ``stream`` is a terminal."""
-
-    def __init__(self, stream: TextIO, *, width: int = 30, label: str = "spans") -> None:
-        self.stream = stream
-        self.width = width
-        self.label = label
-        self._last: str | None = None
-        try:
-            self.enabled = bool(stream.isatty())
-        except (AttributeError, ValueError):
-            self.enabled = False
-
-    def __call__(self, done: int, total: int | None) -> None:
-        if not self.enabled:
-            return
-        if total:
-            frac = min(done / total, 1.0)
-            filled = int(frac * self.width)
-            line = f"[{'#' * filled}{'.' * (self.width - filled)}] {frac:4.0%} {done:,}/{total:,} {self.label}"
-        else:
-            line = f"{done:,} {self.label}"
-        if line != self._last:
-            self._last = line
-            self.stream.write("\r" + line)
-            if total and done >= total:  # finished: end the line so later output starts clean
-                self.stream.write("\n")
-                self._last = None
-            self.stream.flush()
-
-    def close(self) -> None:
-        """End the line (only if something was drawn)."""
-        if self.enabled and self._last is not None:
-            self.stream.write("\n")
-            self.stream.flush()
-            self._last = None

@@ -16,12 +16,8 @@ import pyarrow as pa
 import pytest
 
 import gpu_trace
-from gpu_trace.tracer.chrome import (
-    SYNTHETIC_BASE,
-    ChromeTraceExporter,
-    TerminalProgress,
-    write_chrome_trace,
-)
+from gpu_trace._progress import TerminalProgress
+from gpu_trace.tracer.chrome import SYNTHETIC_BASE, ChromeTraceExporter, write_chrome_trace
 from gpu_trace.tracer.records import ATTRS
 from gpu_trace.tracer.spool import list_spool, read_spool_file
 
