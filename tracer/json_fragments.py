@@ -18,8 +18,8 @@ import pyarrow.compute as pc
 
 #: Characters that make a string need JSON escaping (quote, backslash, control characters).
 _NEEDS_ESCAPE = r'[\x00-\x1f"\\]'
-#: A value written as a JSON number: at most 18 digits, so it fits an int64 in any reader.
-_INTEGER = r"^-?[0-9]{1,18}$"
+#: A value written as a JSON number: at most 18 digits and no leading zero (JSON has none), so it fits an int64 in any reader.
+_INTEGER = r"^-?(0|[1-9][0-9]{0,17})$"
 
 
 def dumps(value: Any) -> str:

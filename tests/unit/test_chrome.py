@@ -563,3 +563,16 @@ def test_memory_stays_flat_for_a_million_spans(tmp_path: Path) -> None:
     # the file is whole: its trailer parses
     tail = (tmp_path / "big.json").read_bytes()[-4000:].decode()
     assert json.loads("{" + tail[tail.index('"gpu_trace"') :])["gpu_trace"]["spans"] == 1_000_000
+
+
+def test_integer_looking_attributes_stay_valid_json(tmp_path: Path) -> None:
+    values = ["0", "-7", "123", "0123", "-0", "12345678901234567890", "1e3", " 1"]
+    rows = [
+        ("h", 1, 0, 10, 10, "lane", "nvtx", f"s{i}", BASE + i, BASE + i + 1, {"correlation": v})
+        for i, v in enumerate(values)
+    ]
+    path = tmp_path / "ints.json"
+    write_chrome_trace(path, RUN, [], [spans(rows)])
+    got = [e["args"]["correlation"] for e in by_phase(load(path), "X")]
+    # canonical integers become numbers (HTA needs them); anything else stays the string it was
+    assert got == [0, -7, 123, "0123", 0, "12345678901234567890", "1e3", " 1"]
