@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import platform
 import sys
 import threading
 from pathlib import Path
@@ -102,7 +103,7 @@ def attach(rec, mode: str) -> str:  # rec: gpu_trace.tracer.recorder.Recorder
         lib, reason = _load_native()
         if lib is not None:
             capacity = min(int(rec.settings.buffer_events), NATIVE_MAX_EVENTS)
-            rec.add_source(NativeSource(lib, capacity))
+            rec.add_source(NativeSource(lib, capacity, tsc=_use_tsc()))
             return "native"
         _warn_once(reason or "unknown reason")
     if nvtx_patch.patch():
@@ -127,6 +128,39 @@ class PatchSource:
 
     def close(self) -> None:
         nvtx_patch.unpatch()
+
+
+def _use_tsc() -> bool:
+    """Whether the injection library may stamp events with the TSC (see ``GPU_TRACE_NVTX_CLOCK``)."""
+    try:
+        if config.nvtx_clock() != "auto":
+            return False
+    except ValueError as exc:
+        log.warning("gpu-trace: %s; NVTX events use clock_gettime", exc)
+        return False
+    return tsc_invariant()
+
+
+def tsc_invariant(
+    cpuinfo: str = "/proc/cpuinfo",
+    clocksource: str = "/sys/devices/system/clocksource/clocksource0/current_clocksource",
+) -> bool:
+    """An x86-64 TSC that ticks at a constant rate through every power state, synchronized across
+    CPUs well enough that the kernel itself reads CLOCK_MONOTONIC from it."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        with open(clocksource) as f:
+            if f.read().strip() != "tsc":
+                return False
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return {"constant_tsc", "nonstop_tsc"} <= flags
+    except OSError:
+        return False
+    return False
 
 
 def _warn_once(reason: str) -> None:

@@ -8,8 +8,16 @@
  * Hot path: a thread-local state (allocated on a thread's first event), a per-thread stack of open
  * push/pop ranges, and a per-thread single-producer ring of fixed-size records. The owning thread
  * writes, the recorder's flusher thread drains through gt_drain(); no lock is taken on push, pop,
- * mark, start or end. A full ring drops the event and counts it. Timestamps are integer
+ * mark, start or end. A full ring drops the event and counts it. Drained timestamps are integer
  * nanoseconds of CLOCK_MONOTONIC, the clock of Python's time.perf_counter_ns on Linux.
+ *
+ * Clock: where the recorder asks for it (gt_set_clock, on x86-64 with an invariant TSC that the
+ * kernel itself uses for CLOCK_MONOTONIC), the hot path reads the TSC (rdtsc, ~half the cost of a
+ * vDSO clock_gettime) and gt_drain converts to CLOCK_MONOTONIC ns: calibration points, each a
+ * (tsc, monotonic) pair read together, are taken when TSC mode starts and at every drain, and a
+ * tick is mapped by linear interpolation between the two points around it (exact integer math).
+ * Each point is exact, so the error is bounded by how much CLOCK_MONOTONIC's rate against the TSC
+ * (NTP slewing) changes between two drains. Otherwise the hot path calls clock_gettime.
  *
  * Strings (messages, domain names, category names) are interned into one process-wide table of
  * ids; records carry ids, and the Python side drains new strings incrementally. ASCII and
@@ -34,9 +42,12 @@
 #include <time.h>
 #include <unistd.h>
 #include <wchar.h>
+#if defined(__x86_64__)
+#include <x86intrin.h>
+#endif
 
 #define GT_EXPORT __attribute__((visibility("default")))
-#define GT_ABI_VERSION 1
+#define GT_ABI_VERSION 2
 
 enum { GT_RANGE = 1, GT_MARK = 2, GT_START = 3, GT_END = 4 };
 /* flags: bit 0 color present; bits 4..7 NVTX payload type (1..6). */
@@ -150,6 +161,104 @@ static inline int64_t now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* ---- the event clock ------------------------------------------------------------------------ */
+
+/* 1: hot-path timestamps are TSC ticks, converted by gt_drain. Chosen before recording starts and
+ * never changed afterwards (gt_set_clock), so a range never mixes the two units. */
+static int g_tsc = 0;
+static int g_clock_fixed = 0;
+
+static inline int64_t stamp(void) {
+#if defined(__x86_64__)
+    if (__builtin_expect(__atomic_load_n(&g_tsc, __ATOMIC_RELAXED), 1)) return (int64_t)__rdtsc();
+#endif
+    return now_ns();
+}
+
+/* Calibration: points (tsc, mono) in increasing order, the newest GT_CALS kept; each segment
+ * between neighbours carries its slope as integer + 64-bit binary fraction of ns per tick. */
+#define GT_CALS 64
+typedef struct gt_cal {
+    int64_t tsc, mono;
+    uint64_t q, frac; /* slope to the next point: q + frac / 2^64 ns per tick */
+} gt_cal;
+static gt_cal g_cal[GT_CALS];
+static int g_ncal;
+
+#if defined(__x86_64__)
+/* One (tsc, mono) pair: the monotonic read bracketed by two TSC reads, the tightest of five. */
+static void read_pair(int64_t* tsc, int64_t* mono) {
+    uint64_t best = UINT64_MAX;
+    for (int i = 0; i < 5; i++) {
+        uint64_t a = __rdtsc();
+        int64_t m = now_ns();
+        uint64_t b = __rdtsc();
+        if (b > a && b - a < best) {
+            best = b - a;
+            *tsc = (int64_t)(a + (b - a) / 2);
+            *mono = m;
+        }
+    }
+    if (best == UINT64_MAX) { /* the TSC did not advance: take what we have */
+        *tsc = (int64_t)__rdtsc();
+        *mono = now_ns();
+    }
+}
+#endif
+
+/* Append a calibration point (caller holds g_threads_lock). Points that don't move both clocks
+ * forward are skipped: conversion then extrapolates from the last good segment. */
+static void calibrate(void) {
+#if defined(__x86_64__)
+    int64_t tsc, mono;
+    read_pair(&tsc, &mono);
+    if (g_ncal > 0) {
+        gt_cal* last = &g_cal[g_ncal - 1];
+        if (tsc <= last->tsc || mono < last->mono) return;
+        uint64_t dt = (uint64_t)(tsc - last->tsc), dm = (uint64_t)(mono - last->mono);
+        last->q = dm / dt;
+        last->frac = (uint64_t)(((unsigned __int128)(dm % dt) << 64) / dt);
+        if (g_ncal == GT_CALS) {
+            memmove(g_cal, g_cal + 1, (GT_CALS - 1) * sizeof(gt_cal));
+            g_ncal--;
+        }
+    }
+    g_cal[g_ncal].tsc = tsc;
+    g_cal[g_ncal].mono = mono;
+    g_cal[g_ncal].q = g_ncal > 0 ? g_cal[g_ncal - 1].q : 0;
+    g_cal[g_ncal].frac = g_ncal > 0 ? g_cal[g_ncal - 1].frac : 0;
+    g_ncal++;
+#endif
+}
+
+/* TSC tick -> CLOCK_MONOTONIC ns by the segment around t (the first or last one extrapolated). */
+static int64_t tsc_to_ns(int64_t t) {
+    if (g_ncal < 2) return g_ncal ? g_cal[0].mono + (t - g_cal[0].tsc) : t; /* not reached */
+    int lo = 0, hi = g_ncal - 2; /* segment index */
+    if (t >= g_cal[hi].tsc) {
+        lo = hi;
+    } else {
+        while (lo < hi) { /* the last segment starting at or before t */
+            int mid = (lo + hi + 1) / 2;
+            if (g_cal[mid].tsc <= t)
+                lo = mid;
+            else
+                hi = mid - 1;
+        }
+    }
+    const gt_cal* c = &g_cal[lo];
+    uint64_t d = t >= c->tsc ? (uint64_t)(t - c->tsc) : (uint64_t)(c->tsc - t);
+    uint64_t off = d * c->q + (uint64_t)(((unsigned __int128)d * c->frac) >> 64);
+    return t >= c->tsc ? c->mono + (int64_t)off : c->mono - (int64_t)off;
+}
+
+static void convert_times(gt_event* ev, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        ev[i].start_ns = tsc_to_ns(ev[i].start_ns);
+        if (ev[i].kind == GT_RANGE || ev[i].kind == GT_MARK) ev[i].end_ns = tsc_to_ns(ev[i].end_ns);
+    }
 }
 
 static uint64_t splitmix(uint64_t* s) {
@@ -419,7 +528,7 @@ static inline gt_frame* innermost(gt_thread* t, uint32_t domain) {
 static int push(uint32_t domain, const gt_attrs* at) {
     gt_thread* t = thread_state();
     if (!t) return -1;
-    int64_t ts = now_ns();
+    int64_t ts = stamp();
     if (t->top >= GT_MAX_DEPTH) {
         t->overflow++;
         __atomic_store_n(&t->dropped, t->dropped + 1, __ATOMIC_RELAXED);
@@ -444,7 +553,7 @@ static int push(uint32_t domain, const gt_attrs* at) {
 static int pop(uint32_t domain) {
     gt_thread* t = t_state;
     if (!t) return -1;
-    int64_t ts = now_ns();
+    int64_t ts = stamp();
     gt_frame* f = innermost(t, domain);
     if (!f) {
         if (t->overflow > 0) {
@@ -481,7 +590,7 @@ static int pop(uint32_t domain) {
 static void mark(uint32_t domain, const gt_attrs* at) {
     gt_thread* t = thread_state();
     if (!t) return;
-    int64_t ts = now_ns();
+    int64_t ts = stamp();
     gt_frame* parent = innermost(t, domain);
     gt_event* e = slot(t);
     if (!e) return;
@@ -504,7 +613,7 @@ static void mark(uint32_t domain, const gt_attrs* at) {
 static nvtxRangeId_t start(uint32_t domain, const gt_attrs* at) {
     gt_thread* t = thread_state();
     if (!t) return 0;
-    int64_t ts = now_ns();
+    int64_t ts = stamp();
     uint64_t id = next_id(t);
     gt_event* e = slot(t);
     if (!e) return 0;
@@ -529,7 +638,7 @@ static void end(nvtxRangeId_t id) {
     if (id == 0 || !__atomic_load_n(&g_enabled, __ATOMIC_RELAXED)) return;
     gt_thread* t = thread_state();
     if (!t) return;
-    int64_t ts = now_ns();
+    int64_t ts = stamp();
     gt_event* e = slot(t);
     if (!e) return;
     memset(e, 0, sizeof(*e));
@@ -788,7 +897,37 @@ GT_EXPORT void gt_configure(uint64_t capacity) {
     __atomic_store_n(&g_capacity, c, __ATOMIC_RELAXED);
 }
 
-GT_EXPORT void gt_set_enabled(int on) { __atomic_store_n(&g_enabled, on ? 1 : 0, __ATOMIC_RELAXED); }
+/* The hot path's clock: 1 asks for the TSC (honoured on x86-64 only), 0 for clock_gettime. Only
+ * the first call decides (a range must not start in one unit and end in the other); returns the
+ * clock in effect, 1 for the TSC. The caller checks that the TSC is invariant and is the kernel's
+ * clocksource. */
+GT_EXPORT int gt_set_clock(int tsc) {
+    pthread_mutex_lock(&g_threads_lock);
+    if (!g_clock_fixed) {
+        g_clock_fixed = 1;
+#if defined(__x86_64__)
+        if (tsc) {
+            g_ncal = 0;
+            calibrate();
+            __atomic_store_n(&g_tsc, 1, __ATOMIC_RELEASE);
+        }
+#else
+        (void)tsc;
+#endif
+    }
+    int r = g_tsc;
+    pthread_mutex_unlock(&g_threads_lock);
+    return r;
+}
+
+GT_EXPORT void gt_set_enabled(int on) {
+    if (on) {
+        pthread_mutex_lock(&g_threads_lock);
+        g_clock_fixed = 1; /* events are stamped from now on: the clock can't change any more */
+        pthread_mutex_unlock(&g_threads_lock);
+    }
+    __atomic_store_n(&g_enabled, on ? 1 : 0, __ATOMIC_RELAXED);
+}
 
 /* Copy up to max buffered events into out; frees the states of exited threads once drained. */
 GT_EXPORT size_t gt_drain(gt_event* out, size_t max) {
@@ -820,6 +959,11 @@ GT_EXPORT size_t gt_drain(gt_event* out, size_t max) {
         }
         link = &t->next;
         if (n == max) break;
+    }
+    if (g_tsc && n > 0) {
+        /* After the copies: every event drained was stamped before this point. */
+        calibrate();
+        convert_times(out, n);
     }
     pthread_mutex_unlock(&g_threads_lock);
     return n;

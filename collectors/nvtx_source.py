@@ -66,6 +66,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gt_init_count.restype = c.c_int
     lib.gt_configure.argtypes = [c.c_uint64]
     lib.gt_configure.restype = None
+    lib.gt_set_clock.argtypes = [c.c_int]
+    lib.gt_set_clock.restype = c.c_int
     lib.gt_set_enabled.argtypes = [c.c_int]
     lib.gt_set_enabled.restype = None
     lib.gt_drain.argtypes = [c.c_void_p, c.c_size_t]
@@ -97,7 +99,7 @@ class NativeSource:
 
     name = "nvtx"
 
-    def __init__(self, lib: ctypes.CDLL, capacity: int) -> None:
+    def __init__(self, lib: ctypes.CDLL, capacity: int, *, tsc: bool = False) -> None:
         self._lib = lib
         self._strings: list[str] = []
         self._lanes: dict[int, str] = {}
@@ -111,6 +113,9 @@ class NativeSource:
         self._strbuf = ctypes.create_string_buffer(STRING_BUF)
         self._lens = (ctypes.c_uint32 * 4096)()
         lib.gt_configure(capacity)
+        #: "tsc" or "monotonic": what the hot path reads (the drained times are CLOCK_MONOTONIC
+        #: ns either way). The first recorder in a process decides; it can't change afterwards.
+        self.clock = "tsc" if lib.gt_set_clock(1 if tsc else 0) else "monotonic"
         lib.gt_set_enabled(1)
 
     # ---- Source protocol ----------------------------------------------------------------------

@@ -25,7 +25,11 @@ ENVIRONMENT: dict[str, str] = {
     "and counted. Default 1048576.",
     "GPU_TRACE_NVTX": "NVTX capture: native (the C injection library, default), python (patch the "
     "Python nvtx package only) or off.",
-    "GPU_TRACE_CC": "C compiler used to build the NVTX injection library on first use. Default cc.",
+    "GPU_TRACE_NVTX_CLOCK": "Clock the NVTX injection library stamps events with: auto (the TSC "
+    "where it is invariant and the kernel's own clocksource, converted to CLOCK_MONOTONIC ns at "
+    "each flush; the default) or monotonic (clock_gettime on every event).",
+    "GPU_TRACE_CC": "C compiler used to build the NVTX injection library and the C gpu_trace.range "
+    "on first use. Default cc.",
     "TRACEPARENT": "W3C trace context of a parent; a run started under it joins that trace.",
 }
 
@@ -60,6 +64,14 @@ def cluster(explicit: str | None = None) -> str | None:
 def c_compiler() -> str | None:
     """``GPU_TRACE_CC``, the compiler command for the NVTX library (None: use ``cc``)."""
     return _env("GPU_TRACE_CC")
+
+
+def nvtx_clock() -> str:
+    """``GPU_TRACE_NVTX_CLOCK``: ``auto`` (default) or ``monotonic``."""
+    value = (_env("GPU_TRACE_NVTX_CLOCK") or "auto").lower()
+    if value not in ("auto", "monotonic"):
+        raise ValueError(f"GPU_TRACE_NVTX_CLOCK must be auto or monotonic, got {value!r}")
+    return value
 
 
 def runs_dir() -> Path:
