@@ -63,6 +63,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="NVTX capture: native injection library (default), Python nvtx package only, or off",
     )
     p.add_argument(
+        "--nvml-hz",
+        type=float,
+        metavar="HZ",
+        help="NVML samples per second, taken by this process (default 10; 0 is off)",
+    )
+    p.add_argument("--no-nvml", action="store_true", help="no NVML sampling (--nvml-hz 0)")
+    p.add_argument(
+        "--host-hz",
+        type=float,
+        metavar="HZ",
+        help="host CPU/memory/network/disk samples per second (default 2; 0 is off)",
+    )
+    p.add_argument(
+        "--nvml-replay",
+        type=Path,
+        metavar="FILE",
+        help="play back an NVML sample file instead of reading NVML (see docs/collectors.md)",
+    )
+    p.add_argument(
         "--no-ingest", action="store_true", help="leave the spool for `gpu-trace ingest`"
     )
     p.add_argument(
@@ -146,7 +165,14 @@ def cmd_record(args: argparse.Namespace) -> int:
         if problem:
             raise CLIError(f"store {dsn} is not usable: {problem}", 2)
     try:
-        prepared = launch.prepare(argv, run_dir=args.run_dir, nvtx=args.nvtx)
+        prepared = launch.prepare(
+            argv,
+            run_dir=args.run_dir,
+            nvtx=args.nvtx,
+            nvml_hz=0.0 if args.no_nvml else args.nvml_hz,
+            host_hz=args.host_hz,
+            nvml_replay=args.nvml_replay,
+        )
     except launch.LaunchError as exc:
         raise CLIError(str(exc), exc.exit_code) from None
     for note in prepared.notes:

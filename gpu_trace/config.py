@@ -30,6 +30,14 @@ ENVIRONMENT: dict[str, str] = {
     "each flush; the default) or monotonic (clock_gettime on every event).",
     "GPU_TRACE_CC": "C compiler used to build the NVTX injection library and the C gpu_trace.range "
     "on first use. Default cc.",
+    "GPU_TRACE_TORCH": "PyTorch ranges when the program imports torch: module (every nn.Module's "
+    "forward and backward, optimizer.step, backward, DataLoader waits, steps; the default), op "
+    "(module plus every ATen op) or off. `gpu-trace record --torch` sets it.",
+    "GPU_TRACE_TORCH_SHAPES": "1 to record input shapes and dtypes as attributes of PyTorch op "
+    "ranges (op level; costs more per op). Default 0.",
+    "GPU_TRACE_TF": "TensorFlow ranges when the program imports tensorflow: layer (Keras layer "
+    "calls, tf.function calls, gradients, steps; the default), op (layer plus eager ops) or off. "
+    "`gpu-trace record --tf` sets it.",
     "TRACEPARENT": "W3C trace context of a parent; a run started under it joins that trace.",
 }
 
@@ -71,6 +79,28 @@ def nvtx_clock() -> str:
     value = (_env("GPU_TRACE_NVTX_CLOCK") or "auto").lower()
     if value not in ("auto", "monotonic"):
         raise ValueError(f"GPU_TRACE_NVTX_CLOCK must be auto or monotonic, got {value!r}")
+    return value
+
+
+def torch_level(explicit: str | None = None) -> str:
+    """``GPU_TRACE_TORCH``: ``module`` (default), ``op`` or ``off``."""
+    return _level("GPU_TRACE_TORCH", explicit, ("module", "op", "off"))
+
+
+def tf_level(explicit: str | None = None) -> str:
+    """``GPU_TRACE_TF``: ``layer`` (default), ``op`` or ``off``."""
+    return _level("GPU_TRACE_TF", explicit, ("layer", "op", "off"))
+
+
+def torch_shapes() -> bool:
+    """``GPU_TRACE_TORCH_SHAPES``: record op input shapes and dtypes."""
+    return (_env("GPU_TRACE_TORCH_SHAPES") or "0").lower() in ("1", "true", "yes", "on")
+
+
+def _level(name: str, explicit: str | None, levels: tuple[str, ...]) -> str:
+    value = (explicit or _env(name) or levels[0]).lower()
+    if value not in levels:
+        raise ValueError(f"{name} must be one of {', '.join(levels)}, got {value!r}")
     return value
 
 

@@ -3,7 +3,8 @@
 The program gets, through its environment, the run directory, the run's W3C trace context, a
 PYTHONPATH entry whose ``sitecustomize`` starts the recorder before the program's first line (in
 every Python process it starts, too) and the NVTX injection library. The runner itself only
-forwards signals and waits: nothing is recorded in this process.
+forwards signals and waits; the only thing recorded in this process is what its samplers read
+(NVML and host counters, ``collectors/samplers.py``), into the same run directory.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import socket
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from gpu_trace import config
 from gpu_trace.tracer import context
@@ -45,6 +47,8 @@ class Launch:
     env: dict[str, str]
     nvtx_mode: str
     notes: list[str] = field(default_factory=list)
+    #: The NVML and host samplers (a ``collectors.samplers.RunSamplers``), or None.
+    samplers: Any = None
 
 
 def prepare(
@@ -53,6 +57,9 @@ def prepare(
     run_dir: Path | None = None,
     nvtx: str | None = None,
     environ: dict[str, str] | None = None,
+    nvml_hz: float | None = None,
+    host_hz: float | None = None,
+    nvml_replay: Path | None = None,
 ) -> Launch:
     """Create the run directory and the program's environment. Raises LaunchError."""
     if not argv:
@@ -129,8 +136,35 @@ def prepare(
         if not inject:
             env["GPU_TRACE_NVTX"] = "python"
     info.attrs["nvtx"] = env["GPU_TRACE_NVTX"]
+    samplers = _prepare_samplers(info, run_dir, nvml_hz, host_hz, nvml_replay)
+    notes.extend(samplers.notes)
+    info.attrs.update(samplers.attrs)
     info.save(run_dir)
-    return Launch(run_dir, info, [executable, *argv[1:]], env, env["GPU_TRACE_NVTX"], notes)
+    return Launch(
+        run_dir, info, [executable, *argv[1:]], env, env["GPU_TRACE_NVTX"], notes, samplers
+    )
+
+
+def _prepare_samplers(
+    info: RunInfo,
+    run_dir: Path,
+    nvml_hz: float | None,
+    host_hz: float | None,
+    nvml_replay: Path | None,
+) -> Any:
+    from gpu_trace.collectors.samplers import RunSamplers
+
+    try:
+        return RunSamplers.prepare(
+            run_dir,
+            run_id=info.run_id,
+            trace_id=info.trace_id,
+            nvml_hz=config.nvml_hz(nvml_hz),
+            host_hz=config.host_hz(host_hz),
+            nvml_replay=config.nvml_replay(nvml_replay),
+        )
+    except ValueError as exc:
+        raise LaunchError(str(exc), 2) from None
 
 
 def run(launch: Launch) -> int:
@@ -138,9 +172,12 @@ def run(launch: Launch) -> int:
 
     A program killed by a signal gives 128 + the signal number, as a shell reports it.
     """
+    samplers = launch.samplers
     try:
         proc = subprocess.Popen(launch.argv, env=launch.env)
     except OSError as exc:
+        if samplers is not None:
+            samplers.stop()
         finish(launch, 126, f"could not start: {exc.strerror or exc}")
         raise LaunchError(f"cannot run {launch.argv[0]}: {exc.strerror or exc}", 126) from None
 
@@ -149,6 +186,8 @@ def run(launch: Launch) -> int:
             proc.send_signal(signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    if samplers is not None:
+        samplers.start(proc.pid)
     try:
         while True:
             try:
@@ -157,6 +196,8 @@ def run(launch: Launch) -> int:
             except KeyboardInterrupt:  # pragma: no cover - the handler above replaces it
                 continue
     finally:
+        if samplers is not None:  # stopped and flushed before anything is ingested
+            samplers.stop()
         for s, h in previous.items():
             signal.signal(s, h)
     if returncode < 0:
