@@ -38,6 +38,12 @@ ENVIRONMENT: dict[str, str] = {
     "GPU_TRACE_TF": "TensorFlow ranges when the program imports tensorflow: layer (Keras layer "
     "calls, tf.function calls, gradients, steps; the default), op (layer plus eager ops) or off. "
     "`gpu-trace record --tf` sets it.",
+    "GPU_TRACE_NVML_HZ": "NVML samples per second in `gpu-trace record` (the record process "
+    "samples, not the program). Default 10; 0 turns the NVML sampler off.",
+    "GPU_TRACE_HOST_HZ": "Host samples per second (CPU, memory, network, disk, the program's CPU "
+    "and RSS) in `gpu-trace record`. Default 2; 0 turns the host sampler off.",
+    "GPU_TRACE_NVML_REPLAY": "An NVML sample file to play back instead of reading NVML (tests, "
+    "demos without a GPU); see docs/collectors.md.",
     "TRACEPARENT": "W3C trace context of a parent; a run started under it joins that trace.",
 }
 
@@ -101,6 +107,34 @@ def _level(name: str, explicit: str | None, levels: tuple[str, ...]) -> str:
     value = (explicit or _env(name) or levels[0]).lower()
     if value not in levels:
         raise ValueError(f"{name} must be one of {', '.join(levels)}, got {value!r}")
+    return value
+
+
+DEFAULT_NVML_HZ = 10.0
+DEFAULT_HOST_HZ = 2.0
+
+
+def nvml_hz(explicit: float | None = None) -> float:
+    """NVML sampling rate: ``--nvml-hz``, ``GPU_TRACE_NVML_HZ``, or 10 (0: off)."""
+    return _rate("GPU_TRACE_NVML_HZ", explicit, DEFAULT_NVML_HZ)
+
+
+def host_hz(explicit: float | None = None) -> float:
+    """Host sampling rate: ``--host-hz``, ``GPU_TRACE_HOST_HZ``, or 2 (0: off)."""
+    return _rate("GPU_TRACE_HOST_HZ", explicit, DEFAULT_HOST_HZ)
+
+
+def nvml_replay(explicit: Path | None = None) -> Path | None:
+    """An NVML sample file to play back instead of NVML (``GPU_TRACE_NVML_REPLAY``)."""
+    value = explicit or _env("GPU_TRACE_NVML_REPLAY")
+    return Path(value).expanduser() if value else None
+
+
+def _rate(name: str, explicit: float | None, default: float) -> float:
+    value = _float(name, default) if explicit is None else float(explicit)
+    if not 0 <= value <= 1000:
+        flag = name.removeprefix("GPU_TRACE_").lower().replace("_", "-")
+        raise ValueError(f"--{flag} must be in [0, 1000] Hz, got {value:g}")
     return value
 
 
