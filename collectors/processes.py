@@ -72,4 +72,12 @@ def _walk(root: int | None) -> frozenset[int]:
     except Exception:  # psutil on an odd platform: attribution is lost, the run is not
         log.debug("gpu-trace: walking the process tree of %s failed", root, exc_info=True)
         return frozenset()
-    return frozenset([root, *(c.pid for c in children)])
+    return frozenset([root, *(c.pid for c in children if _alive(c))])
+
+
+def _alive(proc: psutil.Process) -> bool:
+    """False for a process that exited but was not reaped yet (a zombie): it is gone for us."""
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

@@ -1,0 +1,102 @@
+"""Sample files: the recording mode writes what replay plays back; the real source says why it is off."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpu_trace.collectors.nvml import NvmlSampler, NvmlUnavailable, Reading
+from gpu_trace.collectors.nvml_device import PynvmlSource, error_name
+from gpu_trace.collectors.nvml_replay import RecordingSource, ReplaySource, to_record
+from gpu_trace.tracer.buffer import ThreadBuffer
+
+REPO = Path(__file__).resolve().parents[2]
+SYNTHETIC = REPO / "sample_traces" / "nvml-synthetic-h100.jsonl"
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.buf = ThreadBuffer(1 << 20)
+
+    def buffer(self) -> ThreadBuffer:
+        return self.buf
+
+
+def test_recording_a_replay_gives_the_same_file(tmp_path: Path) -> None:
+    """Record mode over the replay source reproduces the synthetic file's polls exactly."""
+    now = [5_000_000_000]
+    out = io.StringIO()
+    source = RecordingSource(
+        ReplaySource(SYNTHETIC, root_pid=lambda: 77, loop=False),
+        out,
+        hz=10,
+        made_by="test",
+        root_pid=77,
+        clock=lambda: now[0],
+    )
+    sampler = NvmlSampler(Sink(), source, 10, clock=lambda: now[0])
+    for _ in range(200):
+        sampler.sample_once()
+        now[0] += 100_000_000
+    sampler.stop()
+    original = [json.loads(line) for line in SYNTHETIC.read_text().splitlines()]
+    again = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert again[0]["devices"] == original[0]["devices"] and again[0]["synthetic"] is False
+    assert again[1:] == original[1:]
+
+
+def test_to_record_makes_sample_times_relative_and_names_the_root() -> None:
+    reading = Reading(
+        values={"power_w": 1.0},
+        samples={"gpu_util_pct": [(990, 5.0), (1000, 6.0)]},
+        processes=[(42, 10), (43, 20)],
+        events=[("xid", "13")],
+    )
+    rec = to_record(reading, 0, 7, 1000, root=42)
+    assert rec["samples"] == {"gpu_util_pct": [[-10, 5.0], [0, 6.0]]}
+    assert rec["processes"] == [["root", 10], [43, 20]]
+    assert rec["events"] == [["xid", "13"]] and "errors" not in rec
+
+
+def test_replay_without_a_root_yet_leaves_root_processes_out(tmp_path: Path) -> None:
+    src = ReplaySource(SYNTHETIC)
+    src.open()
+    readings = [src.poll(0, {"processes"}, 0) for _ in range(30)]
+    assert all(pid != "root" for r in readings for pid, _ in r.processes or [])
+
+
+def test_the_real_source_is_unavailable_here_with_a_reason() -> None:
+    try:
+        devices = PynvmlSource().open()
+    except NvmlUnavailable as exc:
+        msg = str(exc)
+        assert msg and "\n" not in msg
+        assert "gpu-trace[nvml]" in msg or "NVML" in msg
+        return
+    pytest.skip(f"NVML works here ({len(devices)} devices): tests/gpu covers it")
+
+
+def test_error_names_drop_the_pynvml_prefix() -> None:
+    class NVMLError_GpuIsLost(Exception):  # noqa: N801 - pynvml's naming
+        pass
+
+    assert error_name(NVMLError_GpuIsLost()) == "GpuIsLost"
+    assert error_name(ValueError()) == "ValueError"
+
+
+def test_record_mode_without_nvml_says_so(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "gpu_trace.collectors.nvml", "record", str(tmp_path / "x.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if out.returncode == 0:
+        pytest.skip("NVML works here: tests/gpu covers recording")
+    assert out.returncode == 1
+    assert out.stderr.startswith("gpu-trace: cannot record: "), out.stderr

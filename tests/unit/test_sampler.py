@@ -1,0 +1,94 @@
+"""The periodic sampler base: rates, the error boundary, start/stop, marks and counters."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+
+from gpu_trace.collectors.sampler import Sampler
+from gpu_trace.tracer.buffer import ThreadBuffer
+from gpu_trace.tracer.records import MARK
+
+
+class Sink:
+    """Per-thread buffers, like a Recorder's."""
+
+    def __init__(self) -> None:
+        self.local = threading.local()
+        self.buffers: list[ThreadBuffer] = []
+
+    def buffer(self) -> ThreadBuffer:
+        buf = getattr(self.local, "buf", None)
+        if buf is None:
+            buf = self.local.buf = ThreadBuffer(1 << 16)
+            self.buffers.append(buf)
+        return buf
+
+
+class Counting(Sampler):
+    source = "test"
+
+    def __init__(self, sink: Sink, hz: float = 100.0, fail: bool = False) -> None:
+        super().__init__(sink, hz, clock=self.tick_clock)
+        self.t = 0
+        self.fail = fail
+        self.seen = threading.Event()
+        self.closed = 0
+
+    def tick_clock(self) -> int:
+        self.t += 1
+        return self.t
+
+    def sample(self, now: int) -> None:
+        self.seen.set()
+        if self.fail:
+            raise RuntimeError("source broke")
+        self.counter("dev", "things", now, 1.5, {"k": "v"})
+        self.mark("lane", "something", now, {"a": "b"})
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+@pytest.mark.parametrize("hz", [0, -1, 1e6])
+def test_bad_rates_are_value_errors(hz: float) -> None:
+    with pytest.raises(ValueError, match="sampling rate"):
+        Counting(Sink(), hz)
+
+
+def test_sample_once_records_counters_and_marks() -> None:
+    sink = Sink()
+    s = Counting(sink)
+    s.sample_once()
+    buf = sink.buffer()
+    assert buf.counters == [("test", "dev", "things", 1, 1.5, {"k": "v"})]
+    (span,) = buf.spans
+    assert span[2:8] == ("lane", MARK, "something", 1, 1, 0)
+    assert span[8] == {"a": "b"}
+    assert s.ticks == 1
+
+
+def test_failures_are_logged_once_and_never_raise(caplog: pytest.LogCaptureFixture) -> None:
+    s = Counting(Sink(), fail=True)
+    with caplog.at_level(logging.ERROR):
+        for _ in range(3):
+            s.sample_once()
+    assert s.failures == 3 and s.ticks == 0
+    assert sum("keeps sampling" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_start_stop_on_a_thread() -> None:
+    sink = Sink()
+    s = Counting(sink)
+    s.start()
+    assert s.seen.wait(10)
+    with pytest.raises(ValueError, match="already started"):
+        s.start()
+    s.stop()
+    s.stop()  # idempotent
+    assert not s.running
+    assert s.closed == 2  # close() runs on every stop; sources make it idempotent
+    counters = [c for b in sink.buffers for c in b.counters]
+    assert counters and all(c[0] == "test" for c in counters)
