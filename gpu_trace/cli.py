@@ -63,6 +63,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="NVTX capture: native injection library (default), Python nvtx package only, or off",
     )
     p.add_argument(
+        "--torch",
+        choices=["module", "op", "off"],
+        help="PyTorch ranges: modules, optimizer, backward, steps (default); op adds every ATen op",
+    )
+    p.add_argument(
+        "--tf",
+        choices=["layer", "op", "off"],
+        help="TensorFlow ranges: Keras layers, tf.function, gradients, steps (default); op adds "
+        "eager ops",
+    )
+    p.add_argument(
         "--nvml-hz",
         type=float,
         metavar="HZ",
@@ -169,6 +180,8 @@ def cmd_record(args: argparse.Namespace) -> int:
             argv,
             run_dir=args.run_dir,
             nvtx=args.nvtx,
+            torch=args.torch,
+            tf=args.tf,
             nvml_hz=0.0 if args.no_nvml else args.nvml_hz,
             host_hz=args.host_hz,
             nvml_replay=args.nvml_replay,

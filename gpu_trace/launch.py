@@ -56,6 +56,8 @@ def prepare(
     *,
     run_dir: Path | None = None,
     nvtx: str | None = None,
+    torch: str | None = None,
+    tf: str | None = None,
     environ: dict[str, str] | None = None,
     nvml_hz: float | None = None,
     host_hz: float | None = None,
@@ -111,6 +113,12 @@ def prepare(
     env["GPU_TRACE_RUN_DIR"] = str(run_dir.resolve())
     env["GPU_TRACE_RUN_ID"] = run_id
     env["GPU_TRACE_NVTX"] = mode
+    # Framework patch levels: applied in the program if and when it imports the framework.
+    try:
+        env["GPU_TRACE_TORCH"] = config.torch_level(torch or environ.get("GPU_TRACE_TORCH"))
+        env["GPU_TRACE_TF"] = config.tf_level(tf or environ.get("GPU_TRACE_TF"))
+    except ValueError as exc:
+        raise LaunchError(str(exc), 2) from None
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(BOOT_DIR), environ.get("PYTHONPATH", "")) if p
     )

@@ -81,6 +81,13 @@ def stop_run() -> Path | None:
 def _attach_collectors(rec: recorder.Recorder, settings: config.RecorderSettings) -> None:
     # The program's OpenTelemetry spans, if it uses the SDK (not imported otherwise).
     when_imported("opentelemetry.sdk.trace", _install_otel)
+    # PyTorch and TensorFlow ranges, patched in when (and if) the program imports them.
+    try:
+        from gpu_trace.framework_patches import hooks
+
+        hooks.install(rec)
+    except Exception:
+        log.exception("gpu-trace: framework ranges are off")
     if settings.nvtx == "off":
         return
     try:
@@ -94,6 +101,9 @@ def _attach_collectors(rec: recorder.Recorder, settings: config.RecorderSettings
 def _detach_collectors() -> None:
     """Undo what _attach_collectors patched (NVTX patches are undone by their source's close)."""
     discard("opentelemetry.sdk.trace", _install_otel)
+    hooks = sys.modules.get("gpu_trace.framework_patches.hooks")
+    if hooks is not None:
+        hooks.uninstall()
     otel = sys.modules.get("gpu_trace.tracer.otel")
     if otel is not None:
         otel.uninstall()

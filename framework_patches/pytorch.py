@@ -1,0 +1,90 @@
+"""PyTorch patches: module, training-structure and op ranges, at the level asked for.
+
+``module`` (the default): forward and backward of every ``nn.Module`` named by its path,
+``optimizer.step``, ``loss.backward``, DataLoader waits and a step range per iteration. ``op``:
+all of that plus every ATen op (:mod:`.torch_ops`). ``off``: nothing.
+
+Each part is patched on its own: a PyTorch version where one can't be patched still gets the
+others, and one warning says what is not captured.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from gpu_trace.framework_patches import spans, torch_modules, torch_training
+from gpu_trace.framework_patches.torch_ops import OpSource
+
+log = logging.getLogger(__name__)
+
+LEVELS = ("module", "op", "off")
+
+_ops: OpSource | None = None
+_patched = False
+
+
+def patch(torch: Any, level: str = "module", *, shapes: bool = False, rec: Any = None) -> list[str]:
+    """Patch ``torch`` at ``level`` (first undoing an earlier patch); returns what failed."""
+    global _ops, _patched
+    if level not in LEVELS:
+        raise ValueError(f"PyTorch level must be one of {', '.join(LEVELS)}, got {level!r}")
+    unpatch()
+    if level == "off":
+        return []
+    _patched = True
+    failed: list[str] = []
+    spans.mirror(torch_modules.DOMAIN, spans.external_nvtx_tool() is not None)
+    for what, part in (
+        ("module ranges", torch_modules),
+        ("optimizer, backward and DataLoader ranges and steps", torch_training),
+    ):
+        try:
+            part.patch(torch)
+        except Exception as exc:
+            log.debug("gpu-trace: patching PyTorch %s failed", what, exc_info=True)
+            failed.append(f"{what} ({type(exc).__name__}: {exc})")
+    if level == "op":
+        try:
+            ops = OpSource(torch, shapes=shapes)
+            if ops.start():
+                _ops = ops
+                if rec is not None:
+                    rec.add_source(ops)
+            else:
+                failed.append("op ranges (the profiler could not start)")
+        except Exception as exc:
+            log.debug("gpu-trace: PyTorch op collection failed", exc_info=True)
+            failed.append(f"op ranges ({type(exc).__name__}: {exc})")
+    torch_modules.on_root = _on_root
+    if failed:
+        log.warning(
+            "gpu-trace: PyTorch %s: not captured: %s",
+            getattr(torch, "__version__", "?"),
+            "; ".join(failed),
+        )
+    return failed
+
+
+def unpatch() -> None:
+    """Undo :func:`patch`. Idempotent."""
+    global _ops, _patched
+    torch_modules.on_root = None
+    torch_modules.unpatch()
+    torch_training.unpatch()
+    if _ops is not None:
+        _ops.close()
+        _ops = None
+    spans.mirror(torch_modules.DOMAIN, False)
+    _patched = False
+
+
+def is_patched() -> bool:
+    return _patched or torch_modules.is_patched() or torch_training.is_patched()
+
+
+def _on_root() -> None:
+    # A top-level module call is where a session is cycled: no op is in flight there.
+    torch_training.iteration_starts()
+    if _ops is not None:
+        _ops.harvest()
