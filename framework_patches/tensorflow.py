@@ -1,0 +1,322 @@
+"""TensorFlow patches: Keras layers, tf.Module and tf.function calls, gradients, steps, eager ops.
+
+``layer`` (the default):
+
+- Keras layer calls (``keras.src.layers.layer.Layer.__call__``) executed eagerly, named by their
+  path in the call (``sequential.dense_1``). Inside a ``tf.function`` (``model.fit`` compiles its
+  step) layers run as graph ops, which Python never sees: there the tf.function call is the range.
+- ``__call__`` of every ``tf.Module`` subclass (existing ones and those defined later), eagerly.
+- ``tf.function`` calls (``Function.__call__``), named ``tf.function:<name>``.
+- ``GradientTape.gradient``.
+- Steps ``ProfilerStep#N`` (unless the program calls ``gpu_trace.step``): one per ``model.fit``
+  batch (``on_train_batch_begin`` to ``on_train_batch_end``), and in custom loops one per eager
+  ``optimizer.apply_gradients``, from the first tape or layer call after the previous step.
+
+``op`` adds every eagerly executed op (``pywrap_tfe.TFE_Py_FastPathExecute`` and the
+``execute.execute`` fallback), category ``op``. Ops inside a ``tf.function`` run in TensorFlow's
+executor and are not captured.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from gpu_trace._imports import discard, when_imported
+from gpu_trace.framework_patches import spans
+from gpu_trace.framework_patches.torch_training import STEP_DOMAIN, _user_steps
+from gpu_trace.tracer.clock import now_ns
+from gpu_trace.tracer.records import MODULE, OP, STEP
+
+log = logging.getLogger(__name__)
+
+LEVELS = ("layer", "op", "off")
+DOMAIN = spans.Domain("tensorflow")
+
+_originals: dict[tuple[Any, str], Any] = {}
+_local = threading.local()
+_eager: Callable[[], bool] = lambda: True  # noqa: E731
+_level = "off"
+_failed: list[str] = []
+
+
+class _Steps:
+    start_ns: int | None = None
+    number = 0
+
+
+def patch(tf: Any, level: str = "layer") -> list[str]:
+    """Patch TensorFlow at ``level`` (first undoing an earlier patch); returns what failed."""
+    global _eager, _level
+    if level not in LEVELS:
+        raise ValueError(f"TensorFlow level must be one of {', '.join(LEVELS)}, got {level!r}")
+    unpatch()
+    if level == "off":
+        return []
+    _level = level
+    _failed.clear()
+    spans.mirror(DOMAIN, spans.external_nvtx_tool() is not None)
+    try:
+        from tensorflow.python.eager import context
+
+        _eager = context.executing_eagerly
+    except Exception as exc:
+        _failed.append(f"eager detection ({exc})")
+    _try("tf.function calls", _patch_function)
+    _try("GradientTape.gradient", lambda: _wrap(tf.GradientTape, "gradient", _gradient))
+    _try("GradientTape steps", lambda: _wrap(tf.GradientTape, "__enter__", _tape_enter))
+    _try("tf.Module calls", lambda: _patch_modules(tf))
+    if level == "op":
+        _try("eager ops", _patch_ops)
+    when_imported("keras", _patch_keras)
+    _report(tf)
+    return list(_failed)
+
+
+def unpatch() -> None:
+    """Undo :func:`patch`. Idempotent."""
+    global _level
+    discard("keras", _patch_keras)
+    for (owner, attr), original in reversed(list(_originals.items())):
+        if original is None:
+            delattr(owner, attr)
+        else:
+            setattr(owner, attr, original)
+    _originals.clear()
+    _Steps.start_ns = None
+    _Steps.number = 0
+    spans.mirror(DOMAIN, False)
+    _level = "off"
+
+
+def is_patched() -> bool:
+    return bool(_originals) or _level != "off"
+
+
+def _try(what: str, fn: Callable[[], object]) -> None:
+    try:
+        fn()
+    except Exception as exc:
+        log.debug("gpu-trace: patching TensorFlow %s failed", what, exc_info=True)
+        _failed.append(f"{what} ({type(exc).__name__}: {exc})")
+
+
+def _report(module: Any) -> None:
+    if _failed:
+        log.warning(
+            "gpu-trace: TensorFlow/Keras %s: not captured: %s",
+            getattr(module, "__version__", "?"),
+            "; ".join(_failed),
+        )
+        _failed.clear()
+
+
+def _wrap(owner: Any, attr: str, make: Callable[[Any], Any]) -> None:
+    original = owner.__dict__.get(attr)
+    if original is None:
+        raise AttributeError(f"{owner.__name__}.{attr} not found")
+    _originals[(owner, attr)] = original
+    setattr(owner, attr, make(original))
+
+
+def _ranged(name_of: Callable[..., str], category: str = MODULE, eager_only: bool = True):
+    """A wrapper factory: a range named ``name_of(self, *args)`` around the call."""
+
+    def make(original: Any) -> Any:
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if eager_only and not _eager():
+                return original(*args, **kwargs)
+            token = spans.begin(DOMAIN, category, name_of(*args))
+            try:
+                return original(*args, **kwargs)
+            finally:
+                spans.end(token)
+
+        return wrapper
+
+    return make
+
+
+# ---- parts ----------------------------------------------------------------------------------------
+
+
+def _patch_function() -> None:
+    from tensorflow.python.eager.polymorphic_function import polymorphic_function as pf
+
+    def name(self: Any, *_: Any) -> str:
+        return f"tf.function:{getattr(self, '_name', '') or '?'}"
+
+    _wrap(pf.Function, "__call__", _ranged(name))
+
+
+def _gradient(original: Any) -> Any:
+    return _ranged(lambda *_: "GradientTape.gradient")(original)
+
+
+def _tape_enter(original: Any) -> Any:
+    @functools.wraps(original)
+    def __enter__(self: Any) -> Any:
+        if _eager():
+            _iteration_starts()
+        return original(self)
+
+    return __enter__
+
+
+def _patch_modules(tf: Any) -> None:
+    """Wrap ``__call__`` of every tf.Module subclass, and of those defined from now on."""
+    base = tf.Module
+
+    def visit(cls: type) -> None:
+        if "__call__" in cls.__dict__ and (cls, "__call__") not in _originals:
+            _wrap(cls, "__call__", _ranged(_module_name))
+        for sub in cls.__subclasses__():
+            visit(sub)
+
+    visit(base)
+    previous = base.__dict__.get("__init_subclass__")
+
+    @classmethod  # type: ignore[misc]
+    def __init_subclass__(cls: type, **kwargs: Any) -> None:
+        super(base, cls).__init_subclass__(**kwargs)
+        try:
+            if "__call__" in cls.__dict__ and _level != "off":
+                _wrap(cls, "__call__", _ranged(_module_name))
+        except Exception:
+            spans._warn_once("tf.Module patch")
+
+    _originals[(base, "__init_subclass__")] = previous
+    base.__init_subclass__ = __init_subclass__
+
+
+def _module_name(self: Any, *_: Any) -> str:
+    return getattr(self, "name", None) or type(self).__name__
+
+
+def _patch_ops() -> None:
+    from tensorflow.python import pywrap_tfe
+    from tensorflow.python.eager import execute
+
+    fast = pywrap_tfe.TFE_Py_FastPathExecute
+
+    @functools.wraps(fast)
+    def fast_path(*args: Any) -> Any:
+        token = spans.begin(DOMAIN, OP, args[1])
+        try:
+            return fast(*args)
+        finally:
+            spans.end(token)
+
+    _originals[(pywrap_tfe, "TFE_Py_FastPathExecute")] = fast
+    pywrap_tfe.TFE_Py_FastPathExecute = fast_path
+
+    def op_name(op: Any, *_: Any) -> str:
+        return op.decode() if isinstance(op, bytes) else str(op)
+
+    make = _ranged(op_name, OP, eager_only=False)
+    for attr in ("execute", "quick_execute"):
+        original = execute.__dict__[attr]
+        _originals[(execute, attr)] = original
+        setattr(execute, attr, make(original))
+
+
+# ---- Keras and steps ------------------------------------------------------------------------------
+
+
+def _patch_keras(keras: Any) -> None:
+    if _level == "off":
+        return
+    _try("Keras layer calls", _patch_layers)
+    _try("Keras fit steps", _patch_fit)
+    _try("Keras optimizer steps", _patch_optimizer)
+    _report(keras)
+
+
+def _patch_layers() -> None:
+    from keras.src.layers.layer import Layer
+
+    def make(original: Any) -> Any:
+        @functools.wraps(original)
+        def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if not _eager():
+                return original(self, *args, **kwargs)
+            try:
+                stack = _local.stack
+            except AttributeError:
+                stack = _local.stack = []
+            if stack:
+                name = f"{stack[-1]}.{self.name}"
+            else:
+                name = self.name
+                _iteration_starts()
+            token = spans.begin(DOMAIN, MODULE, name, {"layer": type(self).__name__})
+            stack.append(name)
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                stack.pop()
+                spans.end(token)
+
+        return __call__
+
+    _wrap(Layer, "__call__", make)
+
+
+def _patch_fit() -> None:
+    from keras.src.callbacks.callback_list import CallbackList
+
+    def begin(original: Any) -> Any:
+        @functools.wraps(original)
+        def on_train_batch_begin(self: Any, batch: Any, logs: Any = None) -> Any:
+            _Steps.start_ns = now_ns()
+            return original(self, batch, logs)
+
+        return on_train_batch_begin
+
+    def end(original: Any) -> Any:
+        @functools.wraps(original)
+        def on_train_batch_end(self: Any, batch: Any, logs: Any = None) -> Any:
+            _end_step()
+            return original(self, batch, logs)
+
+        return on_train_batch_end
+
+    _wrap(CallbackList, "on_train_batch_begin", begin)
+    _wrap(CallbackList, "on_train_batch_end", end)
+
+
+def _patch_optimizer() -> None:
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    def make(original: Any) -> Any:
+        @functools.wraps(original)
+        def apply_gradients(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if not _eager():
+                return original(self, *args, **kwargs)
+            token = spans.begin(DOMAIN, MODULE, f"Optimizer.apply_gradients#{type(self).__name__}")
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                spans.end(token)
+                _end_step()
+
+        return apply_gradients
+
+    _wrap(BaseOptimizer, "apply_gradients", make)
+
+
+def _iteration_starts() -> None:
+    if _Steps.start_ns is None:
+        _Steps.start_ns = now_ns()
+
+
+def _end_step() -> None:
+    now = now_ns()
+    start, _Steps.start_ns = _Steps.start_ns, None
+    if start is not None and not _user_steps():
+        spans.add(STEP_DOMAIN, STEP, f"ProfilerStep#{_Steps.number}", start, now)
+        _Steps.number += 1
