@@ -23,10 +23,9 @@ import sys
 import threading
 from pathlib import Path
 
+from gpu_trace import config
 from gpu_trace.collectors import nvtx_build, nvtx_patch
 from gpu_trace.collectors.nvtx_source import NativeSource, declare
-
-from gpu_trace import config
 
 log = logging.getLogger(__name__)
 

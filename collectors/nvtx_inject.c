@@ -525,9 +525,8 @@ static inline gt_frame* innermost(gt_thread* t, uint32_t domain) {
     return NULL;
 }
 
-static int push(uint32_t domain, const gt_attrs* at) {
-    gt_thread* t = thread_state();
-    if (!t) return -1;
+/* t: the calling thread's state (the callbacks have it already). */
+static int push(gt_thread* t, uint32_t domain, const gt_attrs* at) {
     int64_t ts = stamp();
     if (t->top >= GT_MAX_DEPTH) {
         t->overflow++;
@@ -677,7 +676,7 @@ static int NVTX_API cb_DomainRangePushEx(nvtxDomainHandle_t d, const nvtxEventAt
     if (!ENABLED() || !(t = thread_state())) return NVTX_NO_PUSH_POP_TRACKING;
     gt_attrs at;
     read_attrs(t, a, &at);
-    return push(DOMAIN(d), &at);
+    return push(t, DOMAIN(d), &at);
 }
 static int NVTX_API cb_DomainRangePop(nvtxDomainHandle_t d) { return pop(DOMAIN(d)); }
 
@@ -718,14 +717,14 @@ static int NVTX_API cb_RangePushA(const char* m) {
     if (!ENABLED() || !(t = thread_state())) return NVTX_NO_PUSH_POP_TRACKING;
     gt_attrs at = {0};
     at.name = ascii_id(t, m);
-    return push(0, &at);
+    return push(t, 0, &at);
 }
 static int NVTX_API cb_RangePushW(const wchar_t* m) {
     gt_thread* t;
     if (!ENABLED() || !(t = thread_state())) return NVTX_NO_PUSH_POP_TRACKING;
     gt_attrs at = {0};
     at.name = wide_id(t, m);
-    return push(0, &at);
+    return push(t, 0, &at);
 }
 static int NVTX_API cb_RangePop(void) { return pop(0); }
 

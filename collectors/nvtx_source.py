@@ -16,6 +16,7 @@ from collections.abc import Iterable
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
 from gpu_trace.tracer.records import (
     ATTRS,
     MARK,

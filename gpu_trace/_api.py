@@ -31,15 +31,29 @@ def _warn_once(what: str) -> None:
         log.exception("gpu-trace: %s failed; the program goes on without this event", what)
 
 
+def _warn_native(what: str, exc: BaseException) -> None:
+    """``_warn_once`` for the C range, which hands over the exception it caught."""
+    global _warned
+    if not _warned:
+        _warned = True
+        log.error(
+            "gpu-trace: %s failed; the program goes on without this event", what, exc_info=exc
+        )
+
+
 def _attrs(attrs: dict[str, Any]) -> dict[str, str] | None:
     return {str(k): str(v) for k, v in attrs.items()} if attrs else None
 
 
-class range:  # noqa: A001 - the public name mirrors NVTX's "range"
+class PyRange:
     """A named range: ``with gpu_trace.range("load", batch=3): ...`` or ``@gpu_trace.range("f")``.
 
     Recorded on this thread's lane ``nvtx/gpu_trace`` with its attributes as strings, nested in the
     ranges open around it. The hot path is kept to a few attribute reads and one append.
+
+    This is the pure-Python twin of the C type in ``tracer/_fastpath.c``, which ``gpu_trace.range``
+    is wherever that extension builds and loads; the two record the same spans (a parity test
+    holds them together).
     """
 
     __slots__ = ("name", "attrs", "_buf", "_sid", "_parent", "_depth", "_start")
@@ -51,7 +65,7 @@ class range:  # noqa: A001 - the public name mirrors NVTX's "range"
         self.attrs = {str(k): str(v) for k, v in attrs.items()} if attrs else None
         self._buf = None
 
-    def __enter__(self) -> range:
+    def __enter__(self) -> PyRange:
         rec = _recorder.active
         if rec is not None:
             try:
@@ -107,7 +121,7 @@ class range:  # noqa: A001 - the public name mirrors NVTX's "range"
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            r = range(name)
+            r = PyRange(name)
             r.attrs = attrs
             r.__enter__()
             try:
@@ -116,6 +130,27 @@ class range:  # noqa: A001 - the public name mirrors NVTX's "range"
                 r.__exit__()
 
         return wrapper  # type: ignore[return-value]
+
+
+def _native_range() -> type | None:
+    """The C ``range`` type: prebuilt, cached, or compiled now; None (the twin is used) if not."""
+    try:
+        from gpu_trace import config
+        from gpu_trace.tracer import buffer, fastpath_build
+
+        path = fastpath_build.find_or_build(config.home() / "lib", cc=config.c_compiler())
+        native = fastpath_build.load(path)
+        native.configure(
+            _recorder, buffer.ThreadBuffer, _LANE, NVTX, _warn_native, functools.update_wrapper
+        )
+        return native.range
+    except Exception as exc:  # not an error: the Python twin records the same spans
+        log.debug("gpu-trace: using the Python range (the C one is unavailable: %s)", exc)
+        return None
+
+
+#: ``gpu_trace.range``: the C type where it can be built and loaded, else the Python twin.
+range = _native_range() or PyRange  # noqa: A001 - the public name mirrors NVTX's "range"
 
 
 def mark(name: str, /, **attrs: Any) -> None:

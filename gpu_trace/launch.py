@@ -123,6 +123,7 @@ def prepare(
         p for p in (str(BOOT_DIR), environ.get("PYTHONPATH", "")) if p
     )
     notes: list[str] = []
+    _build_fast_range()
     if mode == "native":
         from gpu_trace.collectors import nvtx as nvtx_collector
 
@@ -173,6 +174,19 @@ def _prepare_samplers(
         )
     except ValueError as exc:
         raise LaunchError(str(exc), 2) from None
+
+
+def _build_fast_range() -> None:
+    """Build the C ``gpu_trace.range`` into the per-user cache now, so the program (and each
+    process it starts) finds it there instead of compiling it; without it, the Python twin runs."""
+    from gpu_trace.tracer import fastpath_build
+
+    try:
+        fastpath_build.find_or_build(config.home() / "lib", cc=config.c_compiler())
+    except Exception:
+        log.debug(
+            "the C gpu_trace.range is unavailable; the program uses the Python one", exc_info=True
+        )
 
 
 def run(launch: Launch) -> int:

@@ -55,9 +55,7 @@ print(json.dumps({{"clock": clock, "readings": readings}}))
 def test_nvtx_times_agree_with_perf_counter_ns(tmp_path: Path, clock: str) -> None:
     _need_compiler()
     run = tmp_path / "run"
-    proc = run_script(
-        tmp_path, WORKLOAD.format(run=str(run)), env={"GPU_TRACE_NVTX_CLOCK": clock}
-    )
+    proc = run_script(tmp_path, WORKLOAD.format(run=str(run)), env={"GPU_TRACE_NVTX_CLOCK": clock})
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     (used,) = out["clock"]
     if clock == "monotonic":
