@@ -1,0 +1,166 @@
+"""CPU cost of the samplers: per sample, and the highest rate that stays under 1% of a core.
+
+    python bench/collectors.py [--ticks 3000] [--seconds 3] [--nvml-file FILE] [--real-nvml]
+
+For each sampler, two measurements on this machine:
+
+- per sample: ``sample_once`` called ``--ticks`` times on this thread, CPU time of the thread
+  (``time.thread_time_ns``), plus the recorder's flush of what they recorded (formatting Arrow
+  columns, writing spool files), also CPU time; the sum is the cost of one sample end to end;
+- sustained: the sampler's own thread at 10 Hz for ``--seconds`` (after a second of warm-up) with
+  the recorder's flusher at the record process's interval (2 s), process CPU time over wall time, as a share of
+  one core: thread wake-ups and the flusher's fixed cost (~1.5 ms per flush here) included.
+
+The highest rate under 1% of a core is given two ways: ``10 ms / cost per sample`` (hot loop, a
+ceiling) and from the live runs at 10 and 50 Hz (a line through both, where it crosses 1%: cold
+caches on each wake-up and the flusher's fixed cost count there). The NVML sampler reads the
+replay source (the synthetic H100 file: one device, 10 metrics, 15 buffered samples per poll) —
+NVML's own call latency is not in these figures; ``--real-nvml`` uses the real source where a GPU
+is present. The host sampler reads this machine through psutil with a child process tree of two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from gpu_trace.collectors.host import HostSampler
+from gpu_trace.collectors.nvml import NvmlSampler
+from gpu_trace.collectors.processes import ProcessTree
+from gpu_trace.collectors.sampler import Sampler
+from gpu_trace.collectors.samplers import FLUSH_INTERVAL_S
+from gpu_trace.config import RecorderSettings
+from gpu_trace.tracer.recorder import Recorder
+
+REPO = Path(__file__).resolve().parents[1]
+SYNTHETIC = REPO / "sample_traces" / "nvml-synthetic-h100.jsonl"
+
+
+def per_sample(make: Callable[[Recorder], Sampler], ticks: int) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as d:
+        rec = Recorder(RecorderSettings(run_dir=Path(d), run_id="bench"))
+        sampler = make(rec)
+        sampler.sample_once()  # warm-up: baselines, first buffers
+        rec.flush()
+        records = 0
+        sample_ns = flush_ns = 0
+        for _ in range(ticks // 100):
+            t = time.thread_time_ns()
+            for _ in range(100):
+                sampler.sample_once()
+            sample_ns += time.thread_time_ns() - t
+            buf = rec.buffer()
+            records += len(buf.counters) + len(buf.spans)
+            t = time.thread_time_ns()
+            rec.flush()
+            flush_ns += time.thread_time_ns() - t
+        sampler.stop()
+        rec.close()
+    n = (ticks // 100) * 100
+    return {
+        "sample_us": sample_ns / n / 1e3,
+        "flush_us": flush_ns / n / 1e3,
+        "records": records / n,
+    }
+
+
+def sustained(
+    make: Callable[[Recorder], Sampler], seconds: float, hz: float, flush_s: float
+) -> float:
+    with tempfile.TemporaryDirectory() as d:
+        settings = RecorderSettings(run_dir=Path(d), run_id="bench", flush_interval_s=flush_s)
+        rec = Recorder(settings)
+        sampler = make(rec)
+        sampler.hz, sampler.period_ns = hz, int(1e9 / hz)
+        rec.start()
+        sampler.start()
+        time.sleep(1.0)  # past the first flush: spool files opened, baselines set
+        c0, w0 = time.process_time(), time.perf_counter()
+        time.sleep(seconds)
+        share = (time.process_time() - c0) / (time.perf_counter() - w0)
+        sampler.stop()
+        rec.close()
+        return share
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ticks", type=int, default=3000)
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--nvml-file", type=Path, default=SYNTHETIC)
+    ap.add_argument(
+        "--flush-interval",
+        type=float,
+        default=FLUSH_INTERVAL_S,
+        help=f"the recorder's flush interval in the live runs (default {FLUSH_INTERVAL_S:g}, as in record)",
+    )
+    ap.add_argument("--real-nvml", action="store_true", help="the real NVML source (needs a GPU)")
+    args = ap.parse_args()
+
+    # a traced program with a child, so the host sampler has a process tree to walk
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time\n"
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+            "time.sleep(600)",
+        ]
+    )
+    tree = ProcessTree(child.pid)
+    time.sleep(0.5)
+
+    def nvml(rec: Recorder) -> Sampler:
+        if args.real_nvml:
+            from gpu_trace.collectors.nvml_device import PynvmlSource
+
+            source = PynvmlSource()
+        else:
+            from gpu_trace.collectors.nvml_replay import ReplaySource
+
+            source = ReplaySource(args.nvml_file, root_pid=lambda: child.pid)
+        return NvmlSampler(rec, source, 10, attribute=tree.labels)
+
+    def host(rec: Recorder) -> Sampler:
+        return HostSampler(rec, 10, tree=tree)
+
+    nvml_label = "nvml (real)" if args.real_nvml else f"nvml (replay {args.nvml_file.name})"
+    rows = []
+    try:
+        for label, make in ((nvml_label, nvml), ("host (psutil)", host)):
+            cost = per_sample(make, args.ticks)
+            total_us = cost["sample_us"] + cost["flush_us"]
+            s10 = sustained(make, args.seconds, 10.0, args.flush_interval)
+            s50 = sustained(make, args.seconds, 50.0, args.flush_interval)
+            # share = fixed + per_hz * hz: the rate at which the thread reaches 1% of a core
+            per_hz = max((s50 - s10) / 40.0, 1e-9)
+            fixed = s10 - 10.0 * per_hz
+            sustained_hz = max(0.0, (0.01 - fixed) / per_hz)
+            rows.append((label, cost, total_us, 1e4 / total_us, s10, s50, sustained_hz))
+    finally:
+        child.kill()
+        child.wait()
+
+    print(
+        f"{'sampler':40} {'rec/smpl':>8} {'sample':>9} {'flush':>9} {'total':>9} {'Hz@1% hot':>10}"
+        f" {'10 Hz':>7} {'50 Hz':>7} {'Hz@1% live':>10}"
+    )
+    for label, cost, total_us, max_hz, s10, s50, live_hz in rows:
+        print(
+            f"{label:40} {cost['records']:8.1f} {cost['sample_us']:7.1f}us {cost['flush_us']:7.1f}us"
+            f" {total_us:7.1f}us {max_hz:10.0f} {s10 * 100:6.2f}% {s50 * 100:6.2f}% {live_hz:10.0f}"
+        )
+    print(
+        "rec/smpl: records per sample. sample, flush, total: CPU time per sample in a hot loop;"
+        " Hz@1% hot = 10 ms / total.\n10 Hz, 50 Hz: share of one core with the sampler thread and"
+        " the recorder's flusher running; Hz@1% live: the rate where that line crosses 1%."
+    )
+
+
+if __name__ == "__main__":
+    main()
