@@ -37,6 +37,10 @@ def _nothing_left_behind() -> object:
     if nvtx_patch.is_patched():
         nvtx_patch.unpatch()
         pytest.fail("the nvtx package was left patched")
+    patches = sys.modules.get("gpu_trace.framework_patches.hooks")
+    if patches is not None and patches.is_patched():
+        patches.uninstall()
+        pytest.fail("a framework (PyTorch or TensorFlow) was left patched")
     otel = sys.modules.get("gpu_trace.tracer.otel")
     if otel is not None and otel.installed():
         otel.uninstall()
