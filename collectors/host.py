@@ -65,7 +65,7 @@ class HostSampler(Sampler):
 
     def _memory(self, now: int) -> None:
         vm = psutil.virtual_memory()
-        self.counter("", "mem_used_bytes", now, vm.total - vm.available)
+        self.counter("", "host_mem_used_bytes", now, vm.total - vm.available)
 
     def _rates(self, now: int, key: str, values: tuple[float, ...], names: tuple[str, ...]) -> None:
         previous = self._last.get(key)

@@ -51,8 +51,12 @@ class RunSamplers:
         nvml_hz: float,
         host_hz: float,
         nvml_replay: Path | None = None,
+        nvml_fallback: Path | None = None,
     ) -> RunSamplers:
-        """Open the sources; never raises for a missing GPU or NVML (a note says so)."""
+        """Open the sources; never raises for a missing GPU or NVML (a note says so).
+
+        ``nvml_fallback``: a sample file to play back where NVML is unavailable (the demo).
+        """
         self = cls()
         if nvml_hz < 0 or host_hz < 0:
             raise ValueError("sampling rates must be >= 0 (0 turns a sampler off)")
@@ -68,6 +72,12 @@ class RunSamplers:
         if nvml_hz:
             source = self._nvml_source(nvml_replay)
             sampler, note = open_sampler(self.recorder, source, nvml_hz, self.tree.labels)
+            if sampler is None and nvml_replay is None and nvml_fallback is not None:
+                source = self._nvml_source(nvml_fallback)
+                sampler, _ = open_sampler(self.recorder, source, nvml_hz, self.tree.labels)
+                if sampler is not None:
+                    note += f"; playing back {nvml_fallback.name} instead (not this machine's)"
+                    self.notes.append(note)
             if sampler is None:
                 self.notes.append(note)
                 self.attrs["nvml"] = "off"

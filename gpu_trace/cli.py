@@ -348,7 +348,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     problem = _store_module().check_writable(dsn)
     if problem:
         raise CLIError(f"store {dsn} is not usable: {problem}", 2)
-    prepared = launch.prepare([sys.executable, str(workload)])
+    # Without NVML the demo plays back the repository's (synthetic) NVML sample file, if present.
+    sample = Path(__file__).resolve().parents[1] / "sample_traces" / "nvml-synthetic-h100.jsonl"
+    prepared = launch.prepare(
+        [sys.executable, str(workload)], nvml_fallback=sample if sample.is_file() else None
+    )
     for note in prepared.notes:
         _err(note)
     code = launch.run(prepared)

@@ -62,6 +62,7 @@ def prepare(
     nvml_hz: float | None = None,
     host_hz: float | None = None,
     nvml_replay: Path | None = None,
+    nvml_fallback: Path | None = None,
 ) -> Launch:
     """Create the run directory and the program's environment. Raises LaunchError."""
     if not argv:
@@ -145,7 +146,7 @@ def prepare(
         if not inject:
             env["GPU_TRACE_NVTX"] = "python"
     info.attrs["nvtx"] = env["GPU_TRACE_NVTX"]
-    samplers = _prepare_samplers(info, run_dir, nvml_hz, host_hz, nvml_replay)
+    samplers = _prepare_samplers(info, run_dir, nvml_hz, host_hz, nvml_replay, nvml_fallback)
     notes.extend(samplers.notes)
     info.attrs.update(samplers.attrs)
     info.save(run_dir)
@@ -160,6 +161,7 @@ def _prepare_samplers(
     nvml_hz: float | None,
     host_hz: float | None,
     nvml_replay: Path | None,
+    nvml_fallback: Path | None = None,
 ) -> Any:
     from gpu_trace.collectors.samplers import RunSamplers
 
@@ -171,6 +173,7 @@ def _prepare_samplers(
             nvml_hz=config.nvml_hz(nvml_hz),
             host_hz=config.host_hz(host_hz),
             nvml_replay=config.nvml_replay(nvml_replay),
+            nvml_fallback=nvml_fallback,
         )
     except ValueError as exc:
         raise LaunchError(str(exc), 2) from None
