@@ -256,6 +256,9 @@ def open_sampler(
         sampler = NvmlSampler(sink, source, hz, attribute=attribute)
     except NvmlUnavailable as exc:
         return None, f"NVML sampling is off: {exc}"
+    except Exception as exc:  # a broken driver or binding must not stop the recording
+        log.debug("gpu-trace: opening NVML failed", exc_info=True)
+        return None, f"NVML sampling is off: {type(exc).__name__}: {exc}"
     if not sampler.devices:
         sampler.close()
         return None, "NVML sampling is off: no GPU found"
