@@ -95,25 +95,27 @@ typedef struct gt_cache_entry {
 } gt_cache_entry;
 
 typedef struct gt_thread {
-    /* ring: head written by the owner, tail by the drainer */
+    /* What every event touches, in the first cache line (the state is 64-byte aligned). The ring's
+     * head is written by the owner, its tail (next line) by the drainer. */
     uint64_t head;
-    char pad0[56];
+    gt_event* ring;
+    uint64_t cap, mask;
+    uint64_t prefix, seq;
+    int top; /* number of frames in use */
+    uint32_t tid;
+    char pad0[8];
     uint64_t tail;
     char pad1[56];
     uint64_t dropped; /* written by the owner (relaxed atomics) */
     int dead;         /* set when the thread exits */
-    uint32_t tid;
-    uint64_t cap, mask;
-    gt_event* ring;
-    size_t ring_bytes;
-    uint64_t prefix, seq;
-    int top; /* number of frames in use */
     int overflow;
+    size_t ring_bytes;
     gt_frame stack[GT_MAX_DEPTH];
     gt_cache_entry cache[GT_CACHE];
     char scratch[GT_MAX_MSG * 4 + 4];
     struct gt_thread* next;
 } gt_thread;
+_Static_assert(offsetof(gt_thread, tail) == 64, "the ring tail starts the second cache line");
 
 /* ---- global state -------------------------------------------------------------------------- */
 
@@ -436,8 +438,10 @@ static void thread_exit(void* p) {
 }
 
 static gt_thread* new_thread(void) {
-    gt_thread* t = calloc(1, sizeof(gt_thread));
+    size_t size = (sizeof(gt_thread) + 63) & ~(size_t)63;
+    gt_thread* t = aligned_alloc(64, size);
     if (!t) return NULL;
+    memset(t, 0, size);
     uint64_t cap = __atomic_load_n(&g_capacity, __ATOMIC_RELAXED);
     t->ring_bytes = cap * sizeof(gt_event);
     void* ring = mmap(NULL, t->ring_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
