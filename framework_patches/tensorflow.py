@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -71,7 +72,10 @@ def patch(tf: Any, level: str = "layer") -> list[str]:
     _try("tf.Module calls", lambda: _patch_modules(tf))
     if level == "op":
         _try("eager ops", _patch_ops)
-    when_imported("keras", _patch_keras)
+    # Keras may be imported later, or be what is importing TensorFlow right now (``import keras``
+    # loads its TensorFlow backend before its layers): hook the modules that define what we wrap.
+    for module, fn in _KERAS.items():
+        when_imported(module, fn)
     _report(tf)
     return list(_failed)
 
@@ -79,7 +83,8 @@ def patch(tf: Any, level: str = "layer") -> list[str]:
 def unpatch() -> None:
     """Undo :func:`patch`. Idempotent."""
     global _level
-    discard("keras", _patch_keras)
+    for module, fn in _KERAS.items():
+        discard(module, fn)
     for (owner, attr), original in reversed(list(_originals.items())):
         if original is None:
             delattr(owner, attr)
@@ -227,17 +232,18 @@ def _patch_ops() -> None:
 # ---- Keras and steps ------------------------------------------------------------------------------
 
 
-def _patch_keras(keras: Any) -> None:
-    if _level == "off":
-        return
-    _try("Keras layer calls", _patch_layers)
-    _try("Keras fit steps", _patch_fit)
-    _try("Keras optimizer steps", _patch_optimizer)
-    _report(keras)
+def _keras_part(what: str, fn: Callable[[Any], None]) -> Callable[[Any], None]:
+    def hook(module: Any) -> None:
+        if _level != "off":
+            _try(what, lambda: fn(module))
+            _report(sys.modules.get("keras"))
+
+    hook.__name__ = fn.__name__
+    return hook
 
 
-def _patch_layers() -> None:
-    from keras.src.layers.layer import Layer
+def _patch_layers(module: Any) -> None:
+    Layer = module.Layer
 
     def make(original: Any) -> Any:
         @functools.wraps(original)
@@ -266,8 +272,8 @@ def _patch_layers() -> None:
     _wrap(Layer, "__call__", make)
 
 
-def _patch_fit() -> None:
-    from keras.src.callbacks.callback_list import CallbackList
+def _patch_fit(module: Any) -> None:
+    CallbackList = module.CallbackList
 
     def begin(original: Any) -> Any:
         @functools.wraps(original)
@@ -289,8 +295,8 @@ def _patch_fit() -> None:
     _wrap(CallbackList, "on_train_batch_end", end)
 
 
-def _patch_optimizer() -> None:
-    from keras.src.optimizers.base_optimizer import BaseOptimizer
+def _patch_optimizer(module: Any) -> None:
+    BaseOptimizer = module.BaseOptimizer
 
     def make(original: Any) -> Any:
         @functools.wraps(original)
@@ -307,6 +313,13 @@ def _patch_optimizer() -> None:
         return apply_gradients
 
     _wrap(BaseOptimizer, "apply_gradients", make)
+
+
+_KERAS = {
+    "keras.src.layers.layer": _keras_part("Keras layer calls", _patch_layers),
+    "keras.src.callbacks.callback_list": _keras_part("Keras fit steps", _patch_fit),
+    "keras.src.optimizers.base_optimizer": _keras_part("Keras optimizer steps", _patch_optimizer),
+}
 
 
 def _iteration_starts() -> None:
