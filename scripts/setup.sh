@@ -11,4 +11,4 @@ fi
 . .venv/bin/activate
 python -m pip install -q --upgrade pip "setuptools>=69" wheel
 # torch is pinned in the extras: an unpinned torch would pull several GB of CUDA packages.
-python -m pip install -q -e ".[dev]"
+python -m pip install -q -e ".[dev,torch,tf]"
