@@ -81,7 +81,7 @@ typedef struct gt_frame {
     uint16_t depth;
     uint8_t flags;
     uint8_t open;
-} gt_frame;
+} __attribute__((aligned(64))) gt_frame; /* one cache line each */
 
 #define GT_MAX_DEPTH 256
 #define GT_CACHE 256
@@ -103,7 +103,7 @@ typedef struct gt_thread {
     uint64_t prefix, seq;
     int top; /* number of frames in use */
     uint32_t tid;
-    char pad0[8];
+    uint64_t limit; /* tail + cap as last read: the head may advance to here without reading tail */
     uint64_t tail;
     char pad1[56];
     uint64_t dropped; /* written by the owner (relaxed atomics) */
@@ -123,7 +123,16 @@ static pthread_mutex_t g_threads_lock = PTHREAD_MUTEX_INITIALIZER;
 static gt_thread* g_threads;
 static uint64_t g_dead_dropped;
 static pthread_key_t g_key;
-static int g_enabled = 0; /* set by the recorder (gt_set_enabled) in processes it records */
+/* What every event reads, on one cache line: enabled (set by the recorder, gt_set_enabled, in
+ * processes it records), the clock (gt_set_clock), and the string count that validates handles. */
+static struct {
+    int enabled;
+    int tsc;
+    uint32_t nstrs;
+} g_hot __attribute__((aligned(64)));
+#define g_enabled g_hot.enabled
+#define g_tsc g_hot.tsc
+#define g_nstrs g_hot.nstrs
 static uint64_t g_capacity = 1u << 16;
 static int g_init_count;
 static uint64_t g_rng;
@@ -141,7 +150,6 @@ typedef struct gt_str {
 
 static pthread_mutex_t g_str_lock = PTHREAD_MUTEX_INITIALIZER;
 static gt_str* g_strs;
-static uint32_t g_nstrs; /* read without the lock (atomic) to validate handles */
 static uint32_t g_strs_cap;
 static uint32_t* g_index; /* open addressing: string id + 1, 0 empty */
 static uint32_t g_index_cap;
@@ -169,7 +177,6 @@ static inline int64_t now_ns(void) {
 
 /* 1: hot-path timestamps are TSC ticks, converted by gt_drain. Chosen before recording starts and
  * never changed afterwards (gt_set_clock), so a range never mixes the two units. */
-static int g_tsc = 0;
 static int g_clock_fixed = 0;
 
 static inline int64_t stamp(void) {
@@ -476,11 +483,16 @@ static inline uint64_t next_id(gt_thread* t) {
     return t->prefix | t->seq;
 }
 
+/* The slot for the next record, or NULL (counted as dropped) when the ring is full. The drainer's
+ * tail is read only when the head reaches the limit it allowed last time, so an event normally
+ * touches none of the drainer's cache lines. */
 static inline gt_event* slot(gt_thread* t) {
-    uint64_t tail = __atomic_load_n(&t->tail, __ATOMIC_ACQUIRE);
-    if (t->head - tail >= t->cap) {
-        __atomic_store_n(&t->dropped, t->dropped + 1, __ATOMIC_RELAXED);
-        return NULL;
+    if (__builtin_expect(t->head == t->limit, 0)) {
+        t->limit = __atomic_load_n(&t->tail, __ATOMIC_ACQUIRE) + t->cap;
+        if (t->head == t->limit) {
+            __atomic_store_n(&t->dropped, t->dropped + 1, __ATOMIC_RELAXED);
+            return NULL;
+        }
     }
     return &t->ring[t->head & t->mask];
 }
@@ -556,7 +568,6 @@ static int push(gt_thread* t, uint32_t domain, const gt_attrs* at) {
 static int pop(uint32_t domain) {
     gt_thread* t = t_state;
     if (!t) return -1;
-    int64_t ts = stamp();
     gt_frame* f = innermost(t, domain);
     if (!f) {
         if (t->overflow > 0) {
@@ -567,6 +578,7 @@ static int pop(uint32_t domain) {
     }
     int depth = f->depth;
     if (__atomic_load_n(&g_enabled, __ATOMIC_RELAXED)) {
+        int64_t ts = stamp();
         gt_event* e = slot(t);
         if (e) {
             e->span_id = f->span_id;
@@ -818,7 +830,7 @@ static void after_fork_child(void) {
     g_dead_dropped = 0;
     if (self) {
         self->next = NULL;
-        self->head = self->tail = 0;
+        self->head = self->tail = self->limit = 0;
         self->dropped = 0;
         self->top = 0;
         self->overflow = 0;
