@@ -17,6 +17,14 @@ ENVIRONMENT: dict[str, str] = {
     "GPU_TRACE_STORE": "Store DSN: chdb:///path (embedded, the default under GPU_TRACE_HOME/store) "
     "or http(s)://user:password@host:port for a ClickHouse server.",
     "GPU_TRACE_CLUSTER": "ClickHouse cluster name; DDL runs ON CLUSTER with Distributed tables.",
+    "GPU_TRACE_REMOTE": "Set by `gpu-trace record --remote HOST:PORT`: the program's CUDA work is "
+    "forwarded to the `gpu-trace serve` server at HOST:PORT.",
+    "GPU_TRACE_REMOTE_SYNC": "1: forwarded ops wait for the server one by one (for comparison); "
+    "default 0, asynchronous.",
+    "GPU_TRACE_REMOTE_TOKEN": "Token clients authenticate to `gpu-trace serve` with (at least 16 "
+    "characters). Default: the token file a server writes under GPU_TRACE_HOME.",
+    "GPU_TRACE_REMOTE_TIMEOUT": "Seconds without any message from the server before a forwarding "
+    "client gives up on it. Default 30.",
     "GPU_TRACE_RUN_DIR": "Set by `gpu-trace record` for the traced program and its children: the "
     "run directory the recorder spools into. When set, recording starts at interpreter start.",
     "GPU_TRACE_RUN_ID": "Set by `gpu-trace record`: the run id.",
@@ -189,3 +197,35 @@ def _float(name: str, default: float) -> float:
         return float(value)
     except ValueError:
         raise ValueError(f"{name} must be a number, got {value!r}") from None
+
+
+DEFAULT_REMOTE_TIMEOUT_S = 30.0
+
+
+def remote_address(explicit: str | None = None) -> str | None:
+    """``HOST:PORT`` of the forwarding server (``GPU_TRACE_REMOTE``), or None."""
+    return explicit or _env("GPU_TRACE_REMOTE")
+
+
+def remote_sync(explicit: bool | None = None) -> bool:
+    """Whether forwarded ops run synchronously (``GPU_TRACE_REMOTE_SYNC``)."""
+    if explicit is not None:
+        return explicit
+    return (_env("GPU_TRACE_REMOTE_SYNC") or "0").lower() in ("1", "true", "yes", "on")
+
+
+def remote_token(explicit: str | None = None) -> str | None:
+    """The forwarding token (``GPU_TRACE_REMOTE_TOKEN``), or None."""
+    return explicit or _env("GPU_TRACE_REMOTE_TOKEN")
+
+
+def remote_timeout(explicit: float | None = None) -> float:
+    """Seconds of silence from the server before a client gives up (``GPU_TRACE_REMOTE_TIMEOUT``)."""
+    value = (
+        explicit
+        if explicit is not None
+        else _float("GPU_TRACE_REMOTE_TIMEOUT", DEFAULT_REMOTE_TIMEOUT_S)
+    )
+    if not 0 < value <= 3600:
+        raise ValueError(f"remote timeout must be in (0, 3600] seconds, got {value}")
+    return value

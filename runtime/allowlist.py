@@ -1,0 +1,126 @@
+"""The ops a server runs: an allow-list of ``torch.ops.aten`` overloads.
+
+An op travels by its schema name, ``aten::add.Tensor``. The allow-list is every ``aten`` overload
+whose arguments and results are all of kinds the wire can carry (tensors, numbers, booleans,
+strings, int/float/tensor lists, dtypes, devices, layouts, memory formats; a generator only as
+``None``), minus the names in :data:`DENIED` (reading files, unchecked indexing, sparse and
+quantized constructors, process-wide state). Nothing outside ``aten`` is ever resolved.
+
+Per-op argument rules (:data:`RULES`) pin arguments that would switch off bounds checks.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable
+from typing import Any
+
+_ARG_TYPES = frozenset(
+    {
+        "Tensor",
+        "int",
+        "bool",
+        "float",
+        "str",
+        "number",
+        "complex",
+        "Device",
+        "List[int]",
+        "List[Tensor]",
+        "List[bool]",
+        "List[float]",
+        "List[number]",
+        "List[str]",
+        "List[complex]",
+        "List[Optional[Tensor]]",
+        "Optional[int]",
+        "Optional[Tensor]",
+        "Optional[float]",
+        "Optional[bool]",
+        "Optional[Device]",
+        "Optional[List[int]]",
+        "Optional[Generator]",
+        "Optional[str]",
+        "Optional[number]",
+        "Optional[List[float]]",
+        "Optional[List[Optional[Tensor]]]",
+    }
+)
+_RETURN_TYPES = frozenset(
+    {"Tensor", "List[Tensor]", "int", "float", "bool", "number", "complex", "str"}
+)
+
+#: Names (before the overload) never resolved, whatever their schema.
+DENIED = re.compile(
+    r"^aten::("
+    r"from_file|_unsafe_index.*|_unsafe_masked_index.*|.*sparse.*|.*quantiz.*|.*mkldnn.*"
+    r"|.*_nested.*|nested_.*|_pin_memory|pin_memory|is_pinned|record_stream|_print"
+    r"|.*_cache.*|_test_.*|_foobar|_fused_moving_avg_obs_fq_helper.*|.*fake_quant.*"
+    r"|_set_.*|set_|.*cudnn.*|.*miopen.*|_cufft.*|.*_mps.*|_async_error|_nnz|_indices|_values"
+    r")$"
+)
+
+
+def _pin_false(name: str, position: int) -> Callable[[list[Any], dict[str, Any]], None]:
+    def rule(args: list[Any], kwargs: dict[str, Any]) -> None:
+        if name in kwargs:
+            kwargs[name] = False
+        elif len(args) > position:
+            args[position] = False
+
+    return rule
+
+
+#: Argument rules applied before an op runs: ``rule(args, kwargs)`` may change them in place.
+RULES: dict[str, Callable[[list[Any], dict[str, Any]], None]] = {
+    "aten::_index_put_impl_": _pin_false("unsafe", 4),
+}
+
+_lock = threading.Lock()
+_allowed: frozenset[str] | None = None
+_resolved: dict[str, Any] = {}
+
+
+def allowed() -> frozenset[str]:
+    """Every allowed ``aten::name.overload`` (``.default`` for the unnamed overload)."""
+    global _allowed
+    if _allowed is None:
+        import torch
+
+        names = set()
+        for schema in torch._C._jit_get_all_schemas():
+            if not schema.name.startswith("aten::") or DENIED.match(schema.name):
+                continue
+            if not all(str(a.type) in _ARG_TYPES for a in schema.arguments):
+                continue
+            if not all(str(r.type) in _RETURN_TYPES for r in schema.returns):
+                continue
+            names.add(f"{schema.name}.{schema.overload_name or 'default'}")
+        with _lock:
+            _allowed = frozenset(names)
+    return _allowed
+
+
+def resolve(name: object) -> Any:
+    """The ``OpOverload`` for an allowed name; ``None`` for anything else."""
+    op = _resolved.get(name)  # type: ignore[arg-type]
+    if op is not None:
+        return op
+    if type(name) is not str or name not in allowed():
+        return None
+    import torch
+
+    base, _, overload = name[len("aten::") :].partition(".")
+    try:
+        op = getattr(getattr(torch.ops.aten, base), overload)
+    except (AttributeError, RuntimeError):
+        return None
+    with _lock:
+        _resolved[name] = op
+    return op
+
+
+def wire_name(op: Any) -> str:
+    """The name an ``OpOverload`` travels by."""
+    return f"{op._schema.name}.{op._overloadname}"

@@ -1,0 +1,295 @@
+"""`gpu-trace serve`: the forwarding server. One process owns the device for every client.
+
+Each connection gets a reader thread: it authenticates the client (CHALLENGE/HELLO), answers
+heartbeats at once (their timestamps are clock-sync samples, so they never wait behind work),
+validates every frame and hands uploads and batches to the scheduler, in order. One executor
+thread runs the work (:mod:`gpu_trace.runtime.executor`). A disconnect, a protocol error or a
+client silent for longer than ``idle_timeout_s`` closes the session and frees what it held.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+from gpu_trace.runtime import auth
+from gpu_trace.runtime.executor import Executor, FifoScheduler, Scheduler, Work, send_trace
+from gpu_trace.runtime.session import Session
+from gpu_trace.runtime.values import tensor_from_bytes, tensor_meta
+from gpu_trace.runtime.wire import (
+    MAX_FRAME,
+    MAX_HANDSHAKE_FRAME,
+    PONG_BODY,
+    PROTOCOL_VERSION,
+    ConnectionClosed,
+    FrameReader,
+    FrameWriter,
+    MsgType,
+    ProtocolError,
+    decode_chunk,
+    decode_json,
+    decode_ping,
+    decode_split,
+    field_int,
+    field_list,
+    frame,
+    json_frame,
+    tune,
+)
+
+log = logging.getLogger(__name__)
+
+now_ns = time.perf_counter_ns
+
+#: Batches of at most this many ops may run on the connection's thread when the device is idle.
+INLINE_OPS = 16
+
+
+def parse_address(address: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
+    """``HOST:PORT`` (or ``:PORT``, ``[v6]:PORT``) as ``(host, port)``; ``ValueError`` if bad."""
+    host, sep, port = str(address).rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"address must be HOST:PORT, got {address!r}")
+    host = host.strip("[]") or default_host
+    return host, int(port)
+
+
+class Server:
+    """A forwarding server on ``host:port`` running ops on ``device`` (``cpu``, ``cuda:0``...).
+
+    ``token`` is what clients authenticate with (see :mod:`gpu_trace.runtime.auth`);
+    ``scheduler`` is the scheduling policy (FIFO by default); ``delay_ms`` holds back every
+    received frame (benchmarks simulate a longer network with it).
+    """
+
+    def __init__(
+        self,
+        listen: str = "127.0.0.1:0",
+        *,
+        device: str = "cpu",
+        token: str,
+        scheduler: Scheduler | None = None,
+        max_sessions: int = 64,
+        idle_timeout_s: float = 120.0,
+        handshake_timeout_s: float = 10.0,
+        delay_ms: float = 0.0,
+    ) -> None:
+        self.host, self.port = parse_address(listen)
+        self.token = auth.check_token(token)
+        self.device = _check_device(device)
+        self.scheduler = scheduler or FifoScheduler()
+        self.max_sessions = max_sessions
+        self.idle_timeout_s = idle_timeout_s
+        self.handshake_timeout_s = handshake_timeout_s
+        self.delay_ns = int(delay_ms * 1e6)
+        self.executor = Executor(self.device, self.scheduler)
+        self.sessions: dict[int, Session] = {}
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._threads: list[threading.Thread] = []
+        self._conns: set[socket.socket] = set()
+        self._closing = threading.Event()
+        self.protocol_errors = 0
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> Server:
+        sock = socket.create_server((self.host, self.port), reuse_port=False)
+        self.port = sock.getsockname()[1]
+        self._sock = sock
+        self.executor.start()
+        t = threading.Thread(target=self._accept_loop, name="gpu-trace-accept", daemon=True)
+        t.start()
+        self._threads.append(t)
+        log.info("gpu-trace serve: listening on %s, device %s", self.address, self.device)
+        return self
+
+    def serve_forever(self) -> None:
+        if self._sock is None:
+            self.start()
+        self._closing.wait()
+
+    def close(self) -> None:
+        self._closing.set()
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+        for t in list(self._threads):
+            t.join(timeout=5)
+        self.executor.stop()
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- connections -----------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        assert self._sock is not None
+        while not self._closing.is_set():
+            try:
+                conn, peer = self._sock.accept()
+            except OSError:
+                return
+            with self._lock:
+                if len(self.sessions) + len(self._conns) >= 2 * self.max_sessions:
+                    conn.close()
+                    continue
+                self._conns.add(conn)
+            t = threading.Thread(
+                target=self._serve_conn, args=(conn, peer), name="gpu-trace-conn", daemon=True
+            )
+            t.start()
+            self._threads = [x for x in self._threads if x.is_alive()] + [t]
+
+    def _serve_conn(self, conn: socket.socket, peer: Any) -> None:
+        tune(conn)
+        writer = FrameWriter(conn)
+        session: Session | None = None
+        try:
+            session = self._handshake(conn, writer)
+            if session is None:
+                return
+            self._read_loop(conn, writer, session)
+        except ProtocolError as exc:
+            self.protocol_errors += 1
+            log.info("gpu-trace serve: %s: protocol error: %s", peer, exc)
+            with contextlib.suppress(ConnectionClosed):
+                writer.send(json_frame(MsgType.ERROR, {"message": str(exc)[:500]}))
+        except (ConnectionClosed, TimeoutError, OSError) as exc:
+            log.debug("gpu-trace serve: %s: connection ended: %s", peer, exc)
+        except Exception:  # a bug must cost one connection, never the server
+            log.exception("gpu-trace serve: %s: connection failed", peer)
+        finally:
+            if session is not None:
+                with self._lock:
+                    self.sessions.pop(session.id, None)
+                session.closed = True
+                self.scheduler.drop(session)
+                self.scheduler.submit(session, Work("close"))
+            with self._lock:
+                self._conns.discard(conn)
+            with contextlib.suppress(OSError):
+                conn.close()
+
+    def _handshake(self, conn: socket.socket, writer: FrameWriter) -> Session | None:
+        conn.settimeout(self.handshake_timeout_s)
+        nonce = auth.new_nonce()
+        writer.send(
+            json_frame(
+                MsgType.CHALLENGE,
+                {"v": PROTOCOL_VERSION, "nonce": nonce.hex(), "device": str(self.device)},
+            )
+        )
+        reader = FrameReader(conn, MAX_HANDSHAKE_FRAME)
+        mtype, body = reader.read()
+        if mtype != MsgType.HELLO:
+            raise ProtocolError("expected HELLO")
+        hello = decode_json(body)
+        if hello.get("v") != PROTOCOL_VERSION:
+            raise ProtocolError(f"protocol version {str(hello.get('v'))[:10]} not supported")
+        if not auth.verify(self.token, nonce, hello.get("mac")):
+            time.sleep(0.05)  # slow down guessing
+            raise ProtocolError("authentication failed")
+        client = hello.get("client")
+        if not isinstance(client, dict):
+            raise ProtocolError("HELLO needs a client object")
+        client = {str(k)[:64]: str(v)[:256] for k, v in list(client.items())[:32]}
+        with self._lock:
+            if len(self.sessions) >= self.max_sessions:
+                raise ProtocolError(f"server full ({self.max_sessions} sessions)")
+            session = Session(client, writer.send)
+            session.trace = client.get("trace") == "1"
+            self.sessions[session.id] = session
+        writer.send(
+            json_frame(
+                MsgType.WELCOME,
+                {
+                    "session": session.id,
+                    "device": str(self.device),
+                    "host": socket.gethostname(),
+                    "pid": os.getpid(),
+                },
+            )
+        )
+        conn.settimeout(self.idle_timeout_s)
+        return session
+
+    def _read_loop(self, conn: socket.socket, writer: FrameWriter, session: Session) -> None:
+        reader = FrameReader(conn, MAX_FRAME, delay_ns=self.delay_ns)
+        scheduler, executor = self.scheduler, self.executor
+
+        def submit(session: Session, work: Work) -> None:
+            # A lone small batch runs here at once: no hand-off to the executor thread.
+            ops = work.head.get("ops") if work.kind == "batch" else ()
+            small = type(ops) in (list, tuple) and len(ops) <= INLINE_OPS
+            if not (small and executor.try_inline(session, work)):
+                scheduler.submit(session, work)
+
+        while not self._closing.is_set() and not session.closed:
+            mtype, body = reader.read()
+            if mtype == MsgType.PING:
+                t1 = now_ns()
+                t0 = decode_ping(body)
+                writer.send(frame(MsgType.PONG, PONG_BODY.pack(t0, t1, now_ns())))
+            elif mtype == MsgType.BATCH:
+                start = reader.frame_started_ns
+                head, data = decode_split(body)
+                inline = field_list(head, "blobs", 1 << 16, [])
+                off = 0
+                for entry in inline:  # inline uploads: [id, dtype, shape, nbytes]
+                    if type(entry) is not list or len(entry) != 4:
+                        raise ProtocolError("an inline blob is [id, dtype, shape, nbytes]")
+                    dtype, shape, nbytes = tensor_meta(entry[1], entry[2], entry[3])
+                    if off + nbytes > len(data):
+                        raise ProtocolError("inline blobs longer than the batch")
+                    tensor = tensor_from_bytes(dtype, shape, data[off : off + nbytes])
+                    off += nbytes
+                    submit(session, Work("put-inline", entry[0], (tensor, nbytes)))
+                submit(session, Work("batch", head, None, start, now_ns()))
+            elif mtype == MsgType.PUT:
+                head = decode_json(body)
+                ident = field_int(head, "blob", 1)
+                meta = tensor_meta(head.get("dtype"), head.get("shape"), head.get("nbytes"))
+                submit(session, Work("put", ident, meta))
+            elif mtype == MsgType.CHUNK:
+                ident, offset, data = decode_chunk(body)
+                submit(session, Work("chunk", None, (ident, offset, data)))
+            elif mtype == MsgType.BYE:
+                done = threading.Event()
+                self.scheduler.submit(session, Work("bye", done=done))
+                done.wait(self.idle_timeout_s)
+                return
+            else:
+                raise ProtocolError(f"unexpected message {MsgType(mtype).name} from a client")
+
+
+def _check_device(device: str) -> str:
+    import torch
+
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}") from None
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device} is not available here (no CUDA)")
+    if d.type not in ("cpu", "cuda"):
+        raise ValueError(f"the server runs on cpu or cuda devices, not {device!r}")
+    return str(d)
+
+
+__all__ = ["Server", "parse_address", "send_trace"]

@@ -1,0 +1,237 @@
+"""A client's session on the server: its handle table, blobs, memory account and span log.
+
+Everything a session can reach is in its own tables: a handle is an integer the client chose,
+looked up only in this session's :class:`HandleTable`, so another session's tensors are never
+reachable. :class:`MemoryAccount` counts the bytes of the distinct storages a session holds (views
+share their base's storage) and is the hook for quotas (issue #6): ``limit_bytes`` and
+``on_change`` are set by whoever owns the sharing policy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from gpu_trace.runtime.wire import MAX_TENSOR_BYTES, ProtocolError
+
+#: Most live handles one session may hold.
+MAX_HANDLES = 1 << 22
+#: Most bytes of uploads a session may have received but not yet used.
+MAX_PENDING_BLOB_BYTES = 8 << 30
+
+
+class OpError(Exception):
+    """An op of a batch failed; the message goes back to the client."""
+
+
+class MemoryAccount:
+    """Bytes of distinct storages held by one session's handles (and its pending uploads)."""
+
+    def __init__(self, limit_bytes: int | None = None) -> None:
+        self.limit_bytes = limit_bytes
+        self.bytes = 0
+        self.peak_bytes = 0
+        self._storages: dict[int, list[int]] = {}  # storage key -> [nbytes, references]
+        #: Called with the account after every change (quota enforcement, counters).
+        self.on_change: Callable[[MemoryAccount], None] | None = None
+
+    def charge(self, tensor: Any) -> int:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr() or id(storage)
+        entry = self._storages.get(key)
+        if entry is None:
+            entry = self._storages[key] = [storage.nbytes(), 0]
+            self._add(entry[0])
+        entry[1] += 1
+        return key
+
+    def release(self, key: int) -> None:
+        entry = self._storages.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del self._storages[key]
+            self._add(-entry[0])
+
+    def charge_bytes(self, n: int) -> None:
+        self._add(n)
+
+    def _add(self, n: int) -> None:
+        self.bytes += n
+        if self.bytes > self.peak_bytes:
+            self.peak_bytes = self.bytes
+        if self.on_change is not None:
+            self.on_change(self)
+
+    def over_limit(self) -> bool:
+        return self.limit_bytes is not None and self.bytes > self.limit_bytes
+
+
+class HandleTable:
+    """One session's tensors by the client's handle numbers."""
+
+    def __init__(self, account: MemoryAccount) -> None:
+        self.account = account
+        self._tensors: dict[int, Any] = {}
+        self._keys: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def get(self, handle: int) -> Any:
+        try:
+            return self._tensors[handle]
+        except KeyError:
+            raise OpError(
+                f"unknown tensor handle {handle} (freed, or never produced because an earlier "
+                "op failed)"
+            ) from None
+
+    def put(self, handle: Any, tensor: Any) -> None:
+        if type(handle) is not int or handle <= 0:
+            raise ProtocolError("output handles must be positive integers")
+        if handle in self._tensors:
+            raise OpError(f"tensor handle {handle} is already in use")
+        if len(self._tensors) >= MAX_HANDLES:
+            raise OpError(f"a session may hold at most {MAX_HANDLES} tensors")
+        self._tensors[handle] = tensor
+        self._keys[handle] = self.account.charge(tensor)
+
+    def free(self, handle: Any) -> None:
+        if type(handle) is not int:
+            return
+        if self._tensors.pop(handle, None) is not None:
+            self.account.release(self._keys.pop(handle))
+
+    def clear(self) -> None:
+        for handle in list(self._tensors):
+            self.free(handle)
+
+
+class Blobs:
+    """Uploads by id: inline ones arrive whole, large ones as PUT then CHUNKs."""
+
+    def __init__(self, account: MemoryAccount) -> None:
+        self.account = account
+        self._done: dict[int, Any] = {}
+        self._partial: dict[int, list[Any]] = {}  # id -> [dtype, shape, buffer, received]
+        self.pending_bytes = 0
+
+    def _reserve(self, ident: int, nbytes: int) -> None:
+        if ident in self._done or ident in self._partial:
+            raise ProtocolError(f"blob {ident} sent twice")
+        if self.pending_bytes + nbytes > MAX_PENDING_BLOB_BYTES:
+            raise ProtocolError("too many bytes uploaded and not yet used")
+        self.pending_bytes += nbytes
+        self.account.charge_bytes(nbytes)
+
+    def add(self, ident: int, tensor: Any, nbytes: int) -> None:
+        self._reserve(ident, nbytes)
+        self._done[ident] = (tensor, nbytes)
+
+    def begin(self, ident: int, dtype: Any, shape: list[int], nbytes: int) -> None:
+        from gpu_trace.runtime.values import empty_buffer
+
+        if nbytes > MAX_TENSOR_BYTES:
+            raise ProtocolError("upload too large")
+        self._reserve(ident, nbytes)
+        self._partial[ident] = [dtype, shape, empty_buffer(nbytes), 0]
+
+    def chunk(self, ident: int, offset: int, data: memoryview) -> None:
+        entry = self._partial.get(ident)
+        if entry is None:
+            raise ProtocolError(f"chunk for unknown upload {ident}")
+        dtype, shape, buf, received = entry
+        if offset != received or offset + len(data) > buf.numel():
+            raise ProtocolError("chunk out of order or past the end of its upload")
+        if len(data):
+            buf.numpy()[offset : offset + len(data)] = data
+        entry[3] = received + len(data)
+        if entry[3] == buf.numel():
+            del self._partial[ident]
+            self._done[ident] = (buf.view(dtype).reshape(shape), buf.numel())
+
+    def take(self, ident: int) -> Any:
+        try:
+            tensor, nbytes = self._done.pop(ident)
+        except KeyError:
+            raise OpError(f"upload {ident} is missing or was already used") from None
+        self.pending_bytes -= nbytes
+        self.account.charge_bytes(-nbytes)
+        return tensor
+
+    def clear(self) -> None:
+        for ident in list(self._done):
+            self.take(ident)
+        for entry in self._partial.values():
+            self.account.charge_bytes(-entry[2].numel())
+        self.pending_bytes = 0
+        self._partial.clear()
+
+
+class SpanLog:
+    """Server spans and counters of one session, held until the next TRACE message."""
+
+    def __init__(self) -> None:
+        self.prefix = (random.getrandbits(31) | 1) << 32
+        self._seq = itertools.count(1)
+        self.spans: list[list[Any]] = []
+        self.counters: list[list[Any]] = []
+        self.last_sent_ns = 0
+
+    def new_id(self) -> int:
+        return self.prefix + next(self._seq)
+
+    def span(
+        self,
+        span_id: int,
+        parent: int,
+        lane: str,
+        name: str,
+        start: int,
+        end: int,
+        attrs: dict[str, str] | None = None,
+    ) -> None:
+        self.spans.append([span_id, parent, lane, name, start, end, attrs])
+
+    def counter(self, metric: str, ts: int, value: float, labels: dict[str, str]) -> None:
+        self.counters.append([metric, ts, value, labels])
+
+    def take(self) -> dict[str, Any]:
+        spans, self.spans = self.spans, []
+        counters, self.counters = self.counters, []
+        return {"spans": spans, "counters": counters}
+
+
+class Session:
+    """One authenticated client connection's state on the server."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, client: dict[str, Any], send: Callable[..., None]) -> None:
+        self.id = next(Session._ids)
+        self.client = client
+        self.send = send
+        self.account = MemoryAccount()
+        self.handles = HandleTable(self.account)
+        self.blobs = Blobs(self.account)
+        self.trace = bool(client.get("trace"))
+        self.log = SpanLog()
+        self.rng_state: Any = None
+        self.seed: int | None = random.getrandbits(63)
+        self.closed = False
+        self.lock = threading.Lock()
+        self.batches = 0
+        self.ops = 0
+
+    def close(self) -> None:
+        """Free everything the session holds (the executor calls this between batches)."""
+        with self.lock:
+            self.closed = True
+            self.handles.clear()
+            self.blobs.clear()
+            self.rng_state = None

@@ -1,0 +1,295 @@
+"""The wire protocol: frames, message types, size bounds and the socket reader and writer.
+
+A frame is a 5-byte header, ``<IB`` (body length, message type), and the body. Bodies are JSON
+(UTF-8, decoded by ``json.loads`` only: no pickle, nothing executable), a JSON header followed by
+raw tensor bytes (``BATCH``, ``DATA``), or fixed binary structs (``PING``, ``PONG``, ``CHUNK``).
+
+A session, from the client's side::
+
+    connect          <- CHALLENGE {v, nonce, server}
+    HELLO {v, mac, client} ->             mac = HMAC-SHA256(token, "gpu-trace/1" + nonce)
+                     <- WELCOME {session, device, host, pid, limits}   (or ERROR, then close)
+    PUT {blob, dtype, shape, nbytes} + CHUNK* ->   large uploads, streamed before their BATCH
+    BATCH {seq, ops, free, blobs, tp, sync} + inline blob bytes ->
+                     <- DATA {fetch, dtype, shape, nbytes} + CHUNK*   (for rt::fetch ops)
+                     <- DONE {seq, ok, error, results, t}
+    PING t0 ->       <- PONG t0 t1 t2          (heartbeat and clock-sync exchange)
+                     <- TRACE {names, spans, counters}   (server spans, when the client traces)
+    BYE ->           <- BYE                    (after the last TRACE)
+
+Every size is bounded before anything is allocated: a frame's length is checked against the
+limit of the connection's state (:data:`MAX_HANDSHAKE_FRAME` before authentication) as soon as its
+header is read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+PROTOCOL_VERSION = 1
+
+HEADER = struct.Struct("<IB")
+PING_BODY = struct.Struct("<q")
+PONG_BODY = struct.Struct("<qqq")
+CHUNK_HEAD = struct.Struct("<QQ")  # blob or fetch id, byte offset
+JSON_LEN = struct.Struct("<I")  # BATCH and DATA: length of the JSON header before the raw bytes
+
+#: Frames before authentication are small: the hello and the challenge.
+MAX_HANDSHAKE_FRAME = 4096
+#: Largest frame after authentication (a batch's JSON plus its inline tensor bytes, or a chunk).
+MAX_FRAME = 32 << 20
+#: Tensors larger than this are streamed in chunks of this size.
+CHUNK_BYTES = 1 << 20
+#: Tensors up to this size travel inside their batch.
+INLINE_BYTES = 64 << 10
+#: Largest single tensor either way.
+MAX_TENSOR_BYTES = 8 << 30
+#: Most ops in one batch, handles freed in one batch, elements in one list argument.
+MAX_BATCH_OPS = 16384
+MAX_FREES = 1 << 20
+MAX_LIST = 1 << 16
+#: Deepest nesting of an argument (lists in lists).
+MAX_DEPTH = 4
+MAX_STRING = 1024
+
+
+class MsgType(enum.IntEnum):
+    CHALLENGE = 1
+    HELLO = 2
+    WELCOME = 3
+    BATCH = 4
+    PUT = 5
+    CHUNK = 6
+    DONE = 7
+    DATA = 8
+    PING = 9
+    PONG = 10
+    TRACE = 11
+    BYE = 12
+    ERROR = 13
+
+
+_TYPES = frozenset(int(t) for t in MsgType)
+
+
+class ProtocolError(ValueError):
+    """A peer sent something the protocol does not allow; the connection is closed."""
+
+
+class ConnectionClosed(ConnectionError):
+    """The peer closed the connection (or it broke)."""
+
+
+# ---- encoding ------------------------------------------------------------------------------------
+
+
+def frame(mtype: MsgType, body: bytes | bytearray | memoryview = b"") -> bytes:
+    """One frame (header and body)."""
+    return HEADER.pack(len(body), mtype) + bytes(body)
+
+
+def json_frame(mtype: MsgType, obj: Any) -> bytes:
+    body = json.dumps(obj, separators=(",", ":")).encode()
+    return HEADER.pack(len(body), mtype) + body
+
+
+def split_frame(mtype: MsgType, head: Any, payload: Sequence[bytes | memoryview]) -> list[bytes]:
+    """A frame whose body is a JSON header followed by raw bytes: returned as buffers to send."""
+    h = json.dumps(head, separators=(",", ":")).encode()
+    n = JSON_LEN.size + len(h) + sum(len(p) for p in payload)
+    return [HEADER.pack(n, mtype) + JSON_LEN.pack(len(h)) + h, *payload]
+
+
+def chunk_frames(ident: int, data: memoryview) -> list[bytes | memoryview]:
+    """``data`` as CHUNK frames of at most :data:`CHUNK_BYTES`."""
+    out: list[bytes | memoryview] = []
+    for off in range(0, len(data), CHUNK_BYTES):
+        part = data[off : off + CHUNK_BYTES]
+        out.append(HEADER.pack(CHUNK_HEAD.size + len(part), MsgType.CHUNK))
+        out.append(CHUNK_HEAD.pack(ident, off))
+        out.append(part)
+    return out
+
+
+# ---- decoding ------------------------------------------------------------------------------------
+
+
+def decode_json(body: bytes | memoryview) -> dict[str, Any]:
+    """A JSON object body; ``ProtocolError`` for anything else."""
+    try:
+        obj = json.loads(bytes(body))
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise ProtocolError(f"malformed JSON body: {str(exc)[:100]}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("message body must be a JSON object")
+    return obj
+
+
+def decode_split(body: bytes | memoryview) -> tuple[dict[str, Any], memoryview]:
+    """The JSON header and the raw bytes after it."""
+    view = memoryview(body)
+    if len(view) < JSON_LEN.size:
+        raise ProtocolError("truncated message header")
+    (n,) = JSON_LEN.unpack_from(view)
+    if n > len(view) - JSON_LEN.size:
+        raise ProtocolError("message header longer than the message")
+    head = decode_json(view[JSON_LEN.size : JSON_LEN.size + n])
+    return head, view[JSON_LEN.size + n :]
+
+
+def decode_chunk(body: bytes | memoryview) -> tuple[int, int, memoryview]:
+    view = memoryview(body)
+    if len(view) < CHUNK_HEAD.size:
+        raise ProtocolError("truncated chunk")
+    ident, offset = CHUNK_HEAD.unpack_from(view)
+    return ident, offset, view[CHUNK_HEAD.size :]
+
+
+def decode_ping(body: bytes | memoryview) -> int:
+    if len(body) != PING_BODY.size:
+        raise ProtocolError("malformed ping")
+    return PING_BODY.unpack(body)[0]
+
+
+def decode_pong(body: bytes | memoryview) -> tuple[int, int, int]:
+    if len(body) != PONG_BODY.size:
+        raise ProtocolError("malformed pong")
+    return PONG_BODY.unpack(body)
+
+
+# ---- field validation ----------------------------------------------------------------------------
+
+
+def field_int(obj: dict[str, Any], name: str, lo: int = 0, hi: int = (1 << 63) - 1) -> int:
+    value = obj.get(name)
+    if type(value) is not int or not lo <= value <= hi:
+        raise ProtocolError(f"field {name!r} must be an integer in [{lo}, {hi}]")
+    return value
+
+
+def field_str(obj: dict[str, Any], name: str, max_len: int = MAX_STRING, default: Any = ...) -> str:
+    value = obj.get(name, default)
+    if value is ... or type(value) is not str or len(value) > max_len:
+        raise ProtocolError(f"field {name!r} must be a string of at most {max_len} characters")
+    return value
+
+
+def field_list(obj: dict[str, Any], name: str, max_len: int, default: Any = ...) -> list[Any]:
+    value = obj.get(name, default)
+    if value is ... or type(value) is not list or len(value) > max_len:
+        raise ProtocolError(f"field {name!r} must be a list of at most {max_len} items")
+    return value
+
+
+def field_bool(obj: dict[str, Any], name: str, default: bool = False) -> bool:
+    value = obj.get(name, default)
+    if type(value) is not bool:
+        raise ProtocolError(f"field {name!r} must be a boolean")
+    return value
+
+
+# ---- sockets -------------------------------------------------------------------------------------
+
+
+class FrameReader:
+    """Reads whole frames from a socket, checking each length against ``max_frame`` first.
+
+    ``delay_ns`` holds every frame back until that long after it arrived (a delay line: frames
+    stay in order and delays do not add up); benchmarks use it to simulate a longer network.
+    """
+
+    def __init__(self, sock: socket.socket, max_frame: int, delay_ns: int = 0) -> None:
+        self.sock = sock
+        self.max_frame = max_frame
+        self.delay_ns = delay_ns
+        self._buf = bytearray()
+        self._pos = 0
+        #: perf_counter_ns when the current frame's first bytes were available.
+        self.frame_started_ns = 0
+
+    def read(self) -> tuple[int, bytes]:
+        """The next frame's ``(type, body)``; raises ProtocolError or ConnectionClosed."""
+        buf = self._buf
+        while True:
+            avail = len(buf) - self._pos
+            if avail >= HEADER.size:
+                n, mtype = HEADER.unpack_from(buf, self._pos)
+                if n > self.max_frame:
+                    raise ProtocolError(f"frame of {n} bytes exceeds the limit of {self.max_frame}")
+                if mtype not in _TYPES:
+                    raise ProtocolError(f"unknown message type {mtype}")
+                end = self._pos + HEADER.size + n
+                if len(buf) >= end:
+                    body = bytes(buf[self._pos + HEADER.size : end])
+                    self._pos = end
+                    if self._pos == len(buf):
+                        buf.clear()
+                        self._pos = 0
+                    elif self._pos > (1 << 20):
+                        del buf[: self._pos]
+                        self._pos = 0
+                    if self.delay_ns:
+                        wait = self.frame_started_ns + self.delay_ns - time.perf_counter_ns()
+                        if wait > 0:
+                            time.sleep(wait / 1e9)
+                    return mtype, body
+            self._fill(avail)
+
+    def _fill(self, avail: int) -> None:
+        try:
+            data = self.sock.recv(1 << 18)
+        except TimeoutError:
+            raise
+        except OSError as exc:
+            raise ConnectionClosed(f"connection broken: {exc}") from None
+        if not data:
+            raise ConnectionClosed("connection closed by peer")
+        if avail == 0:
+            self.frame_started_ns = time.perf_counter_ns()
+        self._buf += data
+
+
+class FrameWriter:
+    """Sends frames from any thread: one lock, one ``sendall`` of joined buffers per call."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.lock = threading.Lock()
+        self.bytes_sent = 0
+
+    def send(self, *buffers: bytes | memoryview) -> None:
+        with self.lock:
+            self._send(buffers)
+
+    def send_locked(self, fn: Callable[[], Sequence[bytes | memoryview]]) -> None:
+        """Build the buffers and send them under the lock (the build may assign sequence numbers)."""
+        with self.lock:
+            self._send(fn())
+
+    def _send(self, buffers: Sequence[bytes | memoryview]) -> None:
+        total = sum(len(b) for b in buffers)
+        try:
+            if total <= (256 << 10) or len(buffers) == 1:
+                self.sock.sendall(buffers[0] if len(buffers) == 1 else b"".join(buffers))
+            else:  # large tensors: no joined copy
+                for b in buffers:
+                    self.sock.sendall(b)
+        except OSError as exc:
+            raise ConnectionClosed(f"connection broken: {exc}") from None
+        self.bytes_sent += total
+
+
+def tune(sock: socket.socket) -> None:
+    """Low latency for small frames, big buffers for large tensors."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
