@@ -96,9 +96,44 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-ingest", action="store_true", help="leave the spool for `gpu-trace ingest`"
     )
     p.add_argument(
+        "--remote",
+        metavar="HOST:PORT",
+        help="forward the program's CUDA work to a `gpu-trace serve` server (docs/remote.md)",
+    )
+    p.add_argument(
+        "--sync",
+        action="store_true",
+        help="with --remote: every forwarded op waits for the server (for comparison)",
+    )
+    p.add_argument(
         "argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="the command to run, after --"
     )
     p.set_defaults(func=cmd_record)
+
+    p = sub.add_parser(
+        "serve",
+        help="run a forwarding server that owns a GPU (or the CPU) for remote clients",
+        description="Serve forwarded PyTorch ops from `gpu-trace record --remote` and "
+        "gpu_trace.runtime.connect() clients. See docs/remote.md.",
+    )
+    p.add_argument(
+        "--listen",
+        default="127.0.0.1:7070",
+        metavar="HOST:PORT",
+        help="address to listen on (default 127.0.0.1:7070; 0.0.0.0:PORT for other machines)",
+    )
+    p.add_argument(
+        "--device",
+        default=None,
+        help="cuda:0, cpu, ... (default cuda:0 if there is a GPU, else cpu)",
+    )
+    p.add_argument(
+        "--token",
+        help="token clients must present (default GPU_TRACE_REMOTE_TOKEN, else a new one written "
+        "to GPU_TRACE_HOME/remote-token)",
+    )
+    p.add_argument("--max-sessions", type=int, default=64, help="most clients at once (default 64)")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("ingest", help="load a run directory's spool into the store (idempotent)")
     p.add_argument("run_dir", type=Path, metavar="DIR")
@@ -185,6 +220,8 @@ def cmd_record(args: argparse.Namespace) -> int:
             nvml_hz=0.0 if args.no_nvml else args.nvml_hz,
             host_hz=args.host_hz,
             nvml_replay=args.nvml_replay,
+            remote=args.remote,
+            remote_sync=args.sync,
         )
     except launch.LaunchError as exc:
         raise CLIError(str(exc), exc.exit_code) from None
@@ -196,6 +233,36 @@ def cmd_record(args: argparse.Namespace) -> int:
         raise CLIError(str(exc), exc.exit_code) from None
     _finish_run(prepared.run_dir, dsn, ingest=not args.no_ingest)
     return code
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import signal
+
+    from gpu_trace.runtime import auth
+    from gpu_trace.runtime.server import Server
+
+    try:
+        token, token_path = auth.server_token(args.token)
+        device = args.device
+        if device is None:
+            import torch
+
+            device = "cuda:0" if torch.cuda.is_available() else "cpu"
+        server = Server(args.listen, device=device, token=token, max_sessions=args.max_sessions)
+        server.start()
+    except (ValueError, OSError) as exc:
+        raise CLIError(f"cannot serve: {exc}", 2) from None
+    where = f"token in {token_path}" if token_path else "token from --token/GPU_TRACE_REMOTE_TOKEN"
+    _err(f"serving {server.device} on {server.address} ({where}); Ctrl-C stops")
+    signal.signal(signal.SIGTERM, lambda *_: server._closing.set())
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+    _err(f"served {server.executor.batches} batches")
+    return 0
 
 
 def _finish_run(run_dir: Path, dsn: str, *, ingest: bool) -> None:

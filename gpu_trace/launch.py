@@ -63,6 +63,8 @@ def prepare(
     host_hz: float | None = None,
     nvml_replay: Path | None = None,
     nvml_fallback: Path | None = None,
+    remote: str | None = None,
+    remote_sync: bool = False,
 ) -> Launch:
     """Create the run directory and the program's environment. Raises LaunchError."""
     if not argv:
@@ -113,6 +115,16 @@ def prepare(
     env = context.child_env(environ, trace_id, root_span_id)
     env["GPU_TRACE_RUN_DIR"] = str(run_dir.resolve())
     env["GPU_TRACE_RUN_ID"] = run_id
+    if remote:
+        from gpu_trace.runtime.server import parse_address
+
+        try:
+            parse_address(remote)
+        except ValueError as exc:
+            raise LaunchError(f"--remote: {exc}", 2) from None
+        env["GPU_TRACE_REMOTE"] = remote
+        env["GPU_TRACE_REMOTE_SYNC"] = "1" if remote_sync else "0"
+        info.attrs["remote"] = remote
     env["GPU_TRACE_NVTX"] = mode
     # Framework patch levels: applied in the program if and when it imports the framework.
     try:

@@ -1,1 +1,54 @@
-"""Forwarding client, GPU server, wire protocol and sharing (quotas, scheduler, reclamation)."""
+"""Forwarding runtime: run PyTorch ops on a remote GPU server, asynchronously, traced.
+
+Explicit use::
+
+    from gpu_trace import runtime
+
+    dev = runtime.connect("gpu-box:7070")      # torch.device("remote:0")
+    model = model.to(dev)
+    loss = model(x.to(dev)).sum()
+    loss.backward()
+    print(loss.item())                          # a sync point: waits for the server
+
+Transparent use: ``gpu-trace record --remote HOST:PORT -- python train.py`` (see docs/remote.md).
+torch is imported only when one of these names is used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "ProtocolMismatch",
+    "RemoteError",
+    "RemoteOpError",
+    "RemoteTensor",
+    "Server",
+    "ServerGone",
+    "connect",
+    "current",
+    "disconnect",
+    "synchronize",
+]
+
+_WHERE = {
+    "connect": "device",
+    "current": "device",
+    "disconnect": "device",
+    "synchronize": "device",
+    "RemoteTensor": "tensor",
+    "Server": "server",
+    "RemoteError": "errors",
+    "RemoteOpError": "errors",
+    "ServerGone": "errors",
+    "ProtocolMismatch": "errors",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gpu_trace.runtime' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"gpu_trace.runtime.{module}"), name)

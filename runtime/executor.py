@@ -228,7 +228,7 @@ class Executor:
                 error["message"] = str(exc)[:4000]
                 break
         for handle in frees:
-            session.handles.free(handle)
+            session.free(handle)
         if self.device.type == "cuda" and (head.get("sync") or error is None and results):
             self.torch.cuda.synchronize(self.device)
         exec_end = now_ns()
@@ -349,10 +349,14 @@ class Executor:
         if name == "rt::seed":
             if len(args) != 1 or type(args[0]) is not int:
                 raise ProtocolError("rt::seed takes [seed]")
-            torch.manual_seed(args[0] & 0xFFFFFFFFFFFFFFFF)
+            _seed(torch, self.device, args[0] & 0xFFFFFFFFFFFFFFFF)
             session.seed = None
             self._rng_owner = session
             return None
+        if name == "rt::fn":
+            return self._function(session, decoder, args, outs)
+        if name == "rt::backward":
+            return self._backward(session, decoder, args, outs)
         if name == "rt::sync":
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -360,6 +364,73 @@ class Executor:
         if name == "rt::memory":
             return [session.account.bytes, session.account.peak_bytes, len(session.handles)]
         raise OpError(f"unknown runtime op {name[:100]!r}")
+
+    def _function(self, session: Session, decoder: ArgDecoder, args: Any, outs: Any) -> Any:
+        """``rt::fn``: a whole function (``runtime.composites``), its graph kept for backward."""
+        from gpu_trace.runtime import composites
+
+        torch = self.torch
+        if len(args) != 5 or type(args[3]) is not list or type(args[4]) is not int:
+            raise ProtocolError("rt::fn takes [name, args, kwargs, grad mask, graph id]")
+        name, fargs, fkwargs, mask, graph_id = args
+        fn = composites.server_function(name)
+        if fn is None:
+            raise OpError(f"function {str(name)[:100]!r} is not one the server runs whole")
+        if type(fargs) is not list or type(outs) is not list:
+            raise ProtocolError("rt::fn arguments and outs must be lists")
+        a = decoder.decode_args(fargs)
+        k = decoder.decode_kwargs(fkwargs) if fkwargs else {}
+        leaves: list[Any] = []
+        position = [0]
+
+        def leaf(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                i = position[0]
+                position[0] += 1
+                if i < len(mask) and mask[i] is True:
+                    x = x.detach().requires_grad_()
+                    leaves.append(x)
+                return x
+            if type(x) in (list, tuple):
+                return type(x)(leaf(v) for v in x)
+            return x
+
+        a = [leaf(x) for x in a]
+        k = {key: leaf(v) for key, v in k.items()}
+        with torch.set_grad_enabled(bool(leaves)):
+            out = fn(*a, **k)
+        flat = list(out) if isinstance(out, tuple) else [out]
+        if len(flat) != len(outs) or not all(isinstance(o, torch.Tensor) for o in flat):
+            raise ProtocolError("rt::fn outs do not match the function's results")
+        for o, h in zip(flat, outs):
+            session.handles.put(h, o.detach())
+        if leaves and graph_id:
+            session.add_graph(graph_id, (leaves, flat))
+        return None
+
+    def _backward(self, session: Session, decoder: ArgDecoder, args: Any, outs: Any) -> Any:
+        """``rt::backward``: gradients of a kept graph's leaves, given its outputs' gradients."""
+        torch = self.torch
+        if len(args) != 2 or type(args[0]) is not int or type(args[1]) is not list:
+            raise ProtocolError("rt::backward takes [graph id, output grads]")
+        if type(outs) is not list:
+            raise ProtocolError("rt::backward outs must be a list")
+        leaves, outputs = session.take_graph(args[0])
+        grads = decoder.decode_args(args[1])
+        pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+        result = torch.autograd.grad(
+            [o for o, _ in pairs],
+            leaves,
+            [g for _, g in pairs],
+            allow_unused=True,
+            materialize_grads=True,
+        )
+        wanted = [h for h in outs if h is not None]
+        if len(wanted) != len(result):
+            raise ProtocolError("rt::backward outs do not match the graph's inputs")
+        for h, g in zip(wanted, result):
+            session.handles.put(h, g.contiguous())
+        return None
 
     def _switch_rng(self, session: Session) -> None:
         if self._rng_owner is session:
@@ -371,7 +442,7 @@ class Executor:
         if session.rng_state is not None:
             _set_rng_state(torch, self.device, session.rng_state)
         elif session.seed is not None:
-            torch.manual_seed(session.seed)
+            _seed(torch, self.device, session.seed)
         self._rng_owner = session
 
     # ---- tracing ---------------------------------------------------------------------------------
@@ -459,6 +530,14 @@ def _check_sizes(args: list[Any], kwargs: dict[str, Any]) -> None:
                 numel *= max(v, 0)
             if numel * 8 > MAX_FACTORY_BYTES:
                 raise OpError(f"a size of {value} elements is beyond the server's limit")
+
+
+def _seed(torch: Any, device: Any, seed: int) -> None:
+    # Not torch.manual_seed: in a process that is also a forwarding client, that would seed the
+    # remote device too, from inside the server.
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(seed)
 
 
 def _rng_state(torch: Any, device: Any) -> Any:

@@ -19,6 +19,8 @@ from gpu_trace.runtime.wire import MAX_TENSOR_BYTES, ProtocolError
 
 #: Most live handles one session may hold.
 MAX_HANDLES = 1 << 22
+#: Most autograd graphs a session may keep on the server (``rt::fn``).
+MAX_GRAPHS = 1 << 16
 #: Most bytes of uploads a session may have received but not yet used.
 MAX_PENDING_BLOB_BYTES = 8 << 30
 
@@ -221,6 +223,7 @@ class Session:
         self.blobs = Blobs(self.account)
         self.trace = bool(client.get("trace"))
         self.log = SpanLog()
+        self.graphs: dict[int, Any] = {}
         self.rng_state: Any = None
         self.seed: int | None = random.getrandbits(63)
         self.closed = False
@@ -228,10 +231,32 @@ class Session:
         self.batches = 0
         self.ops = 0
 
+    def add_graph(self, ident: Any, graph: Any) -> None:
+        """Keep a server-side autograd graph (``rt::fn``) until its backward or its free."""
+        if type(ident) is not int or ident <= 0 or ident in self.graphs:
+            raise OpError("graph ids are fresh positive integers")
+        if len(self.graphs) >= MAX_GRAPHS:
+            raise OpError(f"a session may keep at most {MAX_GRAPHS} graphs")
+        self.graphs[ident] = graph
+
+    def take_graph(self, ident: Any) -> Any:
+        try:
+            return self.graphs.pop(ident)
+        except (KeyError, TypeError):
+            raise OpError(f"unknown graph {str(ident)[:20]} (freed, or already used)") from None
+
+    def free(self, ident: Any) -> None:
+        """Free a tensor handle or a kept graph."""
+        if self.graphs and ident in self.graphs:
+            del self.graphs[ident]
+        else:
+            self.handles.free(ident)
+
     def close(self) -> None:
         """Free everything the session holds (the executor calls this between batches)."""
         with self.lock:
             self.closed = True
+            self.graphs.clear()
             self.handles.clear()
             self.blobs.clear()
             self.rng_state = None

@@ -20,6 +20,18 @@ def _start() -> None:
         sys.stderr.write(f"gpu-trace: recording is off in this process: {exc}\n")
 
 
+def _remote() -> None:
+    # `gpu-trace record --remote`: forward the program's CUDA work once it imports torch.
+    if not os.environ.get("GPU_TRACE_REMOTE"):
+        return
+    try:
+        from gpu_trace.runtime.cuda import install_from_env
+
+        install_from_env()
+    except Exception as exc:  # never break the traced program
+        sys.stderr.write(f"gpu-trace: CUDA forwarding is off in this process: {exc}\n")
+
+
 def _chain() -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     for entry in sys.path:
@@ -34,4 +46,5 @@ def _chain() -> None:
 
 
 _start()
+_remote()
 _chain()

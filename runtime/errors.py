@@ -1,0 +1,58 @@
+"""Errors the forwarding client raises into the program."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Any
+
+#: Frames in these directories are left out of a client stack (the runtime, torch itself).
+_SKIP = (os.path.dirname(os.path.abspath(__file__)),)
+
+
+def user_frames(raw: list[tuple[Any, int]], keep: int = 8) -> list[tuple[str, int, str]]:
+    """``(file, line, function)`` outermost first, from ``(code, line)`` innermost first."""
+    skip = _SKIP
+    try:
+        import torch
+
+        skip = (*skip, os.path.dirname(torch.__file__))
+    except ImportError:
+        pass
+    out = [
+        (code.co_filename, line, code.co_name)
+        for code, line in raw
+        if not code.co_filename.startswith(skip)
+    ]
+    return list(reversed(out[:keep]))
+
+
+class RemoteError(RuntimeError):
+    """Base of the forwarding runtime's errors."""
+
+
+class RemoteOpError(RemoteError):
+    """An op failed on the server.
+
+    Ops run asynchronously, so this is raised at the next sync point (``.item()``, ``.cpu()``,
+    printing, synchronize), like a CUDA error: ``op`` names the failed op and ``client_stack``
+    is where the program issued it. The session stays usable.
+    """
+
+    def __init__(self, op: str, message: str, client_stack: list[tuple[str, int, str]]) -> None:
+        self.op = op
+        self.server_message = message
+        self.client_stack = client_stack
+        where = "".join(traceback.format_list([(f, n, name, None) for f, n, name in client_stack]))
+        text = f"{op} failed on the server: {message}"
+        if where:
+            text += f"\nissued at (most recent call last):\n{where.rstrip()}"
+        super().__init__(text)
+
+
+class ServerGone(RemoteError):
+    """The server closed the connection, stopped answering, or refused the session."""
+
+
+class ProtocolMismatch(RemoteError):
+    """The server speaks another protocol version, or rejected the client's credentials."""

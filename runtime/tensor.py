@@ -1,0 +1,338 @@
+"""Remote tensors: a tensor subclass whose every ATen op is forwarded to the server.
+
+A :class:`RemoteTensor` holds no data, only metadata (dtype, shape, strides) and the handle of
+the real tensor on the server. ``__torch_dispatch__`` sees every ATen op below autograd; for each
+it finds the output metadata in the :class:`~gpu_trace.runtime.shapes.ShapeCache`, allocates
+handles for new outputs and appends the op to the connection's pending batch without waiting.
+
+Where a value is read the client waits: ``.item()``/``bool()`` (``_local_scalar_dense`` and
+other ops with non-tensor results), ``.cpu()``/``.tolist()``/printing (a fetch), and ops whose
+output shape depends on data (run at once, their shapes asked from the server).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from gpu_trace.runtime.allowlist import wire_name
+from gpu_trace.runtime.client import Connection, OpRecord, now_ns
+from gpu_trace.runtime.errors import RemoteError, ServerGone
+from gpu_trace.runtime.shapes import DYNAMIC, RESIZED, Alias, NewTensor, ShapeCache
+from gpu_trace.runtime.values import (
+    DTYPE_NAMES,
+    DTYPES,
+    decode_result,
+    encode_scalar_like,
+    tensor_bytes,
+)
+from gpu_trace.runtime.values import (
+    _load as _load_values,
+)
+
+aten = torch.ops.aten
+_load_values()
+
+#: The active connection (one remote device per process).
+conn: Connection | None = None
+#: True in transparent mode, where remote tensors stand for CUDA tensors (``.is_cuda``).
+cuda_alias = False
+DEVICE = torch.device("privateuseone", 0)  # replaced by device.register() with remote:0
+cache = ShapeCache()
+
+_kinds: dict[Any, str] = {}
+_names: dict[Any, str] = {}
+#: Ops whose non-tensor result depends only on metadata: asked once per signature.
+_METADATA_QUERIES = {aten._fused_sdp_choice.default}
+_query_cache: dict[Any, Any] = {}
+
+
+class _Handle:
+    """The server-side handle of one remote tensor; freed (batched) when the tensor dies."""
+
+    __slots__ = ("conn", "id", "sig")
+
+    def __init__(self, c: Connection, ident: int, sig: tuple) -> None:
+        self.conn = c
+        self.id = ident
+        self.sig = sig
+
+    def __del__(self) -> None:
+        c = self.conn
+        if not c.closed:
+            c.frees.append(self.id)
+
+
+class RemoteTensor(torch.Tensor):
+    """A tensor that lives on the forwarding server."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+    _rt: _Handle
+
+    @staticmethod
+    def __new__(
+        cls, c: Connection, ident: int, dtype: Any, shape: tuple, stride: tuple, offset: int
+    ):
+        r = torch.Tensor._make_wrapper_subclass(
+            cls, shape, strides=stride, storage_offset=offset, dtype=dtype, device=DEVICE
+        )
+        r._rt = _Handle(c, ident, (dtype, shape, stride, offset))
+        return r
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        return dispatch(func, args, kwargs or {})
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        text = repr(self.detach().cpu())
+        return text[:-1] + f", device='{self.device}')" if text.endswith(")") else text
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return cuda_alias
+
+    def tolist(self) -> Any:
+        return self.detach().cpu().tolist()
+
+    def numpy(self, *, force: bool = False) -> Any:
+        return self.detach().cpu().numpy()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self.detach().cpu().__reduce_ex__(protocol)
+
+
+def _new(c: Connection, plan: NewTensor) -> tuple[int, RemoteTensor]:
+    h = c.new_handle()
+    dtype, shape, stride, offset = plan
+    return h, RemoteTensor(c, h, dtype, shape, stride, offset)
+
+
+def _stack() -> list[tuple[Any, int]]:
+    """The issuing stack, cheaply: ``(code, line)`` of the innermost frames, filtered later."""
+    out: list[tuple[Any, int]] = []
+    f = sys._getframe(2)
+    for _ in range(12):
+        if f is None:
+            break
+        out.append((f.f_code, f.f_lineno))
+        f = f.f_back
+    return out
+
+
+def _kind(func: Any) -> str:
+    kind = _kinds.get(func)
+    if kind is None:
+        types = [str(r.type) for r in func._schema.returns]
+        if not types:
+            kind = "none"
+        elif all(t in ("Tensor", "Optional[Tensor]", "List[Tensor]") for t in types):
+            kind = "tensor"
+        elif not any("Tensor" in t for t in types):
+            kind = "scalar"
+        else:
+            kind = "mixed"
+        _kinds[func] = kind
+        _names[func] = wire_name(func)
+    return kind
+
+
+class _Encoder:
+    """One op's arguments: cache key parts, wire form, tensor inputs in order, uploads."""
+
+    __slots__ = ("c", "inputs", "blobs")
+
+    def __init__(self, c: Connection) -> None:
+        self.c = c
+        self.inputs: list[Any] = []
+        self.blobs: list[tuple[int, str, list[int], bytes]] = []
+
+    def enc(self, x: Any) -> tuple[Any, Any]:
+        cls = type(x)
+        if cls is RemoteTensor:
+            rt = x._rt
+            if rt.conn is not self.c:
+                raise RemoteError("this remote tensor belongs to a closed or different session")
+            self.inputs.append(x)
+            return rt.sig, {"h": rt.id}
+        if cls is int or cls is float or cls is bool:
+            return (cls, x), x
+        if x is None:
+            return None, None
+        if cls is list or cls is tuple:
+            parts = [self.enc(v) for v in x]
+            return (cls, tuple(p[0] for p in parts)), [p[1] for p in parts]
+        if isinstance(x, torch.Tensor):
+            if x.device.type != "cpu":
+                raise RemoteError(f"cannot mix a {x.device} tensor with remote tensors")
+            x = x.detach().contiguous()
+            self.inputs.append(x)
+            ident = self.c.new_handle()
+            name = DTYPE_NAMES.get(x.dtype)
+            if name is None:
+                raise RemoteError(f"dtype {x.dtype} cannot be forwarded")
+            self.blobs.append((ident, name, list(x.shape), bytes(tensor_bytes(x))))
+            return ("cpu", x.dtype, tuple(x.shape)), {"b": ident}
+        if isinstance(x, torch.device):
+            return (torch.device, x.type == "cpu"), encode_scalar_like(x)
+        if isinstance(x, torch.Generator):
+            raise RemoteError(
+                "explicit generators cannot be forwarded; seed with torch.manual_seed"
+            )
+        try:
+            wire = encode_scalar_like(x)
+        except TypeError as exc:
+            raise RemoteError(str(exc)) from None
+        return (cls, x), wire
+
+
+def _session(args: tuple, kwargs: dict) -> Connection:
+    c = conn
+    if c is None:
+        raise ServerGone("no remote session: call gpu_trace.runtime.connect() first")
+    if c.broken:
+        raise ServerGone(c.broken)
+    return c
+
+
+def dispatch(func: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """Forward one ATen op on remote tensors (see the module docstring)."""
+    t0 = now_ns()
+    c = _session(args, kwargs)
+    special = _SPECIAL.get(func)
+    if special is not None:
+        result = special(c, func, args, kwargs, t0)
+        if result is not NotImplemented:
+            return result
+    kind = _kind(func)
+    name = _names[func]
+    e = _Encoder(c)
+    sig_args, wire_args = e.enc(args)
+    wire_kwargs = {}
+    sig_kwargs = []
+    for k, v in kwargs.items():
+        s, w = e.enc(v)
+        sig_kwargs.append((k, s))
+        wire_kwargs[k] = w
+    key = (func, sig_args, tuple(sig_kwargs))
+    if kind == "none":
+        record = OpRecord(name, _stack(), t0)
+        c.issue([name, wire_args, wire_kwargs, None], record, e.blobs)
+        record.t1 = now_ns()
+        return None
+    if kind == "scalar":
+        if func in _METADATA_QUERIES and key in _query_cache:
+            return _query_cache[key]
+        value = _call(
+            c, name, wire_args, wire_kwargs, e.blobs, t0, "item" if "scalar" in name else name
+        )
+        if func in _METADATA_QUERIES:
+            _query_cache[key] = value
+        return value
+    if kind == "mixed":
+        raise NotImplementedError(f"{name} returns tensors and other values: not forwarded")
+    plan = cache.get(key)
+    if plan is None:
+        plan = cache.plan(func, args, kwargs, None)
+        cache.put(key, plan)
+    if plan is RESIZED:
+        raise NotImplementedError(
+            f"{name} would change a remote tensor's shape in place; use the functional form"
+        )
+    if plan is DYNAMIC:
+        return _dynamic(c, func, name, wire_args, wire_kwargs, e, t0)
+    is_tuple, described = plan
+    outs: list[Any] = []
+    results: list[Any] = []
+    for d in described:
+        if type(d) is NewTensor:
+            h, t = _new(c, d)
+            outs.append(h)
+            results.append(t)
+        elif type(d) is Alias:
+            outs.append(None)
+            results.append(e.inputs[d])
+        elif d is None:
+            outs.append(None)
+            results.append(None)
+        else:
+            pairs = [(None, None) if x is None else _new(c, x) for x in d]
+            outs.append([h for h, _ in pairs])
+            results.append([t for _, t in pairs])
+    record = OpRecord(name, _stack(), t0)
+    record.t1 = now_ns()
+    c.issue([name, wire_args, wire_kwargs, outs], record, e.blobs)
+    return tuple(results) if is_tuple else results[0]
+
+
+def _call(
+    c: Connection, name: str, args: Any, kwargs: Any, blobs: list, t0: int, reason: str
+) -> Any:
+    """Run an op now and return its non-tensor result."""
+    record = OpRecord(name, _stack(), t0)
+    seq = c.issue([name, args, kwargs, None], record, blobs)
+    record.t1 = now_ns()
+    c.wait(seq, reason)
+    return decode_result(record.result)
+
+
+def _dynamic(
+    c: Connection, func: Any, name: str, args: Any, kwargs: Any, e: _Encoder, t0: int
+) -> Any:
+    """Ops without a usable meta result: run now, then ask the server for the output shapes."""
+    types = [str(r.type) for r in func._schema.returns]
+    if not all(t == "Tensor" for t in types):
+        raise NotImplementedError(f"{name}: output shapes depend on data and are not forwarded")
+    handles = [c.new_handle() for _ in types]
+    stack = _stack()
+    c.issue([name, args, kwargs, handles], OpRecord(name, stack, t0), e.blobs)
+    records = []
+    for h in handles:
+        r = OpRecord("rt::meta", stack, now_ns())
+        records.append(r)
+        seq = c.issue(["rt::meta", [{"h": h}], {}, None], r)
+    c.wait(seq, name)
+    outs = []
+    for h, r in zip(handles, records):
+        shape, stride, offset, dtype = r.result
+        outs.append(RemoteTensor(c, h, DTYPES[dtype], tuple(shape), tuple(stride), offset))
+    return tuple(outs) if len(outs) > 1 else outs[0]
+
+
+def fetch(c: Connection, t: RemoteTensor, reason: str = "cpu") -> torch.Tensor:
+    """The tensor's values, as a new CPU tensor (a sync point)."""
+    fid = c.new_handle()
+    record = OpRecord("rt::fetch", _stack(), now_ns())
+    seq = c.issue(["rt::fetch", [{"h": t._rt.id}, fid], {}, None], record)
+    c.wait(seq, reason)
+    return c.take_fetch(fid)
+
+
+# ---- ops with their own handling ---------------------------------------------------------------
+
+
+def _to_copy(c: Connection, func: Any, args: tuple, kwargs: dict, t0: int) -> Any:
+    device = kwargs.get("device")
+    if device is None or device.type != "cpu" or type(args[0]) is not RemoteTensor:
+        return NotImplemented
+    out = fetch(c, args[0])
+    dtype = kwargs.get("dtype")
+    if dtype is not None and dtype != out.dtype:
+        out = out.to(dtype)
+    fmt = kwargs.get("memory_format")
+    if fmt is not None and fmt != torch.preserve_format:
+        out = out.contiguous(memory_format=fmt)
+    return out
+
+
+def _copy_(c: Connection, func: Any, args: tuple, kwargs: dict, t0: int) -> Any:
+    dst, src = args[0], args[1]
+    if type(dst) is RemoteTensor:
+        return NotImplemented
+    with torch._C._DisableTorchDispatch():
+        dst.copy_(fetch(c, src))
+    return dst
+
+
+_SPECIAL = {aten._to_copy.default: _to_copy, aten.copy_.default: _copy_}
