@@ -352,11 +352,39 @@ def cmd_show(args: argparse.Namespace) -> int:
         run_id = _resolve(store, args.run)
         run = store.run(run_id)
         summary = store.summary(run_id, top=args.top)
+        forwarding = store.forwarding(run_id, top=args.top)
     if args.json:
-        _out(json.dumps({"run": run, "summary": summary}, default=str, indent=2))
+        out = {"run": run, "summary": summary, "forwarding": forwarding}
+        _out(json.dumps(out, default=str, indent=2))
         return 0
     _out(_render_summary(run, summary))
+    if forwarding["ops"]:
+        _out(_render_forwarding(forwarding))
     return 0
+
+
+def _render_forwarding(fwd: dict) -> str:
+    """Where forwarded time went, per op: client, wire, queue, execute (docs/remote.md)."""
+
+    def share(row: dict) -> list[str]:
+        parts = [row["client_ns"], row["wire_ns"], row["queue_ns"], row["execute_ns"]]
+        total = sum(parts) or 1
+        return [fmt.duration(sum(parts))] + [
+            f"{fmt.duration(p)} {100 * p / total:.0f}%" for p in parts
+        ]
+
+    rows = [[_clip(r["name"], 44), fmt.count(r["count"]), *share(r)] for r in fwd["ops"]]
+    rows.append(["all ops", fmt.count(fwd["totals"]["count"]), *share(fwd["totals"])])
+    head = (
+        f"\nforwarded: {fmt.count(fwd['totals']['count'])} ops in {fmt.count(fwd['batches'])} "
+        f"batches; the program waited {fmt.duration(fwd['wait_ns'])} at sync points"
+    )
+    table = fmt.table(
+        ["OP", "COUNT", "TOTAL", "CLIENT", "WIRE", "QUEUE", "EXECUTE"],
+        rows,
+        right={1, 2, 3, 4, 5, 6},
+    )
+    return head + "\n" + table
 
 
 def cmd_export(args: argparse.Namespace) -> int:

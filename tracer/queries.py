@@ -58,6 +58,37 @@ ORDER BY lane, rank_total
 """
 
 
+# Forwarded ops (runtime/): per op name, where the time went. Each client op span (lane
+# forward/op) is a child of its batch span, whose attrs hold the batch's send, wire and queue time;
+# those are shared equally by the batch's ops. Execute time is the server's own op spans.
+_FORWARDING = """
+WITH batches AS (
+    SELECT span_id,
+           toInt64OrZero(attrs['send_ns']) AS send, toInt64OrZero(attrs['wire_ns']) AS wire,
+           toInt64OrZero(attrs['queue_ns']) AS queue, greatest(toInt64OrZero(attrs['ops']), 1) AS n
+    FROM __db__.spans
+    WHERE run_id = {run_id:String} AND category = 'forward' AND lane = 'forward/batch'
+),
+client AS (
+    SELECT o.name AS name, count() AS count,
+           sum(o.end_ns - o.start_ns) + sum(intDiv(b.send, b.n)) AS client_ns,
+           sum(intDiv(b.wire, b.n)) AS wire_ns, sum(intDiv(b.queue, b.n)) AS queue_ns
+    FROM __db__.spans AS o INNER JOIN batches AS b ON o.parent_span_id = b.span_id
+    WHERE o.run_id = {run_id:String} AND o.lane = 'forward/op'
+    GROUP BY name
+),
+server AS (
+    SELECT name, sum(end_ns - start_ns) AS execute_ns
+    FROM __db__.spans WHERE run_id = {run_id:String} AND lane = 'server/op'
+    GROUP BY name
+)
+SELECT c.name AS name, c.count AS count, c.client_ns AS client_ns, c.wire_ns AS wire_ns,
+       c.queue_ns AS queue_ns, s.execute_ns AS execute_ns
+FROM client AS c LEFT JOIN server AS s ON s.name = c.name
+ORDER BY c.client_ns + c.wire_ns + c.queue_ns + s.execute_ns DESC, name
+"""
+
+
 class UnknownRunError(LookupError):
     """No run matches a reference; the message lists the most recent runs."""
 
@@ -186,6 +217,27 @@ class RunQueries:
             """,
             {"run_id": run_id},
         )
+
+    def forwarding(self, run_id: str, top: int = 20) -> dict[str, Any]:
+        """Forwarded time per op name, broken down into client, wire, queue and execute (ns).
+
+        Returns ``{"ops": [...], "totals": {...}, "wait_ns", "batches"}``: ``ops`` holds the top
+        ``top`` op names by total time, each ``name, count, client_ns, wire_ns, queue_ns,
+        execute_ns``; ``totals`` sums every op; ``wait_ns`` is the time the program blocked at
+        sync points. Empty when the run forwarded nothing.
+        """
+        rows = self._dicts(_FORWARDING, {"run_id": run_id})
+        keys = ("count", "client_ns", "wire_ns", "queue_ns", "execute_ns")
+        totals = {k: sum(int(r[k]) for r in rows) for k in keys}
+        extra = self._query(
+            """
+            SELECT countIf(lane = 'forward/batch'), sumIf(end_ns - start_ns, lane = 'forward/wait')
+            FROM __db__.spans WHERE run_id = {run_id:String} AND category = 'forward'
+            """,
+            {"run_id": run_id},
+        ).result_rows[0]
+        ops = [{"name": r["name"], **{k: int(r[k]) for k in keys}} for r in rows[: max(1, top)]]
+        return {"ops": ops, "totals": totals, "batches": int(extra[0]), "wait_ns": int(extra[1])}
 
     def clock_sync(self, run_id: str) -> list[dict[str, Any]]:
         """Every clock-offset measurement of a run, oldest first."""
