@@ -45,6 +45,23 @@ _WHERE = {
 }
 
 
+def _register_backend(module: object = None) -> None:
+    # The autograd engine sizes its device queues at the process's first backward pass, so the
+    # remote device must exist before then: register it as soon as torch is imported.
+    from gpu_trace.runtime import device
+
+    device.register()
+
+
+def _early_registration() -> None:
+    from gpu_trace._imports import when_imported
+
+    when_imported("torch", _register_backend)
+
+
+_early_registration()
+
+
 def __getattr__(name: str) -> Any:
     module = _WHERE.get(name)
     if module is None:

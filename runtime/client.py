@@ -18,6 +18,7 @@ import contextlib
 import itertools
 import logging
 import os
+import select
 import socket
 import threading
 import time
@@ -152,6 +153,7 @@ class Connection:
         self._ids = itertools.count(1)
         self._fetches: dict[int, list[Any]] = {}
         self._ping_lock = threading.Lock()
+        self._rx_lock = threading.Lock()  # whoever holds it reads the socket
         self._pong: tuple[int, int, int, int] | None = None
         self._pong_event = threading.Event()
         self._bye = threading.Event()
@@ -313,19 +315,49 @@ class Connection:
     # ---- waiting ---------------------------------------------------------------------------------
 
     def wait(self, seq: int, reason: str = "wait") -> None:
-        """Block until batch ``seq`` is done; raise the first asynchronous error, if any."""
+        """Block until batch ``seq`` is done; raise the first asynchronous error, if any.
+
+        The waiting thread reads the socket itself when no one else is (no hand-off from the
+        receiver thread on the way back).
+        """
         t0 = now_ns()
         if seq > self.sent_seq:
             with self._lock:
                 if seq > self.sent_seq:
                     self._flush_locked()
-        with self._cond:
-            while self.done_seq < seq and not self.broken:
-                self._cond.wait(0.25)
+        while self.done_seq < seq and not self.broken:
+            if self._rx_lock.acquire(timeout=0.002):
+                try:
+                    self._read_until(seq)
+                finally:
+                    self._rx_lock.release()
         self.trace.wait_span(reason, t0, now_ns(), seq)
         if self.done_seq < seq:
             raise ServerGone(self.broken)
         self.raise_pending()
+
+    def _read_until(self, seq: int) -> None:
+        reader = self._reader
+        while self.done_seq < seq and not self.broken:
+            try:
+                got = reader.next_frame()
+                if got is None:
+                    if not self._readable(0.25):
+                        continue
+                    reader.fill()
+                    continue
+            except TimeoutError:
+                continue
+            except (ConnectionClosed, ProtocolError, OSError, ValueError) as exc:
+                self._lost(exc)
+                return
+            self._handle(*got)
+
+    def _readable(self, timeout: float) -> bool:
+        try:
+            return bool(select.select([self.sock], [], [], timeout)[0])
+        except (OSError, ValueError):  # closed under us
+            raise ConnectionClosed("connection closed") from None
 
     def raise_pending(self) -> None:
         err = self._error
@@ -344,24 +376,43 @@ class Connection:
     # ---- receiving -------------------------------------------------------------------------------
 
     def _receive_loop(self) -> None:
+        """Reads whatever arrives while no program thread is waiting (and reading) itself."""
         reader = self._reader
-        while not self._stop.is_set():
+        while not self._stop.is_set() and not self.broken:
             try:
-                mtype, body = reader.read()
-            except TimeoutError:
+                if not self._readable(0.25):
+                    continue
+            except ConnectionClosed as exc:
+                self._lost(exc)
+                return
+            if not self._rx_lock.acquire(timeout=0.05):
                 continue
-            except (ConnectionClosed, ProtocolError, OSError) as exc:
-                if not self.closed and not self._closing:
-                    self._break(f"the server at {self.address} went away: {exc}")
-                return
-            self.last_recv_ns = now_ns()
             try:
-                self._on_message(mtype, body)
-            except ProtocolError as exc:
-                self._break(f"bad message from {self.address}: {exc}")
+                if reader.next_frame_ready() or self._readable(0):
+                    if not reader.next_frame_ready():
+                        reader.fill()
+                    while (got := reader.next_frame()) is not None:
+                        self._handle(*got)
+            except TimeoutError:
+                pass
+            except (ConnectionClosed, ProtocolError, OSError, ValueError) as exc:
+                self._lost(exc)
                 return
-            except Exception:
-                log.exception("gpu-trace: remote: handling a %s message failed", mtype)
+            finally:
+                self._rx_lock.release()
+
+    def _lost(self, exc: Exception) -> None:
+        if not self.closed and not self._closing:
+            self._break(f"the server at {self.address} went away: {exc}")
+
+    def _handle(self, mtype: int, body: bytes) -> None:
+        self.last_recv_ns = now_ns()
+        try:
+            self._on_message(mtype, body)
+        except ProtocolError as exc:
+            self._break(f"bad message from {self.address}: {exc}")
+        except Exception:
+            log.exception("gpu-trace: remote: handling a %s message failed", mtype)
 
     def _on_message(self, mtype: int, body: bytes) -> None:
         if mtype == MsgType.DONE:

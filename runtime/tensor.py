@@ -110,10 +110,16 @@ def _new(c: Connection, plan: NewTensor) -> tuple[int, RemoteTensor]:
 
 
 def _stack() -> list[tuple[Any, int]]:
-    """The issuing stack, cheaply: ``(code, line)`` of the innermost frames, filtered later."""
-    out: list[tuple[Any, int]] = []
+    """The issuing stack, cheaply: ``(code, line)`` of the innermost frames, filtered later.
+
+    In sync mode errors are raised where the op is issued, so no stack is kept.
+    """
+    c = conn
+    if c is not None and c.sync:
+        return []
     f = sys._getframe(2)
-    for _ in range(12):
+    out = []
+    for _ in range(6):
         if f is None:
             break
         out.append((f.f_code, f.f_lineno))
@@ -208,14 +214,20 @@ def dispatch(func: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
     kind = _kind(func)
     name = _names[func]
     e = _Encoder(c)
-    sig_args, wire_args = e.enc(args)
+    enc = e.enc
+    sigs = []
+    wire_args = []
+    for a in args:
+        s, w = enc(a)
+        sigs.append(s)
+        wire_args.append(w)
     wire_kwargs = {}
-    sig_kwargs = []
-    for k, v in kwargs.items():
-        s, w = e.enc(v)
-        sig_kwargs.append((k, s))
-        wire_kwargs[k] = w
-    key = (func, sig_args, tuple(sig_kwargs))
+    if kwargs:
+        for k, v in kwargs.items():
+            s, w = enc(v)
+            sigs.append((k, s))
+            wire_kwargs[k] = w
+    key = (func, *sigs)
     if kind == "none":
         record = OpRecord(name, _stack(), t0)
         c.issue([name, wire_args, wire_kwargs, None], record, e.blobs)

@@ -217,31 +217,50 @@ class FrameReader:
 
     def read(self) -> tuple[int, bytes]:
         """The next frame's ``(type, body)``; raises ProtocolError or ConnectionClosed."""
-        buf = self._buf
         while True:
-            avail = len(buf) - self._pos
-            if avail >= HEADER.size:
-                n, mtype = HEADER.unpack_from(buf, self._pos)
-                if n > self.max_frame:
-                    raise ProtocolError(f"frame of {n} bytes exceeds the limit of {self.max_frame}")
-                if mtype not in _TYPES:
-                    raise ProtocolError(f"unknown message type {mtype}")
-                end = self._pos + HEADER.size + n
-                if len(buf) >= end:
-                    body = bytes(buf[self._pos + HEADER.size : end])
-                    self._pos = end
-                    if self._pos == len(buf):
-                        buf.clear()
-                        self._pos = 0
-                    elif self._pos > (1 << 20):
-                        del buf[: self._pos]
-                        self._pos = 0
-                    if self.delay_ns:
-                        wait = self.frame_started_ns + self.delay_ns - time.perf_counter_ns()
-                        if wait > 0:
-                            time.sleep(wait / 1e9)
-                    return mtype, body
-            self._fill(avail)
+            got = self.next_frame()
+            if got is not None:
+                return got
+            self.fill()
+
+    def next_frame(self) -> tuple[int, bytes] | None:
+        """A whole frame already received, or None (never reads the socket)."""
+        buf = self._buf
+        if len(buf) - self._pos < HEADER.size:
+            return None
+        n, mtype = HEADER.unpack_from(buf, self._pos)
+        if n > self.max_frame:
+            raise ProtocolError(f"frame of {n} bytes exceeds the limit of {self.max_frame}")
+        if mtype not in _TYPES:
+            raise ProtocolError(f"unknown message type {mtype}")
+        end = self._pos + HEADER.size + n
+        if len(buf) < end:
+            return None
+        body = bytes(buf[self._pos + HEADER.size : end])
+        self._pos = end
+        if self._pos == len(buf):
+            buf.clear()
+            self._pos = 0
+        elif self._pos > (1 << 20):
+            del buf[: self._pos]
+            self._pos = 0
+        if self.delay_ns:
+            wait = self.frame_started_ns + self.delay_ns - time.perf_counter_ns()
+            if wait > 0:
+                time.sleep(wait / 1e9)
+        return mtype, body
+
+    def next_frame_ready(self) -> bool:
+        """Whether a whole frame is buffered."""
+        avail = len(self._buf) - self._pos
+        if avail < HEADER.size:
+            return False
+        n, _ = HEADER.unpack_from(self._buf, self._pos)
+        return avail >= HEADER.size + n
+
+    def fill(self) -> None:
+        """Receive once (blocking, or up to the socket's timeout)."""
+        self._fill(len(self._buf) - self._pos)
 
     def _fill(self, avail: int) -> None:
         try:

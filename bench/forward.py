@@ -1,0 +1,297 @@
+"""Forwarded-op performance, next to torch.distributed.rpc on the same loopback, in one run.
+
+    python bench/forward.py [--ops 20000] [--quick]
+
+Starts its servers as separate processes (a `gpu-trace serve`-equivalent on the CPU device, one
+with 0.5 ms held back on every received frame on each side, so 1 ms more round trip) and a
+torch.distributed.rpc worker (TensorPipe), then measures:
+
+1. peer: ``rpc_sync`` round trip of a small ``torch.add`` and ``rpc_async`` calls/s (all issued,
+   then waited);
+2. forwarded small ops/s, asynchronous (``x = x + 1`` on a 16-element tensor, then one sync);
+3. a synchronous op's round trip: the same op with ``sync=True``, and ``.item()`` of a sum;
+4. with 1 ms added round trip: a small MLP training step, asynchronous vs ``sync=True``;
+5. on loopback: a training step of an MLP with large matrices, remote (server on the CPU) vs the
+   same step run locally on the CPU.
+
+The machine is shared and noisy: ratios within one run are what mean something.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+TOKEN = "bench-forward-token-0123"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(port: int, delay_ms: float) -> None:
+    from gpu_trace.runtime.server import Server
+
+    server = Server(f"127.0.0.1:{port}", token=TOKEN, delay_ms=delay_ms).start()
+    print("ready", flush=True)
+    server.serve_forever()
+
+
+def _spawn_server(delay_ms: float) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--serve", str(port), "--delay-ms", str(delay_ms)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return proc, f"127.0.0.1:{port}"
+
+
+def _rpc_worker(port: int) -> None:
+    import torch.distributed.rpc as rpc
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rpc.init_rpc("worker1", rank=1, world_size=2)
+    rpc.shutdown()
+
+
+def best(fn: Callable[[], float], repeat: int = 3) -> float:
+    return min(fn() for _ in range(repeat))
+
+
+# ---- peer ----------------------------------------------------------------------------------------
+
+
+def bench_rpc(n: int) -> dict[str, float]:
+    """The peer, in two processes of its own (its threads never share a process with ours)."""
+    import json
+
+    port = _free_port()
+    worker = subprocess.Popen([sys.executable, __file__, "--rpc-worker", str(port)])
+    out = subprocess.run(
+        [sys.executable, __file__, "--rpc-client", str(port), "--ops", str(n)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    worker.wait(timeout=60)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _rpc_client(port: int, n: int) -> None:
+    import json
+
+    import torch.distributed.rpc as rpc
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rpc.init_rpc("worker0", rank=0, world_size=2)
+    try:
+        x = torch.ones(16)
+        for _ in range(50):
+            rpc.rpc_sync("worker1", torch.add, args=(x, 1))
+
+        def sync_rtt() -> float:
+            t = time.perf_counter()
+            for _ in range(300):
+                rpc.rpc_sync("worker1", torch.add, args=(x, 1))
+            return (time.perf_counter() - t) / 300
+
+        def async_rate() -> float:
+            t = time.perf_counter()
+            futs = [rpc.rpc_async("worker1", torch.add, args=(x, 1)) for _ in range(n)]
+            torch.futures.wait_all(futs)
+            return n / (time.perf_counter() - t)
+
+        result = {
+            "rpc_sync_rtt_us": best(sync_rtt) * 1e6,
+            "rpc_async_calls_s": max(async_rate() for _ in range(3)),
+        }
+    finally:
+        rpc.shutdown()
+    print(json.dumps(result), flush=True)
+
+
+# ---- ours ----------------------------------------------------------------------------------------
+
+
+def bench_small_ops(address: str, n: int) -> dict[str, float]:
+    from gpu_trace import runtime
+
+    dev = runtime.connect(address, token=TOKEN)
+    try:
+        x = torch.ones(16, device=dev)
+
+        def rate() -> float:
+            y = x
+            t = time.perf_counter()
+            for _ in range(n):
+                y = y + 1
+            y.sum().item()
+            return n / (time.perf_counter() - t)
+
+        rate()
+        ops_s = max(rate() for _ in range(3))
+
+        def item_rtt() -> float:
+            s = x.sum()
+            t = time.perf_counter()
+            for _ in range(300):
+                s.item()
+            return (time.perf_counter() - t) / 300
+
+        item_us = best(item_rtt) * 1e6
+    finally:
+        runtime.disconnect()
+    dev = runtime.connect(address, token=TOKEN, sync=True)
+    try:
+        x = torch.ones(16, device=dev)
+
+        def sync_rtt() -> float:
+            t = time.perf_counter()
+            for _ in range(300):
+                x.add_(1)
+            return (time.perf_counter() - t) / 300
+
+        sync_rtt()
+        sync_us = best(sync_rtt) * 1e6
+    finally:
+        runtime.disconnect()
+    return {"ops_s": ops_s, "sync_op_rtt_us": sync_us, "item_rtt_us": item_us}
+
+
+def _mlp(width: int, depth: int) -> torch.nn.Module:
+    layers: list[torch.nn.Module] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 10))
+
+
+def _step_time(device: torch.device | str, width: int, depth: int, batch: int, steps: int) -> float:
+    torch.manual_seed(0)
+    model = _mlp(width, depth).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x = torch.randn(batch, width).to(device)
+    y = torch.randint(0, 10, (batch,)).to(device)
+
+    def step() -> float:
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    step()
+    step()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def bench_delay(address: str, quick: bool) -> dict[str, float]:
+    from gpu_trace import runtime
+
+    out = {}
+    for mode, sync in (("async", False), ("sync", True)):
+        dev = runtime.connect(address, token=TOKEN, sync=sync, delay_ms=0.5)
+        try:
+            out[f"delay_step_{mode}_ms"] = _step_time(dev, 64, 3, 32, 3 if quick else 8) * 1e3
+        finally:
+            runtime.disconnect()
+    return out
+
+
+def bench_big_step(address: str, quick: bool) -> dict[str, float]:
+    from gpu_trace import runtime
+
+    width, depth, batch = 1024, 3, 512
+    local = _step_time("cpu", width, depth, batch, 3 if quick else 8)
+    dev = runtime.connect(address, token=TOKEN)
+    try:
+        remote = _step_time(dev, width, depth, batch, 3 if quick else 8)
+    finally:
+        runtime.disconnect()
+    return {"big_step_local_ms": local * 1e3, "big_step_remote_ms": remote * 1e3}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ops", type=int, default=20000)
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--rpc-worker", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--rpc-client", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rpc_client:
+        _rpc_client(args.rpc_client, args.ops)
+        return
+    if args.serve:
+        _serve(args.serve, args.delay_ms)
+        return
+    if args.rpc_worker:
+        _rpc_worker(args.rpc_worker)
+        return
+
+    n = 2000 if args.quick else args.ops
+    results: dict[str, float] = {}
+    results.update(bench_rpc(n))
+    plain, address = _spawn_server(0.0)
+    delayed, delayed_address = _spawn_server(0.5)
+    try:
+        results.update(bench_small_ops(address, n))
+        results.update(bench_delay(delayed_address, args.quick))
+        results.update(bench_big_step(address, args.quick))
+    finally:
+        for proc in (plain, delayed):
+            proc.terminate()
+            proc.wait(timeout=20)
+
+    r = results
+    rows = [
+        ("peer rpc_sync round trip", f"{r['rpc_sync_rtt_us']:.0f} µs", ""),
+        ("peer rpc_async calls/s", f"{r['rpc_async_calls_s']:,.0f}", ""),
+        (
+            "forwarded small ops/s (async)",
+            f"{r['ops_s']:,.0f}",
+            f"{r['ops_s'] / r['rpc_async_calls_s']:.1f}x rpc_async (target >= 10x)",
+        ),
+        (
+            "sync op round trip (sync=True)",
+            f"{r['sync_op_rtt_us']:.0f} µs",
+            f"{r['rpc_sync_rtt_us'] / r['sync_op_rtt_us']:.1f}x faster than rpc_sync (target < 150 µs)",
+        ),
+        (".item() round trip (async mode)", f"{r['item_rtt_us']:.0f} µs", ""),
+        ("+1 ms RTT: MLP step async", f"{r['delay_step_async_ms']:.1f} ms", ""),
+        (
+            "+1 ms RTT: MLP step sync",
+            f"{r['delay_step_sync_ms']:.1f} ms",
+            f"async {r['delay_step_sync_ms'] / r['delay_step_async_ms']:.1f}x faster (target >= 2x)",
+        ),
+        ("1024x1024 MLP step, local CPU", f"{r['big_step_local_ms']:.1f} ms", ""),
+        (
+            "1024x1024 MLP step, remote (loopback)",
+            f"{r['big_step_remote_ms']:.1f} ms",
+            f"{r['big_step_remote_ms'] / r['big_step_local_ms']:.2f}x local (target <= 1.5x)",
+        ),
+    ]
+    width = max(len(a) for a, _, _ in rows)
+    for name, value, note in rows:
+        print(f"{name:<{width}}  {value:>12}  {note}")
+
+
+if __name__ == "__main__":
+    main()
