@@ -8,6 +8,8 @@ Everything else about the package is in pyproject.toml. The prebuilds are option
 
 from __future__ import annotations
 
+import importlib
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -19,19 +21,34 @@ from setuptools.dist import Distribution
 
 HERE = Path(__file__).resolve().parent
 
-
-def _load(relpath: str, name: str):
-    # Loaded by path: gpu_trace is not importable while it is being built.
-    spec = importlib.util.spec_from_file_location(name, HERE / relpath)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+#: The name the package's source folders are importable under here (see :func:`_load`).
+SOURCE_PACKAGE = "_gpu_trace_src"
 
 
-#: (builder module, its name while loaded here, package folder in the wheel, what it builds)
+def _load(module: str):
+    """Import ``gpu_trace.<module>`` from the source tree as ``_gpu_trace_src.<module>``.
+
+    gpu_trace is not importable while it is being built (and importing it would run its
+    ``__init__``), so its folders are mapped as in pyproject.toml's package-dir onto bare packages
+    that run no ``__init__.py``: the builders' relative imports (``from .. import _cbuild``) then
+    work here as in the installed package.
+    """
+    for name, folder in (
+        (SOURCE_PACKAGE, "gpu_trace"),
+        (f"{SOURCE_PACKAGE}.collectors", "collectors"),
+        (f"{SOURCE_PACKAGE}.tracer", "tracer"),
+    ):
+        if name not in sys.modules:
+            spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+            spec.submodule_search_locations = [str(HERE / folder)]
+            sys.modules[name] = importlib.util.module_from_spec(spec)
+    return importlib.import_module(f"{SOURCE_PACKAGE}.{module}")
+
+
+#: (builder module, package folder in the wheel, what it builds)
 PREBUILDS = [
-    ("collectors/nvtx_build.py", "_gpu_trace_nvtx_build", "collectors", "NVTX injection library"),
-    ("tracer/fastpath_build.py", "_gpu_trace_fastpath_build", "tracer", "C gpu_trace.range"),
+    ("collectors.nvtx_build", "collectors", "NVTX injection library"),
+    ("tracer.fastpath_build", "tracer", "C gpu_trace.range"),
 ]
 
 
@@ -43,9 +60,9 @@ class BuildPyWithNvtx(build_py):
         super().run()
         if self.dry_run:
             return
-        for relpath, name, folder, what in PREBUILDS:
+        for module, folder, what in PREBUILDS:
             try:
-                builder = _load(relpath, name)
+                builder = _load(module)
                 out = Path(self.build_lib) / "gpu_trace" / folder / builder.library_name()
                 builder.build(out, cc=os.environ.get("GPU_TRACE_CC"))
             except Exception as exc:  # never fail the install over an optional prebuild

@@ -21,6 +21,7 @@ from typing import Any
 
 from gpu_trace.tracer import recorder as _recorder
 from gpu_trace.tracer.clock import now_ns
+from gpu_trace.tracer.failure import WarnOnce
 from gpu_trace.tracer.records import MARK, NVTX, nvtx_lane
 
 log = logging.getLogger(__name__)
@@ -28,14 +29,7 @@ log = logging.getLogger(__name__)
 NAMES = ("push_range", "pop_range", "start_range", "end_range", "mark", "annotate", "get_domain")
 _originals: dict[str, Any] = {}
 _local = threading.local()
-_warned = False
-
-
-def _warn_once(what: str) -> None:
-    global _warned
-    if not _warned:
-        _warned = True
-        log.exception("gpu-trace: recording an NVTX %s failed; the program goes on", what)
+_warn_once = WarnOnce(log, "gpu-trace: recording an NVTX %s failed; the program goes on")
 
 
 def _after_fork_in_child() -> None:

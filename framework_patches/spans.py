@@ -26,21 +26,15 @@ from typing import Any
 
 from gpu_trace.tracer import recorder as _recorder
 from gpu_trace.tracer.clock import now_ns
+from gpu_trace.tracer.failure import WarnOnce
 from gpu_trace.tracer.records import nvtx_lane
 
 log = logging.getLogger(__name__)
 
-_warned = False
+_warn_once = WarnOnce(log, "gpu-trace: recording a framework %s failed; the program goes on")
 #: The ``nvtx`` domains to mirror ranges into (name -> real domain); empty unless a tool watches.
 _mirrors: dict[str, Any] = {}
 _attributes: dict[tuple[str, str, str], Any] = {}
-
-
-def _warn_once(what: str) -> None:
-    global _warned
-    if not _warned:
-        _warned = True
-        log.exception("gpu-trace: recording a framework %s failed; the program goes on", what)
 
 
 def external_nvtx_tool(environ: dict[str, str] | None = None) -> str | None:

@@ -28,9 +28,9 @@ from typing import Any
 
 from gpu_trace._imports import discard, when_imported
 from gpu_trace.framework_patches import spans
-from gpu_trace.framework_patches.torch_training import STEP_DOMAIN, _user_steps
+from gpu_trace.framework_patches.steps import Steps
 from gpu_trace.tracer.clock import now_ns
-from gpu_trace.tracer.records import MODULE, OP, STEP
+from gpu_trace.tracer.records import MODULE, OP
 
 log = logging.getLogger(__name__)
 
@@ -42,11 +42,7 @@ _local = threading.local()
 _eager: Callable[[], bool] = lambda: True  # noqa: E731
 _level = "off"
 _failed: list[str] = []
-
-
-class _Steps:
-    start_ns: int | None = None
-    number = 0
+_steps = Steps()
 
 
 def patch(tf: Any, level: str = "layer") -> list[str]:
@@ -91,8 +87,7 @@ def unpatch() -> None:
         else:
             setattr(owner, attr, original)
     _originals.clear()
-    _Steps.start_ns = None
-    _Steps.number = 0
+    _steps.reset()
     spans.mirror(DOMAIN, False)
     _level = "off"
 
@@ -166,7 +161,7 @@ def _tape_enter(original: Any) -> Any:
     @functools.wraps(original)
     def __enter__(self: Any) -> Any:
         if _eager():
-            _iteration_starts()
+            _steps.iteration_starts()
         return original(self)
 
     return __enter__
@@ -258,7 +253,7 @@ def _patch_layers(module: Any) -> None:
                 name = f"{stack[-1]}.{self.name}"
             else:
                 name = self.name
-                _iteration_starts()
+                _steps.iteration_starts()
             token = spans.begin(DOMAIN, MODULE, name, {"layer": type(self).__name__})
             stack.append(name)
             try:
@@ -278,7 +273,7 @@ def _patch_fit(module: Any) -> None:
     def begin(original: Any) -> Any:
         @functools.wraps(original)
         def on_train_batch_begin(self: Any, batch: Any, logs: Any = None) -> Any:
-            _Steps.start_ns = now_ns()
+            _steps.start_ns = now_ns()
             return original(self, batch, logs)
 
         return on_train_batch_begin
@@ -286,7 +281,7 @@ def _patch_fit(module: Any) -> None:
     def end(original: Any) -> Any:
         @functools.wraps(original)
         def on_train_batch_end(self: Any, batch: Any, logs: Any = None) -> Any:
-            _end_step()
+            _steps.end()
             return original(self, batch, logs)
 
         return on_train_batch_end
@@ -308,7 +303,7 @@ def _patch_optimizer(module: Any) -> None:
                 return original(self, *args, **kwargs)
             finally:
                 spans.end(token)
-                _end_step()
+                _steps.end()
 
         return apply_gradients
 
@@ -320,16 +315,3 @@ _KERAS = {
     "keras.src.callbacks.callback_list": _keras_part("Keras fit steps", _patch_fit),
     "keras.src.optimizers.base_optimizer": _keras_part("Keras optimizer steps", _patch_optimizer),
 }
-
-
-def _iteration_starts() -> None:
-    if _Steps.start_ns is None:
-        _Steps.start_ns = now_ns()
-
-
-def _end_step() -> None:
-    now = now_ns()
-    start, _Steps.start_ns = _Steps.start_ns, None
-    if start is not None and not _user_steps():
-        spans.add(STEP_DOMAIN, STEP, f"ProfilerStep#{_Steps.number}", start, now)
-        _Steps.number += 1

@@ -19,27 +19,20 @@ from collections.abc import Callable
 from typing import Any
 
 from gpu_trace.framework_patches import spans
-from gpu_trace.tracer import recorder as _recorder
-from gpu_trace.tracer.clock import now_ns
-from gpu_trace.tracer.records import MODULE, STEP, STEP_LANE
+from gpu_trace.framework_patches.steps import Steps
+from gpu_trace.tracer.records import MODULE
 
 log = logging.getLogger(__name__)
 
 DOMAIN = spans.Domain("torch")
-STEP_DOMAIN = spans.Domain("steps")
-STEP_DOMAIN.lane = STEP_LANE
 
 _handles: list[Any] = []
 _originals: dict[tuple[Any, str], Any] = {}
 _optimizer_token: list | None = None
 _names: dict[type, str] = {}
-
-
-class _Steps:
-    """Detected steps: the start of the iteration in progress and the next number."""
-
-    start_ns: int | None = None
-    number = 0
+_steps = Steps()
+#: Something that begins an iteration happened (a DataLoader wait, a top-level module call).
+iteration_starts = _steps.iteration_starts
 
 
 def patch(torch: Any) -> None:
@@ -68,8 +61,7 @@ def unpatch() -> None:
     _originals.clear()
     spans.end(_optimizer_token)
     _optimizer_token = None
-    _Steps.start_ns = None
-    _Steps.number = 0
+    _steps.reset()
 
 
 def is_patched() -> bool:
@@ -80,29 +72,6 @@ def _wrap(owner: Any, attr: str, make: Callable[[Any], Any]) -> None:
     original = owner.__dict__[attr]
     _originals[(owner, attr)] = original
     setattr(owner, attr, make(original))
-
-
-# ---- steps --------------------------------------------------------------------------------------
-
-
-def _user_steps() -> bool:
-    """Whether the program numbers steps itself (``gpu_trace.step``): then none is detected."""
-    rec = _recorder.active
-    return rec is None or getattr(rec, "_step_number", -1) >= 0
-
-
-def iteration_starts() -> None:
-    """Something that begins an iteration happened (a DataLoader wait, a top-level module call)."""
-    if _Steps.start_ns is None:
-        _Steps.start_ns = now_ns()
-
-
-def _end_step() -> None:
-    now = now_ns()
-    start, _Steps.start_ns = _Steps.start_ns, None
-    if start is not None and not _user_steps():
-        spans.add(STEP_DOMAIN, STEP, f"ProfilerStep#{_Steps.number}", start, now)
-        _Steps.number += 1
 
 
 # ---- hooks and wrappers -------------------------------------------------------------------------
@@ -126,7 +95,7 @@ def _opt_post(opt: Any, args: Any, kwargs: Any) -> None:
     token, _optimizer_token = _optimizer_token, None
     spans.end(token)
     try:
-        _end_step()
+        _steps.end()
     except Exception:
         spans._warn_once("step")
 

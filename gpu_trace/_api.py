@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 from gpu_trace.tracer import recorder as _recorder
 from gpu_trace.tracer.clock import now_ns
+from gpu_trace.tracer.failure import WarnOnce
 from gpu_trace.tracer.records import API_DOMAIN, MARK, NVTX, nvtx_lane
 
 log = logging.getLogger(__name__)
@@ -21,24 +22,8 @@ log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 
 _LANE = nvtx_lane(API_DOMAIN)
-_warned = False
-
-
-def _warn_once(what: str) -> None:
-    global _warned
-    if not _warned:
-        _warned = True
-        log.exception("gpu-trace: %s failed; the program goes on without this event", what)
-
-
-def _warn_native(what: str, exc: BaseException) -> None:
-    """``_warn_once`` for the C range, which hands over the exception it caught."""
-    global _warned
-    if not _warned:
-        _warned = True
-        log.error(
-            "gpu-trace: %s failed; the program goes on without this event", what, exc_info=exc
-        )
+#: Shared with the C range, which calls it as ``warn(what, exc)`` with the exception it caught.
+_warn_once = WarnOnce(log, "gpu-trace: %s failed; the program goes on without this event")
 
 
 def _attrs(attrs: dict[str, Any]) -> dict[str, str] | None:
@@ -141,7 +126,7 @@ def _native_range() -> type | None:
         path = fastpath_build.find_or_build(config.home() / "lib", cc=config.c_compiler())
         native = fastpath_build.load(path)
         native.configure(
-            _recorder, buffer.ThreadBuffer, _LANE, NVTX, _warn_native, functools.update_wrapper
+            _recorder, buffer.ThreadBuffer, _LANE, NVTX, _warn_once, functools.update_wrapper
         )
         return native.range
     except Exception as exc:  # not an error: the Python twin records the same spans

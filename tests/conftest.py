@@ -1,14 +1,18 @@
-"""Shared fixtures: an isolated GPU_TRACE_HOME, a real chDB store, and leak checks."""
+"""Shared fixtures: an isolated GPU_TRACE_HOME, a real chDB store, and leak checks; and what many
+tests read a run or a sampler's output with (:func:`recorded`, :class:`Sink`)."""
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from gpu_trace.tracer import recorder
+from gpu_trace.tracer.buffer import ThreadBuffer
+from gpu_trace.tracer.spool import list_spool, read_spool_file
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,3 +59,37 @@ def home(tmp_path: Path) -> Path:
 @pytest.fixture
 def python() -> str:
     return sys.executable
+
+
+def recorded(run_dir: Path, kind: str = "spans") -> list[dict]:
+    """The rows of one kind (``spans``, ``counters``) the run spooled, as dicts, in file order."""
+    rows: list[dict] = []
+    for path in list_spool(run_dir):
+        f = read_spool_file(path)
+        if f.kind == kind and f.table is not None:
+            rows.extend(f.table.to_pylist())
+    return rows
+
+
+class Sink:
+    """What a sampler writes into in place of a Recorder: per-thread buffers, like a Recorder's."""
+
+    def __init__(self) -> None:
+        self.local = threading.local()
+        self.buffers: list[ThreadBuffer] = []
+
+    def buffer(self) -> ThreadBuffer:
+        buf = getattr(self.local, "buf", None)
+        if buf is None:
+            buf = self.local.buf = ThreadBuffer(1 << 20)
+            self.buffers.append(buf)
+        return buf
+
+    @property
+    def buf(self) -> ThreadBuffer:
+        """This thread's buffer: everything, where the test samples on its own thread."""
+        return self.buffer()
+
+    def counters(self, metric: str, device: str = "gpu0") -> list[tuple]:
+        """Counter tuples of ``metric`` on ``device``, from every thread."""
+        return [c for b in self.buffers for c in b.counters if c[2] == metric and c[1] == device]

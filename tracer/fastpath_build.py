@@ -6,6 +6,7 @@ source (a prebuilt copy shipped in the wheel), then in the per-user cache the NV
 (``GPU_TRACE_HOME/lib``), and built into the cache on first use. The file name carries a hash of
 the source and of the Python ABI, so a changed source or another interpreter never loads a stale
 build. Anything that goes wrong gives :class:`BuildError`; the caller then uses the Python twin.
+How a C file is compiled and cached is :mod:`gpu_trace._cbuild`'s; this file says what to build.
 """
 
 from __future__ import annotations
@@ -13,22 +14,17 @@ from __future__ import annotations
 import hashlib
 import importlib.machinery
 import importlib.util
-import os
-import shlex
-import subprocess
 import sys
 import sysconfig
-import tempfile
 from pathlib import Path
 from types import ModuleType
 
+# Relative, not ``gpu_trace._cbuild``: setup.py loads this file where gpu_trace is not importable.
+from .. import _cbuild
+from .._cbuild import BuildError
+
 SOURCE = Path(__file__).with_name("_fastpath.c")
 MODULE = "gpu_trace.tracer._fastpath"
-BUILD_TIMEOUT_S = 120
-
-
-class BuildError(RuntimeError):
-    """The extension could not be built or loaded; the message says why."""
 
 
 def _ext_suffix() -> str:
@@ -69,46 +65,12 @@ def supported() -> str | None:
     return None
 
 
-def compiler_command(cc: str | None) -> list[str]:
-    argv = shlex.split(cc) if cc else ["cc"]
-    if not argv:
-        raise BuildError("GPU_TRACE_CC is empty")
-    return argv
-
-
 def build(out: Path, *, cc: str | None = None) -> Path:
     """Compile the extension to ``out`` atomically (a temporary file renamed into place)."""
     reason = supported()
     if reason:
         raise BuildError(reason)
-    incs = include_dirs()
-    argv = compiler_command(cc)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    os.close(fd)
-    cmd = [*argv, "-O2", "-std=gnu11", "-fPIC", "-shared", "-fvisibility=hidden"]
-    for d in incs:
-        cmd += ["-I", str(d)]
-    cmd += [str(SOURCE), "-o", tmp]
-    try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False
-        )
-    except FileNotFoundError:
-        os.unlink(tmp)
-        raise BuildError(f"C compiler {argv[0]!r} not found (set GPU_TRACE_CC)") from None
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        os.unlink(tmp)
-        raise BuildError(f"running the C compiler {argv[0]!r} failed: {exc}") from None
-    if proc.returncode != 0:
-        os.unlink(tmp)
-        tail = (proc.stderr or proc.stdout).strip()[-2000:]
-        raise BuildError(
-            f"compiling {SOURCE.name} failed ({argv[0]} exit {proc.returncode}): {tail}"
-        )
-    os.chmod(tmp, 0o755)
-    os.replace(tmp, out)
-    return out
+    return _cbuild.build(SOURCE, out, include_dirs=include_dirs(), cc=cc)
 
 
 def find_or_build(cache_dir: Path, *, cc: str | None = None) -> Path:
@@ -116,23 +78,10 @@ def find_or_build(cache_dir: Path, *, cc: str | None = None) -> Path:
     reason = supported()
     if reason:
         raise BuildError(reason)
-    name = library_name()
-    prebuilt = SOURCE.with_name(name)
-    if prebuilt.is_file():
-        return prebuilt
-    cached = cache_dir / name
-    if cached.is_file():
-        return cached
-    include_dirs()  # fail fast, without running the compiler, where the headers are missing
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    import fcntl
-
-    # Processes starting together build once: the others wait here (the NVTX build's lock).
-    with open(cache_dir / ".build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if cached.is_file():
-            return cached
-        return build(cached, cc=cc)
+    # include_dirs: fail fast, without running the compiler, where the headers are missing
+    return _cbuild.find_or_build(
+        SOURCE, library_name(), cache_dir, lambda out: build(out, cc=cc), check=include_dirs
+    )
 
 
 def load(path: Path) -> ModuleType:

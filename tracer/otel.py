@@ -41,6 +41,7 @@ from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from gpu_trace.tracer import context as trace_context
 from gpu_trace.tracer import recorder as _recorder
 from gpu_trace.tracer.clock import Anchor, anchor, now_ns
+from gpu_trace.tracer.failure import WarnOnce
 from gpu_trace.tracer.records import OTEL
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,9 @@ class GpuTraceSpanProcessor(SpanProcessor):
     def __init__(self) -> None:
         self._anchor: Anchor = anchor()
         self._depth: dict[int, int] = {}
-        self._warned = False
+        self._warn_once = WarnOnce(
+            log, "gpu-trace: recording an OpenTelemetry %s failed; the program goes on"
+        )
 
     def on_start(self, span: Span, parent_context: Context | None = None) -> None:
         if _recorder.active is None:
@@ -86,7 +89,7 @@ class GpuTraceSpanProcessor(SpanProcessor):
             if len(self._depth) < MAX_OPEN_SPANS:
                 self._depth[span.context.span_id] = depth
         except Exception:
-            self._warn_once()
+            self._warn_once("span")
 
     def on_end(self, span: ReadableSpan) -> None:
         rec = _recorder.active
@@ -133,7 +136,7 @@ class GpuTraceSpanProcessor(SpanProcessor):
                 )
             )
         except Exception:
-            self._warn_once()
+            self._warn_once("span")
 
     def _current_anchor(self) -> Anchor:
         a = self._anchor
@@ -141,11 +144,6 @@ class GpuTraceSpanProcessor(SpanProcessor):
         if abs((wall - a.wall_ns) - (mono - a.mono_ns)) > STEP_NS:
             a = self._anchor = anchor()
         return a
-
-    def _warn_once(self) -> None:
-        if not self._warned:
-            self._warned = True
-            log.exception("gpu-trace: recording an OpenTelemetry span failed; the program goes on")
 
     def shutdown(self) -> None:
         self._depth.clear()

@@ -6,7 +6,6 @@ import json
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -15,24 +14,8 @@ import pytest
 from gpu_trace.collectors.nvml import METRICS, NvmlSampler
 from gpu_trace.collectors.nvml_device import PynvmlSource
 from gpu_trace.collectors.nvml_replay import FORMAT, ReplaySource
-from gpu_trace.tracer.buffer import ThreadBuffer
 from gpu_trace.tracer.clock import now_ns
-
-
-class Sink:
-    def __init__(self) -> None:
-        self.local = threading.local()
-        self.buffers: list[ThreadBuffer] = []
-
-    def buffer(self) -> ThreadBuffer:
-        buf = getattr(self.local, "buf", None)
-        if buf is None:
-            buf = self.local.buf = ThreadBuffer(1 << 20)
-            self.buffers.append(buf)
-        return buf
-
-    def counters(self, metric: str, device: str = "gpu0") -> list[tuple]:
-        return [c for b in self.buffers for c in b.counters if c[2] == metric and c[1] == device]
+from tests.conftest import Sink
 
 
 def smi(query: str) -> list[float]:

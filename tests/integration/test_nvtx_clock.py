@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_nvtx_native import _need_compiler, run_script, spans
+from tests.conftest import recorded
+from tests.integration.test_nvtx_native import _need_compiler, run_script
 
 #: How far a TSC-stamped time may sit outside the Python readings around it. The conversion is
 #: exact at each calibration point; between points it follows a straight line, off by however much
@@ -61,7 +62,7 @@ def test_nvtx_times_agree_with_perf_counter_ns(tmp_path: Path, clock: str) -> No
     if clock == "monotonic":
         assert used == "monotonic"
     readings = out["readings"]
-    rows = {r["name"]: r for r in spans(run) if r["lane"] == "nvtx/clock"}
+    rows = {r["name"]: r for r in recorded(run) if r["lane"] == "nvtx/clock"}
     assert len(rows) == len(readings) + 3  # and one "-inner" name per thread
     # clock_gettime is the same clock as perf_counter_ns: exact; the TSC path: within TOLERANCE_NS
     tol = TOLERANCE_NS if used == "tsc" else 0

@@ -16,8 +16,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+
 from gpu_trace.collectors import nvtx_build
-from gpu_trace.tracer.spool import list_spool, read_spool_file
+from tests.conftest import recorded
 
 CC = os.environ.get("GPU_TRACE_CC") or "cc"
 
@@ -25,15 +26,6 @@ CC = os.environ.get("GPU_TRACE_CC") or "cc"
 def _need_compiler() -> None:
     if shutil.which(CC) is None:
         pytest.skip(f"no C compiler ({CC}) on this machine")
-
-
-def spans(run: Path) -> list[dict]:
-    rows: list[dict] = []
-    for path in list_spool(run):
-        f = read_spool_file(path)
-        if f.kind == "spans" and f.table is not None:
-            rows.extend(f.table.to_pylist())
-    return rows
 
 
 def run_script(
@@ -114,7 +106,7 @@ def test_native_and_python_paths_record_the_same(tmp_path: Path) -> None:
         proc = run_script(tmp_path, WORKLOAD.format(run=str(run), mode=mode))
         assert ("'nvtx'" if mode == "native" else "'nvtx-python'") in proc.stdout, proc.stderr
         assert "native NVTX capture is off" not in proc.stderr
-        results[mode] = spans(run)
+        results[mode] = recorded(run)
     native, python = results["native"], results["python"]
     # 4 threads: 3 steps of 5 events, 3 in domain B, a cross-thread and a default-domain range
     assert len(native) == len(python) == 4 * (3 * 5 + 3 + 1 + 1)
@@ -272,7 +264,7 @@ def test_ranges_from_a_native_thread_are_captured(tmp_path: Path) -> None:
         """,
     )
     tid = int(proc.stdout.split()[-1])
-    rows = spans(run)
+    rows = recorded(run)
     by_name = {r["name"]: r for r in rows}
     assert set(by_name) == {"c-registered", "c-outer", "c-inner-\u00fc\u6f22", "c-mark", "c-cross"}
     reg, outer, inner, mark = (
@@ -307,7 +299,7 @@ def test_malformed_native_input_never_crashes(tmp_path: Path) -> None:
         gpu_trace.stop()
         """,
     )
-    names = Counter(r["name"] for r in spans(run))
+    names = Counter(r["name"] for r in recorded(run))
     assert names["survived"] == 1
     assert names[""] >= 6  # null and unreadable messages become empty names
 
@@ -341,7 +333,7 @@ def test_fork_child_records_its_own_events(tmp_path: Path, mode: str) -> None:
         print(pid)
         """,
     )
-    rows = spans(run)
+    rows = recorded(run)
     by_pid: dict[int, set[str]] = {}
     for r in rows:
         by_pid.setdefault(r["pid"], set()).add(r["name"])
@@ -370,7 +362,7 @@ def test_full_buffer_drops_and_counts(tmp_path: Path, mode: str) -> None:
         gpu_trace.stop()
         """,
     )
-    assert len(spans(run)) == 16
+    assert len(recorded(run)) == 16
     stats = [json.loads(p.read_text()) for p in (run / "stats").glob("*.json")]
     assert sum(s["dropped"] for s in stats) == 84
 
@@ -402,7 +394,7 @@ def test_missing_compiler_falls_back_to_python_with_one_warning(tmp_path: Path) 
     assert proc.stderr.count("native NVTX capture is off") == 1, proc.stderr
     assert "/nonexistent/cc" in proc.stderr
     assert "[['nvtx-python'], ['nvtx-python']]" in proc.stdout
-    assert [r["name"] for r in spans(tmp_path / "run0")] == ["still-recorded"]
+    assert [r["name"] for r in recorded(tmp_path / "run0")] == ["still-recorded"]
 
 
 def test_another_nvtx_tool_keeps_its_place(tmp_path: Path) -> None:

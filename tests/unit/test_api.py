@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import gpu_trace
-from gpu_trace.tracer.spool import list_spool, read_spool_file
+from tests.conftest import recorded
 
 
 def test_public_surface_is_pinned() -> None:
@@ -21,15 +21,6 @@ def test_public_surface_is_pinned() -> None:
         "step",
         "stop",
     ]
-
-
-def recorded(run_dir: Path, kind: str = "spans") -> list[dict]:
-    rows: list[dict] = []
-    for path in list_spool(run_dir):
-        f = read_spool_file(path)
-        if f.kind == kind and f.table is not None:
-            rows.extend(f.table.to_pylist())
-    return rows
 
 
 @pytest.fixture

@@ -11,18 +11,10 @@ import pytest
 
 from gpu_trace.collectors.host import HostSampler
 from gpu_trace.collectors.processes import ProcessTree
-from gpu_trace.tracer.buffer import ThreadBuffer
 from gpu_trace.tracer.records import MARK
+from tests.conftest import Sink
 
 SECOND = 1_000_000_000
-
-
-class Sink:
-    def __init__(self) -> None:
-        self.buf = ThreadBuffer(1 << 20)
-
-    def buffer(self) -> ThreadBuffer:
-        return self.buf
 
 
 class Clock:

@@ -13,18 +13,10 @@ import pytest
 from gpu_trace.collectors.nvml import NvmlSampler, NvmlUnavailable, Reading
 from gpu_trace.collectors.nvml_device import PynvmlSource, error_name
 from gpu_trace.collectors.nvml_replay import RecordingSource, ReplaySource, to_record
-from gpu_trace.tracer.buffer import ThreadBuffer
+from tests.conftest import Sink
 
 REPO = Path(__file__).resolve().parents[2]
 SYNTHETIC = REPO / "sample_traces" / "nvml-synthetic-h100.jsonl"
-
-
-class Sink:
-    def __init__(self) -> None:
-        self.buf = ThreadBuffer(1 << 20)
-
-    def buffer(self) -> ThreadBuffer:
-        return self.buf
 
 
 def test_recording_a_replay_gives_the_same_file(tmp_path: Path) -> None:

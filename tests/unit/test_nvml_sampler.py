@@ -17,19 +17,11 @@ from gpu_trace.collectors.nvml import (
     open_sampler,
 )
 from gpu_trace.collectors.nvml_replay import FORMAT, ReplaySource
-from gpu_trace.tracer.buffer import ThreadBuffer
 from gpu_trace.tracer.records import MARK
+from tests.conftest import Sink
 
 SYNTHETIC = Path(__file__).resolve().parents[2] / "sample_traces" / "nvml-synthetic-h100.jsonl"
 SECOND = 1_000_000_000
-
-
-class Sink:
-    def __init__(self) -> None:
-        self.buf = ThreadBuffer(1 << 20)
-
-    def buffer(self) -> ThreadBuffer:
-        return self.buf
 
 
 class Clock:

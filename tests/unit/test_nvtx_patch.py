@@ -11,7 +11,7 @@ import pytest
 import gpu_trace
 from gpu_trace.collectors import nvtx as nvtx_collector
 from gpu_trace.collectors import nvtx_patch
-from gpu_trace.tracer.spool import list_spool, read_spool_file
+from tests.conftest import recorded
 
 nvtx = pytest.importorskip("nvtx")
 
@@ -22,15 +22,6 @@ def _nothing_left_patched():
     leaked = nvtx_patch.is_patched()
     nvtx_patch.unpatch()
     assert not leaked, "nvtx was left patched"
-
-
-def spans(run: Path) -> list[dict]:
-    rows: list[dict] = []
-    for path in list_spool(run):
-        f = read_spool_file(path)
-        if f.kind == "spans" and f.table is not None:
-            rows.extend(f.table.to_pylist())
-    return rows
 
 
 def test_patch_is_symmetric_and_idempotent() -> None:
@@ -72,7 +63,7 @@ def test_records_nesting_lanes_and_attrs(tmp_path: Path) -> None:
         nvtx.end_range(token)
     finally:
         gpu_trace.stop()
-    rows = spans(run)
+    rows = recorded(run)
     got = Counter((r["lane"], r["category"], r["name"], r["depth"]) for r in rows)
     assert got == Counter(
         {

@@ -21,7 +21,7 @@ from gpu_trace import _imports
 from gpu_trace.tracer import otel, recorder
 from gpu_trace.tracer.otel import GpuTraceSpanProcessor
 from gpu_trace.tracer.records import OTEL
-from gpu_trace.tracer.spool import list_spool, read_spool_file
+from tests.conftest import recorded
 
 REPO = Path(__file__).resolve().parents[2]
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -42,10 +42,7 @@ def _no_patch_left(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def spans_of(run_dir: Path) -> list[dict]:
-    rows = []
-    for f in map(read_spool_file, list_spool(run_dir)):
-        if f.kind == "spans" and f.table is not None:
-            rows.extend(f.table.to_pylist())
+    rows = recorded(run_dir)
     for row in rows:
         row["attrs"] = dict(row["attrs"])
     return rows

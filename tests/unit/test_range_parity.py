@@ -22,7 +22,7 @@ import gpu_trace
 from gpu_trace import _api
 from gpu_trace.tracer import fastpath_build, recorder
 from gpu_trace.tracer.run import STATS_DIR
-from gpu_trace.tracer.spool import list_spool, read_spool_file
+from tests.conftest import recorded
 
 NATIVE = gpu_trace.range if gpu_trace.range is not _api.PyRange else None
 IMPLS = {"c": NATIVE, "python": _api.PyRange}
@@ -108,11 +108,7 @@ def record(tmp_path: Path, impl: str) -> tuple[list[tuple], int]:
         gpu_trace.stop()
     stats = json.loads((run / STATS_DIR / f"{os.getpid()}.json").read_text())
     threads = stats["threads"]
-    rows = []
-    for path in list_spool(run):
-        f = read_spool_file(path)
-        if f.kind == "spans" and f.table is not None:
-            rows.extend(f.table.to_pylist())
+    rows = recorded(run)
     ids = {r["span_id"] for r in rows}
     for r in rows:
         assert r["start_ns"] <= r["end_ns"]
@@ -197,7 +193,7 @@ def test_failures_never_reach_the_program(
         _need_native()
     rng = IMPLS[impl]
     with monkeypatch.context() as m, caplog.at_level(logging.ERROR, logger="gpu_trace._api"):
-        m.setattr(_api, "_warned", False)
+        m.setattr(_api._warn_once, "warned", False)
         m.setattr(recorder, "active", _Broken())
         with rng("x"):
             pass

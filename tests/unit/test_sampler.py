@@ -8,23 +8,8 @@ import threading
 import pytest
 
 from gpu_trace.collectors.sampler import Sampler
-from gpu_trace.tracer.buffer import ThreadBuffer
 from gpu_trace.tracer.records import MARK
-
-
-class Sink:
-    """Per-thread buffers, like a Recorder's."""
-
-    def __init__(self) -> None:
-        self.local = threading.local()
-        self.buffers: list[ThreadBuffer] = []
-
-    def buffer(self) -> ThreadBuffer:
-        buf = getattr(self.local, "buf", None)
-        if buf is None:
-            buf = self.local.buf = ThreadBuffer(1 << 16)
-            self.buffers.append(buf)
-        return buf
+from tests.conftest import Sink
 
 
 class Counting(Sampler):

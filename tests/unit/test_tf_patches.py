@@ -12,16 +12,11 @@ keras = pytest.importorskip("keras")
 
 import gpu_trace  # noqa: E402
 from gpu_trace.framework_patches import tensorflow as tf_patch  # noqa: E402
-from gpu_trace.tracer.spool import list_spool, read_spool_file  # noqa: E402
+from tests.conftest import recorded  # noqa: E402
 
 
 def spans(run_dir: Path) -> list[dict]:
-    rows: list[dict] = []
-    for path in list_spool(run_dir):
-        f = read_spool_file(path)
-        if f.kind == "spans":
-            rows += f.table.to_pylist()
-    return sorted(rows, key=lambda r: (r["start_ns"], -r["end_ns"]))
+    return sorted(recorded(run_dir), key=lambda r: (r["start_ns"], -r["end_ns"]))
 
 
 def model() -> keras.Model:
