@@ -224,8 +224,12 @@ class Connection:
         op: list[Any],
         record: OpRecord,
         blobs: list[tuple[int, str, list[int], bytes]] | None = None,
+        urgent: bool = False,
     ) -> int:
-        """Append an encoded op ``[name, args, kwargs, outs]``; returns its batch's seq."""
+        """Append an encoded op ``[name, args, kwargs, outs]``; returns its batch's seq.
+
+        ``urgent``: the caller waits for this op next, so its batch goes now.
+        """
         with self._lock:
             if self.broken:
                 raise ServerGone(self.broken)
@@ -248,6 +252,7 @@ class Connection:
             n = len(self._pending)
             if (
                 self.sync
+                or urgent
                 or n >= self.max_batch_ops
                 or (not self._in_flight and n >= self.min_batch_ops)
                 or len(self._large) > 64

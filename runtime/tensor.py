@@ -283,7 +283,7 @@ def _call(
 ) -> Any:
     """Run an op now and return its non-tensor result."""
     record = OpRecord(name, _stack(), t0)
-    seq = c.issue([name, args, kwargs, None], record, blobs)
+    seq = c.issue([name, args, kwargs, None], record, blobs, urgent=True)
     record.t1 = now_ns()
     c.wait(seq, reason)
     return decode_result(record.result)
@@ -303,7 +303,7 @@ def _dynamic(
     for h in handles:
         r = OpRecord("rt::meta", stack, now_ns())
         records.append(r)
-        seq = c.issue(["rt::meta", [{"h": h}], {}, None], r)
+        seq = c.issue(["rt::meta", [{"h": h}], {}, None], r, urgent=h == handles[-1])
     c.wait(seq, name)
     outs = []
     for h, r in zip(handles, records):
@@ -316,7 +316,7 @@ def fetch(c: Connection, t: RemoteTensor, reason: str = "cpu") -> torch.Tensor:
     """The tensor's values, as a new CPU tensor (a sync point)."""
     fid = c.new_handle()
     record = OpRecord("rt::fetch", _stack(), now_ns())
-    seq = c.issue(["rt::fetch", [{"h": t._rt.id}, fid], {}, None], record)
+    seq = c.issue(["rt::fetch", [{"h": t._rt.id}, fid], {}, None], record, urgent=True)
     c.wait(seq, reason)
     return c.take_fetch(fid)
 
