@@ -1,4 +1,4 @@
-"""The `gpu-trace` command line: record, ingest, ls, show, export, sql, demo.
+"""The `gpu-trace` command line: record, serve, ingest, ls, show, export, sql, ui, demo.
 
 Only this module prints or exits. Errors are one line on stderr, ``gpu-trace: ...``.
 """
@@ -183,8 +183,34 @@ def build_parser() -> argparse.ArgumentParser:
     _store_arg(p)
     p.set_defaults(func=cmd_sql)
 
-    p = sub.add_parser("demo", help="record a small built-in workload, summarize and export it")
+    p = sub.add_parser(
+        "ui",
+        help="serve the web timeline viewer (Dash) on the store",
+        description="Serve the dashboard: runs, one timeline of client, wire, server and counters, "
+        "summary, tenants, compare, export. Read-only. See docs/dashboard.md.",
+    )
     _store_arg(p)
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1: this machine only; there is no login)",
+    )
+    p.add_argument("--port", type=int, default=8050, help="port (default 8050; 0 picks one)")
+    p.add_argument("--run", metavar="RUN", help="open this run first (default: the newest)")
+    p.set_defaults(func=cmd_ui)
+
+    p = sub.add_parser(
+        "demo",
+        help="record a small built-in workload, load the sample traces, open the dashboard",
+    )
+    _store_arg(p)
+    p.add_argument(
+        "--ui",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="serve the dashboard afterwards (default: when run from a terminal)",
+    )
+    p.add_argument("--port", type=int, default=8050, help="dashboard port with --ui (default 8050)")
     p.add_argument(
         "-o",
         "--output",
@@ -469,6 +495,67 @@ def cmd_demo(args: argparse.Namespace) -> int:
     _out(
         f'Next: gpu-trace show {run_id} · gpu-trace sql "SELECT lane, count() FROM gpu_trace.spans GROUP BY lane"'
     )
+    _load_samples(dsn)
+    interactive = sys.stdin.isatty() and sys.stdout.isatty()
+    if args.ui or (args.ui is None and interactive):
+        return _serve_ui(dsn, "127.0.0.1", args.port, "forwarded-two-tenants", browser=interactive)
+    _out("Dashboard: gpu-trace ui  (then open http://127.0.0.1:8050)")
+    return 0
+
+
+def _load_samples(dsn: str) -> None:
+    """Ingest the repository's sample runs (sample_traces/runs) into the store; idempotent."""
+    from gpu_trace.dashboard import samples
+
+    store_mod = _store_module()
+    try:
+        with store_mod.Store(dsn) as store:
+            reports = samples.load_samples(store)
+    except store_mod.StoreError as exc:
+        _err(f"sample traces not loaded: {exc}")
+        return
+    for report in reports:
+        _err(f"sample run {report.run_id} loaded ({report.files_skipped} files already there)")
+
+
+def cmd_ui(args: argparse.Namespace) -> int:
+    return _serve_ui(config.store_dsn(args.store), args.host, args.port, args.run)
+
+
+def _serve_ui(dsn: str, host: str, port: int, run: str | None, browser: bool = False) -> int:
+    try:
+        from gpu_trace.dashboard.app import Server
+        from gpu_trace.dashboard.source import Source
+    except ImportError as exc:
+        raise CLIError(
+            f"{exc} (the dashboard needs the ui extra: pip install 'gpu-trace[ui]')"
+        ) from None
+    source = Source(dsn, enforce_readonly=True)
+    try:
+        server = Server(source, host, port)
+    except (OSError, OverflowError) as exc:
+        raise CLIError(
+            f"cannot listen on {host}:{port}: {getattr(exc, 'strerror', None) or exc}", 2
+        ) from None
+    try:
+        source.store()
+    except _store_module().StoreError as exc:
+        _err(f"the store is not usable yet ({exc}); the page says so and retries")
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        _err(f"listening on {host}: anyone who can reach this port can read every run (no login)")
+    url = server.url + "/" + (f"?run={run}" if run else "")
+    _err(f"dashboard on {url} (store {dsn}); Ctrl-C stops")
+    if browser:
+        import webbrowser
+
+        webbrowser.open(url)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+        source.close()
     return 0
 
 

@@ -1,0 +1,385 @@
+"""Timeline queries: tracks, the visible window at a level of detail, counters, flows, one span.
+
+Everything here is a plain function of a :class:`~gpu_trace.dashboard.source.Source` and integer
+nanoseconds on the run's clock; the figures are built from what they return
+(:mod:`gpu_trace.dashboard.figures`).
+
+Level of detail (docs/dashboard.md): the window ``[t0, t1)`` is cut into buckets of a few pixels.
+A span at least one bucket wide is drawn as a bar, up to :data:`MAX_BARS` of them (the longest;
+past that the threshold rises to the shortest one kept). Every other span in the window is
+counted into a density cell of its track, depth and bucket (span count and busy time), so each
+span is either a bar or part of a cell: none is dropped. What a window costs is bounded by the
+screen, not the run: at most ``MAX_BARS`` bars plus ``rows x buckets`` cells.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpu_trace.dashboard.source import Source
+
+#: Bars drawn at most per window; narrower spans past this go into density cells.
+MAX_BARS = 4000
+#: Pixels per density bucket (and the narrowest bar).
+BUCKET_PX = 3
+#: Nesting levels drawn per track; deeper spans share the last level.
+MAX_LEVELS = 4
+#: Flow lines drawn at most per window.
+MAX_FLOWS = 1500
+
+Track = tuple[str, int, int, str]  # host, pid, tid, lane
+
+
+@dataclass
+class TrackInfo:
+    """One timeline track (host, pid, tid, lane) and the rows it takes."""
+
+    host: str
+    pid: int
+    tid: int
+    lane: str
+    spans: int
+    min_depth: int
+    levels: int
+    row: int = 0  # first row, top to bottom
+    clock_uncertainty_ns: int = 0  # remote tracks: the largest uncertainty applied
+    process: str = ""
+    thread: str = ""
+    categories: str = ""
+
+    @property
+    def key(self) -> Track:
+        return (self.host, self.pid, self.tid, self.lane)
+
+    @property
+    def remote(self) -> bool:
+        return self.clock_uncertainty_ns > 0 or self.lane.startswith("server/")
+
+    def level(self, depth: int) -> int:
+        return min(max(0, depth - self.min_depth), self.levels - 1)
+
+
+@dataclass
+class Window:
+    """What one window query found."""
+
+    t0: int
+    t1: int
+    bucket_ns: int
+    bars: list[dict[str, Any]] = field(default_factory=list)
+    cells: list[dict[str, Any]] = field(default_factory=list)  # track, depth, bucket, n, busy_ns
+    bar_threshold_ns: int = 0  # spans at least this long are bars
+    density_spans: int = 0
+    capped: bool = False  # MAX_BARS was reached and the threshold raised
+
+    @property
+    def total_spans(self) -> int:
+        return len(self.bars) + self.density_spans
+
+
+_TRACKS = """
+SELECT host, pid, tid, lane, count() AS spans, min(depth) AS min_depth, max(depth) AS max_depth,
+       max(end_ns - start_ns) AS max_dur, countIf(end_ns < start_ns) AS unended,
+       max(toInt64OrZero(attrs['clock_uncertainty_ns'])) AS clock_unc,
+       arrayStringConcat(arraySort(groupUniqArray(8)(toString(category))), ',') AS categories
+FROM __db__.spans WHERE run_id = {run:String}
+GROUP BY host, pid, tid, lane
+"""
+
+_LANE_ORDER = ("steps", "nvtx/", "torch/", "cpu/", "forward/", "server/", "gpu", "nvml/")
+
+
+def _lane_rank(track: dict[str, Any]) -> tuple:
+    lane = track["lane"]
+    kind = next((i for i, p in enumerate(_LANE_ORDER) if lane.startswith(p)), len(_LANE_ORDER))
+    server = 1 if lane.startswith("server/") else 0
+    return (server, track["host"], track["pid"], track["tid"], kind, lane)
+
+
+def tracks(source: Source, run_id: str) -> dict[str, Any]:
+    """Tracks of a run, grouped host > process > thread > lane (remote server tracks last).
+
+    Returns ``{"tracks": [TrackInfo], "rows": N, "max_dur": ns, "unended": N}``; cached per run.
+    ``unended`` counts spans that end before they start (never closed): they can't be drawn, and
+    the page says how many there are.
+    """
+
+    def compute() -> dict[str, Any]:
+        found = source.rows(_TRACKS, {"run": run_id})
+        names = {(t["host"], t["pid"], t["tid"]): t for t in source.call("threads", run_id)}
+        out: list[TrackInfo] = []
+        row = 0
+        for t in sorted(found, key=_lane_rank):
+            levels = min(MAX_LEVELS, int(t["max_depth"]) - int(t["min_depth"]) + 1)
+            named = names.get((t["host"], int(t["pid"]), int(t["tid"]))) or {}
+            info = TrackInfo(
+                host=t["host"],
+                pid=int(t["pid"]),
+                tid=int(t["tid"]),
+                lane=t["lane"],
+                spans=int(t["spans"]),
+                min_depth=int(t["min_depth"]),
+                levels=max(1, levels),
+                row=row,
+                clock_uncertainty_ns=int(t["clock_unc"]),
+                process=named.get("process_name", ""),
+                thread=named.get("thread_name", ""),
+                categories=t["categories"],
+            )
+            row += info.levels
+            out.append(info)
+        max_dur = max((int(t["max_dur"]) for t in found), default=0)
+        unended = sum(int(t["unended"]) for t in found)
+        return {"tracks": out, "rows": row, "max_dur": max_dur, "unended": unended}
+
+    return source.cached(("tracks", run_id), compute)
+
+
+def window(source: Source, run_id: str, t0: int, t1: int, width_px: int = 1600) -> Window:
+    """Spans overlapping ``[t0, t1)`` as bars and density cells (see the module docstring)."""
+    t0, t1 = int(t0), int(t1)
+    if t1 <= t0:
+        raise ValueError(f"empty window [{t0}, {t1})")
+    buckets = max(1, int(width_px) // BUCKET_PX)
+    bucket = max(1, -(-(t1 - t0) // buckets))
+    lo = t0 - tracks(source, run_id)["max_dur"] - 1  # lets the primary key prune by start_ns
+    base = {"run": run_id, "t0": t0, "t1": t1, "lo": lo}
+    where = (
+        "run_id = {run:String} AND start_ns < {t1:Int64} AND start_ns >= {lo:Int64}"
+        " AND end_ns >= {t0:Int64}"
+    )
+    bars = _ids(
+        source.rows(
+            f"""
+        SELECT toString(span_id) AS id, host, pid, tid, lane, category, name, depth,
+               start_ns, end_ns
+        FROM __db__.spans WHERE {where} AND end_ns - start_ns >= {{min:Int64}}
+        ORDER BY end_ns - start_ns DESC, start_ns LIMIT {{cap:UInt32}}
+        """,
+            {**base, "min": bucket, "cap": MAX_BARS + 1},
+        )
+    )
+    threshold, capped = bucket, False
+    if len(bars) > MAX_BARS:
+        # Keep the bars strictly longer than the first one left out; the rest become density.
+        cut = bars[MAX_BARS]["end_ns"] - bars[MAX_BARS]["start_ns"]
+        threshold, capped = cut + 1, True
+        bars = [b for b in bars[:MAX_BARS] if b["end_ns"] - b["start_ns"] >= threshold]
+    cells = source.rows(
+        f"""
+        SELECT host, pid, tid, lane, depth,
+               intDiv(greatest(start_ns, {{t0:Int64}}) - {{t0:Int64}}, {{bucket:Int64}}) AS bucket,
+               count() AS n,
+               sum(least(end_ns, {{t1:Int64}}) - greatest(start_ns, {{t0:Int64}})) AS busy_ns
+        FROM __db__.spans WHERE {where} AND end_ns - start_ns < {{thr:Int64}}
+        GROUP BY host, pid, tid, lane, depth, bucket
+        """,
+        {**base, "bucket": bucket, "thr": threshold},
+    )
+    return Window(
+        t0=t0,
+        t1=t1,
+        bucket_ns=bucket,
+        bars=bars,
+        cells=cells,
+        bar_threshold_ns=threshold,
+        density_spans=sum(int(c["n"]) for c in cells),
+        capped=capped,
+    )
+
+
+def flows(source: Source, run_id: str, t0: int, t1: int) -> dict[str, Any]:
+    """Links from a span to its children in another process (forwarded calls to server spans)
+    that overlap the window: ``{"links": [...], "total": N}`` (at most :data:`MAX_FLOWS` links)."""
+    params = {"run": run_id, "t0": int(t0), "t1": int(t1), "cap": MAX_FLOWS}
+    rows = source.rows(
+        """
+        SELECT c.host AS c_host, c.pid AS c_pid, c.tid AS c_tid, c.lane AS c_lane,
+               c.depth AS c_depth, c.start_ns AS c_start,
+               p.host AS p_host, p.pid AS p_pid, p.tid AS p_tid, p.lane AS p_lane,
+               p.depth AS p_depth, p.start_ns AS p_start, count() OVER () AS total
+        FROM __db__.spans AS c
+        INNER JOIN (
+            SELECT span_id, host, pid, tid, lane, depth, start_ns FROM __db__.spans
+            WHERE run_id = {run:String} AND category = 'forward'
+        ) AS p ON c.parent_span_id = p.span_id
+        WHERE c.run_id = {run:String} AND c.category = 'server'
+          AND c.start_ns < {t1:Int64} AND c.end_ns >= {t0:Int64} AND c.pid != p.pid
+        ORDER BY c.start_ns LIMIT {cap:UInt32}
+        """,
+        params,
+    )
+    total = int(rows[0]["total"]) if rows else 0
+    return {"links": rows, "total": total}
+
+
+def counter_series(source: Source, run_id: str) -> list[dict[str, Any]]:
+    """Counter metrics of a run: source, metric, samples (cached per run)."""
+    return source.cached(
+        ("counter_series", run_id),
+        lambda: source.rows(
+            """
+            SELECT source, metric, count() AS samples FROM __db__.counters
+            WHERE run_id = {run:String} GROUP BY source, metric ORDER BY source, metric
+            """,
+            {"run": run_id},
+        ),
+    )
+
+
+def counters(
+    source: Source, run_id: str, metrics: list[str], t0: int, t1: int, width_px: int = 1600
+) -> dict[str, list[dict[str, Any]]]:
+    """Samples of ``metrics`` (``source/metric``) in the window, averaged per bucket of two
+    pixels: ``{"source/metric": [{"series", "ts_ns", "value", "max"}...]}``, ordered by time."""
+    wanted = [m.split("/", 1) for m in metrics if "/" in m]
+    if not wanted:
+        return {}
+    bucket = max(1, -(-(int(t1) - int(t0)) // max(1, int(width_px) // 2)))
+    rows = source.rows(
+        """
+        SELECT source, metric,
+               concat(host, if(device = '', '', concat(' ', device)),
+                      if(labels['tenant'] != '', concat(' tenant ', labels['tenant']),
+                         if(labels['session'] != '', concat(' session ', labels['session']), '')))
+                 AS series,
+               intDiv(ts_ns - {t0:Int64}, {bucket:Int64}) AS b,
+               min(ts_ns) AS first_ns, avg(value) AS mean, max(value) AS max
+        FROM __db__.counters
+        WHERE run_id = {run:String} AND ts_ns >= {t0:Int64} AND ts_ns < {t1:Int64}
+          AND concat(source, '/', metric) IN {wanted:Array(String)}
+        GROUP BY source, metric, series, b ORDER BY source, metric, series, b
+        """,
+        {
+            "run": run_id,
+            "t0": int(t0),
+            "t1": int(t1),
+            "bucket": bucket,
+            "wanted": [f"{s}/{m}" for s, m in wanted],
+        },
+    )
+    out: dict[str, list[dict[str, Any]]] = {f"{s}/{m}": [] for s, m in wanted}
+    for r in rows:
+        out[f"{r['source']}/{r['metric']}"].append(
+            {"series": r["series"], "ts_ns": r["first_ns"], "value": r["mean"], "max": r["max"]}
+        )
+    return out
+
+
+def clock_sync(source: Source, run_id: str) -> list[dict[str, Any]]:
+    """Clock-offset measurements of a run (remote hosts): ``peer, ts_ns, offset_ns,
+    uncertainty_ns`` (cached per run)."""
+    return source.cached(("clock", run_id), lambda: source.call("clock_sync", run_id))
+
+
+_SPAN_COLUMNS = (
+    "toString(span_id) AS id, toString(parent_span_id) AS parent_id, host, pid, tid,"
+    " lane, category, name, depth, start_ns, end_ns, attrs"
+)
+
+
+def _ids(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Span ids travel as decimal strings (UInt64 does not fit a JavaScript number)."""
+    for r in rows:
+        r["span_id"] = r.pop("id")
+        if "parent_id" in r:
+            r["parent_span_id"] = r.pop("parent_id")
+    return rows
+
+
+def span(source: Source, run_id: str, span_id: str, start_ns: int | None = None) -> dict | None:
+    """One span with its parent (on any host) and children (first 100 and their count)."""
+    where = "run_id = {run:String} AND span_id = {id:UInt64}"
+    params: dict[str, Any] = {"run": run_id, "id": int(span_id)}
+    if start_ns is not None:
+        where += " AND start_ns = {start:Int64}"
+        params["start"] = int(start_ns)
+    found = _ids(
+        source.rows(f"SELECT {_SPAN_COLUMNS} FROM __db__.spans WHERE {where} LIMIT 1", params)
+    )
+    if not found:
+        return None
+    out = found[0]
+    out["attrs"] = dict(out["attrs"] or {})
+    parent = int(out["parent_span_id"])
+    out["parent"] = None
+    if parent:
+        rows = _ids(
+            source.rows(
+                f"SELECT {_SPAN_COLUMNS} FROM __db__.spans WHERE run_id = {{run:String}}"
+                " AND span_id = {id:UInt64} LIMIT 1",
+                {"run": run_id, "id": parent},
+            )
+        )
+        out["parent"] = rows[0] if rows else None
+    children = _ids(
+        source.rows(
+            f"""
+        SELECT {_SPAN_COLUMNS}, count() OVER () AS total FROM __db__.spans
+        WHERE run_id = {{run:String}} AND parent_span_id = {{id:UInt64}}
+        ORDER BY start_ns LIMIT 100
+        """,
+            {"run": run_id, "id": int(span_id)},
+        )
+    )
+    out["children"] = children
+    out["children_total"] = int(children[0]["total"]) if children else 0
+    return out
+
+
+def same_range_in_steps(source: Source, run_id: str, s: dict[str, Any]) -> list[dict[str, Any]]:
+    """The same range (name, lane, process) at the same position in every other step.
+
+    A span's position is its occurrence index within the step it starts in; each other step of
+    the same process (all steps if that process has none) gives its occurrence with that index,
+    or its last one. Empty if the span is not inside a step.
+    """
+    steps = source.rows(
+        """
+        SELECT name, pid, start_ns, end_ns FROM __db__.spans
+        WHERE run_id = {run:String} AND category = 'step' ORDER BY start_ns LIMIT 100000
+        """,
+        {"run": run_id},
+    )
+    own = [st for st in steps if st["pid"] == s["pid"]] or steps
+    mine = next((st for st in own if st["start_ns"] <= s["start_ns"] < st["end_ns"]), None)
+    if mine is None:
+        return []
+    same = _ids(
+        source.rows(
+            """
+        SELECT toString(span_id) AS id, start_ns, end_ns FROM __db__.spans
+        WHERE run_id = {run:String} AND name = {name:String} AND lane = {lane:String}
+          AND host = {host:String} AND pid = {pid:UInt32} AND depth = {depth:UInt16}
+          AND start_ns >= {lo:Int64} AND start_ns < {hi:Int64}
+        ORDER BY start_ns LIMIT 200000
+        """,
+            {
+                "run": run_id,
+                "name": s["name"],
+                "lane": s["lane"],
+                "host": s["host"],
+                "pid": s["pid"],
+                "depth": s["depth"],
+                "lo": own[0]["start_ns"],
+                "hi": own[-1]["end_ns"],
+            },
+        )
+    )
+    by_step: list[list[dict[str, Any]]] = [[] for _ in own]
+    i = 0
+    for r in same:
+        while i < len(own) and r["start_ns"] >= own[i]["end_ns"]:
+            i += 1
+        if i < len(own) and r["start_ns"] >= own[i]["start_ns"]:
+            by_step[i].append(r)
+    index = own.index(mine)
+    k = next((j for j, r in enumerate(by_step[index]) if r["span_id"] == s["span_id"]), 0)
+    out = []
+    for st, found in zip(own, by_step):
+        if not found:
+            continue
+        r = found[min(k, len(found) - 1)]
+        out.append({"step": st["name"], "current": st is mine, **r})
+    return out
