@@ -60,18 +60,20 @@ def register(app: Dash, source: Source) -> None:
     )
 
     @app.callback(
-        Output("runs-table", "data"),
+        Output("runs-table", "children"),
         Output("run", "options"),
         Output("compare-a", "options"),
         Output("compare-b", "options"),
         Output("runs-message", "children"),
         Input("runs-search", "value"),
+        Input("runs-status", "value"),
     )
-    def list_runs(search: str | None) -> tuple:
+    def list_runs(search: str | None, status: str | None) -> tuple:
         try:
             runs = source.call("runs", limit=500, search=search or None)
         except Exception as exc:
             return [], [], [], [], _fail(exc)
+        shown = [r for r in runs if not status or r.get("status") == status]
         opts = [{"label": f"{r['run_id']} · {r.get('command', '')[:60]}", "value": r["run_id"]}
                 for r in runs]  # fmt: skip
         note = (
@@ -79,19 +81,16 @@ def register(app: Dash, source: Source) -> None:
             if runs
             else panels.message("No runs yet: gpu-trace record -- python train.py", "note")
         )
-        return panels.run_rows(runs), opts, opts, opts, note
+        return panels.runs_table(shown), opts, opts, opts, note
 
     @app.callback(
         Output("run", "value"),
         Output("message", "children"),
         Output("tabs", "value"),
         Input("url", "search"),
-        Input("runs-table", "active_cell"),
         State("tabs", "value"),
     )
-    def pick_run(search: str | None, cell: dict | None, tab: str) -> tuple:
-        if ctx.triggered_id == "runs-table":
-            return (cell or {}).get("row_id") or no_update, "", "timeline"
+    def pick_run(search: str | None, tab: str) -> tuple:
         ref = (parse_qs((search or "").lstrip("?")).get("run") or ["last"])[0]
         want = (parse_qs((search or "").lstrip("?")).get("tab") or [tab])[0]
         want = want if want in {v for v, _ in TABS} else tab

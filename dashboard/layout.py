@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dash import dash_table, dcc, html
+from dash import dcc, html
 
 TABS = (
     ("runs", "Runs"),
@@ -49,17 +49,11 @@ def page(store_display: str) -> html.Div:
             dcc.Input(id="runs-search", type="search", placeholder="search id, command, host, status",
                       debounce=True, style={"width": "30em"}),
             html.Div(id="runs-message"),
-            dash_table.DataTable(
-                id="runs-table",
-                columns=[{"name": c, "id": c} for c in
-                         ("run", "started", "duration", "events", "status", "hosts", "command")],
-                data=[],
-                filter_action="native",
-                sort_action="native",
-                page_size=25,
-                style_cell={"textAlign": "left", "fontSize": 12, "maxWidth": 480,
-                            "overflow": "hidden", "textOverflow": "ellipsis"},
-            ),
+            dcc.Dropdown(id="runs-status", placeholder="any status", clearable=True,
+                         options=[{"label": v, "value": v} for v in
+                                  ("finished", "failed", "killed", "running", "unknown")],
+                         style={"width": "14em", "display": "inline-block"}),
+            html.Div(id="runs-table"),
         ],
     )  # fmt: skip
     timeline = _panel(
@@ -121,7 +115,7 @@ def page(store_display: str) -> html.Div:
                 ]
             ),
             html.Div(id="message"),
-            dcc.Tabs(id="tabs", value="timeline", children=[dcc.Tab(label=t, value=v)
+            dcc.Tabs(id="tabs", value="timeline", children=[dcc.Tab(label=t, value=v, id=f"tab-{v}")
                                                             for v, t in TABS]),
             runs,
             timeline,

@@ -7,6 +7,7 @@ so names from the store never become markup here.
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlencode
 
 from dash import dcc, html
 
@@ -35,24 +36,33 @@ def table(headers: list[str], rows: list[list[Any]], cls: str = "grid") -> html.
     )
 
 
-def run_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rows of the Runs table."""
-    out = []
+def runs_table(runs: list[dict[str, Any]]) -> html.Table:
+    """The Runs tab: one row per run; its id links to its timeline."""
+    head = ["run", "started", "duration", "events", "status", "hosts", "command"]
+    rows = []
     for r in runs:
         dur = r.get("duration_ns")
-        out.append(
-            {
-                "id": r["run_id"],
-                "run": r["run_id"],
-                "started": fmt.wall_time(r.get("started_wall_ns")),
-                "duration": fmt.duration(dur) if dur else "-",
-                "events": int(r.get("spans", 0)) + int(r.get("counters", 0)),
-                "status": r.get("status", ""),
-                "hosts": ", ".join(r.get("hosts") or []),
-                "command": r.get("command", ""),
-            }
+        rows.append(
+            html.Tr(
+                [
+                    html.Td(
+                        dcc.Link(
+                            r["run_id"],
+                            href=f"?{urlencode({'run': r['run_id'], 'tab': 'timeline'})}",
+                        )
+                    ),
+                    html.Td(fmt.wall_time(r.get("started_wall_ns"))),
+                    html.Td(fmt.duration(dur) if dur else "-"),
+                    html.Td(fmt.count(int(r.get("spans", 0)) + int(r.get("counters", 0)))),
+                    html.Td(r.get("status", "")),
+                    html.Td(", ".join(r.get("hosts") or [])),
+                    html.Td(r.get("command", "")),
+                ]
+            )
         )
-    return out
+    return html.Table(
+        [html.Thead(html.Tr([html.Th(h) for h in head])), html.Tbody(rows)], className="grid"
+    )
 
 
 def _goto(label: str, span_id: str, start: int, end: int, current: bool = False) -> html.Button:

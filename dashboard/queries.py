@@ -335,17 +335,21 @@ def same_range_in_steps(source: Source, run_id: str, s: dict[str, Any]) -> list[
     the same process (all steps if that process has none) gives its occurrence with that index,
     or its last one. Empty if the span is not inside a step.
     """
-    steps = source.rows(
-        """
-        SELECT name, pid, start_ns, end_ns FROM __db__.spans
-        WHERE run_id = {run:String} AND category = 'step' ORDER BY start_ns LIMIT 100000
-        """,
-        {"run": run_id},
+    steps = _ids(
+        source.rows(
+            """
+            SELECT toString(span_id) AS id, name, pid, start_ns, end_ns FROM __db__.spans
+            WHERE run_id = {run:String} AND category = 'step' ORDER BY start_ns LIMIT 100000
+            """,
+            {"run": run_id},
+        )
     )
     own = [st for st in steps if st["pid"] == s["pid"]] or steps
     mine = next((st for st in own if st["start_ns"] <= s["start_ns"] < st["end_ns"]), None)
     if mine is None:
         return []
+    if s["category"] == "step":  # a step's counterparts are the other steps
+        return [{**st, "step": st["name"], "current": st is mine} for st in own]
     same = _ids(
         source.rows(
             """

@@ -163,3 +163,13 @@ def test_unreachable_store_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(StoreError) as exc:
         src.rows("SELECT 1")
     assert "127.0.0.1:9" in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_a_steps_counterparts_are_the_other_steps(source: Source) -> None:
+    w = queries.window(source, "fwd", 0, 3_000_000, 2000)
+    step = next(b for b in w.bars if b["name"] == "ProfilerStep#1")
+    s = queries.span(source, "fwd", step["span_id"], step["start_ns"])
+    found = queries.same_range_in_steps(source, "fwd", s)
+    assert [(f["step"], f["current"]) for f in found] == [
+        ("ProfilerStep#0", False), ("ProfilerStep#1", True), ("ProfilerStep#2", False)
+    ]  # fmt: skip

@@ -1,0 +1,187 @@
+"""The dashboard in real headless Chromium: load a sample run, zoom, click a span, read its
+details, switch tabs, export; names render as text; bad input gives a message in the page.
+
+Screenshots go to test-artifacts/browser/.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("dash")
+
+from gpu_trace.dashboard import samples  # noqa: E402
+from gpu_trace.dashboard.app import Server  # noqa: E402
+from gpu_trace.dashboard.source import Source  # noqa: E402
+from gpu_trace.tracer.store import Store  # noqa: E402
+from tests.browser.conftest import ARTIFACTS  # noqa: E402
+from tests.dashboard_data import XSS, forwarded_run  # noqa: E402
+
+TIMEOUT = 60_000
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    store = Store(f"chdb://{tmp_path_factory.mktemp('ui') / 'store'}")
+    samples.load_samples(store)
+    forwarded_run(store, "xss")
+    source = Source(store=store)
+    server = Server(source, "127.0.0.1", 0).start()
+    yield server
+    server.close()
+    source.close()
+
+
+@pytest.fixture
+def page(browser, app: Server) -> Iterator[object]:
+    context = browser.new_context(viewport={"width": 1500, "height": 1000}, accept_downloads=True)
+    pg = context.new_page()
+    pg.dialogs = []
+    pg.on("dialog", lambda d: (pg.dialogs.append(d.message), d.dismiss()))
+    pg.set_default_timeout(TIMEOUT)
+    yield pg
+    context.close()
+
+
+def bars(pg) -> object:
+    return pg.locator("#timeline g.barlayer g.point path")
+
+
+def open_run(pg, app: Server, run: str) -> None:
+    pg.goto(f"{app.url}/?run={run}")
+    bars(pg).first.wait_for(state="attached")
+    pg.wait_for_function("document.querySelector('#lod').innerText.length > 0")
+
+
+def click_bar(pg, index: int | None = None) -> None:
+    """Click a bar (the widest one by default) with the mouse, as a user would."""
+    boxes = [b for b in (bars(pg).nth(i).bounding_box() for i in range(bars(pg).count())) if b]
+    box = boxes[index] if index is not None else max(boxes, key=lambda b: b["width"])
+    pg.mouse.click(box["x"] + min(box["width"] / 2, 20), box["y"] + box["height"] / 2)
+    pg.locator("#details-name").wait_for()
+
+
+def test_timeline_zoom_click_details_and_tabs(page, app: Server) -> None:
+    open_run(page, app, "forwarded-two-tenants")
+    page.screenshot(path=str(ARTIFACTS / "timeline.png"), full_page=True)
+    lod_before = page.inner_text("#lod")
+    assert "as bars" in lod_before and "density" in lod_before
+    assert "forwarded-call links" in lod_before
+    assert "SYNTHETIC" in page.inner_text("#timeline-message")
+    assert "clock ±" in page.inner_text("#timeline")
+
+    # Zoom: a relayout of the x axis (what a drag-zoom sends) re-queries the window.
+    before = page.inner_text("#window-text")
+    page.evaluate(
+        """() => { const gd = document.querySelector('#timeline .js-plotly-plot');
+                   const [a, b] = gd.layout.xaxis.range;
+                   Plotly.relayout(gd, {'xaxis.range[0]': a + (b - a) * 0.70,
+                                        'xaxis.range[1]': a + (b - a) * 0.78}); }"""
+    )
+    page.wait_for_function(
+        "t => document.querySelector('#window-text').innerText !== t", arg=before
+    )
+    bars(page).first.wait_for(state="attached")
+    page.wait_for_timeout(300)
+    page.screenshot(path=str(ARTIFACTS / "timeline-zoomed.png"), full_page=True)
+    assert page.inner_text("#lod") != lod_before
+
+    click_bar(page)
+    details = page.inner_text("#details")
+    assert "duration" in details and "parent" in details and "children" in details
+    assert "same range in other steps" in details
+    page.locator("#details").screenshot(path=str(ARTIFACTS / "details.png"))
+
+    for tab, probe in (
+        ("Summary", "#summary-forwarding"),
+        ("Tenants", "#tenants-body table"),
+        ("Runs", "#runs-table td a"),
+        ("Export", "#export-button"),
+    ):
+        page.click(f"#tab-{tab.lower()}")
+        page.locator(probe).first.wait_for()
+        page.wait_for_timeout(300)
+        page.screenshot(path=str(ARTIFACTS / f"{tab.lower()}.png"), full_page=True)
+    page.click("#tab-tenants")
+    page.locator("#tenants-body table").wait_for()
+    assert "session 3" in page.inner_text("#tenants-body")
+    assert "issue 6" in page.inner_text("#tenants-body")
+
+
+def test_goto_links_move_the_window_to_another_step(page, app: Server) -> None:
+    open_run(page, app, "xss")
+    click_bar(page)  # the widest bar: a step
+    assert page.inner_text("#details-name") == "ProfilerStep#0"
+    before = page.inner_text("#window-text")
+    page.locator("#details button.goto", has_text="ProfilerStep#2").click()
+    page.wait_for_function(
+        "t => document.querySelector('#window-text').innerText !== t", arg=before
+    )
+    page.wait_for_function(
+        "() => document.querySelector('#details-name').innerText === 'ProfilerStep#2'"
+    )
+    assert page.inner_text("#window-text").startswith("+1.55 ms to +3.35 ms")  # padded by half
+
+
+def test_script_names_render_as_text(page, app: Server) -> None:
+    open_run(page, app, "xss")
+    assert "<b>lane</b>" in page.inner_text("#timeline")  # the lane label, as text
+    assert page.locator("#timeline b").count() == 0
+    boxes = [bars(page).nth(i).bounding_box() for i in range(bars(page).count())]
+    rightmost = max(range(len(boxes)), key=lambda i: boxes[i]["x"] + boxes[i]["width"])
+    click_bar(page, rightmost)
+    assert page.inner_text("#details-name") == XSS
+    assert XSS in page.inner_text("#details")  # the attribute value too
+    assert page.locator("#details script").count() == 0
+    page.wait_for_timeout(500)
+    assert page.dialogs == []
+    page.screenshot(path=str(ARTIFACTS / "xss.png"), full_page=True)
+
+
+def test_export_downloads_the_visible_window(page, app: Server, tmp_path: Path) -> None:
+    open_run(page, app, "xss")
+    page.click("#tab-export")
+    with page.expect_download() as info:
+        page.click("#export-button")
+    path = tmp_path / "w.json"
+    info.value.save_as(path)
+    events = json.loads(path.read_text())["traceEvents"]
+    assert XSS in {e.get("name") for e in events}
+
+
+def test_compare_two_runs(page, app: Server) -> None:
+    page.goto(f"{app.url}/?run=local-training&tab=compare")
+    page.locator("#runs-table a").first.wait_for(state="attached")  # the run list is in
+    for box, text in (("#compare-a", "local-training"), ("#compare-b", "forwarded-two")):
+        page.click(box)
+        page.keyboard.type(text)
+        page.keyboard.press("Enter")
+    page.locator("#compare-body table").first.wait_for()
+    assert "B - A" in page.inner_text("#compare-body")
+    page.screenshot(path=str(ARTIFACTS / "compare.png"), full_page=True)
+
+
+def test_unknown_run_is_a_message_not_a_traceback(page, app: Server) -> None:
+    page.goto(f"{app.url}/?run=no-such-run")
+    page.locator("#message .message").wait_for()
+    text = page.inner_text("#message")
+    assert "no run 'no-such-run'" in text and "Traceback" not in page.content()
+
+
+def test_unreachable_store_is_a_message(browser) -> None:
+    source = Source("http://127.0.0.1:9", lock_timeout_s=0)
+    server = Server(source, "127.0.0.1", 0).start()
+    try:
+        pg = browser.new_page()
+        pg.goto(server.url + "/")
+        pg.locator("#message .message").wait_for(timeout=TIMEOUT)
+        assert "127.0.0.1:9" in pg.inner_text("#message")
+        assert "Traceback" not in pg.content()
+        pg.screenshot(path=str(ARTIFACTS / "unreachable.png"))
+        pg.close()
+    finally:
+        server.close()
