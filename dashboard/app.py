@@ -45,6 +45,7 @@ def create_app(source: Source) -> Any:
     )
     app.layout = layout.page(source.display())
     callbacks.register(app, source)
+    _warm_plotly()
 
     @app.server.after_request
     def _headers(response: Any) -> Any:
@@ -57,14 +58,47 @@ def create_app(source: Source) -> Any:
     return app
 
 
+def _warm_plotly() -> None:
+    """Build one small timeline: plotly loads its validators on a process's first figure
+    (a few hundred ms), better at start than on the first page."""
+    from gpu_trace.dashboard import figures
+    from gpu_trace.dashboard.queries import Window
+
+    run = {"run_id": "", "started_ns": 0}
+    figures.timeline(run, {"tracks": [], "rows": 1}, Window(0, 1000, 10), None, {}, [], 100)
+
+
+def warm(source: Source, run: str | None = None) -> None:
+    """Read a run's overview and tracks ahead of its first page (the newest run by default).
+
+    Runs on a background thread of ``gpu-trace ui``; a failure here is the page's to report.
+    """
+    from gpu_trace.dashboard import queries
+
+    try:
+        run_id = source.call("resolve_run", run or "last")
+        queries.tracks(source, run_id)
+    except Exception as exc:  # the page shows store errors; nothing to do here
+        log.debug("gpu-trace: warming the dashboard failed: %s", exc)
+
+
 class Server:
     """The app behind a threaded WSGI server; ``port=0`` picks a free port (tests)."""
 
     def __init__(self, source: Source, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> None:
-        from werkzeug.serving import make_server
+        from werkzeug.serving import WSGIRequestHandler, make_server
+
+        class QuietHandler(WSGIRequestHandler):
+            def log_request(self, *args: Any, **kwargs: Any) -> None:  # no line per request
+                pass
 
         self.app = create_app(source)
-        self._server = make_server(host, port, self.app.server, threaded=True)
+        try:
+            self._server = make_server(
+                host, port, self.app.server, threaded=True, request_handler=QuietHandler
+            )
+        except SystemExit:  # werkzeug exits when the address is taken
+            raise OSError(f"{host}:{port} is in use or can't be bound") from None
         self.host = host
         self.port = int(self._server.server_port)
         self._thread: threading.Thread | None = None

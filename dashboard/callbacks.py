@@ -137,7 +137,7 @@ def register(app: Dash, source: Source) -> None:
             if not run_id:
                 return None, None
             try:
-                run = source.call("run", run_id)
+                run = queries.run(source, run_id)
             except Exception:
                 return None, None
             end = int(run["ended_ns"]) or int(run["started_ns"]) + 1
@@ -192,7 +192,7 @@ def register(app: Dash, source: Source) -> None:
         width = max(400, int(viewport or 1600) - 330)
         try:
             run_id, t0, t1 = win["run"], int(win["t0"]), int(win["t1"])
-            run = source.call("run", run_id)
+            run = queries.run(source, run_id)
             tr = queries.tracks(source, run_id)
             w = queries.window(source, run_id, t0, t1, width)
             fl = queries.flows(source, run_id, t0, t1)

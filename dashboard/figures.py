@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
+import pyarrow as pa
+import pyarrow.compute as pc
 from plotly.subplots import make_subplots
 
 from gpu_trace import _format as fmt
@@ -148,26 +150,49 @@ def timeline(
 
 
 def _density(fig: go.Figure, win: Window, by_key: dict, base: int, n_rows: int) -> None:
-    if not win.cells:
+    cells = win.cells
+    if not cells.num_rows:
         return
     nb = max(1, -(-(win.t1 - win.t0) // win.bucket_ns))
-    busy = np.full((n_rows, nb), np.nan, dtype=np.float32)
-    count = np.zeros((n_rows, nb), dtype=np.int32)
-    for c in win.cells:
-        t = by_key.get((c["host"], int(c["pid"]), int(c["tid"]), c["lane"]))
-        b = int(c["bucket"])
-        if t is None or not 0 <= b < nb:
-            continue
-        r = t.row + t.level(int(c["depth"]))
-        count[r, b] += int(c["n"])
-        prev = 0.0 if np.isnan(busy[r, b]) else float(busy[r, b])
-        busy[r, b] = min(1.0, prev + int(c["busy_ns"]) / win.bucket_ns)
+    # One code per track (host|pid|tid|lane), then row = the track's first row + the span's level.
+    keys = (
+        pc.binary_join_element_wise(
+            cells["host"].cast(pa.string()),
+            pc.cast(cells["pid"], pa.string()),
+            pc.cast(cells["tid"], pa.string()),
+            cells["lane"].cast(pa.string()),
+            "|",
+        )
+        .combine_chunks()
+        .dictionary_encode()
+    )
+    first = np.full(len(keys.dictionary) + 1, -1, dtype=np.int64)
+    lowest = np.zeros_like(first)
+    levels = np.ones_like(first)
+    for i, key in enumerate(keys.dictionary.to_pylist()):
+        host, pid, tid, lane = key.split("|", 3)
+        t = by_key.get((host, int(pid), int(tid), lane))
+        if t is not None:
+            first[i], lowest[i], levels[i] = t.row, t.min_depth, t.levels
+    code = keys.indices.to_numpy()
+    depth = cells["depth"].to_numpy().astype(np.int64)
+    row = first[code] + np.clip(depth - lowest[code], 0, levels[code] - 1)
+    bucket = cells["bucket"].to_numpy().astype(np.int64)
+    ok = (first[code] >= 0) & (bucket >= 0) & (bucket < nb)
+    row, bucket = row[ok], bucket[ok]
+    count = np.zeros((n_rows, nb), dtype=np.int64)
+    busy_ns = np.zeros((n_rows, nb), dtype=np.float64)
+    np.add.at(count, (row, bucket), cells["n"].to_numpy()[ok])
+    np.add.at(busy_ns, (row, bucket), cells["busy_ns"].to_numpy()[ok])
+    busy = np.where(count > 0, np.minimum(1.0, busy_ns / win.bucket_ns), np.nan).astype(np.float32)
     used = np.flatnonzero(count.sum(axis=1))
+    if not len(used):
+        return
     lo, hi = int(used.min()), int(used.max()) + 1
     fig.add_trace(
         go.Heatmap(
             z=busy[lo:hi],
-            customdata=count[lo:hi],
+            customdata=count[lo:hi].astype(np.int32),
             x0=win.t0 - base + win.bucket_ns / 2,
             dx=win.bucket_ns,
             y0=lo,

@@ -17,6 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from gpu_trace.dashboard import overview
 from gpu_trace.dashboard.source import Source
 
 #: Bars drawn at most per window; narrower spans past this go into density cells.
@@ -46,7 +50,6 @@ class TrackInfo:
     clock_uncertainty_ns: int = 0  # remote tracks: the largest uncertainty applied
     process: str = ""
     thread: str = ""
-    categories: str = ""
 
     @property
     def key(self) -> Track:
@@ -68,7 +71,8 @@ class Window:
     t1: int
     bucket_ns: int
     bars: list[dict[str, Any]] = field(default_factory=list)
-    cells: list[dict[str, Any]] = field(default_factory=list)  # track, depth, bucket, n, busy_ns
+    #: Density cells: host, pid, tid, lane, depth, bucket, n, busy_ns (Arrow: up to rows x buckets).
+    cells: pa.Table = field(default_factory=lambda: pa.table({}))
     bar_threshold_ns: int = 0  # spans at least this long are bars
     density_spans: int = 0
     capped: bool = False  # MAX_BARS was reached and the threshold raised
@@ -78,12 +82,9 @@ class Window:
         return len(self.bars) + self.density_spans
 
 
-_TRACKS = """
-SELECT host, pid, tid, lane, count() AS spans, min(depth) AS min_depth, max(depth) AS max_depth,
-       max(end_ns - start_ns) AS max_dur, countIf(end_ns < start_ns) AS unended,
-       max(toInt64OrZero(attrs['clock_uncertainty_ns'])) AS clock_unc,
-       arrayStringConcat(arraySort(groupUniqArray(8)(toString(category))), ',') AS categories
-FROM __db__.spans WHERE run_id = {run:String}
+_CLOCK_UNCERTAINTY = """
+SELECT host, pid, tid, lane, max(toInt64OrZero(attrs['clock_uncertainty_ns'])) AS clock_unc
+FROM __db__.spans WHERE run_id = {run:String} AND category = 'server'
 GROUP BY host, pid, tid, lane
 """
 
@@ -97,6 +98,16 @@ def _lane_rank(track: dict[str, Any]) -> tuple:
     return (server, track["host"], track["pid"], track["tid"], kind, lane)
 
 
+def run(source: Source, run_id: str) -> dict[str, Any]:
+    """The run's row with its counts (cached: an ingested run does not change)."""
+    return source.cached(("run", run_id), lambda: source.call("run", run_id))
+
+
+def _overview(source: Source, run_id: str) -> overview.Overview:
+    r = run(source, run_id)
+    return overview.overview(source, run_id, int(r["started_ns"]), int(r["ended_ns"] or 0))
+
+
 def tracks(source: Source, run_id: str) -> dict[str, Any]:
     """Tracks of a run, grouped host > process > thread > lane (remote server tracks last).
 
@@ -106,7 +117,11 @@ def tracks(source: Source, run_id: str) -> dict[str, Any]:
     """
 
     def compute() -> dict[str, Any]:
-        found = source.rows(_TRACKS, {"run": run_id})
+        found = overview.track_totals(_overview(source, run_id))
+        clock = {
+            (c["host"], int(c["pid"]), int(c["tid"]), c["lane"]): int(c["clock_unc"])
+            for c in source.rows(_CLOCK_UNCERTAINTY, {"run": run_id})
+        }
         names = {(t["host"], t["pid"], t["tid"]): t for t in source.call("threads", run_id)}
         out: list[TrackInfo] = []
         row = 0
@@ -122,10 +137,11 @@ def tracks(source: Source, run_id: str) -> dict[str, Any]:
                 min_depth=int(t["min_depth"]),
                 levels=max(1, levels),
                 row=row,
-                clock_uncertainty_ns=int(t["clock_unc"]),
+                clock_uncertainty_ns=clock.get(
+                    (t["host"], int(t["pid"]), int(t["tid"]), t["lane"]), 0
+                ),
                 process=named.get("process_name", ""),
                 thread=named.get("thread_name", ""),
-                categories=t["categories"],
             )
             row += info.levels
             out.append(info)
@@ -143,6 +159,20 @@ def window(source: Source, run_id: str, t0: int, t1: int, width_px: int = 1600) 
         raise ValueError(f"empty window [{t0}, {t1})")
     buckets = max(1, int(width_px) // BUCKET_PX)
     bucket = max(1, -(-(t1 - t0) // buckets))
+    ov = _overview(source, run_id)
+    if bucket >= ov.cell_ns:  # zoomed out: answered from the overview in memory
+        found = ov.window(t0, t1, bucket, MAX_BARS)
+        cells = found["cells"]
+        return Window(
+            t0=t0,
+            t1=t1,
+            bucket_ns=bucket,
+            bars=found["bars"],
+            cells=cells,
+            bar_threshold_ns=found["threshold"],
+            density_spans=int(pc.sum(cells["n"]).as_py() or 0) if cells.num_rows else 0,
+            capped=found["capped"],
+        )
     lo = t0 - tracks(source, run_id)["max_dur"] - 1  # lets the primary key prune by start_ns
     base = {"run": run_id, "t0": t0, "t1": t1, "lo": lo}
     where = (
@@ -166,7 +196,7 @@ def window(source: Source, run_id: str, t0: int, t1: int, width_px: int = 1600) 
         cut = bars[MAX_BARS]["end_ns"] - bars[MAX_BARS]["start_ns"]
         threshold, capped = cut + 1, True
         bars = [b for b in bars[:MAX_BARS] if b["end_ns"] - b["start_ns"] >= threshold]
-    cells = source.rows(
+    cells = source.arrow(
         f"""
         SELECT host, pid, tid, lane, depth,
                intDiv(greatest(start_ns, {{t0:Int64}}) - {{t0:Int64}}, {{bucket:Int64}}) AS bucket,
@@ -184,7 +214,7 @@ def window(source: Source, run_id: str, t0: int, t1: int, width_px: int = 1600) 
         bars=bars,
         cells=cells,
         bar_threshold_ns=threshold,
-        density_spans=sum(int(c["n"]) for c in cells),
+        density_spans=int(pc.sum(cells["n"]).as_py() or 0) if cells.num_rows else 0,
         capped=capped,
     )
 

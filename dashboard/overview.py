@@ -1,0 +1,157 @@
+"""The run overview: every span of a run counted once into a fixed grid, kept in memory.
+
+A whole-run scan of a 10-million-span run takes about a second on a small machine, and a grouped
+one more, so zooming out must not scan again. On first use a run is read once:
+
+- spans shorter than the grid's cell (the run's duration / :data:`CELLS`) are counted and their
+  time summed per track, depth and cell;
+- longer spans (at most a few per cell per track and depth) are kept as they are.
+
+A window at least one cell per bucket wide is then answered from memory: long spans become bars or
+density, short cells are re-binned into the window's buckets (a cell lies in the bucket its start
+falls in, so positions are good to one bucket). Every span is in exactly one cell or the long
+list, so nothing is dropped. Narrower windows go to the store, which then reads a small part of
+the run (:func:`gpu_trace.dashboard.queries.window`).
+
+The same scan gives the tracks (spans, depths, longest span per track).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from gpu_trace.dashboard.source import Source
+
+#: Cells across a run in the overview grid.
+CELLS = 4096
+
+_GRID = """
+SELECT host, pid, tid, lane, depth, intDiv(start_ns - {o:Int64}, {cell:Int64}) AS cell,
+       countIf(end_ns >= start_ns AND end_ns - start_ns < {cell:Int64}) AS n,
+       sumIf(end_ns - start_ns, end_ns >= start_ns AND end_ns - start_ns < {cell:Int64}) AS busy_ns,
+       count() AS spans, countIf(end_ns < start_ns) AS unended,
+       max(end_ns - start_ns) AS max_dur
+FROM __db__.spans WHERE run_id = {run:String}
+GROUP BY host, pid, tid, lane, depth, cell
+"""
+
+_LONG = """
+SELECT toString(span_id) AS id, host, pid, tid, lane, category, name, depth, start_ns, end_ns
+FROM __db__.spans
+WHERE run_id = {run:String} AND end_ns - start_ns >= {cell:Int64}
+"""
+
+
+@dataclass
+class Overview:
+    """One run's grid (short spans) and long spans."""
+
+    origin: int
+    cell_ns: int
+    grid: pa.Table  # host, pid, tid, lane, depth, cell, n, busy_ns, spans, unended, max_dur
+    long: pa.Table  # id, host, pid, tid, lane, category, name, depth, start_ns, end_ns
+
+    def window(self, t0: int, t1: int, bucket: int, max_bars: int) -> dict[str, Any]:
+        """Bars, density cells (Arrow) and the bar threshold for ``[t0, t1)`` in ``bucket`` ns
+        buckets; ``bucket`` must be at least ``cell_ns``."""
+        nb = max(1, -(-(t1 - t0) // bucket))
+        start = self.long["start_ns"].to_numpy()
+        end = self.long["end_ns"].to_numpy()
+        inside = np.flatnonzero((start < t1) & (end >= t0))
+        dur = end[inside] - start[inside]
+        threshold, capped = bucket, False
+        wide = inside[dur >= bucket]
+        if len(wide) > max_bars:
+            order = np.argsort(-(end[wide] - start[wide]), kind="stable")
+            cut = int(end[wide[order[max_bars]]] - start[wide[order[max_bars]]])
+            threshold, capped = cut + 1, True
+            wide = inside[dur >= threshold]
+        bars = self.long.take(pa.array(wide, pa.int64())).to_pylist()
+        for b in bars:
+            b["span_id"] = b.pop("id")
+        narrow = inside[dur < threshold]
+        s0 = np.maximum(start[narrow], t0)
+        long_cells = pa.table(
+            {
+                **{k: self.long[k].take(pa.array(narrow, pa.int64())) for k in _KEYS},
+                "bucket": pa.array((s0 - t0) // bucket),
+                "n": pa.array(np.ones(len(narrow), dtype=np.int64)),
+                "busy_ns": pa.array(np.minimum(end[narrow], t1) - s0),
+            }
+        )
+        g = self.grid
+        cell = g["cell"].to_numpy()
+        cstart = self.origin + cell * self.cell_ns
+        keep = np.flatnonzero(
+            (cstart + self.cell_ns > t0) & (cstart < t1) & (g["n"].to_numpy() > 0)
+        )
+        cs = np.maximum(cstart[keep], t0)
+        short_cells = pa.table(
+            {
+                **{k: g[k].take(pa.array(keep, pa.int64())) for k in _KEYS},
+                "bucket": pa.array(np.minimum((cs - t0) // bucket, nb - 1)),
+                "n": g["n"].take(pa.array(keep, pa.int64())),
+                "busy_ns": g["busy_ns"].take(pa.array(keep, pa.int64())),
+            }
+        )
+        cells = pa.concat_tables([long_cells, short_cells.cast(long_cells.schema)])
+        return {"bars": bars, "cells": cells, "threshold": threshold, "capped": capped}
+
+
+_KEYS = ("host", "pid", "tid", "lane", "depth")
+
+
+def overview(source: Source, run_id: str, started_ns: int, ended_ns: int) -> Overview:
+    """The run's overview, read once per run (cached in ``source``)."""
+
+    def compute() -> Overview:
+        cell = max(1, -(-(max(ended_ns, started_ns + 1) - started_ns) // CELLS))
+        params = {"run": run_id, "o": int(started_ns), "cell": int(cell)}
+        grid = source.arrow(_GRID, params)
+        grid = grid.cast(_plain(grid.schema))
+        long = source.arrow(_LONG, params)
+        long = long.cast(_plain(long.schema))
+        return Overview(origin=int(started_ns), cell_ns=int(cell), grid=grid, long=long)
+
+    return source.cached(("overview", run_id), compute)
+
+
+def track_totals(ov: Overview) -> list[dict[str, Any]]:
+    """Per track: spans, min and max depth, longest span, spans without an end."""
+    g = ov.grid
+    if not g.num_rows:
+        return []
+    out = g.group_by(["host", "pid", "tid", "lane"]).aggregate(
+        [
+            ("spans", "sum"),
+            ("depth", "min"),
+            ("depth", "max"),
+            ("max_dur", "max"),
+            ("unended", "sum"),
+        ]
+    )
+    names = {
+        "spans_sum": "spans",
+        "depth_min": "min_depth",
+        "depth_max": "max_depth",
+        "max_dur_max": "max_dur",
+        "unended_sum": "unended",
+    }
+    return [{names.get(k, k): v for k, v in row.items()} for row in out.to_pylist()]
+
+
+def _plain(schema: pa.Schema) -> pa.Schema:
+    """Dictionary strings as plain strings, so tables of one kind concatenate."""
+    return pa.schema(
+        [
+            pa.field(f.name, pa.string() if pa.types.is_dictionary(f.type) else f.type)
+            for f in schema
+        ]
+    )
+
+
+__all__ = ["CELLS", "Overview", "overview", "track_totals"]
