@@ -7,7 +7,8 @@ with 0.5 ms held back on every received frame on each side, so 1 ms more round t
 torch.distributed.rpc worker (TensorPipe), then measures:
 
 1. peer: ``rpc_sync`` round trip of a small ``torch.add`` and ``rpc_async`` calls/s (all issued,
-   then waited);
+   then waited); and the floor of any Python round trip here: a bare TCP ping-pong of 100 bytes
+   between two processes (blocking ``recv``, ``TCP_NODELAY``);
 2. forwarded small ops/s, asynchronous (``x = x + 1`` on a 16-element tensor, then one sync);
 3. a synchronous op's round trip: the same op with ``sync=True``, and ``.item()`` of a sum;
 4. with 1 ms added round trip: a small MLP training step, asynchronous vs ``sync=True``;
@@ -120,6 +121,36 @@ def _rpc_client(port: int, n: int) -> None:
     finally:
         rpc.shutdown()
     print(json.dumps(result), flush=True)
+
+
+def _echo(port: int) -> None:
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while data := s.recv(65536):
+            s.sendall(data)
+
+
+def bench_ping() -> dict[str, float]:
+    """A bare Python TCP round trip between two processes: the floor for any of ours."""
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        port = srv.getsockname()[1]
+        echo = subprocess.Popen([sys.executable, __file__, "--echo", str(port)])
+        conn, _ = srv.accept()
+    with conn:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        msg = b"x" * 100
+
+        def rtt() -> float:
+            t = time.perf_counter()
+            for _ in range(1000):
+                conn.sendall(msg)
+                conn.recv(65536)
+            return (time.perf_counter() - t) / 1000
+
+        rtt()
+        us = best(rtt) * 1e6
+    echo.wait(timeout=10)
+    return {"bare_ping_us": us}
 
 
 # ---- ours ----------------------------------------------------------------------------------------
@@ -235,7 +266,11 @@ def main() -> None:
     parser.add_argument("--delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--rpc-worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--rpc-client", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--echo", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.echo:
+        _echo(args.echo)
+        return
     if args.rpc_client:
         _rpc_client(args.rpc_client, args.ops)
         return
@@ -249,6 +284,7 @@ def main() -> None:
     n = 2000 if args.quick else args.ops
     results: dict[str, float] = {}
     results.update(bench_rpc(n))
+    results.update(bench_ping())
     plain, address = _spawn_server(0.0)
     delayed, delayed_address = _spawn_server(0.5)
     try:
@@ -264,6 +300,7 @@ def main() -> None:
     rows = [
         ("peer rpc_sync round trip", f"{r['rpc_sync_rtt_us']:.0f} µs", ""),
         ("peer rpc_async calls/s", f"{r['rpc_async_calls_s']:,.0f}", ""),
+        ("bare Python TCP ping (floor)", f"{r['bare_ping_us']:.0f} µs", ""),
         (
             "forwarded small ops/s (async)",
             f"{r['ops_s']:,.0f}",

@@ -133,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
         "to GPU_TRACE_HOME/remote-token)",
     )
     p.add_argument("--max-sessions", type=int, default=64, help="most clients at once (default 64)")
+    p.add_argument(
+        "--store",
+        metavar="DSN",
+        help="write the server's spans of every traced session into this ClickHouse server "
+        "(http(s)://...) under the client's run, instead of sending them back to the client",
+    )
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("ingest", help="load a run directory's spool into the store (idempotent)")
@@ -274,11 +280,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
             import torch
 
             device = "cuda:0" if torch.cuda.is_available() else "cpu"
-        server = Server(args.listen, device=device, token=token, max_sessions=args.max_sessions)
+        sink = None
+        if args.store:
+            from gpu_trace.runtime.sink import StoreSink
+
+            sink = StoreSink(args.store, config.home() / "serve-spool")
+        server = Server(
+            args.listen, device=device, token=token, max_sessions=args.max_sessions, sink=sink
+        )
         server.start()
     except (ValueError, OSError) as exc:
         raise CLIError(f"cannot serve: {exc}", 2) from None
     where = f"token in {token_path}" if token_path else "token from --token/GPU_TRACE_REMOTE_TOKEN"
+    if sink is not None:
+        where += f"; spans to {sink.display}"
     _err(f"serving {server.device} on {server.address} ({where}); Ctrl-C stops")
     signal.signal(signal.SIGTERM, lambda *_: server._closing.set())
     try:

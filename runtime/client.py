@@ -6,9 +6,10 @@ is in flight the next one fills, so batches grow exactly as large as the network
 make them. At most ``max_in_flight`` batches are outstanding; past that, issuing waits (like
 CUDA's launch queue). In ``sync`` mode every op is sent alone and waited for.
 
-Three threads besides the program's: the receiver (DONE, DATA, PONG, TRACE), the heartbeat
-(pings every ``heartbeat_s``, which are also clock-sync exchanges, and a backstop flush), and the
-autograd engine's device thread, which issues backward ops like any other.
+Three threads besides the program's: the receiver (DONEs of batches nobody waits for; see
+:mod:`gpu_trace.runtime.receiver`, which also holds how messages are read and handled), the
+heartbeat (pings every ``heartbeat_s``, which are also clock-sync exchanges, and a backstop
+flush), and the autograd engine's device thread, which issues backward ops like any other.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import contextlib
 import itertools
 import logging
 import os
-import select
 import socket
 import threading
 import time
@@ -26,15 +26,15 @@ from typing import Any
 
 from gpu_trace import config
 from gpu_trace.runtime import auth
-from gpu_trace.runtime.errors import ProtocolMismatch, RemoteOpError, ServerGone, user_frames
+from gpu_trace.runtime.batch import Batch, OpRecord
+from gpu_trace.runtime.errors import ProtocolMismatch, RemoteOpError, ServerGone
+from gpu_trace.runtime.receiver import Receiver
 from gpu_trace.runtime.server import parse_address
 from gpu_trace.runtime.tracing import ClientTrace
-from gpu_trace.runtime.values import DTYPES, tensor_from_bytes
 from gpu_trace.runtime.wire import (
     INLINE_BYTES,
     MAX_FRAME,
     MAX_HANDSHAKE_FRAME,
-    PING_BODY,
     PROTOCOL_VERSION,
     ConnectionClosed,
     FrameReader,
@@ -42,10 +42,7 @@ from gpu_trace.runtime.wire import (
     MsgType,
     ProtocolError,
     chunk_frames,
-    decode_chunk,
     decode_json,
-    decode_pong,
-    decode_split,
     frame,
     json_frame,
     split_frame,
@@ -57,42 +54,7 @@ log = logging.getLogger(__name__)
 now_ns = time.perf_counter_ns
 
 
-class OpRecord:
-    """What the client keeps about one issued op until its batch is done."""
-
-    __slots__ = ("name", "stack", "t0", "t1", "result", "fetch")
-
-    def __init__(self, name: str, stack: list, t0: int) -> None:
-        self.name = name
-        self.stack = stack
-        self.t0 = t0
-        self.t1 = t0
-        self.result: Any = None
-        self.fetch: int = 0
-
-
-class Batch:
-    __slots__ = (
-        "seq",
-        "span_id",
-        "records",
-        "t_first",
-        "t_serialize",
-        "t_send",
-        "t_sent",
-        "nbytes",
-    )
-
-    def __init__(self, seq: int, span_id: int, records: list[OpRecord], t_first: int) -> None:
-        self.seq = seq
-        self.span_id = span_id
-        self.records = records
-        self.t_first = t_first
-        self.t_serialize = self.t_send = self.t_sent = 0
-        self.nbytes = 0
-
-
-class Connection:
+class Connection(Receiver):
     """A session with a `gpu-trace serve` server."""
 
     def __init__(
@@ -131,7 +93,7 @@ class Connection:
         self.sock = sock
         self.writer = FrameWriter(sock)
         self._handshake(token)
-        sock.settimeout(0.25)
+        sock.settimeout(None)  # blocking: readers poll, then select with their own timeouts
         self._reader = FrameReader(sock, MAX_FRAME, delay_ns=int(delay_ms * 1e6))
 
         self._lock = threading.RLock()  # pending batch and sending
@@ -154,6 +116,8 @@ class Connection:
         self._fetches: dict[int, list[Any]] = {}
         self._ping_lock = threading.Lock()
         self._rx_lock = threading.Lock()  # whoever holds it reads the socket
+        self._waiting = 0  # threads waiting for a message (they read themselves)
+        self._rx_wanted = threading.Event()  # batches in flight that nobody waits for
         self._pong: tuple[int, int, int, int] | None = None
         self._pong_event = threading.Event()
         self._bye = threading.Event()
@@ -213,6 +177,8 @@ class Connection:
         self.server_device = str(msg.get("device", ""))
         self.server_host = str(msg.get("host", ""))
         self.server_pid = int(msg.get("pid", 0))
+        #: Where the server's spans go: "return" (TRACE messages into our run) or "store".
+        self.server_sink = str(msg.get("sink", "return"))
 
     # ---- issuing ---------------------------------------------------------------------------------
 
@@ -250,10 +216,10 @@ class Connection:
             seq = self.sent_seq + 1
             self.ops_issued += 1
             n = len(self._pending)
-            if (
-                self.sync
-                or urgent
-                or n >= self.max_batch_ops
+            if self.sync or urgent:
+                self._flush_locked(urgent=True)
+            elif (
+                n >= self.max_batch_ops
                 or (not self._in_flight and n >= self.min_batch_ops)
                 or len(self._large) > 64
             ):
@@ -269,7 +235,9 @@ class Connection:
             if self._pending or self.frees:
                 self._flush_locked()
 
-    def _flush_locked(self) -> None:
+    def _flush_locked(self, urgent: bool = False) -> None:
+        """Send the pending batch. ``urgent``: the caller waits for it next and reads the reply
+        itself, so the receiver thread is not woken for it."""
         if self.broken:
             raise ServerGone(self.broken)
         with self._cond:
@@ -308,6 +276,8 @@ class Connection:
         self._first_ns = self._span_id = 0
         with self._cond:
             self._in_flight[seq] = batch
+        if not urgent and not self._rx_wanted.is_set():
+            self._rx_wanted.set()
         batch.t_send = now_ns()
         try:
             self.writer.send(*frames)
@@ -329,40 +299,14 @@ class Connection:
         if seq > self.sent_seq:
             with self._lock:
                 if seq > self.sent_seq:
-                    self._flush_locked()
-        while self.done_seq < seq and not self.broken:
-            if self._rx_lock.acquire(timeout=0.002):
-                try:
-                    self._read_until(seq)
-                finally:
-                    self._rx_lock.release()
-        self.trace.wait_span(reason, t0, now_ns(), seq)
+                    self._flush_locked(urgent=True)
+        if self.done_seq < seq:
+            self.wait_for(lambda: self.done_seq < seq)
+        if self.trace.enabled:
+            self.trace.wait_span(reason, t0, now_ns(), seq)
         if self.done_seq < seq:
             raise ServerGone(self.broken)
         self.raise_pending()
-
-    def _read_until(self, seq: int) -> None:
-        reader = self._reader
-        while self.done_seq < seq and not self.broken:
-            try:
-                got = reader.next_frame()
-                if got is None:
-                    if not self._readable(0.25):
-                        continue
-                    reader.fill()
-                    continue
-            except TimeoutError:
-                continue
-            except (ConnectionClosed, ProtocolError, OSError, ValueError) as exc:
-                self._lost(exc)
-                return
-            self._handle(*got)
-
-    def _readable(self, timeout: float) -> bool:
-        try:
-            return bool(select.select([self.sock], [], [], timeout)[0])
-        except (OSError, ValueError):  # closed under us
-            raise ConnectionClosed("connection closed") from None
 
     def raise_pending(self) -> None:
         err = self._error
@@ -374,125 +318,11 @@ class Connection:
         """Wait for every op issued so far (``torch.cuda.synchronize()``)."""
         with self._lock:
             if self._pending or self.frees:
-                self._flush_locked()
+                self._flush_locked(urgent=True)
             seq = self.sent_seq
         self.wait(seq, "synchronize")
 
-    # ---- receiving -------------------------------------------------------------------------------
-
-    def _receive_loop(self) -> None:
-        """Reads whatever arrives while no program thread is waiting (and reading) itself."""
-        reader = self._reader
-        while not self._stop.is_set() and not self.broken:
-            try:
-                if not self._readable(0.25):
-                    continue
-            except ConnectionClosed as exc:
-                self._lost(exc)
-                return
-            if not self._rx_lock.acquire(timeout=0.05):
-                continue
-            try:
-                if reader.next_frame_ready() or self._readable(0):
-                    if not reader.next_frame_ready():
-                        reader.fill()
-                    while (got := reader.next_frame()) is not None:
-                        self._handle(*got)
-            except TimeoutError:
-                pass
-            except (ConnectionClosed, ProtocolError, OSError, ValueError) as exc:
-                self._lost(exc)
-                return
-            finally:
-                self._rx_lock.release()
-
-    def _lost(self, exc: Exception) -> None:
-        if not self.closed and not self._closing:
-            self._break(f"the server at {self.address} went away: {exc}")
-
-    def _handle(self, mtype: int, body: bytes) -> None:
-        self.last_recv_ns = now_ns()
-        try:
-            self._on_message(mtype, body)
-        except ProtocolError as exc:
-            self._break(f"bad message from {self.address}: {exc}")
-        except Exception:
-            log.exception("gpu-trace: remote: handling a %s message failed", mtype)
-
-    def _on_message(self, mtype: int, body: bytes) -> None:
-        if mtype == MsgType.DONE:
-            self._on_done(decode_json(body), now_ns())
-        elif mtype == MsgType.DATA:
-            head, data = decode_split(body)
-            fid = head["fetch"]
-            buf = bytearray(int(head["nbytes"]))
-            entry = [DTYPES[head["dtype"]], list(head["shape"]), buf, 0]
-            self._fetches[fid] = entry
-            if len(data):
-                buf[: len(data)] = data
-                entry[3] = len(data)
-        elif mtype == MsgType.CHUNK:
-            fid, offset, data = decode_chunk(body)
-            entry = self._fetches[fid]
-            entry[2][offset : offset + len(data)] = data
-            entry[3] = offset + len(data)
-        elif mtype == MsgType.PONG:
-            t0, t1, t2 = decode_pong(body)
-            self._pong = (t0, t1, t2, self.last_recv_ns)
-            self._pong_event.set()
-        elif mtype == MsgType.TRACE:
-            self.trace.server_records(decode_json(body))
-        elif mtype == MsgType.BYE:
-            self._bye.set()
-        elif mtype == MsgType.ERROR:
-            msg = decode_json(body)
-            self._break(f"the server at {self.address} closed the session: {msg.get('message')}")
-
-    def _on_done(self, msg: dict[str, Any], t_done: int) -> None:
-        seq = msg.get("seq")
-        with self._cond:
-            batch = self._in_flight.pop(seq, None)
-        if batch is None:
-            raise ProtocolError(f"DONE for unknown batch {seq}")
-        for index, value in (msg.get("results") or {}).items():
-            batch.records[int(index)].result = value
-        error = msg.get("error")
-        if error and self._error is None:
-            record = batch.records[int(error.get("index", 0))]
-            text = f"{error.get('type', 'Error')}: {error.get('message', '')}"
-            self._error = RemoteOpError(record.name, text, user_frames(record.stack))
-        self.trace.batch_done(batch, t_done, msg.get("t"), bool(error))
-        with self._cond:
-            self.done_seq = max(self.done_seq, seq)
-            self._cond.notify_all()
-        if not self._in_flight and self._pending and self._lock.acquire(timeout=0.05):
-            try:
-                if self._pending and not self.broken:
-                    self._flush_locked()
-            except ServerGone:
-                pass
-            finally:
-                self._lock.release()
-
-    def take_fetch(self, fid: int) -> Any:
-        entry = self._fetches.pop(fid, None)
-        if entry is None:
-            raise ServerGone(f"the server at {self.address} sent no data for a fetch")
-        dtype, shape, buf, _ = entry
-        return tensor_from_bytes(dtype, shape, buf)
-
-    # ---- heartbeats, clock sync, failure -----------------------------------------------------------
-
-    def ping(self) -> tuple[int, int, int, int]:
-        """One clock-sync exchange ``(t0, t1, t2, t3)``; ServerGone if no answer in time."""
-        with self._ping_lock:
-            self._pong_event.clear()
-            t0 = now_ns()
-            self.writer.send(frame(MsgType.PING, PING_BODY.pack(t0)))
-            if not self._pong_event.wait(self.timeout_s) or self._pong is None:
-                self._break(f"the server at {self.address} did not answer for {self.timeout_s:g} s")
-                raise ServerGone(self.broken)
-            return self._pong
+    # ---- heartbeats, failure, close ---------------------------------------------------------------
 
     def _heartbeat_loop(self) -> None:
         next_beat = time.monotonic() + self.heartbeat_s
@@ -524,6 +354,7 @@ class Connection:
         with self._cond:
             self._cond.notify_all()
         self._pong_event.set()
+        self._rx_wanted.set()
 
     def close(self) -> None:
         """Send what is pending, say goodbye (the server sends its last spans), disconnect."""
@@ -534,7 +365,8 @@ class Connection:
                 self.flush()
                 self._closing = True
                 self.writer.send(frame(MsgType.BYE))
-                self._bye.wait(min(self.timeout_s, 10.0))
+                deadline = time.monotonic() + min(self.timeout_s, 10.0)
+                self.wait_for(lambda: not self._bye.is_set(), deadline)
         except (ServerGone, ConnectionClosed):
             pass
         self.closed = True

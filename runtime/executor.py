@@ -1,8 +1,10 @@
 """The server's executor: one thread owns the device and runs the sessions' work in turn.
 
-Connections put work (uploads, batches, close) into a :class:`Scheduler`; the executor takes one
-item at a time and runs it. Which session goes next is the scheduler's policy: the seam for
-sharing (issue #6). :class:`FifoScheduler`, the default, serves work in arrival order.
+Connections put work (uploads, batches, close) into a :class:`~gpu_trace.runtime.scheduler.Scheduler`;
+the executor takes one item at a time and runs it (or a connection runs a lone small batch itself
+when the device is idle). ATen ops are resolved against the allow-list; the runtime's own
+``rt::`` ops are in :mod:`gpu_trace.runtime.pseudo_ops`; each traced batch's spans go to the
+server's sink (:mod:`gpu_trace.runtime.sink`).
 
 Everything that touches a session's tables happens on this thread, so they need no locks. The
 random generator's state is switched with the session, so tenants never share a random stream.
@@ -10,29 +12,26 @@ random generator's state is switched with the session, so tenants never share a 
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from gpu_trace.runtime import allowlist
+from gpu_trace.runtime.pseudo_ops import rng_state, run_pseudo, seed_device, set_rng_state
+from gpu_trace.runtime.scheduler import Scheduler, Work
 from gpu_trace.runtime.session import OpError, Session
-from gpu_trace.runtime.values import ArgDecoder, encode_result, tensor_bytes
+from gpu_trace.runtime.sink import ReturnSink, record_batch
+from gpu_trace.runtime.values import ArgDecoder, encode_result
 from gpu_trace.runtime.wire import (
-    CHUNK_BYTES,
     MAX_BATCH_OPS,
     MAX_FREES,
     MsgType,
     ProtocolError,
-    chunk_frames,
     frame,
     json_frame,
-    split_frame,
 )
-from gpu_trace.tracer.context import parse_traceparent
 
 log = logging.getLogger(__name__)
 
@@ -42,77 +41,17 @@ now_ns = time.perf_counter_ns
 MAX_FACTORY_BYTES = 64 << 30
 
 
-@dataclass
-class Work:
-    """One unit of a session's work, in the order its connection received it."""
-
-    kind: str  # "batch", "put", "put-inline", "chunk", "bye", "close"
-    head: Any = None
-    data: Any = None
-    recv_start_ns: int = 0
-    recv_end_ns: int = 0
-    done: threading.Event | None = None
-
-
-class Scheduler(Protocol):
-    """The scheduling policy seam: which session's work runs next."""
-
-    def submit(self, session: Session, work: Work) -> None: ...
-
-    def take(self, timeout: float) -> tuple[Session, Work] | None: ...
-
-    def wait(self, timeout: float) -> bool:
-        """Wait until some work is queued; False on timeout."""
-        ...
-
-    def drop(self, session: Session) -> None: ...
-
-    def depth(self) -> int: ...
-
-
-class FifoScheduler:
-    """Work in arrival order, whatever the session."""
-
-    def __init__(self) -> None:
-        self._queue: collections.deque[tuple[Session, Work]] = collections.deque()
-        self._cond = threading.Condition()
-
-    def submit(self, session: Session, work: Work) -> None:
-        with self._cond:
-            self._queue.append((session, work))
-            self._cond.notify()
-
-    def take(self, timeout: float) -> tuple[Session, Work] | None:
-        with self._cond:
-            if not self._queue and timeout > 0:
-                self._cond.wait(timeout)
-            return self._queue.popleft() if self._queue else None
-
-    def wait(self, timeout: float) -> bool:
-        with self._cond:
-            if not self._queue:
-                self._cond.wait(timeout)
-            return bool(self._queue)
-
-    def drop(self, session: Session) -> None:
-        with self._cond:
-            kept = [(s, w) for s, w in self._queue if s is not session or w.kind == "close"]
-            self._queue.clear()
-            self._queue.extend(kept)
-
-    def depth(self) -> int:
-        return len(self._queue)
-
-
 class Executor:
     """Runs work items on the device, one at a time."""
 
-    def __init__(self, device: str, scheduler: Scheduler) -> None:
+    def __init__(self, device: str, scheduler: Scheduler, sink: Any = None) -> None:
         import torch
 
         self.torch = torch
         self.device = torch.device(device)
         self.scheduler = scheduler
+        #: Where traced sessions' spans go (:mod:`gpu_trace.runtime.sink`).
+        self.sink = sink if sink is not None else ReturnSink()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._rng_owner: Session | None = None
@@ -162,6 +101,8 @@ class Executor:
         if work.kind == "close":
             if self._rng_owner is session:
                 self._rng_owner = None
+            if session.trace:
+                self.sink.session_closed(session)
             session.close()
             return
         if session.closed:
@@ -173,7 +114,7 @@ class Executor:
                 session.blobs.add(work.head, *work.data)
             elif work.kind == "bye":
                 try:
-                    send_trace(session)
+                    self.sink.export(session, session.log.take())
                     session.send(frame(MsgType.BYE))
                 finally:
                     if work.done is not None:
@@ -244,7 +185,17 @@ class Executor:
         }
         session.send(json_frame(MsgType.DONE, done))
         if session.trace:
-            self._trace(session, head, work, execute_id, exec_start, exec_end, op_spans, len(ops))
+            record_batch(
+                session,
+                head,
+                (work.recv_start_ns, work.recv_end_ns),
+                execute_id,
+                exec_start,
+                exec_end,
+                op_spans,
+                self.scheduler.depth(),
+                self.sink,
+            )
 
     def _op(self, session: Session, decoder: ArgDecoder, op: Any) -> Any:
         if type(op) is not list or len(op) != 4:
@@ -255,7 +206,7 @@ class Executor:
             if type(name) is not str:
                 raise ProtocolError("op name must be a string")
             if name.startswith("rt::"):
-                return self._pseudo(session, decoder, name, args, outs)
+                return run_pseudo(self, session, decoder, name, args, outs)
             target = allowlist.resolve(name)
             if target is None:
                 raise OpError(f"op {name[:200]!r} is not on the server's allow-list")
@@ -312,201 +263,20 @@ class Executor:
             raise OpError(f"session memory limit of {session.account.limit_bytes} bytes exceeded")
         return None if all(m is None for m in meta) else meta
 
-    def _pseudo(
-        self, session: Session, decoder: ArgDecoder, name: str, args: Any, outs: Any
-    ) -> Any:
-        torch = self.torch
-        if type(args) is not list:
-            raise ProtocolError("op args must be a list")
-        if name == "rt::fetch":  # send a tensor's bytes back: DATA, then CHUNKs if large
-            if len(args) != 2 or type(args[1]) is not int:
-                raise ProtocolError("rt::fetch takes [handle, fetch id]")
-            tensor = decoder.decode(args[0])
-            if not isinstance(tensor, torch.Tensor):
-                raise OpError("rt::fetch needs a tensor")
-            data = tensor_bytes(tensor.detach().to("cpu"))
-            head = {
-                "fetch": args[1],
-                "dtype": str(tensor.dtype).removeprefix("torch."),
-                "shape": list(tensor.shape),
-                "nbytes": len(data),
-            }
-            if len(data) <= CHUNK_BYTES:
-                session.send(*split_frame(MsgType.DATA, head, [data]))
-            else:
-                session.send(*split_frame(MsgType.DATA, head, []), *chunk_frames(args[1], data))
-            return None
-        if name == "rt::meta":  # the shape of outputs whose shape depends on data
-            tensor = decoder.decode(args[0]) if args else None
-            if not isinstance(tensor, torch.Tensor):
-                raise OpError("rt::meta needs a tensor")
-            return [
-                list(tensor.shape),
-                list(tensor.stride()),
-                tensor.storage_offset(),
-                str(tensor.dtype).removeprefix("torch."),
-            ]
-        if name == "rt::seed":
-            if len(args) != 1 or type(args[0]) is not int:
-                raise ProtocolError("rt::seed takes [seed]")
-            _seed(torch, self.device, args[0] & 0xFFFFFFFFFFFFFFFF)
-            session.seed = None
-            self._rng_owner = session
-            return None
-        if name == "rt::fn":
-            return self._function(session, decoder, args, outs)
-        if name == "rt::backward":
-            return self._backward(session, decoder, args, outs)
-        if name == "rt::sync":
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            return None
-        if name == "rt::memory":
-            return [session.account.bytes, session.account.peak_bytes, len(session.handles)]
-        raise OpError(f"unknown runtime op {name[:100]!r}")
-
-    def _function(self, session: Session, decoder: ArgDecoder, args: Any, outs: Any) -> Any:
-        """``rt::fn``: a whole function (``runtime.composites``), its graph kept for backward."""
-        from gpu_trace.runtime import composites
-
-        torch = self.torch
-        if len(args) != 5 or type(args[3]) is not list or type(args[4]) is not int:
-            raise ProtocolError("rt::fn takes [name, args, kwargs, grad mask, graph id]")
-        name, fargs, fkwargs, mask, graph_id = args
-        fn = composites.server_function(name)
-        if fn is None:
-            raise OpError(f"function {str(name)[:100]!r} is not one the server runs whole")
-        if type(fargs) is not list or type(outs) is not list:
-            raise ProtocolError("rt::fn arguments and outs must be lists")
-        a = decoder.decode_args(fargs)
-        k = decoder.decode_kwargs(fkwargs) if fkwargs else {}
-        leaves: list[Any] = []
-        position = [0]
-
-        def leaf(x: Any) -> Any:
-            if isinstance(x, torch.Tensor):
-                i = position[0]
-                position[0] += 1
-                if i < len(mask) and mask[i] is True:
-                    x = x.detach().requires_grad_()
-                    leaves.append(x)
-                return x
-            if type(x) in (list, tuple):
-                return type(x)(leaf(v) for v in x)
-            return x
-
-        a = [leaf(x) for x in a]
-        k = {key: leaf(v) for key, v in k.items()}
-        with torch.set_grad_enabled(bool(leaves)):
-            out = fn(*a, **k)
-        flat = list(out) if isinstance(out, tuple) else [out]
-        if len(flat) != len(outs) or not all(isinstance(o, torch.Tensor) for o in flat):
-            raise ProtocolError("rt::fn outs do not match the function's results")
-        for o, h in zip(flat, outs):
-            session.handles.put(h, o.detach())
-        if leaves and graph_id:
-            session.add_graph(graph_id, (leaves, flat))
-        return None
-
-    def _backward(self, session: Session, decoder: ArgDecoder, args: Any, outs: Any) -> Any:
-        """``rt::backward``: gradients of a kept graph's leaves, given its outputs' gradients."""
-        torch = self.torch
-        if len(args) != 2 or type(args[0]) is not int or type(args[1]) is not list:
-            raise ProtocolError("rt::backward takes [graph id, output grads]")
-        if type(outs) is not list:
-            raise ProtocolError("rt::backward outs must be a list")
-        leaves, outputs = session.take_graph(args[0])
-        grads = decoder.decode_args(args[1])
-        pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
-        result = torch.autograd.grad(
-            [o for o, _ in pairs],
-            leaves,
-            [g for _, g in pairs],
-            allow_unused=True,
-            materialize_grads=True,
-        )
-        wanted = [h for h in outs if h is not None]
-        if len(wanted) != len(result):
-            raise ProtocolError("rt::backward outs do not match the graph's inputs")
-        for h, g in zip(wanted, result):
-            session.handles.put(h, g.contiguous())
-        return None
-
     def _switch_rng(self, session: Session) -> None:
         if self._rng_owner is session:
             return
         torch = self.torch
         previous = self._rng_owner
         if previous is not None and not previous.closed:
-            previous.rng_state = _rng_state(torch, self.device)
+            previous.rng_state = rng_state(torch, self.device)
         if session.rng_state is not None:
-            _set_rng_state(torch, self.device, session.rng_state)
+            set_rng_state(torch, self.device, session.rng_state)
         elif session.seed is not None:
-            _seed(torch, self.device, session.seed)
+            seed_device(torch, self.device, session.seed)
         self._rng_owner = session
 
     # ---- tracing ---------------------------------------------------------------------------------
-
-    def _trace(
-        self,
-        session: Session,
-        head: dict[str, Any],
-        work: Work,
-        execute_id: int,
-        exec_start: int,
-        exec_end: int,
-        op_spans: list[tuple[str, int, int]],
-        n_ops: int,
-    ) -> None:
-        slog = session.log
-        parsed = parse_traceparent(head.get("tp")) if type(head.get("tp")) is str else None
-        parent = int(parsed[1], 16) if parsed else 0
-        seq = str(head.get("seq"))
-        slog.span(
-            slog.new_id(),
-            parent,
-            "server/receive",
-            "receive",
-            work.recv_start_ns,
-            work.recv_end_ns,
-            {"seq": seq},
-        )
-        slog.span(
-            slog.new_id(),
-            parent,
-            "server/queue",
-            "queue",
-            work.recv_end_ns,
-            exec_start,
-            {"seq": seq},
-        )
-        slog.span(
-            execute_id,
-            parent,
-            "server/execute",
-            "execute",
-            exec_start,
-            exec_end,
-            {"seq": seq, "ops": str(n_ops)},
-        )
-        for name, t0, t1 in op_spans:
-            slog.span(0, execute_id, "server/op", name, t0, t1)
-        reply_end = now_ns()
-        slog.span(slog.new_id(), parent, "server/reply", "reply", exec_end, reply_end, {"seq": seq})
-        labels = {"session": str(session.id)}
-        if reply_end - slog.last_sent_ns > 200_000_000 or len(slog.spans) > 20000:
-            slog.counter("session_memory_bytes", reply_end, float(session.account.bytes), labels)
-            slog.counter("session_handles", reply_end, float(len(session.handles)), labels)
-            slog.counter("queue_depth", reply_end, float(self.scheduler.depth()), labels)
-            slog.last_sent_ns = reply_end
-            send_trace(session)
-
-
-def send_trace(session: Session) -> None:
-    """Ship the session's accumulated spans and counters (a TRACE message)."""
-    body = session.log.take()
-    if body["spans"] or body["counters"]:
-        session.send(json_frame(MsgType.TRACE, body))
 
 
 def _scalar(value: Any) -> Any:
@@ -530,23 +300,3 @@ def _check_sizes(args: list[Any], kwargs: dict[str, Any]) -> None:
                 numel *= max(v, 0)
             if numel * 8 > MAX_FACTORY_BYTES:
                 raise OpError(f"a size of {value} elements is beyond the server's limit")
-
-
-def _seed(torch: Any, device: Any, seed: int) -> None:
-    # Not torch.manual_seed: in a process that is also a forwarding client, that would seed the
-    # remote device too, from inside the server.
-    torch.default_generator.manual_seed(seed)
-    if device.type == "cuda":
-        torch.cuda.manual_seed(seed)
-
-
-def _rng_state(torch: Any, device: Any) -> Any:
-    if device.type == "cuda":
-        return (torch.get_rng_state(), torch.cuda.get_rng_state(device))
-    return (torch.get_rng_state(), None)
-
-
-def _set_rng_state(torch: Any, device: Any, state: Any) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)

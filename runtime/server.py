@@ -3,7 +3,11 @@
 Each connection gets a reader thread: it authenticates the client (CHALLENGE/HELLO), answers
 heartbeats at once (their timestamps are clock-sync samples, so they never wait behind work),
 validates every frame and hands uploads and batches to the scheduler, in order. One executor
-thread runs the work (:mod:`gpu_trace.runtime.executor`). A disconnect, a protocol error or a
+thread runs the work (:mod:`gpu_trace.runtime.executor`); a lone small batch runs on the
+connection's thread when the device is idle. After each message the connection polls the socket
+for :data:`SPIN_NS` before sleeping, so the next message of a client that is waiting on us is read
+without a wake-up. Traced sessions' spans go to the sink (:mod:`gpu_trace.runtime.sink`): back
+to the client, or into a shared store. A disconnect, a protocol error or a
 client silent for longer than ``idle_timeout_s`` closes the session and frees what it held.
 """
 
@@ -18,8 +22,10 @@ import time
 from typing import Any
 
 from gpu_trace.runtime import auth
-from gpu_trace.runtime.executor import Executor, FifoScheduler, Scheduler, Work, send_trace
+from gpu_trace.runtime.executor import Executor
+from gpu_trace.runtime.scheduler import FifoScheduler, Scheduler, Work
 from gpu_trace.runtime.session import Session
+from gpu_trace.runtime.sink import ReturnSink
 from gpu_trace.runtime.values import tensor_from_bytes, tensor_meta
 from gpu_trace.runtime.wire import (
     MAX_FRAME,
@@ -32,6 +38,7 @@ from gpu_trace.runtime.wire import (
     MsgType,
     ProtocolError,
     decode_chunk,
+    decode_clock,
     decode_json,
     decode_ping,
     decode_split,
@@ -48,6 +55,8 @@ now_ns = time.perf_counter_ns
 
 #: Batches of at most this many ops may run on the connection's thread when the device is idle.
 INLINE_OPS = 16
+#: How long a connection polls for its client's next message before sleeping (ns).
+SPIN_NS = 200_000
 
 
 def parse_address(address: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
@@ -64,7 +73,9 @@ class Server:
 
     ``token`` is what clients authenticate with (see :mod:`gpu_trace.runtime.auth`);
     ``scheduler`` is the scheduling policy (FIFO by default); ``delay_ms`` holds back every
-    received frame (benchmarks simulate a longer network with it).
+    received frame (benchmarks simulate a longer network with it); ``sink`` is where traced
+    sessions' spans go (:class:`~gpu_trace.runtime.sink.ReturnSink`, back to the client, by
+    default; a :class:`~gpu_trace.runtime.sink.StoreSink` for ``--store``).
     """
 
     def __init__(
@@ -78,6 +89,7 @@ class Server:
         idle_timeout_s: float = 120.0,
         handshake_timeout_s: float = 10.0,
         delay_ms: float = 0.0,
+        sink: Any = None,
     ) -> None:
         self.host, self.port = parse_address(listen)
         self.token = auth.check_token(token)
@@ -87,7 +99,9 @@ class Server:
         self.idle_timeout_s = idle_timeout_s
         self.handshake_timeout_s = handshake_timeout_s
         self.delay_ns = int(delay_ms * 1e6)
-        self.executor = Executor(self.device, self.scheduler)
+        self.sink = sink if sink is not None else ReturnSink()
+        self.sink.server_device = self.device
+        self.executor = Executor(self.device, self.scheduler, self.sink)
         self.sessions: dict[int, Session] = {}
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
@@ -129,6 +143,7 @@ class Server:
         for t in list(self._threads):
             t.join(timeout=5)
         self.executor.stop()
+        self.sink.shutdown()
 
     def __enter__(self) -> Server:
         return self.start()
@@ -213,7 +228,7 @@ class Server:
             if len(self.sessions) >= self.max_sessions:
                 raise ProtocolError(f"server full ({self.max_sessions} sessions)")
             session = Session(client, writer.send)
-            session.trace = client.get("trace") == "1"
+            session.trace = self.sink.accepts(client)
             self.sessions[session.id] = session
         writer.send(
             json_frame(
@@ -223,10 +238,11 @@ class Server:
                     "device": str(self.device),
                     "host": socket.gethostname(),
                     "pid": os.getpid(),
+                    "sink": self.sink.kind,
                 },
             )
         )
-        conn.settimeout(self.idle_timeout_s)
+        conn.settimeout(None)  # blocking, for polling; the read loop times out itself
         return session
 
     def _read_loop(self, conn: socket.socket, writer: FrameWriter, session: Session) -> None:
@@ -241,7 +257,7 @@ class Server:
                 scheduler.submit(session, work)
 
         while not self._closing.is_set() and not session.closed:
-            mtype, body = reader.read()
+            mtype, body = reader.read_spin(SPIN_NS, self.idle_timeout_s)
             if mtype == MsgType.PING:
                 t1 = now_ns()
                 t0 = decode_ping(body)
@@ -269,6 +285,10 @@ class Server:
             elif mtype == MsgType.CHUNK:
                 ident, offset, data = decode_chunk(body)
                 submit(session, Work("chunk", None, (ident, offset, data)))
+            elif mtype == MsgType.CLOCK:
+                samples = decode_clock(body)
+                if session.trace:
+                    self.sink.clock(session, samples)
             elif mtype == MsgType.BYE:
                 done = threading.Event()
                 self.scheduler.submit(session, Work("bye", done=done))
@@ -292,4 +312,4 @@ def _check_device(device: str) -> str:
     return str(d)
 
 
-__all__ = ["Server", "parse_address", "send_trace"]
+__all__ = ["Server", "parse_address"]

@@ -34,6 +34,7 @@ from gpu_trace.runtime.values import (
 
 aten = torch.ops.aten
 _load_values()
+_getframe = sys._getframe
 
 #: The active connection (one remote device per process).
 conn: Connection | None = None
@@ -50,14 +51,18 @@ _query_cache: dict[Any, Any] = {}
 
 
 class _Handle:
-    """The server-side handle of one remote tensor; freed (batched) when the tensor dies."""
+    """The server-side handle of one remote tensor; freed (batched) when the tensor dies.
 
-    __slots__ = ("conn", "id", "sig")
+    ``sig`` is the tensor's part of a shape-cache key, ``wire`` its argument form (made once).
+    """
+
+    __slots__ = ("conn", "id", "sig", "wire")
 
     def __init__(self, c: Connection, ident: int, sig: tuple) -> None:
         self.conn = c
         self.id = ident
         self.sig = sig
+        self.wire = {"h": ident}
 
     def __del__(self) -> None:
         c = self.conn
@@ -83,7 +88,7 @@ class RemoteTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-        return dispatch(func, args, kwargs or {})
+        return _dispatch(cls, func, types, args, kwargs)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         text = repr(self.detach().cpu())
@@ -117,13 +122,14 @@ def _stack() -> list[tuple[Any, int]]:
     c = conn
     if c is not None and c.sync:
         return []
-    f = sys._getframe(2)
+    f = _getframe(2)
     out = []
-    for _ in range(6):
-        if f is None:
-            break
-        out.append((f.f_code, f.f_lineno))
+    append = out.append
+    n = 6
+    while f is not None and n:
+        append((f.f_code, f.f_lineno))
         f = f.f_back
+        n -= 1
     return out
 
 
@@ -149,9 +155,9 @@ class _Encoder:
 
     __slots__ = ("c", "inputs", "blobs")
 
-    def __init__(self, c: Connection) -> None:
+    def __init__(self, c: Connection, inputs: list[Any] | None = None) -> None:
         self.c = c
-        self.inputs: list[Any] = []
+        self.inputs: list[Any] = [] if inputs is None else inputs
         self.blobs: list[tuple[int, str, list[int], bytes]] = []
 
     def enc(self, x: Any) -> tuple[Any, Any]:
@@ -161,7 +167,7 @@ class _Encoder:
             if rt.conn is not self.c:
                 raise RemoteError("this remote tensor belongs to a closed or different session")
             self.inputs.append(x)
-            return rt.sig, {"h": rt.id}
+            return rt.sig, rt.wire
         if cls is int or cls is float or cls is bool:
             return (cls, x), x
         if x is None:
@@ -202,32 +208,70 @@ def _session(args: tuple, kwargs: dict) -> Connection:
     return c
 
 
+def _op_info(func: Any) -> tuple[Any, str, str]:
+    """``(special handler, kind, wire name)`` of an op, kept by the op's id (hashing an
+    ``OpOverload`` runs Python code; its id does not, and the op objects live for good)."""
+    info = _info.get(id(func))
+    if info is None:
+        kind = _kind(func)
+        info = _info[id(func)] = (_SPECIAL.get(func), kind, _names[func], func)
+    return info[:3]
+
+
 def dispatch(func: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
     """Forward one ATen op on remote tensors (see the module docstring)."""
+    return _dispatch(RemoteTensor, func, (), args, kwargs)
+
+
+def _dispatch(cls: Any, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+    """:func:`dispatch`, with ``__torch_dispatch__``'s arguments."""
     t0 = now_ns()
-    c = _session(args, kwargs)
-    special = _SPECIAL.get(func)
+    if kwargs is None:
+        kwargs = {}
+    c = conn
+    if c is None or c.broken:
+        c = _session(args, kwargs)
+    info = _info.get(id(func))
+    special, kind, name = info[:3] if info is not None else _op_info(func)
     if special is not None:
         result = special(c, func, args, kwargs, t0)
         if result is not NotImplemented:
             return result
-    kind = _kind(func)
-    name = _names[func]
-    e = _Encoder(c)
-    enc = e.enc
-    sigs = []
+    # Arguments: remote tensors and plain numbers inline, anything else through the encoder.
+    inputs: list[Any] = []
+    e: _Encoder | None = None
+    sigs: list[Any] = [id(func)]
     wire_args = []
     for a in args:
-        s, w = enc(a)
-        sigs.append(s)
-        wire_args.append(w)
+        cls = type(a)
+        if cls is RemoteTensor:
+            rt = a._rt
+            if rt.conn is not c:
+                raise RemoteError("this remote tensor belongs to a closed or different session")
+            inputs.append(a)
+            sigs.append(rt.sig)
+            wire_args.append(rt.wire)
+        elif cls is int or cls is float or cls is bool:
+            sigs.append((cls, a))
+            wire_args.append(a)
+        else:
+            if e is None:
+                e = _Encoder(c, inputs)
+            s, w = e.enc(a)
+            sigs.append(s)
+            wire_args.append(w)
     wire_kwargs = {}
     if kwargs:
+        if e is None:
+            e = _Encoder(c, inputs)
+        enc = e.enc
         for k, v in kwargs.items():
             s, w = enc(v)
             sigs.append((k, s))
             wire_kwargs[k] = w
-    key = (func, *sigs)
+    if e is None:
+        e = _NO_ENCODER
+    key = tuple(sigs)
     if kind == "none":
         record = OpRecord(name, _stack(), t0)
         c.issue([name, wire_args, wire_kwargs, None], record, e.blobs)
@@ -264,7 +308,7 @@ def dispatch(func: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
             results.append(t)
         elif type(d) is Alias:
             outs.append(None)
-            results.append(e.inputs[d])
+            results.append(inputs[d])
         elif d is None:
             outs.append(None)
             results.append(None)
@@ -348,3 +392,18 @@ def _copy_(c: Connection, func: Any, args: tuple, kwargs: dict, t0: int) -> Any:
 
 
 _SPECIAL = {aten._to_copy.default: _to_copy, aten.copy_.default: _copy_}
+#: Per op, by ``id(op)``: ``(special handler, kind, wire name, op)`` (the op keeps its id valid).
+_info: dict[int, tuple[Any, str, str, Any]] = {}
+
+
+class _NoEncoder:
+    """The encoder of an op whose arguments were all encoded inline: no uploads."""
+
+    __slots__ = ("blobs", "inputs")
+
+    def __init__(self) -> None:
+        self.blobs: list[Any] = []
+        self.inputs: list[Any] = []
+
+
+_NO_ENCODER: Any = _NoEncoder()

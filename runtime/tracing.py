@@ -10,51 +10,36 @@ trip minus the server's time), ``queue_ns`` and ``execute_ns``.
 The server's spans (``server/receive``, ``server/queue``, ``server/execute``, ``server/op``,
 ``server/reply``; category ``server``) are children of the batch span: its id travels in the
 batch header as a W3C ``traceparent``. They come back in TRACE messages and are written into the
-client's run under the server's host and pid, mapped onto the client's clock with the
-:class:`~gpu_trace.tracer.clocksync.ClockModel` of the clock-sync exchanges (measured at connect
-and with every heartbeat, all recorded in ``clock_sync``). Each keeps its raw server times in
-attrs ``raw_start_ns``/``raw_end_ns`` with ``clock_offset_ns`` and ``clock_uncertainty_ns``.
+client's run under the server's host and pid, on the server's clock (the spool names it,
+``clock_peer``); ingest maps them onto the client's clock with a
+:class:`~gpu_trace.tracer.clocksync.ClockModel` fitted to the run's ``clock_sync`` rows (the
+exchanges measured at connect and with every heartbeat). Each keeps its raw server times in attrs
+``raw_start_ns``/``raw_end_ns`` next to the ``clock_offset_ns`` and ``clock_uncertainty_ns``
+applied. A server with a shared store (``gpu-trace serve --store``) keeps its spans itself: the
+client sends it the clock-sync exchanges instead (CLOCK messages), see
+:mod:`gpu_trace.runtime.sink`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import random
 import threading
 from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
-
+from gpu_trace.runtime.sink import CLOCK_PEER, counter_table, span_table, write_stats
 from gpu_trace.tracer import recorder
 from gpu_trace.tracer.clocksync import ClockModel, Sample, measure
 from gpu_trace.tracer.context import format_traceparent
-from gpu_trace.tracer.records import (
-    COUNTER_SCHEMA,
-    FORWARD,
-    SERVER,
-    SPAN_SCHEMA,
-    attrs_column,
-    dict_column,
-    numeric_column,
-)
-from gpu_trace.tracer.run import STATS_DIR
+from gpu_trace.tracer.records import FORWARD
 from gpu_trace.tracer.spool import SpoolWriter
 
 if TYPE_CHECKING:
-    from gpu_trace.runtime.client import Batch, Connection
+    from gpu_trace.runtime.batch import Batch
+    from gpu_trace.runtime.client import Connection
 
 log = logging.getLogger(__name__)
 
-#: Server lanes and the thread rows they are drawn on.
-_SERVER_TIDS = {
-    "server/receive": 1,
-    "server/queue": 2,
-    "server/execute": 2,
-    "server/op": 2,
-    "server/reply": 2,
-}
 MAX_SAMPLES = 2000
 
 
@@ -103,6 +88,8 @@ class ClientTrace:
             return sample
 
         measure(exchange, n, peer=self.conn.server_host)
+        if self.enabled and self.conn.server_sink != "return" and raw:
+            self.conn.send_clock(raw)  # the server writes them next to its spans
         with self._lock:
             self.samples.extend(Sample(*s) for s in raw if Sample(*s).problem() is None)
             del self.samples[:-MAX_SAMPLES]
@@ -211,86 +198,21 @@ class ClientTrace:
             log.exception("gpu-trace: writing server spans failed")
 
     def _write(self, messages: list[dict[str, Any]]) -> None:
-        model = self.model()
-        offset = model.offset_ns if model else 0
-        unc = model.uncertainty_ns if model else 0
-
-        def to_client(t: int) -> int:
-            return model.to_client(t) if model else t
-
-        rows: list[tuple] = []
-        counters: list[tuple] = []
+        spans: list[list[Any]] = []
+        counters: list[list[Any]] = []
         for msg in messages:
-            for span in msg.get("spans") or []:
-                sid, parent, lane, name, start, end, attrs = span
-                sid = sid or self.new_span_id()
-                a = dict(attrs or {})
-                a.update(
-                    raw_start_ns=str(start),
-                    raw_end_ns=str(end),
-                    clock_offset_ns=str(offset),
-                    clock_uncertainty_ns=str(unc),
-                )
-                depth = 2 if lane == "server/op" else 1
-                rows.append(
-                    (
-                        sid,
-                        parent,
-                        _SERVER_TIDS.get(lane, 2),
-                        lane,
-                        SERVER,
-                        name,
-                        to_client(start),
-                        to_client(end),
-                        depth,
-                        a,
-                    )
-                )
-            for metric, ts, value, labels in msg.get("counters") or []:
-                counters.append((metric, to_client(ts), value, labels or {}))
+            spans.extend(msg.get("spans") or [])
+            counters.extend(msg.get("counters") or [])
         writer = self._spool()
-        if rows:
-            sid, parent, tid, lane, cat, name, start, end, depth, attrs = zip(*rows)
-            writer.write(
-                "spans",
-                pa.table(
-                    {
-                        "span_id": numeric_column(sid, pa.uint64()),
-                        "parent_span_id": numeric_column(parent, pa.uint64()),
-                        "pid": numeric_column([self.conn.server_pid] * len(sid), pa.uint32()),
-                        "tid": numeric_column(tid, pa.uint64()),
-                        "lane": dict_column(lane),
-                        "category": dict_column(cat),
-                        "name": dict_column(name),
-                        "start_ns": numeric_column(start, pa.int64()),
-                        "end_ns": numeric_column(end, pa.int64()),
-                        "depth": numeric_column(depth, pa.uint16()),
-                        "attrs": attrs_column(list(attrs)),
-                    },
-                    schema=SPAN_SCHEMA,
-                ),
-            )
+        if spans:
+            writer.write("spans", span_table(spans, self.conn.server_pid, self.new_span_id))
         if counters:
-            metric, ts, value, labels = zip(*counters)
-            n = len(metric)
-            writer.write(
-                "counters",
-                pa.table(
-                    {
-                        "source": dict_column(["runtime"] * n),
-                        "device": dict_column([self.conn.server_device] * n),
-                        "metric": dict_column(metric),
-                        "ts_ns": numeric_column(ts, pa.int64()),
-                        "value": numeric_column(value, pa.float64()),
-                        "labels": attrs_column(
-                            [{str(k): str(v) for k, v in lb.items()} for lb in labels]
-                        ),
-                    },
-                    schema=COUNTER_SCHEMA,
-                ),
-            )
-        self._server_events += len(rows) + len(counters)
-        self._write_stats()
+            writer.write("counters", counter_table(counters, self.conn.server_device))
+        self._server_events += len(spans) + len(counters)
+        assert self.rec is not None
+        write_stats(
+            self.rec.run_dir, self.conn.server_pid, self.conn.session_id, self._server_events
+        )
 
     def _spool(self) -> SpoolWriter:
         if self._writer is None:
@@ -301,26 +223,10 @@ class ClientTrace:
                 "host": self.conn.server_host,
                 "pid": str(self.conn.server_pid),
                 "process_name": f"gpu-trace serve (session {self.conn.session_id})",
-                "clock": "server CLOCK_MONOTONIC mapped onto the client's",
+                CLOCK_PEER: self.conn.server_host,
             }
             self._writer = SpoolWriter(self.rec.run_dir, meta)
         return self._writer
-
-    def _write_stats(self) -> None:
-        assert self.rec is not None
-        stats = {
-            "pid": self.conn.server_pid,
-            "process_name": f"gpu-trace serve (session {self.conn.session_id})",
-            "events": self._server_events,
-            "dropped": 0,
-            "threads": {"1": "receive", "2": "executor"},
-        }
-        d = self.rec.run_dir / STATS_DIR
-        d.mkdir(exist_ok=True)
-        name = f"server-{self.conn.server_pid}-{self.conn.session_id}.json"
-        tmp = d / f".{name}.tmp"
-        tmp.write_text(json.dumps(stats))
-        os.replace(tmp, d / name)
 
     def close(self) -> None:
         self.flush()

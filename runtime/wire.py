@@ -8,12 +8,13 @@ A session, from the client's side::
 
     connect          <- CHALLENGE {v, nonce, server}
     HELLO {v, mac, client} ->             mac = HMAC-SHA256(token, "gpu-trace/1" + nonce)
-                     <- WELCOME {session, device, host, pid, limits}   (or ERROR, then close)
+                     <- WELCOME {session, device, host, pid, sink}   (or ERROR, then close)
     PUT {blob, dtype, shape, nbytes} + CHUNK* ->   large uploads, streamed before their BATCH
     BATCH {seq, ops, free, blobs, tp, sync} + inline blob bytes ->
                      <- DATA {fetch, dtype, shape, nbytes} + CHUNK*   (for rt::fetch ops)
                      <- DONE {seq, ok, error, results, t}
     PING t0 ->       <- PONG t0 t1 t2          (heartbeat and clock-sync exchange)
+    CLOCK (t0 t1 t2 t3)* ->                   (finished exchanges, when the server keeps the spans)
                      <- TRACE {names, spans, counters}   (server spans, when the client traces)
     BYE ->           <- BYE                    (after the last TRACE)
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import json
+import select
 import socket
 import struct
 import threading
@@ -39,6 +41,7 @@ PROTOCOL_VERSION = 1
 HEADER = struct.Struct("<IB")
 PING_BODY = struct.Struct("<q")
 PONG_BODY = struct.Struct("<qqq")
+CLOCK_SAMPLE = struct.Struct("<qqqq")  # t0, t1, t2, t3 of one finished clock-sync exchange
 CHUNK_HEAD = struct.Struct("<QQ")  # blob or fetch id, byte offset
 JSON_LEN = struct.Struct("<I")  # BATCH and DATA: length of the JSON header before the raw bytes
 
@@ -59,6 +62,8 @@ MAX_LIST = 1 << 16
 #: Deepest nesting of an argument (lists in lists).
 MAX_DEPTH = 4
 MAX_STRING = 1024
+#: Most clock-sync exchanges in one CLOCK message.
+MAX_CLOCK_SAMPLES = 64
 
 
 class MsgType(enum.IntEnum):
@@ -75,6 +80,7 @@ class MsgType(enum.IntEnum):
     TRACE = 11
     BYE = 12
     ERROR = 13
+    CLOCK = 14
 
 
 _TYPES = frozenset(int(t) for t in MsgType)
@@ -159,6 +165,13 @@ def decode_ping(body: bytes | memoryview) -> int:
     return PING_BODY.unpack(body)[0]
 
 
+def decode_clock(body: bytes | memoryview) -> list[tuple[int, int, int, int]]:
+    n, rest = divmod(len(body), CLOCK_SAMPLE.size)
+    if rest or not 0 < n <= MAX_CLOCK_SAMPLES:
+        raise ProtocolError("malformed clock samples")
+    return list(CLOCK_SAMPLE.iter_unpack(body))
+
+
 def decode_pong(body: bytes | memoryview) -> tuple[int, int, int]:
     if len(body) != PONG_BODY.size:
         raise ProtocolError("malformed pong")
@@ -214,6 +227,8 @@ class FrameReader:
         self._pos = 0
         #: perf_counter_ns when the current frame's first bytes were available.
         self.frame_started_ns = 0
+        #: :meth:`poll_adaptive`'s current budget (ns).
+        self.spin_ns = 0
 
     def read(self) -> tuple[int, bytes]:
         """The next frame's ``(type, body)``; raises ProtocolError or ConnectionClosed."""
@@ -260,20 +275,70 @@ class FrameReader:
 
     def fill(self) -> None:
         """Receive once (blocking, or up to the socket's timeout)."""
-        self._fill(len(self._buf) - self._pos)
-
-    def _fill(self, avail: int) -> None:
         try:
             data = self.sock.recv(1 << 18)
         except TimeoutError:
             raise
         except OSError as exc:
             raise ConnectionClosed(f"connection broken: {exc}") from None
+        self._append(data)
+
+    def _append(self, data: bytes) -> None:
         if not data:
             raise ConnectionClosed("connection closed by peer")
-        if avail == 0:
+        if len(self._buf) == self._pos:
             self.frame_started_ns = time.perf_counter_ns()
         self._buf += data
+
+    def poll(self, spin_ns: int) -> bool:
+        """Receive what has arrived, trying for up to ``spin_ns``; False if nothing came.
+
+        Needs a blocking socket (``settimeout(None)``): on one with a timeout Python polls before
+        every ``recv`` and the non-blocking flag would wait. A reply that arrives within the spin
+        is read without the thread going to sleep and being woken, which on loopback is most of
+        a small message's round trip.
+        """
+        recv = self.sock.recv
+        end = time.perf_counter_ns() + spin_ns
+        while True:
+            try:
+                data = recv(1 << 18, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                if time.perf_counter_ns() >= end:
+                    return False
+                continue
+            except OSError as exc:
+                raise ConnectionClosed(f"connection broken: {exc}") from None
+            self._append(data)
+            return True
+
+    def poll_adaptive(self, max_spin_ns: int) -> bool:
+        """:meth:`poll` with a budget that follows the peer: it doubles (up to ``max_spin_ns``)
+        each time a message came while polling and halves each time none did, so a peer that
+        answers slowly, or a machine too busy to spare a core, costs little (a sixteenth of it)."""
+        floor = max_spin_ns >> 4
+        spin = min(max(self.spin_ns, floor), max_spin_ns) if self.spin_ns else max_spin_ns
+        if self.poll(spin):
+            self.spin_ns = min(max_spin_ns, spin * 2)
+            return True
+        self.spin_ns = max(floor, spin // 2)
+        return False
+
+    def read_spin(self, spin_ns: int, timeout: float | None) -> tuple[int, bytes]:
+        """:meth:`read` on a blocking socket: :meth:`poll_adaptive` first, then wait up to
+        ``timeout``."""
+        while True:
+            got = self.next_frame()
+            if got is not None:
+                return got
+            if not self.poll_adaptive(spin_ns):
+                try:
+                    ready = select.select([self.sock], [], [], timeout)[0]
+                except (OSError, ValueError):
+                    raise ConnectionClosed("connection closed") from None
+                if not ready:
+                    raise TimeoutError("no message in time")
+                self.fill()
 
 
 class FrameWriter:

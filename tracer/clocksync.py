@@ -253,6 +253,20 @@ class ClockModel:
         delta = server_ns - self.ref_ns - self.offset_ns
         return self.ref_ns + delta - round(delta * b / (1.0 + b))
 
+    def map_to_client(self, server_ns: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`to_client` of many int64 times at once: ``(client_ns, offset_ns, uncertainty_ns)``.
+
+        ``offset_ns`` is what was subtracted from each time, ``uncertainty_ns`` the bound of
+        :meth:`uncertainty_at` there (ingest maps a server's spans with it and keeps both).
+        """
+        server = np.asarray(server_ns, dtype=np.int64)
+        b = self._fit.b
+        delta = server - self.ref_ns - self.offset_ns
+        client = self.ref_ns + delta - np.round(delta * (b / (1.0 + b))).astype(np.int64)
+        bound = self._fit.bound(client - self.ref_ns) if len(client) else np.zeros(0)
+        unc = np.maximum(MIN_UNCERTAINTY_NS, np.ceil(bound)).astype(np.int64)
+        return client, server - client, unc
+
     def __repr__(self) -> str:
         return (
             f"ClockModel(offset_ns={self.offset_ns}, drift_ppm={self.drift_ppm:.3f}, "

@@ -8,7 +8,16 @@ with ``run_id``, ``trace_id`` and ``host`` added from each file's metadata. Inge
 - a batch is logged ``pending`` before its insert and ``done`` after it, so a file found
   ``pending`` (a crash between the two) is inserted again without the rows already there, matched
   by key (spans by pid and span id, counters by source, device, metric and time, clock samples by
-  peer and time).
+  peer and time). Clock samples are always matched so (a forwarding client and a server writing
+  to a shared store both write them).
+
+Spool files whose metadata names a ``clock_peer`` (a forwarding server's spans and counters) hold
+that host's raw times: they are ingested last, mapped onto the run's clock with a
+:class:`~gpu_trace.tracer.clocksync.ClockModel` fitted to all the run's ``clock_sync`` rows for
+that peer (stored and in this spool), keeping the raw times and the offset applied in attrs.
+
+A run directory whose ``run.json`` says ``side: server`` is a server's part of a client's run:
+its ``runs`` row only adds its host to the client's row when that is already stored.
 
 Ingest never changes the spool: when the store fails, :class:`~gpu_trace.tracer.store.StoreError`
 is raised and the same command can be run again.
@@ -29,9 +38,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from gpu_trace.tracer.clocksync import ClockModel
 from gpu_trace.tracer.records import SCHEMAS
 from gpu_trace.tracer.run import STATS_DIR, RunInfo
-from gpu_trace.tracer.spool import list_spool, read_spool_file, spool_dir
+from gpu_trace.tracer.spool import SpoolFile, list_spool, read_spool_file, spool_dir
 
 if TYPE_CHECKING:
     from gpu_trace.tracer.store import Store
@@ -43,6 +53,13 @@ BATCH_ROWS = 500_000
 #: Inserts in flight at once, each on its own connection: the engine parses and writes one batch
 #: while the next is read and encoded. At most this many batches are held in memory.
 INSERT_WORKERS = 2
+
+#: Spool metadata naming the host whose clock a file's times are on; ingest maps them onto the
+#: run's clock with the run's ``clock_sync`` rows for that peer (forwarding servers' spans).
+CLOCK_PEER = "clock_peer"
+#: Clock samples are filtered per window of this many ns (lowest RTTs kept in each), as the
+#: forwarding client does.
+CLOCK_WINDOW_NS = 30_000_000_000
 
 #: Columns the store adds to each kind from the spool file's metadata, in table order.
 ADDED_COLUMNS = {
@@ -120,6 +137,12 @@ def ingest(store: Store, run_dir: Path) -> IngestReport:
         "processes": str(len(stats)),
     }
     _write_threads(store, info, stats, pid_hosts)
+    stored = _stored_run(store, info.run_id)
+    if stored is not None:
+        info.hosts = list(dict.fromkeys([*stored.hosts, *info.hosts]))
+        if info.attrs.get("side") == "server":  # the client's row stays, with our host added
+            stored.hosts = info.hosts
+            info = stored
     store.upsert_run(info)
     report.seconds = time.perf_counter() - t0
     log.info("gpu-trace: ingested %s in %.2f s", report.summary(), report.seconds)
@@ -137,18 +160,11 @@ def _ingest_files(
     pending = {kind: _Pending() for kind in SCHEMAS}
     hosts: list[str] = list(info.hosts)
     pid_hosts: dict[int, str] = {}
+    clock_rows: dict[str, set[tuple[int, int, int]]] = {}
+    deferred: list[tuple[Path, int, str | None, SpoolFile]] = []
 
-    for path in files:
-        size = path.stat().st_size
-        state = logged.get((path.name, size))
-        if state == "done":
-            report.files_skipped += 1
-            continue
-        spool = read_spool_file(path)
+    def add(path: Path, size: int, state: str | None, spool: SpoolFile, models: Any) -> None:
         kind = spool.kind
-        if kind not in SCHEMAS:
-            report.problems.append(f"{path.name}: skipped: unknown kind {kind!r}")
-            continue
         host = spool.meta.get("host") or (info.hosts[0] if info.hosts else "")
         if host and host not in hosts:
             hosts.append(host)
@@ -157,12 +173,18 @@ def _ingest_files(
         table, problem = _prepare(kind, spool.table, spool.meta, info, host)
         if spool.problem:
             problem = spool.problem if problem is None else f"{spool.problem}; {problem}"
+        if table is not None and models is not None:
+            peer = spool.meta[CLOCK_PEER]
+            table, note = map_clock(kind, table, models.get(peer), peer)
+            problem = note if problem is None else f"{problem}; {note}" if note else problem
         kept = table.num_rows if table is not None else 0
         if problem:
             report.problems.append(f"{path.name}: kept {kept} rows, skipped the rest: {problem}")
             log.warning("gpu-trace: %s: kept %d rows, skipped the rest: %s", path, kept, problem)
-        if table is not None and kept and state is not None:
+        if table is not None and kept and (state is not None or kind == "clock_sync"):
             # Logged but not done: an earlier ingest stopped between its insert and its log entry.
+            # Clock samples may come twice (a client and a server with a shared store both
+            # write them): the ones already stored are left out.
             table = _drop_present(store, kind, table)
         batch = pending[kind]
         batch.files.append((path.name, size, kept, problem or ""))
@@ -172,10 +194,124 @@ def _ingest_files(
         if batch.rows >= BATCH_ROWS:
             inserter.submit(kind, batch)
             pending[kind] = _Pending()
+
+    for path in files:
+        size = path.stat().st_size
+        state = logged.get((path.name, size))
+        if state == "done":
+            report.files_skipped += 1
+            continue
+        spool = read_spool_file(path)
+        if spool.kind not in SCHEMAS:
+            report.problems.append(f"{path.name}: skipped: unknown kind {spool.kind!r}")
+            continue
+        if spool.meta.get(CLOCK_PEER) and spool.kind in ("spans", "counters"):
+            deferred.append((path, size, state, spool))  # mapped once every clock row is known
+            continue
+        if spool.kind == "clock_sync" and spool.table is not None:
+            _collect_clock(spool.table, clock_rows)
+        add(path, size, state, spool, None)
+    if deferred:
+        models = _clock_models(store, info.run_id, clock_rows)
+        for path, size, state, spool in deferred:
+            add(path, size, state, spool, models)
     for kind, batch in pending.items():
         if batch.files:
             inserter.submit(kind, batch)
     return hosts, pid_hosts
+
+
+# ---- clocks of other hosts ----------------------------------------------------------------------
+
+
+def _collect_clock(table: pa.Table, rows: dict[str, set[tuple[int, int, int]]]) -> None:
+    peers = table.column("peer").cast(pa.string()).to_pylist()
+    ts, off, rtt = (table.column(c).to_pylist() for c in ("ts_ns", "offset_ns", "rtt_ns"))
+    for peer, t, o, r in zip(peers, ts, off, rtt):
+        rows.setdefault(peer or "", set()).add((int(t), int(o), int(r)))
+
+
+def _clock_models(
+    store: Store, run_id: str, rows: dict[str, set[tuple[int, int, int]]]
+) -> dict[str, ClockModel]:
+    """A clock model per peer from the run's ``clock_sync`` rows: stored ones and this ingest's."""
+    stored = store._query(
+        "SELECT peer, ts_ns, offset_ns, rtt_ns FROM __db__.clock_sync WHERE run_id = {run_id:String}",
+        {"run_id": run_id},
+    )
+    for peer, t, o, r in stored.result_rows:
+        rows.setdefault(peer, set()).add((int(t), int(o), int(r)))
+    models = {}
+    for peer, samples in rows.items():
+        try:
+            models[peer] = ClockModel.from_measurements(sorted(samples), window_ns=CLOCK_WINDOW_NS)
+        except ValueError as exc:
+            log.warning("gpu-trace: clock of %s in run %s: %s", peer, run_id, exc)
+    return models
+
+
+def map_clock(
+    kind: str, table: pa.Table, model: ClockModel | None, peer: str
+) -> tuple[pa.Table, str | None]:
+    """A peer's spans or counters on the run's clock, with what was applied.
+
+    Spans keep their raw times in attrs ``raw_start_ns``/``raw_end_ns`` (the writer puts them
+    there) and get ``clock_offset_ns`` and ``clock_uncertainty_ns``. Without a model (no clock
+    samples of ``peer`` in the run) the times stay as they are, with an offset of 0.
+    """
+    note = None if model is not None else f"no clock_sync rows for {peer!r}: times not mapped"
+    if kind == "counters":
+        if model is not None:
+            ts = table.column("ts_ns").to_numpy()
+            table = table.set_column(
+                table.schema.get_field_index("ts_ns"), "ts_ns", pa.array(model.map_to_client(ts)[0])
+            )
+        return table, note
+    start = table.column("start_ns").to_numpy()
+    end = table.column("end_ns").to_numpy()
+    if model is not None:
+        start, offset, unc = model.map_to_client(start)
+        end = model.map_to_client(end)[0]
+    else:
+        offset = unc = np.zeros(len(start), dtype=np.int64)
+    i = table.schema.get_field_index
+    table = table.set_column(i("start_ns"), "start_ns", pa.array(start, pa.int64()))
+    table = table.set_column(i("end_ns"), "end_ns", pa.array(end, pa.int64()))
+    attrs = _append_attrs(
+        table.column("attrs"),
+        {"clock_offset_ns": offset.astype(str), "clock_uncertainty_ns": unc.astype(str)},
+    )
+    return table.set_column(i("attrs"), "attrs", attrs), note
+
+
+def _append_attrs(column: pa.ChunkedArray, extra: dict[str, np.ndarray]) -> pa.Array:
+    """Each row's map with ``extra``'s keys added (one value per row), built in one pass."""
+    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    n = len(arr)
+    offsets = arr.offsets.to_numpy().astype(np.int64)
+    keys = arr.keys.slice(offsets[0], offsets[-1] - offsets[0])
+    items = arr.items.slice(offsets[0], offsets[-1] - offsets[0])
+    offsets = offsets - offsets[0]
+    lengths = np.diff(offsets)
+    k = len(extra)
+    old_total = int(offsets[-1])
+    # New layout per row: its old entries, then the k new ones.
+    new_offsets = np.concatenate(([0], np.cumsum(lengths + k)))
+    order = np.empty(old_total + n * k, dtype=np.int64)
+    row_of = np.repeat(np.arange(n), lengths)
+    order[np.arange(old_total) + k * row_of] = np.arange(old_total)
+    for j in range(k):
+        order[offsets[1:] + k * np.arange(n) + j] = old_total + j * n + np.arange(n)
+    all_keys = pa.concat_arrays(
+        [keys.cast(pa.string()), *(pa.array([name] * n, pa.string()) for name in extra)]
+    )
+    all_items = pa.concat_arrays(
+        [items.cast(pa.string()), *(pa.array(v.tolist(), pa.string()) for v in extra.values())]
+    )
+    take = pa.array(order)
+    return pa.MapArray.from_arrays(
+        pa.array(new_offsets, pa.int32()), all_keys.take(take), all_items.take(take)
+    ).cast(arr.type)
 
 
 # ---- run.json, stats, threads --------------------------------------------------------------------
@@ -200,6 +336,20 @@ def _run_info(run_dir: Path, files: list[Path]) -> tuple[RunInfo, str | None]:
         status="unknown",
     )
     return info, problem
+
+
+def _stored_run(store: Store, run_id: str) -> RunInfo | None:
+    result = store._query(
+        "SELECT trace_id, started_ns, ended_ns, command, hosts, status, attrs"
+        " FROM __db__.runs FINAL WHERE run_id = {run_id:String}",
+        {"run_id": run_id},
+    )
+    if not result.result_rows:
+        return None
+    trace_id, started, ended, command, hosts, status, attrs = result.result_rows[0]
+    return RunInfo(
+        run_id, trace_id, int(started), int(ended), command, list(hosts), status, dict(attrs)
+    )
 
 
 def _read_stats(run_dir: Path, report: IngestReport) -> list[dict[str, Any]]:
