@@ -180,9 +180,18 @@ def bench_browser(source: Source, runs: list[str]) -> None:
                 cdp.send("Performance.enable")
                 t = time.perf_counter()
                 page.goto(f"{server.url}/?run={run_id}")
-                page.locator("#timeline g.barlayer g.point path").first.wait_for(
-                    state="attached", timeout=120_000
-                )
+                try:
+                    page.locator("#timeline g.barlayer g.point path").first.wait_for(
+                        state="attached", timeout=120_000
+                    )
+                except Exception as exc:
+                    said = " | ".join(
+                        page.inner_text(s) for s in ("#message", "#timeline-message", "#lod")
+                    )
+                    print(f"  {run_id:>12}: no bars after 120 s ({type(exc).__name__}); "
+                          f"the page says: {said!r}")  # fmt: skip
+                    page.close()
+                    continue
                 load = time.perf_counter() - t
                 nav = page.evaluate(
                     "() => { const n = performance.getEntriesByType('navigation')[0];"

@@ -53,16 +53,29 @@ def bars(pg) -> object:
 
 def open_run(pg, app: Server, run: str) -> None:
     pg.goto(f"{app.url}/?run={run}")
-    bars(pg).first.wait_for(state="attached")
+    try:
+        bars(pg).first.wait_for(state="attached", timeout=30_000)
+    except Exception:
+        # Known intermittent problem (docs/dashboard.md): under load the first figure sometimes
+        # never arrives; a reload draws it.
+        pg.reload()
+        bars(pg).first.wait_for(state="attached")
     pg.wait_for_function("document.querySelector('#lod').innerText.length > 0")
+    pg.wait_for_timeout(500)  # let Dash settle (the figure's first relayout) before clicking
 
 
 def click_bar(pg, index: int | None = None) -> None:
     """Click a bar (the widest one by default) with the mouse, as a user would."""
     boxes = [b for b in (bars(pg).nth(i).bounding_box() for i in range(bars(pg).count())) if b]
     box = boxes[index] if index is not None else max(boxes, key=lambda b: b["width"])
-    pg.mouse.click(box["x"] + min(box["width"] / 2, 20), box["y"] + box["height"] / 2)
-    pg.locator("#details-name").wait_for()
+    for attempt in range(3):  # a click while Dash is still redrawing can miss; a user clicks again
+        pg.mouse.click(box["x"] + min(box["width"] / 2, 20), box["y"] + box["height"] / 2)
+        try:
+            pg.locator("#details-name").wait_for(timeout=15_000)
+            return
+        except Exception:
+            if attempt == 2:
+                raise
 
 
 def test_timeline_zoom_click_details_and_tabs(page, app: Server) -> None:
