@@ -3,9 +3,8 @@
 One lock, ``_rx_lock``, says who reads. A program thread waiting at a sync point, the heartbeat
 waiting for its PONG and :meth:`~gpu_trace.runtime.client.Connection.close` waiting for BYE each
 take it and read until they have what they wait for, handling every other message on the way
-(no hand-off between threads on the way back). They poll the socket for :data:`SPIN_NS` before
-sleeping in ``select``: on loopback a small reply comes back in tens of microseconds, and a
-thread that slept has to be woken, which costs more than that.
+(no hand-off between threads on the way back). They try one non-blocking read, or poll for
+:data:`SPIN_NS`, before sleeping in ``select``.
 
 The receiver thread reads only while batches that nobody waits for are in flight
 (``_rx_wanted``): their DONEs free the in-flight window and send the next batch. It stays out of
@@ -43,8 +42,11 @@ log = logging.getLogger(__name__)
 
 now_ns = time.perf_counter_ns
 
-#: How long a reading thread polls the socket before sleeping in select (ns).
-SPIN_NS = 300_000
+#: How long a reading thread polls the socket before sleeping in select (ns); 0: one
+#: non-blocking read. Polling can save the wake-up of a thread that slept on a machine with cores
+#: to spare; on the 2-vCPU VM this was measured on it cost more than it saved (see
+#: ``gpu_trace.runtime.server.SPIN_NS``).
+SPIN_NS = 0
 
 
 class Receiver:
