@@ -15,6 +15,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from gpu_trace.runtime.tenants import Tenant
+from gpu_trace.runtime.usage import Usage
 from gpu_trace.runtime.wire import MAX_TENSOR_BYTES, ProtocolError
 
 #: Most live handles one session may hold.
@@ -214,9 +216,15 @@ class Session:
 
     _ids = itertools.count(1)
 
-    def __init__(self, client: dict[str, Any], send: Callable[..., None]) -> None:
+    def __init__(
+        self, client: dict[str, Any], send: Callable[..., None], tenant: Tenant | None = None
+    ) -> None:
         self.id = next(Session._ids)
         self.client = client
+        #: The tenant the client authenticated as (quota, weight, priority).
+        self.tenant = tenant if tenant is not None else Tenant(name="default", token="")
+        #: What the session has used (:mod:`gpu_trace.runtime.usage`).
+        self.usage = Usage()
         self.send = send
         self.account = MemoryAccount()
         self.handles = HandleTable(self.account)
