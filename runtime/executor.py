@@ -20,7 +20,7 @@ from typing import Any
 
 from gpu_trace.runtime import allowlist
 from gpu_trace.runtime.pseudo_ops import rng_state, run_pseudo, seed_device, set_rng_state
-from gpu_trace.runtime.scheduler import Scheduler, Work
+from gpu_trace.runtime.scheduler import PolicyScheduler, Work
 from gpu_trace.runtime.session import OpError, Session
 from gpu_trace.runtime.sink import ReturnSink, record_batch
 from gpu_trace.runtime.values import ArgDecoder, encode_result
@@ -44,7 +44,7 @@ MAX_FACTORY_BYTES = 64 << 30
 class Executor:
     """Runs work items on the device, one at a time."""
 
-    def __init__(self, device: str, scheduler: Scheduler, sink: Any = None) -> None:
+    def __init__(self, device: str, scheduler: PolicyScheduler, sink: Any = None) -> None:
         import torch
 
         self.torch = torch
@@ -104,6 +104,7 @@ class Executor:
             if session.trace:
                 self.sink.session_closed(session)
             session.close()
+            self.scheduler.forget(session)
             return
         if session.closed:
             return
@@ -173,6 +174,7 @@ class Executor:
         if self.device.type == "cuda" and (head.get("sync") or error is None and results):
             self.torch.cuda.synchronize(self.device)
         exec_end = now_ns()
+        self.scheduler.charge(session, exec_end - exec_start)
         session.batches += 1
         session.ops += len(ops)
         self.batches += 1

@@ -21,7 +21,7 @@ from typing import Any
 
 from gpu_trace.runtime import auth
 from gpu_trace.runtime.executor import Executor
-from gpu_trace.runtime.scheduler import FifoScheduler, Scheduler, Work
+from gpu_trace.runtime.scheduler import PolicyScheduler, Work
 from gpu_trace.runtime.session import Session
 from gpu_trace.runtime.sink import ReturnSink
 from gpu_trace.runtime.values import tensor_from_bytes, tensor_meta
@@ -85,7 +85,7 @@ class Server:
         *,
         device: str = "cpu",
         token: str,
-        scheduler: Scheduler | None = None,
+        scheduler: PolicyScheduler | None = None,
         max_sessions: int = 64,
         idle_timeout_s: float = 120.0,
         handshake_timeout_s: float = 10.0,
@@ -95,7 +95,7 @@ class Server:
         self.host, self.port = parse_address(listen)
         self.token = auth.check_token(token)
         self.device = _check_device(device)
-        self.scheduler = scheduler or FifoScheduler()
+        self.scheduler = scheduler if scheduler is not None else PolicyScheduler()
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
         self.handshake_timeout_s = handshake_timeout_s
