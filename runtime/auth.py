@@ -2,8 +2,11 @@
 
 The token never crosses the wire: the server sends a random 32-byte nonce in its CHALLENGE, the
 client answers with ``HMAC-SHA256(token, "gpu-trace/1" + nonce)``, and the server compares in
-constant time. A server started without a token makes one and keeps it in
-``GPU_TRACE_HOME/remote-token`` (mode 0600), where clients on the same machine find it.
+constant time. A server with many tenants (:mod:`gpu_trace.runtime.tenants`) checks the answer
+against every tenant's token, each in constant time and all of them every time (:func:`match`), so
+neither the answer nor its timing says which tenants exist. A server started without a token makes
+one and keeps it in ``GPU_TRACE_HOME/remote-token`` (mode 0600), where clients on the same machine
+find it.
 """
 
 from __future__ import annotations
@@ -12,9 +15,14 @@ import hashlib
 import hmac
 import os
 import secrets
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpu_trace import config
+
+if TYPE_CHECKING:
+    from gpu_trace.runtime.tenants import Tenant
 
 DOMAIN = b"gpu-trace/1"
 NONCE_BYTES = 32
@@ -30,10 +38,32 @@ def mac(token: str, nonce: bytes) -> str:
     return hmac.new(token.encode(), DOMAIN + nonce, hashlib.sha256).hexdigest()
 
 
+def _answer_bytes(answer: object) -> bytes | None:
+    """A well-formed answer (64 ASCII characters) as bytes, else None."""
+    if isinstance(answer, str) and len(answer) == 64 and answer.isascii():
+        return answer.encode()
+    return None
+
+
 def verify(token: str, nonce: bytes, answer: object) -> bool:
-    if not isinstance(answer, str) or len(answer) != 64:
-        return False
-    return hmac.compare_digest(mac(token, nonce), answer)
+    got = _answer_bytes(answer)
+    expected = mac(token, nonce).encode()
+    return hmac.compare_digest(expected, got if got is not None else bytes(64)) and got is not None
+
+
+def match(tenants: Sequence[Tenant], nonce: bytes, answer: object) -> Tenant | None:
+    """The tenant whose token produced ``answer`` to ``nonce``, or None.
+
+    Every tenant's MAC is computed and compared in constant time, with no early exit, whether the
+    answer is well-formed or not: the work done does not depend on which tenant (if any) matches.
+    """
+    got = _answer_bytes(answer)
+    probe = got if got is not None else bytes(64)
+    found: Tenant | None = None
+    for tenant in tenants:
+        ok = hmac.compare_digest(mac(tenant.token, nonce).encode(), probe)
+        found = tenant if ok and found is None else found
+    return found if got is not None else None
 
 
 def token_file() -> Path:
