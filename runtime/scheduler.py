@@ -77,7 +77,10 @@ class Policy(Protocol):
     name: str
 
     def pick(self, ready: list[Flow], now_ns: int) -> Flow:
-        """One of ``ready`` (non-empty, all of one priority class, in order of arrival)."""
+        """One of ``ready`` (non-empty, all of one priority class, in order of arrival).
+
+        Called for every item taken, also when only one flow is ready.
+        """
         ...
 
     def charged(self, flow: Flow, service_ns: int, now_ns: int) -> None:
@@ -182,7 +185,9 @@ class PolicyScheduler:
             top = max(f.priority for f in ready)
             ready = [f for f in ready if f.priority == top]
             now = self.clock()
-            flow = self.policy.pick(ready, now) if len(ready) > 1 else ready[0]
+            # The policy sees every decision, a lone flow's too: fair share's virtual time and
+            # round robin's turn move with what was served, not only with contested picks.
+            flow = self.policy.pick(ready, now)
             work = flow.queue.popleft()
             flow.last_served_ns = now
             if flow.queue:
@@ -209,11 +214,14 @@ class PolicyScheduler:
 
     def charge(self, session: Session, service_ns: int) -> None:
         """``session`` used ``service_ns`` of device time."""
+        if service_ns <= 0:
+            return
         with self._cond:
-            flow = self._flows.get(session.id)
-            if flow is not None and service_ns > 0:
-                flow.attained_ns += service_ns
-                self.policy.charged(flow, service_ns, self.clock())
+            # A session whose work ran inline (nothing queued) may have no flow yet; its device
+            # time counts all the same. Its ``close`` always comes through here and forgets it.
+            flow = self._flow(session)
+            flow.attained_ns += service_ns
+            self.policy.charged(flow, service_ns, self.clock())
 
     def park(self, session: Session) -> None:
         """Hold ``session``'s work (it waits for memory) until :meth:`unpark`."""
@@ -243,6 +251,8 @@ class PolicyScheduler:
             kept = [w for w in flow.queue if w.kind == "close"]
             flow.queue.clear()
             flow.queue.extend(kept)
+            if kept:
+                flow.head_ns = kept[0].enqueued_ns
             flow.parked = False
             self._recount()
 
@@ -258,4 +268,3 @@ class PolicyScheduler:
         """The flows, for accounting and the admin listing (copies of the numbers)."""
         with self._cond:
             return list(self._flows.values())
-
