@@ -1,0 +1,371 @@
+"""Sharing one GPU between tenants: what the sharing runtime's parts cost and what they buy.
+
+    python bench/sharing.py [--part replay|all] [--out results.json] [options of each part]
+
+Each part prints a table; ``--out`` also writes every part's numbers as JSON.
+
+Part ``replay``: scheduling policies on a production job trace, with simulated execution.
+The trace is bench/traces/openb_pod_list_default.csv (Alibaba cluster-trace-gpu-v2023, from the
+USENIX ATC 2023 paper "Beware of Fragmentation: Scheduling GPU-Sharing Workloads with
+Fragmentation Gradient Descent"; see bench/traces/README.md). Its tasks become jobs:
+
+- kept: GPU tasks (``num_gpu >= 1``, ``gpu_milli > 0``) that were scheduled and ended before the
+  trace did (a task still running at the end has no known demand), from where arrivals become
+  steady: the trace opens with 9 long tasks created more than a day apart, weeks before the
+  rest, holding about 60% of its GPU time; they are left out, as with them the replay would be a
+  long quiet start followed by an overload. 6,162 of 8,152 tasks are kept;
+- demand: ``(deletion_time - scheduled_time) * num_gpu * gpu_milli / 1000``, the GPU time the task
+  held, in trace seconds; divided by ``--time-scale`` (600: ten trace minutes are one simulated
+  second of device time, so the median job needs about 0.8 s, the range of the LAS policy's
+  default thresholds of 1, 10 and 100 s);
+- jobs: ``--jobs`` of them, every (6162 / jobs)-th in order of creation (the arrival pattern is
+  kept, thinned);
+- arrivals: ``creation_time`` from the first, multiplied by one factor chosen so the offered load
+  (total demand over the span of arrivals) on ONE device is ``--load``;
+- weight (fair share): each job is a session of its own tenant, of weight ``num_gpu * gpu_milli /
+  1000``, the GPUs it asked for (``--weights equal``: 1 each);
+- work: at its arrival a job submits its whole demand as work items of ``demand / --items``, but
+  no shorter than ``--min-item-ms`` and no longer than ``--max-item-ms`` (a batch's device time
+  on a real server; the cap bounds how long one item of a very long job holds the device).
+
+Execution is simulated: a discrete-event loop drives the real
+:class:`~gpu_trace.runtime.scheduler.PolicyScheduler` with each policy of
+:mod:`gpu_trace.runtime.policies`, its clock being the simulated one; the device runs one item
+at a time and charges its time. Items are not preempted, as on the server. For each policy: the
+job completion time (JCT, completion minus arrival, simulated seconds) mean, median, p95, p99,
+the makespan, and FIFO's mean JCT over the policy's. FIFO here serves jobs to completion in order
+of arrival (every item of a job is queued at its arrival), the baseline Tiresias (NSDI 2019)
+compares with, reporting up to 5.5x lower average JCT for its discretized LAS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpu_trace.runtime.policies import POLICIES, make_policy
+from gpu_trace.runtime.scheduler import PolicyScheduler, Work
+from gpu_trace.runtime.tenants import Tenant
+
+HERE = Path(__file__).resolve().parent
+TRACE = HERE / "traces" / "openb_pod_list_default.csv"
+SECOND_NS = 1_000_000_000
+MS_NS = 1_000_000
+#: Leading tasks followed by a gap longer than this before the next one are left out.
+LEAD_GAP_S = 86_400
+
+
+# ---- part: replay --------------------------------------------------------------------------------
+
+
+@dataclass
+class TraceTask:
+    """One kept task of the trace, in trace seconds."""
+
+    name: str
+    created_s: int
+    demand_s: float  # GPU time held: duration x GPUs asked for
+    gpus: float  # num_gpu * gpu_milli / 1000
+
+
+def read_trace(path: Path) -> tuple[list[TraceTask], int]:
+    """The kept tasks in order of creation, and how many rows the file has."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    end = max(int(r["deletion_time"]) for r in rows)
+    tasks = []
+    for r in rows:
+        num_gpu, milli = int(r["num_gpu"]), int(r["gpu_milli"])
+        if num_gpu < 1 or milli <= 0 or not r["scheduled_time"]:
+            continue  # a CPU task, or never scheduled
+        deleted, scheduled = int(r["deletion_time"]), int(r["scheduled_time"])
+        if deleted >= end or deleted <= scheduled:
+            continue  # still running when the trace ends: demand unknown
+        gpus = num_gpu * milli / 1000
+        tasks.append(
+            TraceTask(r["name"], int(r["creation_time"]), (deleted - scheduled) * gpus, gpus)
+        )
+    tasks.sort(key=lambda t: t.created_s)
+    # The trace opens with a few long tasks, created days apart, weeks before the arrivals become
+    # steady; they hold about 60% of its GPU time and would make the replay a quiet start and
+    # then an overload. The replay starts where arrivals become steady.
+    start = 0
+    while (
+        start + 1 < len(tasks) and tasks[start + 1].created_s - tasks[start].created_s > LEAD_GAP_S
+    ):
+        start += 1
+    return tasks[start:], len(rows)
+
+
+class SimClock:
+    """The scheduler's clock: simulated nanoseconds, moved by the event loop."""
+
+    def __init__(self) -> None:
+        self.now = 0
+
+    def __call__(self) -> int:
+        return self.now
+
+
+class Job:
+    """A job of the replay: a session (``id``, ``tenant``) with its demand cut into items."""
+
+    def __init__(
+        self, ident: int, arrival_ns: int, demand_ns: int, weight: float, item_ns: int
+    ) -> None:
+        self.id = ident
+        self.tenant = Tenant(name=f"job{ident}", token="", weight=weight)
+        self.arrival_ns = arrival_ns
+        self.demand_ns = demand_ns
+        self.item_ns = item_ns
+        self.items = math.ceil(demand_ns / item_ns)
+        self.left = self.items
+        self.done_ns = 0
+
+    def work(self) -> list[int]:
+        """The device time of each item: full ones, then the remainder."""
+        last = self.demand_ns - (self.items - 1) * self.item_ns
+        return [self.item_ns] * (self.items - 1) + [last]
+
+
+def make_jobs(tasks: list[TraceTask], args: argparse.Namespace) -> tuple[list[Job], float]:
+    """``args.jobs`` jobs thinned from ``tasks``, scaled; and the factor applied to arrivals."""
+    n = min(args.jobs, len(tasks))
+    picked = [tasks[i * len(tasks) // n] for i in range(n)]
+    demands = [max(1, round(t.demand_s / args.time_scale * SECOND_NS)) for t in picked]
+    first = picked[0].created_s
+    span_s = picked[-1].created_s - first
+    # offered load = total demand / span of arrivals (both simulated): choose the arrival factor
+    factor = sum(demands) / (args.load * span_s * SECOND_NS) if span_s else 0.0
+    jobs = []
+    for i, (task, demand) in enumerate(zip(picked, demands)):
+        item = min(max(demand // args.items, round(args.min_item_ms * MS_NS)), demand)
+        item = min(item, round(args.max_item_ms * MS_NS)) or 1
+        weight = task.gpus if args.weights == "gpus" else 1.0
+        arrival = round((task.created_s - first) * factor * SECOND_NS)
+        jobs.append(Job(i + 1, arrival, demand, weight, item))
+    return jobs, factor
+
+
+def simulate(jobs: list[Job], policy_name: str, policy_options: dict[str, Any]) -> dict[str, Any]:
+    """Run ``jobs`` on one simulated device under a policy; their completion times."""
+    clock = SimClock()
+    policy = make_policy(policy_name, **policy_options)
+    sched = PolicyScheduler(policy, clock=clock)
+    for job in jobs:
+        job.left, job.done_ns = job.items, 0
+    order = sorted(jobs, key=lambda j: (j.arrival_ns, j.id))
+    nxt, done, busy_ns = 0, 0, 0
+
+    def arrive(until_ns: int) -> int:
+        i = nxt
+        while i < len(order) and order[i].arrival_ns <= until_ns:
+            job = order[i]
+            clock.now = job.arrival_ns
+            for service in job.work():
+                sched.submit(job, Work("batch", head=service))
+            i += 1
+        return i
+
+    while done < len(order):
+        if not sched.depth():  # idle device: jump to the next arrival
+            clock.now = max(clock.now, order[nxt].arrival_ns)
+            nxt = arrive(clock.now)
+        got = sched.take(0)
+        assert got is not None
+        job, work = got
+        end = clock.now + work.head
+        nxt = arrive(end)  # arrivals while the item runs queue at their own times
+        clock.now = end
+        busy_ns += work.head
+        sched.charge(job, work.head)
+        job.left -= 1
+        if job.left == 0:
+            job.done_ns = end
+            done += 1
+            sched.forget(job)
+    jct = sorted((j.done_ns - j.arrival_ns) / SECOND_NS for j in jobs)
+    cuts = statistics.quantiles(jct, n=100, method="inclusive")
+    makespan = (max(j.done_ns for j in jobs) - min(j.arrival_ns for j in jobs)) / SECOND_NS
+    result = {
+        "policy": policy_name,
+        "mean_s": statistics.fmean(jct),
+        "median_s": statistics.median(jct),
+        "p95_s": cuts[94],
+        "p99_s": cuts[98],
+        "makespan_s": makespan,
+        "busy_s": busy_ns / SECOND_NS,
+    }
+    promotions = getattr(policy, "promotions", None)
+    if promotions is not None:
+        result["promotions"] = promotions
+    return result
+
+
+def part_replay(args: argparse.Namespace) -> dict[str, Any]:
+    """Every policy on the same scaled trace; FIFO's mean JCT over each policy's."""
+    tasks, rows = read_trace(args.trace)
+    jobs, factor = make_jobs(tasks, args)
+    demand = sorted(j.demand_ns / SECOND_NS for j in jobs)
+    items = sum(j.items for j in jobs)
+    results = []
+    for name in args.policies:
+        t0 = time.perf_counter()
+        options = {"starve_factor": args.las_starve_factor} if name == "las" else {}
+        result = simulate(jobs, name, options)
+        result["wall_s"] = time.perf_counter() - t0
+        results.append(result)
+    base = next((r["mean_s"] for r in results if r["policy"] == "fifo"), None)
+    for r in results:
+        r["fifo_over_this"] = base / r["mean_s"] if base else None
+    header = (
+        f"replay: {len(jobs):,} jobs of {len(tasks):,} kept ({rows:,} tasks in "
+        f"{args.trace.name}), {items:,} work items, one device at offered load {args.load:g}; "
+        f"demand / {args.time_scale:g} (median {statistics.median(demand):.2f} s, "
+        f"max {demand[-1]:,.0f} s), arrivals x {factor:.3g}, weights {args.weights}"
+    )
+    columns = ["policy", "mean JCT", "median", "p95", "p99", "makespan", "FIFO/this"]
+    table = [
+        [
+            r["policy"],
+            f"{r['mean_s']:,.1f} s",
+            f"{r['median_s']:,.2f} s",
+            f"{r['p95_s']:,.1f} s",
+            f"{r['p99_s']:,.0f} s",
+            f"{r['makespan_s']:,.0f} s",
+            f"{r['fifo_over_this']:.2f}x" if r["fifo_over_this"] else "-",
+        ]
+        for r in results
+    ]
+    return {
+        "title": header,
+        "columns": columns,
+        "rows": table,
+        "config": {
+            "trace": args.trace.name,
+            "jobs": len(jobs),
+            "kept": len(tasks),
+            "load": args.load,
+            "time_scale": args.time_scale,
+            "arrival_factor": factor,
+            "weights": args.weights,
+            "items": items,
+            "item_split": args.items,
+            "min_item_ms": args.min_item_ms,
+            "max_item_ms": args.max_item_ms,
+            "las_starve_factor": args.las_starve_factor,
+        },
+        "results": results,
+    }
+
+
+def positive(kind: Callable[[str], Any], least: float = 0) -> Callable[[str], Any]:
+    """An argparse type: ``kind`` of the text, above ``least``."""
+
+    def convert(text: str) -> Any:
+        value = kind(text)
+        if not value > least:
+            raise argparse.ArgumentTypeError(f"must be more than {least:g}, got {text}")
+        return value
+
+    return convert
+
+
+def add_replay_options(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("replay")
+    g.add_argument("--trace", type=Path, default=TRACE, help="the job trace (default: %(default)s)")
+    g.add_argument(
+        "--jobs", type=positive(int, 1), default=1000, help="jobs replayed (default %(default)s)"
+    )
+    g.add_argument(
+        "--load",
+        type=positive(float),
+        default=0.9,
+        help="offered load on one device (default %(default)s)",
+    )
+    g.add_argument(
+        "--time-scale",
+        type=positive(float),
+        default=600.0,
+        help="trace seconds per simulated second of demand (default %(default)s)",
+    )
+    g.add_argument(
+        "--weights",
+        choices=("gpus", "equal"),
+        default="gpus",
+        help="fair-share weight of a job: the GPUs it asked for, or 1 (default %(default)s)",
+    )
+    g.add_argument(
+        "--items",
+        type=positive(int),
+        default=100,
+        help="a job's demand in this many items (default 100)",
+    )
+    g.add_argument(
+        "--min-item-ms", type=positive(float), default=10.0, help="shortest item (default 10)"
+    )
+    g.add_argument(
+        "--max-item-ms", type=positive(float), default=1000.0, help="longest item (default 1000)"
+    )
+    g.add_argument(
+        "--policies",
+        nargs="+",
+        choices=POLICIES,
+        default=list(POLICIES),
+        help="policies to replay (default: all)",
+    )
+    g.add_argument(
+        "--las-starve-factor",
+        type=positive(float),
+        default=10.0,
+        help="LAS starvation limit, in multiples of attained service (default %(default)s)",
+    )
+
+
+# ---- driver --------------------------------------------------------------------------------------
+
+#: The parts, by name, in the order ``all`` runs them.
+PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {"replay": part_replay}
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(result["title"])
+    rows = [result["columns"], *result["rows"]]
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        cells = [
+            str(c).ljust(w) if i == 0 else str(c).rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths))
+        ]
+        print("  " + "  ".join(cells))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", choices=[*PARTS, "all"], default="all", help="default: all")
+    ap.add_argument("--out", type=Path, help="also write the results as JSON here")
+    add_replay_options(ap)
+    args = ap.parse_args(argv)
+    names = list(PARTS) if args.part == "all" else [args.part]
+    results = {}
+    for name in names:
+        results[name] = PARTS[name](args)
+        print_table(results[name])
+        print()
+    if args.out is not None:
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
