@@ -169,6 +169,8 @@ class PolicyScheduler:
         """Put ``work`` back at the head of its session's queue (a batch resumed later)."""
         with self._cond:
             flow = self._flow(session)
+            if not work.enqueued_ns:  # ran inline, never queued: it arrived now
+                work.enqueued_ns = self.clock()
             flow.queue.appendleft(work)
             flow.head_ns = work.enqueued_ns
             self._recount()
