@@ -36,8 +36,8 @@ class Work:
     recv_start_ns: int = 0
     recv_end_ns: int = 0
     done: threading.Event | None = None
-    #: When the scheduler queued it (the scheduler's clock).
-    enqueued_ns: int = 0
+    #: When the scheduler queued it (the scheduler's clock); -1: never queued (ran inline).
+    enqueued_ns: int = -1
     #: A batch parked part-way (waiting for memory) keeps its progress here.
     resume: Any = None
 
@@ -169,7 +169,7 @@ class PolicyScheduler:
         """Put ``work`` back at the head of its session's queue (a batch resumed later)."""
         with self._cond:
             flow = self._flow(session)
-            if not work.enqueued_ns:  # ran inline, never queued: it arrived now
+            if work.enqueued_ns < 0:  # ran inline, never queued: it arrived now
                 work.enqueued_ns = self.clock()
             flow.queue.appendleft(work)
             flow.head_ns = work.enqueued_ns
