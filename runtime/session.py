@@ -41,13 +41,19 @@ class MemoryAccount:
         self._storages: dict[int, list[int]] = {}  # storage key -> [nbytes, references]
         #: Called with the account after every change (quota enforcement, counters).
         self.on_change: Callable[[MemoryAccount], None] | None = None
+        #: Storages are counted as the device's allocator holds them: rounded up to a multiple
+        #: of this (512 on CUDA, set by :class:`~gpu_trace.runtime.memory.Memory`).
+        self.block_bytes = 1
 
     def charge(self, tensor: Any) -> int:
         storage = tensor.untyped_storage()
         key = storage.data_ptr() or id(storage)
         entry = self._storages.get(key)
         if entry is None:
-            entry = self._storages[key] = [storage.nbytes(), 0]
+            n = storage.nbytes()
+            if self.block_bytes > 1 and n:
+                n = -(-n // self.block_bytes) * self.block_bytes
+            entry = self._storages[key] = [n, 0]
             self._add(entry[0])
         entry[1] += 1
         return key
