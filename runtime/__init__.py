@@ -20,6 +20,7 @@ from typing import Any
 
 __all__ = [
     "ProtocolMismatch",
+    "QuotaExceeded",
     "RemoteError",
     "RemoteOpError",
     "RemoteTensor",
@@ -40,6 +41,7 @@ _WHERE = {
     "Server": "server",
     "RemoteError": "errors",
     "RemoteOpError": "errors",
+    "QuotaExceeded": "errors",
     "ServerGone": "errors",
     "ProtocolMismatch": "errors",
 }

@@ -50,6 +50,30 @@ class RemoteOpError(RemoteError):
         super().__init__(text)
 
 
+class QuotaExceeded(RemoteOpError):
+    """An op failed because its output would take the tenant over its memory quota (or the
+    server's device over its capacity, ``kind == "capacity"``).
+
+    ``used``, ``asked`` and ``limit`` are bytes: what the tenant held, what the op wanted, and
+    the quota. Like any op error it is raised at the next sync point and the session stays
+    usable: free tensors (``del``) and go on.
+    """
+
+    def __init__(
+        self,
+        op: str,
+        message: str,
+        client_stack: list[tuple[str, int, str]],
+        quota: dict[str, Any],
+    ) -> None:
+        super().__init__(op, message, client_stack)
+        self.tenant = str(quota.get("tenant", ""))
+        self.used = int(quota.get("used", 0))
+        self.asked = int(quota.get("asked", 0))
+        self.limit = int(quota.get("limit", 0))
+        self.kind = str(quota.get("kind", "quota"))
+
+
 class ServerGone(RemoteError):
     """The server closed the connection, stopped answering, or refused the session."""
 

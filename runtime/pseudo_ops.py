@@ -32,6 +32,7 @@ def run_pseudo(
         if not isinstance(tensor, torch.Tensor):
             raise OpError("rt::fetch needs a tensor")
         data = tensor_bytes(tensor.detach().to("cpu"))
+        session.usage.bytes_out += len(data)
         head = {
             "fetch": args[1],
             "dtype": str(tensor.dtype).removeprefix("torch."),
@@ -65,8 +66,8 @@ def run_pseudo(
     if name == "rt::backward":
         return _backward(ex, session, decoder, args, outs)
     if name == "rt::sync":
-        if ex.device.type == "cuda":
-            torch.cuda.synchronize(ex.device)
+        if ex.device.type == "cuda":  # the session's own stream: others' work is not waited for
+            torch.cuda.current_stream(ex.device).synchronize()
         return None
     if name == "rt::memory":
         return [session.account.bytes, session.account.peak_bytes, len(session.handles)]

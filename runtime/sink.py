@@ -48,6 +48,7 @@ SERVER_TIDS = {
     "server/execute": 2,
     "server/op": 2,
     "server/reply": 2,
+    "server/quota-wait": 2,
 }
 SERVER_THREADS = {"1": "receive", "2": "executor"}
 #: Run ids a server accepts as directory names.
@@ -186,8 +187,13 @@ def record_batch(
     op_spans: list[tuple[str, int, int]],
     queue_depth: int,
     sink: Any,
+    memory: Any = None,
 ) -> None:
-    """One batch's server spans into the session's log; hands the log to ``sink`` when due."""
+    """One batch's server spans into the session's log; hands the log to ``sink`` when due.
+
+    With the counters go the session's tenant's numbers from ``memory``
+    (:class:`~gpu_trace.runtime.memory.Memory`): its own tenant's only, never another's.
+    """
     from gpu_trace.tracer.context import parse_traceparent
 
     slog = session.log
@@ -206,12 +212,56 @@ def record_batch(
     reply_end = now_ns()
     span(new_id(), parent, "server/reply", "reply", exec_end, reply_end, seq)
     if reply_end - slog.last_sent_ns > 200_000_000 or len(slog.spans) > 20000:
-        labels = {"session": str(session.id)}
-        slog.counter("session_memory_bytes", reply_end, float(session.account.bytes), labels)
-        slog.counter("session_handles", reply_end, float(len(session.handles)), labels)
-        slog.counter("queue_depth", reply_end, float(queue_depth), labels)
+        record_counters(session, reply_end, queue_depth, memory)
         slog.last_sent_ns = reply_end
         sink.export(session, slog.take())
+
+
+def record_counters(session: Session, ts: int, queue_depth: int, memory: Any = None) -> None:
+    """The session's counters, labelled with its session and tenant, into its log.
+
+    Per session: ``session_memory_bytes``, ``session_handles``, ``queue_depth``, ``busy_ns``,
+    ``queue_wait_ns``, ``bytes_in``, ``bytes_out``, ``quota_waits``, ``quota_errors`` (totals
+    since it connected). Per tenant (the session's own): ``tenant_memory_bytes`` (logical: on the
+    device and paged out), ``tenant_resident_bytes`` and ``quota_bytes`` (its limit; absent
+    without a quota).
+    """
+    counter = session.log.counter
+    tenant = getattr(getattr(session, "tenant", None), "name", "default")
+    labels = {"session": str(session.id), "tenant": tenant}
+    usage = session.usage
+    counter("session_memory_bytes", ts, float(session.account.bytes), labels)
+    counter("session_handles", ts, float(len(session.handles)), labels)
+    counter("queue_depth", ts, float(queue_depth), labels)
+    for metric, value in (
+        ("busy_ns", usage.busy_ns),
+        ("queue_wait_ns", usage.queue_ns),
+        ("bytes_in", usage.bytes_in),
+        ("bytes_out", usage.bytes_out),
+        ("quota_waits", usage.quota_waits),
+        ("quota_errors", usage.quota_errors),
+    ):
+        counter(metric, ts, float(value), labels)
+    numbers = memory.tenant_numbers(tenant) if memory is not None else None
+    if numbers is not None:
+        tenant_labels = {"tenant": tenant}
+        counter("tenant_memory_bytes", ts, float(numbers["used_bytes"]), tenant_labels)
+        counter("tenant_resident_bytes", ts, float(numbers["resident_bytes"]), tenant_labels)
+        if numbers["limit_bytes"] is not None:
+            counter("quota_bytes", ts, float(numbers["limit_bytes"]), tenant_labels)
+
+
+def record_quota_wait(
+    session: Session, head: dict[str, Any] | None, start: int, end: int, attrs: dict[str, str]
+) -> None:
+    """A wait for memory (``server/quota-wait``), a child of the batch's client span."""
+    from gpu_trace.tracer.context import parse_traceparent
+
+    tp = head.get("tp") if head is not None else None
+    parsed = parse_traceparent(tp) if type(tp) is str else None
+    parent = int(parsed[1], 16) if parsed else 0
+    slog = session.log
+    slog.span(slog.new_id(), parent, "server/quota-wait", "quota-wait", start, end, attrs)
 
 
 # ---- sinks ---------------------------------------------------------------------------------------
