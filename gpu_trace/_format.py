@@ -1,4 +1,4 @@
-"""Human-readable numbers for the CLI: durations, counts, timestamps."""
+"""Human-readable numbers for the CLI: durations, counts, byte sizes, timestamps."""
 
 from __future__ import annotations
 
@@ -16,6 +16,18 @@ def duration(ns: float) -> str:
 
 def count(n: int) -> str:
     return f"{n:,}"
+
+
+def size(n: int | None) -> str:
+    """``1.5 GiB`` style (powers of 1024); ``-`` for None."""
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.3g} {unit}"
+        value /= 1024
+    return f"{n} B"
 
 
 def wall_time(ns: int | None) -> str:

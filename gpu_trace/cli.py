@@ -1,4 +1,4 @@
-"""The `gpu-trace` command line: record, serve, ingest, ls, show, export, sql, ui, demo.
+"""The `gpu-trace` command line: record, serve, tenants, ingest, ls, show, export, sql, ui, demo.
 
 Only this module prints or exits. Errors are one line on stderr, ``gpu-trace: ...``.
 """
@@ -139,7 +139,56 @@ def build_parser() -> argparse.ArgumentParser:
         help="write the server's spans of every traced session into this ClickHouse server "
         "(http(s)://...) under the client's run, instead of sending them back to the client",
     )
+    p.add_argument(
+        "--tenants",
+        metavar="FILE",
+        type=Path,
+        help="share the device among the tenants of this TOML file (tokens, memory quotas, "
+        "weights, priorities; docs/sharing.md); instead of --token",
+    )
+    p.add_argument(
+        "--policy",
+        choices=("fifo", "rr", "fair", "las"),
+        default="fair",
+        help="which session's work runs next: fifo, rr (round robin), fair (weighted fair share, "
+        "the default) or las (least attained service)",
+    )
+    p.add_argument(
+        "--device-memory",
+        metavar="SIZE",
+        help="device memory that tenants' memory fractions are taken of, in bytes or as 16GiB "
+        "(default: a GPU's total memory; on the CPU device, the machine's)",
+    )
+    p.add_argument(
+        "--metrics",
+        metavar="HOST:PORT",
+        help="serve Prometheus /metrics here (default 127.0.0.1 and the listen port + 1; off "
+        "turns it off); a non-loopback address needs an admin tenant's token on requests",
+    )
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser(
+        "tenants",
+        help="list a shared server's sessions and usage per tenant; evict a session (admin)",
+        description="List the live sessions of a `gpu-trace serve` server and what each tenant "
+        "and session uses. A tenant's token shows its own sessions; an admin tenant's token "
+        "shows all and may evict. See docs/sharing.md.",
+    )
+    p.add_argument("address", metavar="HOST:PORT", help="the server")
+    p.add_argument(
+        "--token",
+        help="the tenant's token (default GPU_TRACE_REMOTE_TOKEN, else the token file "
+        "GPU_TRACE_HOME/remote-token)",
+    )
+    p.add_argument(
+        "--evict",
+        type=int,
+        metavar="SESSION_ID",
+        help="close this session (an admin tenant's token only): its client gets an error at "
+        "its next sync point and its memory is freed",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_tenants)
 
     p = sub.add_parser("ingest", help="load a run directory's spool into the store (idempotent)")
     p.add_argument("run_dir", type=Path, metavar="DIR")
@@ -271,10 +320,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import signal
 
     from gpu_trace.runtime import auth
+    from gpu_trace.runtime.policies import make_policy
+    from gpu_trace.runtime.scheduler import PolicyScheduler
     from gpu_trace.runtime.server import Server
+    from gpu_trace.runtime.tenants import load_tenants, parse_size
 
+    if args.tenants is not None and args.token:
+        raise CLIError("give --tenants or --token, not both (tenants' tokens are in the file)", 2)
     try:
-        token, token_path = auth.server_token(args.token)
+        tenants = token = token_path = None
+        if args.tenants is not None:
+            tenants = load_tenants(args.tenants)
+        else:
+            token, token_path = auth.server_token(args.token)
+        device_memory = None
+        if args.device_memory is not None:
+            device_memory = parse_size(args.device_memory)
+            if device_memory <= 0:
+                raise ValueError("--device-memory must be more than 0 bytes")
+        scheduler = PolicyScheduler(make_policy(args.policy))
         device = args.device
         if device is None:
             import torch
@@ -286,23 +350,91 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
             sink = StoreSink(args.store, config.home() / "serve-spool")
         server = Server(
-            args.listen, device=device, token=token, max_sessions=args.max_sessions, sink=sink
+            args.listen,
+            device=device,
+            token=token,
+            tenants=tenants,
+            device_memory=device_memory,
+            scheduler=scheduler,
+            max_sessions=args.max_sessions,
+            sink=sink,
         )
         server.start()
     except (ValueError, OSError) as exc:
         raise CLIError(f"cannot serve: {exc}", 2) from None
-    where = f"token in {token_path}" if token_path else "token from --token/GPU_TRACE_REMOTE_TOKEN"
+    try:
+        metrics = _serve_metrics(server, args.listen, args.metrics)
+    except CLIError:
+        server.close()
+        raise
+    if tenants is not None:
+        where = f"{len(tenants)} tenants from {args.tenants}"
+    elif token_path:
+        where = f"token in {token_path}"
+    else:
+        where = "token from --token/GPU_TRACE_REMOTE_TOKEN"
+    where += f"; policy {args.policy}"
     if sink is not None:
         where += f"; spans to {sink.display}"
+    if metrics is not None:
+        where += f"; metrics at {metrics.url}"
     _err(f"serving {server.device} on {server.address} ({where}); Ctrl-C stops")
-    signal.signal(signal.SIGTERM, lambda *_: server._closing.set())
+    signal.signal(signal.SIGTERM, lambda *_: server.stop("SIGTERM"))
     try:
         server.serve_forever()
     except KeyboardInterrupt:
-        pass
+        server.stop("SIGINT")
     finally:
+        if metrics is not None:
+            metrics.close()
         server.close()
-    _err(f"served {server.executor.batches} batches")
+    why = f" ({server.stop_reason})" if server.stop_reason else ""
+    _err(f"stopped{why}: served {server.executor.batches} batches")
+    return 0
+
+
+def _serve_metrics(server: Any, listen: str, spec: str | None) -> Any:
+    """``--metrics``: the /metrics server, started; None if off. The default (the listen port
+    + 1 on 127.0.0.1) gives way with a warning when taken; an explicit address must work."""
+    from gpu_trace.runtime.metrics import MetricsServer
+    from gpu_trace.runtime.server import parse_address
+
+    if spec is not None and spec.lower() == "off":
+        return None
+    if spec is None:
+        port = parse_address(listen)[1]
+        spec = f"127.0.0.1:{port + 1 if port else 0}"
+        explicit = False
+    else:
+        explicit = True
+    try:
+        return MetricsServer(server, spec).start()
+    except (ValueError, OSError) as exc:
+        if explicit:
+            raise CLIError(f"cannot serve metrics on {spec}: {exc}", 2) from None
+        _err(f"no /metrics: {spec}: {exc} (--metrics HOST:PORT picks another address)")
+        return None
+
+
+def cmd_tenants(args: argparse.Namespace) -> int:
+    from gpu_trace.runtime import admin
+    from gpu_trace.runtime.errors import RemoteError
+
+    try:
+        if args.evict is not None:
+            admin.evict(args.address, args.evict, args.token)
+            if args.json:
+                _out(json.dumps({"evicted": args.evict}))
+            else:
+                _out(f"evicted session {args.evict}")
+            return 0
+        listing = admin.list_sessions(args.address, args.token)
+    except RemoteError as exc:
+        raise CLIError(str(exc)) from None
+    except ValueError as exc:  # no token, a malformed address
+        raise CLIError(str(exc), 2) from None
+    listing.pop("ok", None)
+    _out(json.dumps(listing, indent=2) if args.json else admin.format_listing(listing))
     return 0
 
 

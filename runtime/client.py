@@ -179,6 +179,8 @@ class Connection(Receiver):
         self.server_pid = int(msg.get("pid", 0))
         #: Where the server's spans go: "return" (TRACE messages into our run) or "store".
         self.server_sink = str(msg.get("sink", "return"))
+        #: The tenant the server knows us as (our token says which).
+        self.tenant = str(msg.get("tenant", ""))
 
     # ---- issuing ---------------------------------------------------------------------------------
 

@@ -57,6 +57,8 @@ class Executor:
         self._rng_owner: Session | None = None
         self._ops: dict[str, tuple[Any, Any, bool]] = {}
         self.batches = 0
+        #: The session whose work runs now (None: none).
+        self.current: Session | None = None
         #: Held while work runs; a connection may run work inline when it is free and nothing
         #: is queued (no hand-off between threads for a lone batch).
         self.lock = threading.Lock()
@@ -92,10 +94,13 @@ class Executor:
             self.lock.release()
 
     def _run_safely(self, session: Session, work: Work) -> None:
+        self.current = session  # the admin listing's "running"
         try:
             self.run(session, work)
         except Exception:  # a bug here must not take the server down
             log.exception("gpu-trace serve: session %d: work failed", session.id)
+        finally:
+            self.current = None
 
     def run(self, session: Session, work: Work) -> None:
         if work.kind == "close":

@@ -177,7 +177,11 @@ class Receiver:
             self._bye.set()
         elif mtype == MsgType.ERROR:
             msg = decode_json(body)
-            self._break(f"the server at {self.address} closed the session: {msg.get('message')}")
+            text = str(msg.get("message"))[:500]
+            if msg.get("reason") == "shutdown":  # "shutting down (SIGTERM)"
+                self._break(f"the server at {self.address} is {text}")
+            else:  # "session evicted by an administrator", a protocol error...
+                self._break(f"the server at {self.address} closed the session: {text}")
 
     def _on_done(self: Connection, msg: dict[str, Any], t_done: int) -> None:
         seq = msg.get("seq")

@@ -17,13 +17,15 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
-from gpu_trace.runtime import auth
+from gpu_trace.runtime import admin, auth
 from gpu_trace.runtime.executor import Executor
 from gpu_trace.runtime.scheduler import PolicyScheduler, Work
 from gpu_trace.runtime.session import Session
 from gpu_trace.runtime.sink import ReturnSink
+from gpu_trace.runtime.tenants import Tenant, check_tenants, single_tenant
 from gpu_trace.runtime.values import tensor_from_bytes, tensor_meta
 from gpu_trace.runtime.wire import (
     MAX_FRAME,
@@ -35,6 +37,7 @@ from gpu_trace.runtime.wire import (
     FrameWriter,
     MsgType,
     ProtocolError,
+    decode_admin,
     decode_chunk,
     decode_clock,
     decode_json,
@@ -72,7 +75,10 @@ def parse_address(address: str, default_host: str = "127.0.0.1") -> tuple[str, i
 class Server:
     """A forwarding server on ``host:port`` running ops on ``device`` (``cpu``, ``cuda:0``...).
 
-    ``token`` is what clients authenticate with (see :mod:`gpu_trace.runtime.auth`);
+    ``tenants`` are who may connect (:mod:`gpu_trace.runtime.tenants`): a client's token says
+    which tenant it is. ``token`` alone is one tenant, ``default``, an admin (see
+    :mod:`gpu_trace.runtime.auth`). ``device_memory`` is the capacity in bytes that tenants'
+    memory fractions are taken of (None: the device's own);
     ``scheduler`` is the scheduling policy (FIFO by default); ``delay_ms`` holds back every
     received frame (benchmarks simulate a longer network with it); ``sink`` is where traced
     sessions' spans go (:class:`~gpu_trace.runtime.sink.ReturnSink`, back to the client, by
@@ -84,7 +90,9 @@ class Server:
         listen: str = "127.0.0.1:0",
         *,
         device: str = "cpu",
-        token: str,
+        token: str | None = None,
+        tenants: Sequence[Tenant] | None = None,
+        device_memory: int | None = None,
         scheduler: PolicyScheduler | None = None,
         max_sessions: int = 64,
         idle_timeout_s: float = 120.0,
@@ -93,7 +101,14 @@ class Server:
         sink: Any = None,
     ) -> None:
         self.host, self.port = parse_address(listen)
-        self.token = auth.check_token(token)
+        if token is not None and tenants is not None:
+            raise ValueError("a server takes a token or tenants, not both")
+        if tenants is None:
+            tenants = single_tenant(auth.check_token(token or ""))
+        self.tenants = check_tenants(tenants)
+        if device_memory is not None and device_memory <= 0:
+            raise ValueError("device_memory must be a positive number of bytes")
+        self.device_memory = device_memory
         self.device = _check_device(device)
         self.scheduler = scheduler if scheduler is not None else PolicyScheduler()
         self.max_sessions = max_sessions
@@ -104,6 +119,11 @@ class Server:
         self.sink.server_device = self.device
         self.executor = Executor(self.device, self.scheduler, self.sink)
         self.sessions: dict[int, Session] = {}
+        #: Sessions' connection times and the usage of ended sessions (:mod:`.admin`).
+        self.ledger = admin.Ledger()
+        #: Why the server stops (``SIGTERM``...), said to its clients; see :meth:`stop`.
+        self.stop_reason: str | None = None
+        self._session_conns: dict[int, socket.socket] = {}
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._threads: list[threading.Thread] = []
@@ -131,11 +151,39 @@ class Server:
             self.start()
         self._closing.wait()
 
+    def stop(self, reason: str | None = None) -> None:
+        """Make :meth:`serve_forever` return (a signal handler may call it); ``reason`` (e.g.
+        ``SIGTERM``) is what :meth:`close` tells the clients."""
+        if reason and self.stop_reason is None:
+            self.stop_reason = reason
+        self._closing.set()
+
     def close(self) -> None:
+        """Stop: the work running finishes, traced sessions' spans go to the sink, every client
+        is told the server is shutting down (a ``ServerGone`` at its next sync point)."""
         self._closing.set()
         if self._sock is not None:
             with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)  # wakes accept() (close alone does not)
+            with contextlib.suppress(OSError):
                 self._sock.close()
+        self.executor.stop()
+        locked = self.executor.lock.acquire(timeout=10)  # no inline work either
+        try:
+            with self._lock:
+                sessions = list(self.sessions.values())
+            why = f" ({self.stop_reason})" if self.stop_reason else ""
+            for session in sessions:
+                if session.trace:
+                    try:
+                        self.sink.export(session, session.log.take())
+                        self.sink.session_closed(session)
+                    except Exception:  # one session's spans must not keep the others'
+                        log.exception("gpu-trace serve: flushing session %d failed", session.id)
+                self._end(session, f"shutting down{why}", "shutdown")
+        finally:
+            if locked:
+                self.executor.lock.release()
         with self._lock:
             conns = list(self._conns)
         for c in conns:
@@ -143,8 +191,36 @@ class Server:
                 c.shutdown(socket.SHUT_RDWR)
         for t in list(self._threads):
             t.join(timeout=5)
-        self.executor.stop()
         self.sink.shutdown()
+
+    def evict(self, session_id: int, by: str = "") -> bool:
+        """Close session ``session_id``: its client is told "session evicted by an
+        administrator" (a ``ServerGone`` at its next sync point) and its memory is freed.
+        False if there is no such session."""
+        with self._lock:
+            session = self.sessions.get(session_id)
+        if session is None:
+            return False
+        log.warning(
+            "gpu-trace serve: session %d of tenant %s evicted by %s",
+            session.id,
+            session.tenant.name,
+            by or "an administrator",
+        )
+        self._end(session, admin.EVICTED, "evicted")
+        return True
+
+    def _end(self, session: Session, message: str, reason: str) -> None:
+        """Tell ``session``'s client why it ends, then end it: its connection's thread sees the
+        socket shut and frees the session, as at a disconnect."""
+        with contextlib.suppress(ConnectionClosed):
+            session.send(json_frame(MsgType.ERROR, {"message": message, "reason": reason}))
+        session.closed = True
+        with self._lock:
+            conn = self._session_conns.get(session.id)
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
 
     def __enter__(self) -> Server:
         return self.start()
@@ -194,6 +270,8 @@ class Server:
             if session is not None:
                 with self._lock:
                     self.sessions.pop(session.id, None)
+                    self._session_conns.pop(session.id, None)
+                self.ledger.retire(session)
                 session.closed = True
                 self.scheduler.drop(session)
                 self.scheduler.submit(session, Work("close"))
@@ -218,33 +296,61 @@ class Server:
         hello = decode_json(body)
         if hello.get("v") != PROTOCOL_VERSION:
             raise ProtocolError(f"protocol version {str(hello.get('v'))[:10]} not supported")
-        if not auth.verify(self.token, nonce, hello.get("mac")):
+        # Every tenant's token is tried, in constant time each, whatever the answer: a wrong
+        # token gets the same refusal, after the same work, however many tenants there are.
+        tenant = auth.match(self.tenants, nonce, hello.get("mac"))
+        if tenant is None:
             time.sleep(0.05)  # slow down guessing
             raise ProtocolError("authentication failed")
         client = hello.get("client")
         if not isinstance(client, dict):
             raise ProtocolError("HELLO needs a client object")
         client = {str(k)[:64]: str(v)[:256] for k, v in list(client.items())[:32]}
+        mode = hello.get("mode", "session")
+        if mode not in ("session", "admin"):
+            raise ProtocolError("HELLO mode must be session or admin")
+        welcome = {
+            "device": str(self.device),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "sink": self.sink.kind,
+            "tenant": tenant.name,
+        }
+        if mode == "admin":
+            writer.send(
+                json_frame(MsgType.WELCOME, {**welcome, "session": 0, "admin": tenant.admin})
+            )
+            conn.settimeout(None)
+            self._admin_loop(conn, writer, tenant)
+            return None
         with self._lock:
             if len(self.sessions) >= self.max_sessions:
                 raise ProtocolError(f"server full ({self.max_sessions} sessions)")
-            session = Session(client, writer.send)
+            session = Session(client, writer.send, tenant)
             session.trace = self.sink.accepts(client)
             self.sessions[session.id] = session
-        writer.send(
-            json_frame(
-                MsgType.WELCOME,
-                {
-                    "session": session.id,
-                    "device": str(self.device),
-                    "host": socket.gethostname(),
-                    "pid": os.getpid(),
-                    "sink": self.sink.kind,
-                },
-            )
-        )
+            self._session_conns[session.id] = conn
+        self.ledger.open(session)
+        writer.send(json_frame(MsgType.WELCOME, {**welcome, "session": session.id}))
         conn.settimeout(None)  # blocking, for polling; the read loop times out itself
         return session
+
+    def _admin_loop(self, conn: socket.socket, writer: FrameWriter, tenant: Tenant) -> None:
+        """An admin client's requests (:mod:`gpu_trace.runtime.admin`); no session."""
+        reader = FrameReader(conn, MAX_HANDSHAKE_FRAME)
+        while not self._closing.is_set():
+            mtype, body = reader.read_spin(0, self.idle_timeout_s)
+            if mtype == MsgType.ADMIN:
+                reply = admin.handle(self, tenant, decode_admin(body))
+                writer.send(json_frame(MsgType.ADMIN_REPLY, reply))
+            elif mtype == MsgType.PING:
+                t1 = now_ns()
+                writer.send(frame(MsgType.PONG, PONG_BODY.pack(decode_ping(body), t1, now_ns())))
+            elif mtype == MsgType.BYE:
+                writer.send(frame(MsgType.BYE))
+                return
+            else:
+                raise ProtocolError(f"unexpected message {MsgType(mtype).name} from an admin")
 
     def _read_loop(self, conn: socket.socket, writer: FrameWriter, session: Session) -> None:
         reader = FrameReader(conn, MAX_FRAME, delay_ns=self.delay_ns)
@@ -257,7 +363,8 @@ class Server:
             if not (small and executor.try_inline(session, work)):
                 scheduler.submit(session, work)
 
-        while not self._closing.is_set() and not session.closed:
+        # Not stopped by _closing: close() tells each client why, then shuts its socket.
+        while not session.closed:
             mtype, body = reader.read_spin(SPIN_NS, self.idle_timeout_s)
             if mtype == MsgType.PING:
                 t1 = now_ns()

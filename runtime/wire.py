@@ -16,7 +16,13 @@ A session, from the client's side::
     PING t0 ->       <- PONG t0 t1 t2          (heartbeat and clock-sync exchange)
     CLOCK (t0 t1 t2 t3)* ->                   (finished exchanges, when the server keeps the spans)
                      <- TRACE {names, spans, counters}   (server spans, when the client traces)
+                     <- ERROR {message, reason}   (then close: reason "evicted", "shutdown"...)
     BYE ->           <- BYE                    (after the last TRACE)
+
+An admin client (``gpu-trace tenants``, :mod:`gpu_trace.runtime.admin`) says ``"mode": "admin"``
+in its HELLO; it gets a WELCOME with no session, then::
+
+    ADMIN {op: "list"} or {op: "evict", session} ->   <- ADMIN_REPLY {ok, ...}
 
 Every size is bounded before anything is allocated: a frame's length is checked against the
 limit of the connection's state (:data:`MAX_HANDSHAKE_FRAME` before authentication) as soon as its
@@ -64,6 +70,8 @@ MAX_DEPTH = 4
 MAX_STRING = 1024
 #: Most clock-sync exchanges in one CLOCK message.
 MAX_CLOCK_SAMPLES = 64
+#: What an ADMIN request may ask for.
+ADMIN_OPS = ("list", "evict")
 
 
 class MsgType(enum.IntEnum):
@@ -81,6 +89,8 @@ class MsgType(enum.IntEnum):
     BYE = 12
     ERROR = 13
     CLOCK = 14
+    ADMIN = 15
+    ADMIN_REPLY = 16
 
 
 _TYPES = frozenset(int(t) for t in MsgType)
@@ -170,6 +180,17 @@ def decode_clock(body: bytes | memoryview) -> list[tuple[int, int, int, int]]:
     if rest or not 0 < n <= MAX_CLOCK_SAMPLES:
         raise ProtocolError("malformed clock samples")
     return list(CLOCK_SAMPLE.iter_unpack(body))
+
+
+def decode_admin(body: bytes | memoryview) -> dict[str, Any]:
+    """An ADMIN request, validated: ``{"op": "list"}`` or ``{"op": "evict", "session": N}``."""
+    req = decode_json(body)
+    op = field_str(req, "op", 16)
+    if op not in ADMIN_OPS or set(req) - {"op", "session"}:
+        raise ProtocolError(f"an admin request is one of {', '.join(ADMIN_OPS)}")
+    if op == "evict":
+        return {"op": op, "session": field_int(req, "session", 1)}
+    return {"op": op}
 
 
 def decode_pong(body: bytes | memoryview) -> tuple[int, int, int]:
