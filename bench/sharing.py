@@ -331,10 +331,174 @@ def add_replay_options(ap: argparse.ArgumentParser) -> None:
     )
 
 
+# ---- part: tenants -------------------------------------------------------------------------------
+
+TENANT_TOKEN = "bench-sharing-tenant-{}-0123456789"
+
+
+def _tenant_job(address: str, token: str, steps: int, seed: int) -> None:
+    """A client: a small CNN's training steps on the server; prints its JSON line and exits."""
+    import torch
+
+    from gpu_trace import runtime
+
+    dev = runtime.connect(address, token=token)
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 16, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(16, 32, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(),
+        torch.nn.Linear(32 * 7 * 7, 10),
+    ).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x = torch.randn(64, 1, 28, 28).to(dev)
+    y = torch.randint(0, 10, (64,)).to(dev)
+    print(json.dumps({"ready": True}), flush=True)
+    sys.stdin.readline()  # go
+    t0, wall0 = time.perf_counter(), time.time()
+    loss = 0.0
+    for _ in range(steps):
+        opt.zero_grad()
+        out = torch.nn.functional.cross_entropy(model(x), y)
+        out.backward()
+        opt.step()
+        loss = out.item()
+    elapsed = time.perf_counter() - t0
+    print(json.dumps({"s": elapsed, "start": wall0, "end": wall0 + elapsed, "loss": loss}))
+    runtime.disconnect()
+
+
+def _serve_tenants(port: int, tenants: int, policy: str) -> None:
+    from gpu_trace.runtime.policies import make_policy
+    from gpu_trace.runtime.scheduler import PolicyScheduler
+    from gpu_trace.runtime.server import Server
+
+    server = Server(
+        f"127.0.0.1:{port}",
+        tenants=[Tenant(name=f"t{i}", token=TENANT_TOKEN.format(i)) for i in range(tenants)],
+        scheduler=PolicyScheduler(make_policy(policy)),
+    ).start()
+    print("ready", flush=True)
+    server.serve_forever()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_jobs(address: str, tokens: list[str], steps: int) -> tuple[list[float], float]:
+    """Start one client per token, let them go together; each one's time and the makespan
+    (first start to last end of the training loops, as the clients timed them)."""
+    import subprocess
+
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--tenant-job", address, token, str(steps), str(i)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i, token in enumerate(tokens)
+    ]
+    for p in procs:
+        assert p.stdout is not None and json.loads(p.stdout.readline())["ready"]
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    done = []
+    for p in procs:
+        assert p.stdout is not None
+        done.append(json.loads(p.stdout.readline()))
+        p.wait(timeout=600)
+    makespan = max(d["end"] for d in done) - min(d["start"] for d in done)
+    return [d["s"] for d in done], makespan
+
+
+def part_tenants(args: argparse.Namespace) -> dict[str, Any]:
+    """N tenants training at once on one server vs the same jobs one after the other."""
+    import subprocess
+
+    rows, results = [], []
+    for n in args.tenant_counts:
+        port = _free_port()
+        server = subprocess.Popen(
+            [sys.executable, __file__, "--serve-tenants", str(port), str(n), args.tenant_policy],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+            address = f"127.0.0.1:{port}"
+            tokens = [TENANT_TOKEN.format(i) for i in range(n)]
+            alone = [_run_jobs(address, [t], args.tenant_steps)[0][0] for t in tokens]
+            together, makespan = _run_jobs(address, tokens, args.tenant_steps)
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+        sequential = sum(alone)
+        slowdowns = [c / a for c, a in zip(together, alone)]
+        result = {
+            "tenants": n,
+            "alone_s": alone,
+            "together_s": together,
+            "sequential_s": sequential,
+            "makespan_s": makespan,
+            "throughput_gain": sequential / makespan,
+            "slowdowns": slowdowns,
+        }
+        results.append(result)
+        rows.append(
+            [
+                str(n),
+                f"{sequential:.2f} s",
+                f"{makespan:.2f} s",
+                f"{makespan / sequential:.2f}",
+                f"{sequential / makespan:.2f}x",
+                " ".join(f"{s:.2f}" for s in slowdowns),
+            ]
+        )
+    return {
+        "title": (
+            f"tenants: each a client process training a small CNN (batch 64, 28x28) for "
+            f"{args.tenant_steps} steps on one server (CPU device, policy {args.tenant_policy}); "
+            "one after the other vs all at once"
+        ),
+        "columns": [
+            "tenants",
+            "one after another",
+            "all at once",
+            "at once / after",
+            "aggregate throughput",
+            "each tenant's slowdown",
+        ],
+        "rows": rows,
+        "results": results,
+    }
+
+
+def add_tenants_options(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("tenants")
+    g.add_argument("--tenant-counts", type=int, nargs="+", default=[2, 4])
+    g.add_argument("--tenant-steps", type=positive(int), default=30)
+    g.add_argument("--tenant-policy", choices=POLICIES, default="fair")
+
+
 # ---- driver --------------------------------------------------------------------------------------
 
 #: The parts, by name, in the order ``all`` runs them.
-PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {"replay": part_replay}
+PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+    "replay": part_replay,
+    "tenants": part_tenants,
+}
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -354,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--part", choices=[*PARTS, "all"], default="all", help="default: all")
     ap.add_argument("--out", type=Path, help="also write the results as JSON here")
     add_replay_options(ap)
+    add_tenants_options(ap)
     args = ap.parse_args(argv)
     names = list(PARTS) if args.part == "all" else [args.part]
     results = {}
@@ -368,4 +533,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    if sys.argv[1:2] == ["--tenant-job"]:
+        _tenant_job(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+    elif sys.argv[1:2] == ["--serve-tenants"]:
+        _serve_tenants(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    else:
+        sys.exit(main())
