@@ -265,3 +265,23 @@ def test_fuzz_frame_and_body_decoders(data: bytes) -> None:
     except (ProtocolError, wire.ConnectionClosed, TimeoutError):
         pass
     b.close()
+
+
+# ---- admin requests ------------------------------------------------------------------------------
+
+
+def test_admin_requests_are_validated() -> None:
+    assert wire.decode_admin(b'{"op": "list"}') == {"op": "list"}
+    assert wire.decode_admin(b'{"op": "evict", "session": 7}') == {"op": "evict", "session": 7}
+    for body in (
+        b'{"op": "shutdown"}',
+        b'{"op": "list", "all": true}',
+        b'{"op": "evict"}',
+        b'{"op": "evict", "session": "7"}',
+        b'{"op": "evict", "session": 0}',
+        b'{"op": 1}',
+        b"[]",
+        b"not json",
+    ):
+        with pytest.raises(ProtocolError):
+            wire.decode_admin(body)
