@@ -400,7 +400,11 @@ class Server:
             elif mtype == MsgType.BYE:
                 done = threading.Event()
                 self.scheduler.submit(session, Work("bye", done=done))
-                done.wait(self.idle_timeout_s)
+                deadline = time.monotonic() + self.idle_timeout_s
+                # A stopping server's executor may never run it: don't hold close() up.
+                while not done.wait(0.1) and not self._closing.is_set():
+                    if time.monotonic() > deadline:
+                        break
                 return
             else:
                 raise ProtocolError(f"unexpected message {MsgType(mtype).name} from a client")
