@@ -8,6 +8,14 @@ server's sink (:mod:`gpu_trace.runtime.sink`).
 
 Everything that touches a session's tables happens on this thread, so they need no locks. The
 random generator's state is switched with the session, so tenants never share a random stream.
+
+Memory (:mod:`gpu_trace.runtime.memory`): an op whose output size is known (factory ops,
+uploads) is checked before it runs, any other op right after (its outputs are freed at once if
+refused). A refused op fails with a :class:`~gpu_trace.runtime.memory.QuotaError`, or, for a
+tenant whose ``on_quota`` is ``wait``, its batch is parked part-way (its progress kept in
+``Work.resume``) while other sessions run, and retried when memory is freed. The executor never
+blocks on memory. On CUDA each session runs on its own stream, and its device time is read from
+CUDA events recorded around its batches, later, without synchronizing.
 """
 
 from __future__ import annotations
@@ -19,10 +27,11 @@ import time
 from typing import Any
 
 from gpu_trace.runtime import allowlist
+from gpu_trace.runtime.memory import Memory, QuotaError, Refusal, allocator_bytes
 from gpu_trace.runtime.pseudo_ops import rng_state, run_pseudo, seed_device, set_rng_state
 from gpu_trace.runtime.scheduler import PolicyScheduler, Work
 from gpu_trace.runtime.session import OpError, Session
-from gpu_trace.runtime.sink import ReturnSink, record_batch
+from gpu_trace.runtime.sink import ReturnSink, record_batch, record_counters, record_quota_wait
 from gpu_trace.runtime.values import ArgDecoder, encode_result
 from gpu_trace.runtime.wire import (
     MAX_BATCH_OPS,
@@ -41,10 +50,28 @@ now_ns = time.perf_counter_ns
 MAX_FACTORY_BYTES = 64 << 30
 
 
+class _Refused(Exception):
+    """An op may not allocate now; the batch fails it or waits (the tenant's ``on_quota``).
+
+    ``rerun``: the op did not run, or ran without changing anything but its freed outputs, so
+    it may run again.
+    """
+
+    def __init__(self, refusal: Refusal, rerun: bool = True) -> None:
+        self.refusal = refusal
+        self.rerun = rerun
+
+
 class Executor:
     """Runs work items on the device, one at a time."""
 
-    def __init__(self, device: str, scheduler: PolicyScheduler, sink: Any = None) -> None:
+    def __init__(
+        self,
+        device: str,
+        scheduler: PolicyScheduler,
+        sink: Any = None,
+        memory: Memory | None = None,
+    ) -> None:
         import torch
 
         self.torch = torch
@@ -55,10 +82,18 @@ class Executor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._rng_owner: Session | None = None
-        self._ops: dict[str, tuple[Any, Any, bool]] = {}
+        self._ops: dict[str, tuple[Any, Any, bool, bool, bool, bool]] = {}
         self.batches = 0
         #: The session whose work runs now (None: none).
         self.current: Session | None = None
+        #: Device memory by tenant; a server passes its own (``Server.memory``).
+        self.memory = memory if memory is not None else Memory(1 << 62)
+        self.memory.wake = scheduler.unpark
+        self._cuda = self.device.type == "cuda"
+        self._streams: dict[int, Any] = {}  # session id -> its CUDA stream
+        self._events: dict[int, list[tuple[Any, Any]]] = {}  # session id -> unread CUDA events
+        self._refused: dict[int, dict[int, QuotaError]] = {}  # session id -> refused uploads
+        self._blobs_taken = 0
         #: Held while work runs; a connection may run work inline when it is free and nothing
         #: is queued (no hand-off between threads for a lone batch).
         self.lock = threading.Lock()
@@ -73,10 +108,16 @@ class Executor:
             self._thread.join(timeout=5)
 
     def _loop(self) -> None:
+        memory = self.memory
         while not self._stop.is_set():
             if not self.scheduler.wait(0.2):
+                if memory.waiting():
+                    with self.lock:
+                        memory.due()  # waits that ran out are retried (and fail)
                 continue
             with self.lock:
+                if memory.waiting():
+                    memory.due()
                 got = self.scheduler.take(0)
                 if got is not None:
                     self._run_safely(*got)
@@ -86,7 +127,9 @@ class Executor:
         if self.scheduler.depth() or not self.lock.acquire(blocking=False):
             return False
         try:
-            if self.scheduler.depth():
+            # A parked session's queued work is not counted in depth(): it goes first. (Only
+            # waits for memory park a session.)
+            if self.scheduler.depth() or (self.memory.waiting() and self.scheduler.queued(session)):
                 return False
             self._run_safely(session, work)
             return True
@@ -106,9 +149,14 @@ class Executor:
         if work.kind == "close":
             if self._rng_owner is session:
                 self._rng_owner = None
+            self._read_events(session)
             if session.trace:
                 self.sink.session_closed(session)
             session.close()
+            self.memory.detach(session)
+            self._streams.pop(session.id, None)
+            self._events.pop(session.id, None)
+            self._refused.pop(session.id, None)
             self.scheduler.forget(session)
             return
         if session.closed:
@@ -117,9 +165,15 @@ class Executor:
             if work.kind == "put-inline":
                 if type(work.head) is not int or work.head <= 0:
                     raise ProtocolError("blob ids are positive integers")
-                session.blobs.add(work.head, *work.data)
+                if work.resume is None:
+                    session.usage.bytes_in += work.data[1]
+                if self._admit_upload(session, work, work.head, work.data[1]):
+                    session.blobs.add(work.head, *work.data)
             elif work.kind == "bye":
                 try:
+                    if session.trace:  # the run ends with the session's final numbers
+                        self._read_events(session)
+                        record_counters(session, now_ns(), self.scheduler.depth(), self.memory)
                     self.sink.export(session, session.log.take())
                     session.send(frame(MsgType.BYE))
                 finally:
@@ -127,10 +181,14 @@ class Executor:
                         work.done.set()
             elif work.kind == "put":
                 dtype, shape, nbytes = work.data
-                session.blobs.begin(work.head, dtype, shape, nbytes)
+                if self._admit_upload(session, work, work.head, nbytes):
+                    session.blobs.begin(work.head, dtype, shape, nbytes)
             elif work.kind == "chunk":
                 ident, offset, data = work.data
-                session.blobs.chunk(ident, offset, data)
+                session.usage.bytes_in += len(data)
+                refused = self._refused.get(session.id)
+                if refused is None or ident not in refused:
+                    session.blobs.chunk(ident, offset, data)
             elif work.kind == "batch":
                 self._batch(session, work)
         except ProtocolError as exc:
@@ -154,34 +212,84 @@ class Executor:
         if len(ops) > MAX_BATCH_OPS or len(frees) > MAX_FREES:
             raise ProtocolError("batch too large")
         self._switch_rng(session)
-        exec_start = now_ns()
-        decoder = ArgDecoder(session.handles.get, session.blobs.take, self.device)
-        results: dict[str, Any] = {}
+        usage = session.usage
+        start = now_ns()
+        state = work.resume
+        if state is None:  # a fresh batch (else one resumed after waiting for memory)
+            first, exec_start, results, op_spans = 0, start, {}, []
+            execute_id = session.log.new_id() if session.trace else 0
+            usage.queue_ns += max(0, start - work.recv_end_ns)
+        else:
+            first, exec_start = state["index"], state["exec_start"]
+            results, op_spans, execute_id = state["results"], state["op_spans"], state["execute_id"]
+        decoder = ArgDecoder(session.handles.get, self._blob_taker(session), self.device)
         error = None
-        execute_id = session.log.new_id() if session.trace else 0
-        op_spans: list[tuple[str, int, int]] = []
-        for index, op in enumerate(ops):
-            name = op[0] if type(op) is list and op and type(op[0]) is str else "?"
-            try:
-                t0 = now_ns()
-                value = self._op(session, decoder, op)
-                t1 = now_ns()
-                if session.trace:
-                    op_spans.append((name[:200], t0, t1))
-                if value is not None:
-                    results[str(index)] = value
-            except Exception as exc:  # the op's error goes back to the client, the session goes on
-                error = {"index": index, "op": name[:200], "type": type(exc).__name__}
-                error["message"] = str(exc)[:4000]
-                break
-        for handle in frees:
-            session.free(handle)
-        if self.device.type == "cuda" and (head.get("sync") or error is None and results):
-            self.torch.cuda.synchronize(self.device)
+        parked = False
+        stream = self._stream(session)
+        with self.torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            events = self._begin_events() if stream is not None else None
+            index = first - 1
+            while index + 1 < len(ops):
+                index += 1
+                op = ops[index]
+                name = op[0] if type(op) is list and op and type(op[0]) is str else "?"
+                try:
+                    try:
+                        t0 = now_ns()
+                        value = self._op(session, decoder, op)
+                        t1 = now_ns()
+                    except _Refused as refused:
+                        if refused.rerun and _free_early(session, work, ops, index, frees):
+                            index -= 1  # the batch's own frees made room, maybe: again
+                            continue
+                        exc = self._wait_or_fail(session, work, refused.refusal)
+                        if exc is None:
+                            work.resume = {
+                                **(work.resume or {}),
+                                "index": index,
+                                "exec_start": exec_start,
+                                "results": results,
+                                "op_spans": op_spans,
+                                "execute_id": execute_id,
+                            }
+                            parked = True
+                            break
+                        raise exc from None
+                    if work.resume is not None:
+                        self._end_wait(session, work, "ran")
+                    if session.trace:
+                        op_spans.append((name[:200], t0, t1))
+                    if value is not None:
+                        results[str(index)] = value
+                except Exception as exc:  # the op's error goes back; the session goes on
+                    error = {"index": index, "op": name[:200], "type": type(exc).__name__}
+                    error["message"] = str(exc)[:4000]
+                    if isinstance(exc, QuotaError):
+                        error["quota"] = exc.wire()
+                        usage.quota_errors += 1
+                    elif isinstance(exc, self.torch.OutOfMemoryError) and self._cuda:
+                        self.torch.cuda.empty_cache()  # what the failed op left cached
+                    break
+            if not parked:
+                self._end_wait(session, work, "failed")  # a retried op that failed otherwise
+                for handle in frees:
+                    session.free(handle)
+                if stream is not None and (head.get("sync") or error is None and results):
+                    stream.synchronize()
+            if events is not None:
+                events[1].record(stream)
+                self._events.setdefault(session.id, []).append(events)
         exec_end = now_ns()
-        self.scheduler.charge(session, exec_end - exec_start)
+        self._charge(session, exec_end - start)
+        usage.last_active_ns = exec_end
+        if parked:
+            self.scheduler.park(session)
+            self.scheduler.requeue(session, work)
+            return
         session.batches += 1
         session.ops += len(ops)
+        usage.batches += 1
+        usage.ops += len(ops)
         self.batches += 1
         done = {
             "seq": seq,
@@ -202,43 +310,186 @@ class Executor:
                 op_spans,
                 self.scheduler.depth(),
                 self.sink,
+                memory=self.memory,
             )
 
     def _op(self, session: Session, decoder: ArgDecoder, op: Any) -> Any:
         if type(op) is not list or len(op) != 4:
             raise ProtocolError("an op is [name, args, kwargs, outs]")
         name, args, kwargs, outs = op
+        account = session.account
+        before = account.bytes
         entry = self._ops.get(name)
         if entry is None:
             if type(name) is not str:
                 raise ProtocolError("op name must be a string")
             if name.startswith("rt::"):
-                return run_pseudo(self, session, decoder, name, args, outs)
+                value = run_pseudo(self, session, decoder, name, args, outs)
+                if account.bytes > before and self.memory.over(session):
+                    self._admit_output(session, before, outs, False, None)
+                return value
             target = allowlist.resolve(name)
             if target is None:
                 raise OpError(f"op {name[:200]!r} is not on the server's allow-list")
-            sized = any(a.name in ("size", "sizes") for a in target._schema.arguments)
-            entry = self._ops[name] = (target, allowlist.RULES.get(target._schema.name), sized)
-        target, rule, sized = entry
+            entry = self._ops[name] = _entry(target)
+        target, rule, sized, factory, rerunnable, seeded = entry
         if type(args) is not list:
             raise ProtocolError("op args must be a list")
+        taken = self._blobs_taken
         a = decoder.decode_args(args)
         k = decoder.decode_kwargs(kwargs) if kwargs else {}
         if rule is not None:
             rule(a, k)
         if sized:
             _check_sizes(a, k)
+            if factory is not None:  # the size is known: check before allocating
+                asked = allocator_bytes(_factory_bytes(factory, a, k), self.memory.block_bytes)
+                refusal = self.memory.refusal(session, asked)
+                if refusal is not None:
+                    raise _Refused(refusal)
+        rng = None
+        if seeded and session.tenant.on_quota == "wait":
+            rng = rng_state(self.torch, self.device)  # a re-run must draw the same numbers
         result = target(*a, **k)
         if type(outs) is list and len(outs) == 1 and type(outs[0]) is int:
             if not isinstance(result, self.torch.Tensor):
                 raise ProtocolError("op outs do not match the op's results")
             session.handles.put(outs[0], result)
-            if session.account.limit_bytes is not None and session.account.over_limit():
-                raise OpError(
-                    f"session memory limit of {session.account.limit_bytes} bytes exceeded"
-                )
+            value = None
+        else:
+            value = self._assign(session, result, outs)
+        if account.bytes > before and self.memory.over(session):
+            self._admit_output(
+                session, before, outs, rerunnable and self._blobs_taken == taken, rng
+            )
+        return value
+
+    def _admit_output(
+        self, session: Session, before: int, outs: Any, rerunnable: bool, rng: Any
+    ) -> None:
+        """An op's outputs took ``session`` from ``before`` bytes to more: keep them, or free
+        them and refuse the op (it fails, or waits and runs again)."""
+        grown = session.account.bytes - before
+        refusal = self.memory.refusal(session, grown, held=grown)
+        if refusal is None:
+            return
+        if session.tenant.on_quota == "wait" and not rerunnable and not refusal.hopeless:
+            # It changed its inputs or used an upload, so it cannot run twice: its outputs stay,
+            # and the tenant's next allocations wait until it is back under its quota.
+            return
+        for handle in _handles(outs):
+            session.handles.free(handle)
+        if rng is not None:
+            set_rng_state(self.torch, self.device, rng)
+        raise _Refused(refusal, rerun=rerunnable)
+
+    # ---- memory ----------------------------------------------------------------------------------
+
+    def _blob_taker(self, session: Session) -> Any:
+        take = session.blobs.take
+        refused = self._refused.get(session.id)
+
+        def taker(ident: int) -> Any:
+            self._blobs_taken += 1
+            if refused is not None and ident in refused:
+                raise refused.pop(ident)
+            return take(ident)
+
+        return taker
+
+    def _admit_upload(self, session: Session, work: Work, ident: int, nbytes: int) -> bool:
+        """May ``session`` keep an upload of ``nbytes``? False: it waits (parked), or it was
+        refused and the op that uses it fails with the quota error."""
+        refusal = self.memory.refusal(session, nbytes)
+        if refusal is None:
+            self._end_wait(session, work, "ran")
+            return True
+        error = self._wait_or_fail(session, work, refusal)
+        if error is None:
+            self.scheduler.park(session)
+            self.scheduler.requeue(session, work)
+        else:
+            self._refused.setdefault(session.id, {})[ident] = error
+        return False
+
+    def _wait_or_fail(self, session: Session, work: Work, refusal: Refusal) -> QuotaError | None:
+        """The error to fail with, or None when ``work`` is to wait (the caller parks it)."""
+        tenant = session.tenant
+        wait = work.resume.get("wait") if work.resume else None
+        if tenant.on_quota != "wait":
+            return refusal.error()
+        if refusal.hopeless:
+            note = f"waiting cannot help: {refusal.hopeless}"
+            if wait is not None:
+                note = f"waited {(now_ns() - wait['t0']) / 1e9:.1f} s; {note}"
+            self._end_wait(session, work, "hopeless")
+            return refusal.error(note)
+        clock = self.memory.clock()
+        if wait is None:
+            wait = {"t0": now_ns(), "deadline": clock + int(tenant.wait_s * 1e9)}
+            work.resume = {**(work.resume or {}), "wait": wait}
+            session.usage.quota_waits += 1
+        elif clock >= wait["deadline"]:
+            self._end_wait(session, work, "timeout")
+            return refusal.error(f"waited {tenant.wait_s:g} s, the tenant's wait_s")
+        wait["refusal"] = refusal
+        self.memory.wait(session, refusal.kind, wait["deadline"])
+        return None
+
+    def _end_wait(self, session: Session, work: Work, outcome: str) -> None:
+        """``work`` waited for memory and now goes on (or fails): record the wait."""
+        wait = work.resume.pop("wait", None) if work.resume else None
+        if wait is None:
+            return
+        self.memory.resumed(session)
+        if session.trace:
+            r = wait["refusal"]
+            attrs = {
+                "reason": r.kind,
+                "tenant": r.tenant,
+                "asked": str(r.asked),
+                "used": str(r.used),
+                "limit": str(r.limit),
+                "outcome": outcome,
+            }
+            head = work.head if type(work.head) is dict else None
+            record_quota_wait(session, head, wait["t0"], now_ns(), attrs)
+
+    # ---- device time -----------------------------------------------------------------------------
+
+    def _stream(self, session: Session) -> Any:
+        """``session``'s own CUDA stream (None on the CPU device)."""
+        if not self._cuda:
             return None
-        return self._assign(session, result, outs)
+        stream = self._streams.get(session.id)
+        if stream is None:
+            stream = self._streams[session.id] = self.torch.cuda.Stream(self.device)
+        return stream
+
+    def _begin_events(self) -> tuple[Any, Any]:
+        cuda = self.torch.cuda
+        start, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
+        start.record()
+        return start, end
+
+    def _charge(self, session: Session, wall_ns: int) -> None:
+        """Device time of a batch: its wall time on the CPU; on CUDA, what its events say,
+        read when the device has got there (never waited for)."""
+        if not self._cuda:
+            session.usage.busy_ns += wall_ns
+            self.scheduler.charge(session, wall_ns)
+        else:
+            self._read_events(session)
+
+    def _read_events(self, session: Session) -> None:
+        pending = self._events.get(session.id)
+        busy = 0
+        while pending and pending[0][1].query():
+            start, end = pending.pop(0)
+            busy += int(start.elapsed_time(end) * 1e6)
+        if busy > 0:
+            session.usage.busy_ns += busy
+            self.scheduler.charge(session, busy)
 
     def _assign(self, session: Session, result: Any, outs: Any) -> Any:
         torch = self.torch
@@ -266,8 +517,6 @@ class Executor:
                 meta.append(None)
             else:
                 meta.append(encode_result(_scalar(value)))
-        if session.account.over_limit():
-            raise OpError(f"session memory limit of {session.account.limit_bytes} bytes exceeded")
         return None if all(m is None for m in meta) else meta
 
     def _switch_rng(self, session: Session) -> None:
@@ -291,6 +540,89 @@ def _scalar(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         raise OpError("a tensor result needs an output handle")
     return value
+
+
+def _entry(target: Any) -> tuple[Any, Any, bool, Any, bool, bool]:
+    """What the executor needs to know of an ATen op, worked out once per op name.
+
+    ``factory``: ``(position, name)`` of the size argument of an op that makes a new tensor of
+    that size (the size is known before it runs), else None. ``rerunnable``: it changes none of
+    its inputs, so it may run again after its outputs were refused. ``seeded``: it draws random
+    numbers (a re-run restores the generator first).
+    """
+    import torch
+
+    schema = target._schema
+    arguments = schema.arguments
+    sized = any(a.name in ("size", "sizes") for a in arguments)
+    factory = None
+    if sized and (
+        schema.name.startswith("aten::new_") or not any("Tensor" in str(a.type) for a in arguments)
+    ):
+        factory = next((i, a.name) for i, a in enumerate(arguments) if a.name in ("size", "sizes"))
+    rerunnable = "batch_norm" not in schema.name and not any(  # batch norm's running stats
+        a.alias_info is not None and a.alias_info.is_write for a in arguments
+    )
+    seeded = torch.Tag.nondeterministic_seeded in target.tags
+    return target, allowlist.RULES.get(schema.name), sized, factory, rerunnable, seeded
+
+
+def _factory_bytes(factory: tuple[int, str], args: list[Any], kwargs: dict[str, Any]) -> int:
+    """Bytes of the tensor a factory op is asked for (its dtype's, or the default dtype's)."""
+    torch = __import__("torch")
+    position, name = factory
+    size = args[position] if len(args) > position else kwargs.get(name)
+    if type(size) is not list or not all(type(v) is int for v in size):
+        return 0
+    numel = 1
+    for v in size:
+        numel *= max(v, 0)
+    dtype = kwargs.get("dtype")
+    if isinstance(dtype, torch.dtype):
+        itemsize = dtype.itemsize
+    elif args and isinstance(args[0], torch.Tensor):  # new_zeros and the like
+        itemsize = args[0].element_size()
+    else:
+        itemsize = torch.get_default_dtype().itemsize
+    return numel * itemsize
+
+
+def _free_early(session: Session, work: Work, ops: list[Any], index: int, frees: list[Any]) -> bool:
+    """Free now the handles of the batch's ``free`` list that its ops from ``index`` on do not
+    name (the client freed them before it sent the batch; they are freed after its ops, unless
+    an op is refused for memory). True if there were any. Done once per batch."""
+    if not frees or (work.resume or {}).get("freed_early"):
+        return False
+    work.resume = {**(work.resume or {}), "freed_early": True}
+    named: set[int] = set()
+    _ints(ops[index:], named, 0)
+    before = session.account.bytes
+    for handle in frees:
+        if type(handle) is int and handle not in named:
+            session.free(handle)
+    return session.account.bytes < before
+
+
+def _ints(value: Any, out: set[int], depth: int) -> None:
+    """Every integer in an op list (handles, graph ids and sizes alike: a superset is safe)."""
+    t = type(value)
+    if t is int:
+        out.add(value)
+    elif t is list and depth < 16:
+        for v in value:
+            _ints(v, out, depth + 1)
+    elif t is dict and depth < 16:
+        for v in value.values():
+            _ints(v, out, depth + 1)
+
+
+def _handles(outs: Any) -> list[int]:
+    """The handle numbers in an op's ``outs`` (nested lists, None for results not kept)."""
+    if type(outs) is int:
+        return [outs]
+    if type(outs) is list:
+        return [h for o in outs for h in _handles(o)]
+    return []
 
 
 def _check_sizes(args: list[Any], kwargs: dict[str, Any]) -> None:

@@ -113,6 +113,16 @@ class Refusal:
         return QuotaError(self.tenant, self.used, self.asked, self.limit, self.kind, note)
 
 
+class _Member:
+    """An attached session: its tenant, and its account's bytes as last counted."""
+
+    __slots__ = ("tm", "known")
+
+    def __init__(self, tm: TenantMemory) -> None:
+        self.tm = tm
+        self.known = 0
+
+
 @dataclass(eq=False)
 class TenantMemory:
     """One tenant's bytes: the sum of its sessions' accounts."""
@@ -156,7 +166,8 @@ class Memory:
         #: By tenant name. This dict and each tenant's ``sessions`` and ``waiting`` are replaced,
         #: never changed in place, so the executor iterates them while a connection attaches.
         self.tenants: dict[str, TenantMemory] = {}
-        self._known: dict[int, int] = {}  # session id -> its account's bytes as last seen
+        self._members: dict[int, _Member] = {}  # session id -> its tenant and bytes last seen
+        self._waiting = 0  # sessions waiting, all tenants
         self._lock = threading.Lock()  # writers of the dicts above
 
     # ---- sessions --------------------------------------------------------------------------------
@@ -179,23 +190,24 @@ class Memory:
         tm = self._tenant(session.tenant)
         account = session.account
         account.block_bytes = self.block_bytes
+        member = _Member(tm)
         with self._lock:
             tm.sessions = {**tm.sessions, session.id: session}
-            self._known[session.id] = 0
-        account.on_change = lambda _account, s=session: self.changed(s)
+            self._members[session.id] = member
+        account.on_change = lambda account, m=member: self._changed(m, account.bytes)
         if account.bytes:
-            self.changed(session)
+            self._changed(member, account.bytes)
 
     def detach(self, session: Session) -> None:
         """``session`` is closed: its bytes leave its tenant, and waiters may retry."""
         tm = self.tenants.get(session.tenant.name)
         session.account.on_change = None
-        last = self._known.get(session.id, 0)
         with self._lock:
-            self._known.pop(session.id, None)
+            member = self._members.pop(session.id, None)
             if tm is not None:
                 tm.sessions = {k: v for k, v in tm.sessions.items() if k != session.id}
-                tm.waiting = {k: v for k, v in tm.waiting.items() if k != session.id}
+                self._unwait(tm, session)
+        last = member.known if member is not None else 0
         if tm is not None and last:
             tm.used_bytes -= last
             self.used_bytes -= last
@@ -207,13 +219,14 @@ class Memory:
         The pager calls this after paging a session out or back in (``usage.evicted_bytes``), so
         that sessions waiting for device memory retry.
         """
-        known = self._known.get(session.id)
-        if known is None:
-            return
-        now = session.account.bytes
-        delta = now - known
-        self._known[session.id] = now
-        tm = self.tenants[session.tenant.name]
+        member = self._members.get(session.id)
+        if member is not None:
+            self._changed(member, session.account.bytes)
+
+    def _changed(self, member: _Member, now: int) -> None:
+        delta = now - member.known
+        member.known = now
+        tm = member.tm
         if delta > 0:
             tm.used_bytes += delta
             if tm.used_bytes > tm.peak_bytes:
@@ -230,7 +243,7 @@ class Memory:
 
     def _wake(self, tm: TenantMemory | None) -> None:
         """Let waiters retry: ``tm``'s quota waiters and every capacity waiter."""
-        if self.wake is None:
+        if self.wake is None or not self._waiting:
             return
         woken = []
         for other in self.tenants.values():
@@ -257,6 +270,18 @@ class Memory:
 
     def tenant_of(self, session: Session) -> TenantMemory:
         return self.tenants[session.tenant.name]
+
+    def over(self, session: Session) -> bool:
+        """Is ``session``'s tenant over its quota, or might the device be over its capacity?
+        (Cheap; :meth:`refusal` says for sure.)"""
+        member = self._members.get(session.id)
+        if member is None:
+            return False
+        tm = member.tm
+        limit = tm.limit_bytes
+        return (
+            limit is not None and tm.used_bytes > limit
+        ) or self.used_bytes > self.capacity_bytes
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
         """Per tenant: ``used_bytes`` (logical), ``resident_bytes``, ``limit_bytes`` (None: no
@@ -356,6 +381,8 @@ class Memory:
         """``session`` waits for memory (``kind``: quota or capacity) until ``deadline_ns``."""
         tm = self.tenant_of(session)
         with self._lock:
+            if session.id not in tm.waiting:
+                self._waiting += 1
             tm.waiting = {**tm.waiting, session.id: (session, kind, deadline_ns)}
 
     def resumed(self, session: Session) -> None:
@@ -363,11 +390,16 @@ class Memory:
         tm = self.tenants.get(session.tenant.name)
         if tm is not None and session.id in tm.waiting:
             with self._lock:
-                tm.waiting = {k: v for k, v in tm.waiting.items() if k != session.id}
+                self._unwait(tm, session)
+
+    def _unwait(self, tm: TenantMemory, session: Session) -> None:
+        if session.id in tm.waiting:
+            self._waiting -= 1
+            tm.waiting = {k: v for k, v in tm.waiting.items() if k != session.id}
 
     def waiting(self) -> int:
         """Sessions waiting for memory now."""
-        return sum(len(tm.waiting) for tm in self.tenants.values())
+        return self._waiting
 
     def due(self) -> None:
         """Wake the waiters whose wait has run out (their retry fails, saying it waited)."""

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from gpu_trace.runtime.errors import RemoteOpError, ServerGone, user_frames
+from gpu_trace.runtime.errors import QuotaExceeded, RemoteOpError, ServerGone, user_frames
 from gpu_trace.runtime.values import DTYPES, tensor_from_bytes
 from gpu_trace.runtime.wire import (
     CLOCK_SAMPLE,
@@ -197,7 +197,11 @@ class Receiver:
         if error and self._error is None:
             record = batch.records[int(error.get("index", 0))]
             text = f"{error.get('type', 'Error')}: {error.get('message', '')}"
-            self._error = RemoteOpError(record.name, text, user_frames(record.stack))
+            quota = error.get("quota")
+            if isinstance(quota, dict):
+                self._error = QuotaExceeded(record.name, text, user_frames(record.stack), quota)
+            else:
+                self._error = RemoteOpError(record.name, text, user_frames(record.stack))
         if self.trace.enabled:
             # A fast reply can be handled by another thread before the sender has noted the
             # end of its send (it is just past sendall): give it a moment, else use now.

@@ -22,6 +22,7 @@ from typing import Any
 
 from gpu_trace.runtime import admin, auth
 from gpu_trace.runtime.executor import Executor
+from gpu_trace.runtime.memory import CUDA_BLOCK_BYTES, Memory, device_capacity
 from gpu_trace.runtime.scheduler import PolicyScheduler, Work
 from gpu_trace.runtime.session import Session
 from gpu_trace.runtime.sink import ReturnSink
@@ -117,7 +118,14 @@ class Server:
         self.delay_ns = int(delay_ms * 1e6)
         self.sink = sink if sink is not None else ReturnSink()
         self.sink.server_device = self.device
-        self.executor = Executor(self.device, self.scheduler, self.sink)
+        #: Device memory by tenant: quotas, capacity, waiters (:mod:`.memory`).
+        self.memory = Memory(
+            device_capacity(self.device, device_memory),
+            block_bytes=CUDA_BLOCK_BYTES if self.device.startswith("cuda") else 1,
+        )
+        self.memory.owner = self  # its pager, once there is one, makes room
+        self.memory.add_tenants(list(self.tenants))
+        self.executor = Executor(self.device, self.scheduler, self.sink, memory=self.memory)
         self.sessions: dict[int, Session] = {}
         #: Sessions' connection times and the usage of ended sessions (:mod:`.admin`).
         self.ledger = admin.Ledger()
@@ -329,6 +337,7 @@ class Server:
             session = Session(client, writer.send, tenant)
             session.trace = self.sink.accepts(client)
             self.sessions[session.id] = session
+            self.memory.attach(session)
             self._session_conns[session.id] = conn
         self.ledger.open(session)
         writer.send(json_frame(MsgType.WELCOME, {**welcome, "session": session.id}))
