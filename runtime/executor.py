@@ -466,6 +466,12 @@ class Executor:
             stream = self._streams[session.id] = self.torch.cuda.Stream(self.device)
         return stream
 
+    def session_stream(self, session: Session) -> Any:
+        """``session``'s CUDA stream, where its kernels run (None on the CPU device, or before
+        its first batch). Whoever reads its tensors from another stream (the pager, paging it
+        out) synchronizes this one first."""
+        return self._streams.get(session.id)
+
     def _begin_events(self) -> tuple[Any, Any]:
         cuda = self.torch.cuda
         start, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
