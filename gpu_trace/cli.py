@@ -165,6 +165,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve Prometheus /metrics here (default 127.0.0.1 and the listen port + 1; off "
         "turns it off); a non-loopback address needs an admin tenant's token on requests",
     )
+    p.add_argument(
+        "--idle-s",
+        metavar="SECONDS",
+        type=float,
+        default=300.0,
+        help="page a session's tensors out to host memory after it has been idle this long (a "
+        "tenant's idle_s wins; 0 never; default 300); they come back on its next batch",
+    )
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser(
@@ -358,6 +366,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             scheduler=scheduler,
             max_sessions=args.max_sessions,
             sink=sink,
+            idle_s=args.idle_s,
         )
         server.start()
     except (ValueError, OSError) as exc:

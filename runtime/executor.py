@@ -84,6 +84,9 @@ class Executor:
         self._rng_owner: Session | None = None
         self._ops: dict[str, tuple[Any, Any, bool, bool, bool, bool]] = {}
         self.batches = 0
+        #: Pages idle sessions out to host memory and back (:mod:`gpu_trace.runtime.pager`);
+        #: set by the server.
+        self.pager: Any = None
         #: The session whose work runs now (None: none).
         self.current: Session | None = None
         #: Device memory by tenant; a server passes its own (``Server.memory``).
@@ -152,6 +155,8 @@ class Executor:
             self._read_events(session)
             if session.trace:
                 self.sink.session_closed(session)
+            if self.pager is not None:
+                self.pager.forget(session)
             session.close()
             self.memory.detach(session)
             self._streams.pop(session.id, None)
@@ -228,6 +233,8 @@ class Executor:
         stream = self._stream(session)
         with self.torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             events = self._begin_events() if stream is not None else None
+            # A paged-out session comes back: each op waits for its own inputs only.
+            gate = self.pager.begin_batch(session, ops) if self.pager is not None else None
             index = first - 1
             while index + 1 < len(ops):
                 index += 1
@@ -235,6 +242,8 @@ class Executor:
                 name = op[0] if type(op) is list and op and type(op[0]) is str else "?"
                 try:
                     try:
+                        if gate is not None:
+                            gate(op)
                         t0 = now_ns()
                         value = self._op(session, decoder, op)
                         t1 = now_ns()
@@ -276,6 +285,8 @@ class Executor:
                     session.free(handle)
                 if stream is not None and (head.get("sync") or error is None and results):
                     stream.synchronize()
+            if self.pager is not None:
+                self.pager.end_batch(session)
             if events is not None:
                 events[1].record(stream)
                 self._events.setdefault(session.id, []).append(events)

@@ -23,6 +23,7 @@ from typing import Any
 from gpu_trace.runtime import admin, auth
 from gpu_trace.runtime.executor import Executor
 from gpu_trace.runtime.memory import CUDA_BLOCK_BYTES, Memory, device_capacity
+from gpu_trace.runtime.pager import DEFAULT_IDLE_S, Pager
 from gpu_trace.runtime.scheduler import PolicyScheduler, Work
 from gpu_trace.runtime.session import Session
 from gpu_trace.runtime.sink import ReturnSink
@@ -83,7 +84,9 @@ class Server:
     ``scheduler`` is the scheduling policy (FIFO by default); ``delay_ms`` holds back every
     received frame (benchmarks simulate a longer network with it); ``sink`` is where traced
     sessions' spans go (:class:`~gpu_trace.runtime.sink.ReturnSink`, back to the client, by
-    default; a :class:`~gpu_trace.runtime.sink.StoreSink` for ``--store``).
+    default; a :class:`~gpu_trace.runtime.sink.StoreSink` for ``--store``). A session idle for
+    ``idle_s`` seconds (its tenant's ``idle_s`` wins; 0 or None: never) is paged out to host
+    memory by :attr:`pager` (:mod:`gpu_trace.runtime.pager`) and paged back on its next batch.
     """
 
     def __init__(
@@ -100,6 +103,7 @@ class Server:
         handshake_timeout_s: float = 10.0,
         delay_ms: float = 0.0,
         sink: Any = None,
+        idle_s: float | None = DEFAULT_IDLE_S,
     ) -> None:
         self.host, self.port = parse_address(listen)
         if token is not None and tenants is not None:
@@ -126,6 +130,10 @@ class Server:
         self.memory.owner = self  # its pager, once there is one, makes room
         self.memory.add_tenants(list(self.tenants))
         self.executor = Executor(self.device, self.scheduler, self.sink, memory=self.memory)
+        #: Pages idle sessions out to host memory and back; makes room for :attr:`memory`.
+        self.pager = Pager(self.executor, self.scheduler, self._live_sessions, idle_s=idle_s)
+        self.executor.pager = self.pager
+        self.pager.before_restore = self.memory.make_room
         self.sessions: dict[int, Session] = {}
         #: Sessions' connection times and the usage of ended sessions (:mod:`.admin`).
         self.ledger = admin.Ledger()
@@ -148,6 +156,7 @@ class Server:
         self.port = sock.getsockname()[1]
         self._sock = sock
         self.executor.start()
+        self.pager.start()
         t = threading.Thread(target=self._accept_loop, name="gpu-trace-accept", daemon=True)
         t.start()
         self._threads.append(t)
@@ -158,6 +167,10 @@ class Server:
         if self._sock is None:
             self.start()
         self._closing.wait()
+
+    def _live_sessions(self) -> list[Session]:
+        with self._lock:
+            return list(self.sessions.values())
 
     def stop(self, reason: str | None = None) -> None:
         """Make :meth:`serve_forever` return (a signal handler may call it); ``reason`` (e.g.
@@ -175,6 +188,7 @@ class Server:
                 self._sock.shutdown(socket.SHUT_RDWR)  # wakes accept() (close alone does not)
             with contextlib.suppress(OSError):
                 self._sock.close()
+        self.pager.stop()
         self.executor.stop()
         locked = self.executor.lock.acquire(timeout=10)  # no inline work either
         try:

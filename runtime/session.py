@@ -44,6 +44,10 @@ class MemoryAccount:
         #: Storages are counted as the device's allocator holds them: rounded up to a multiple
         #: of this (512 on CUDA, set by :class:`~gpu_trace.runtime.memory.Memory`).
         self.block_bytes = 1
+        #: Of ``bytes``, those of storages the pager has paged out to host memory (kept equal to
+        #: the session's ``usage.evicted_bytes``); ``bytes`` stays the logical total.
+        self.paged_bytes = 0
+        self._paged: dict[int, int] = {}  # storage key -> nbytes, for storages paged out
 
     def charge(self, tensor: Any) -> int:
         storage = tensor.untyped_storage()
@@ -65,7 +69,31 @@ class MemoryAccount:
         entry[1] -= 1
         if entry[1] <= 0:
             del self._storages[key]
+            if self._paged:
+                self.paged_bytes -= self._paged.pop(key, 0)
             self._add(-entry[0])
+
+    def move(self, old_key: int, new_key: int, paged: bool) -> int:
+        """The pager moved a storage to host memory (``paged``) or back: same bytes, new key.
+
+        Returns the storage's counted bytes (0 if no handle holds it any more).
+        """
+        entry = self._storages.pop(old_key, None)
+        if entry is None:
+            return 0
+        self._storages[new_key] = entry
+        n = self._paged.pop(old_key, 0)
+        if paged:
+            self._paged[new_key] = entry[0]
+        self.paged_bytes += (entry[0] if paged else 0) - n
+        if self.on_change is not None:
+            self.on_change(self)
+        return entry[0]
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes on the device: ``bytes`` less what is paged out to host memory."""
+        return self.bytes - self.paged_bytes
 
     def charge_bytes(self, n: int) -> None:
         self._add(n)
@@ -110,6 +138,22 @@ class HandleTable:
             raise OpError(f"a session may hold at most {MAX_HANDLES} tensors")
         self._tensors[handle] = tensor
         self._keys[handle] = self.account.charge(tensor)
+
+    def items(self) -> list[tuple[int, Any]]:
+        """``(handle, tensor)`` pairs, in the order the handles were made."""
+        return list(self._tensors.items())
+
+    def moved(self, old_key: int, new_key: int, handles: list[int], paged: bool) -> int:
+        """The pager moved the storage ``handles`` share (see :meth:`MemoryAccount.move`)."""
+        keys = self._keys
+        for handle in handles:
+            if keys.get(handle) == old_key:
+                keys[handle] = new_key
+        return self.account.move(old_key, new_key, paged)
+
+    def key(self, handle: int) -> int | None:
+        """The account key of ``handle``'s storage (None: no such handle)."""
+        return self._keys.get(handle)
 
     def free(self, handle: Any) -> None:
         if type(handle) is not int:
