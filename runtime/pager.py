@@ -301,7 +301,7 @@ class Pager:
     def _groups(self, session: Session) -> list[tuple[_Storage, Any]]:
         """The session's device storages that paging out would free, with their tensors."""
         torch = self.torch
-        device = self.device
+        kind = self.device.type  # "cuda" and "cuda:0" are one device here
         keep = _graph_keys(torch, session.graphs)
         groups: dict[int, tuple[_Storage, Any]] = {}
         seen: set[int] = set()
@@ -309,7 +309,7 @@ class Pager:
             if (
                 not isinstance(t, torch.Tensor)
                 or t.layout != torch.strided
-                or t.device != device
+                or t.device.type != kind
                 or t.is_quantized
             ):
                 continue
