@@ -411,6 +411,21 @@ X = Tenant("x", "x-token-0123456789abc")
 Y = Tenant("y", "y-token-0123456789abc")
 
 
+def test_a_full_device_pages_idle_sessions_out_before_refusing() -> None:
+    with Server("127.0.0.1:0", tenants=[X, Y], device_memory=4 * T) as srv:
+        idle, busy = Client(srv, X), Client(srv, Y)
+        held = [idle.ones() for _ in range(3)]
+        big = busy.ones(2 * N)  # 5 T on a device of 4 T: the idle session is paged out
+        snap = srv.memory.snapshot()
+        assert snap["x"]["used_bytes"] == 3 * T and snap["x"]["resident_bytes"] == 0
+        assert snap["y"]["resident_bytes"] == 2 * T
+        assert idle.session.usage.evictions == 1
+        # The idle session comes back (making room in turn) with its values.
+        assert torch.equal(idle.fetch(held[0]), torch.ones(N))
+        assert srv.memory.snapshot()["x"]["resident_bytes"] == 3 * T
+        assert torch.equal(busy.fetch(big), torch.ones(2 * N))
+
+
 def test_more_than_the_device_fails_with_the_capacity() -> None:
     with Server("127.0.0.1:0", tenants=[X, Y], device_memory=4 * T) as srv:
         c = Client(srv, X)
