@@ -36,6 +36,7 @@ from gpu_trace.runtime.values import ArgDecoder, encode_result
 from gpu_trace.runtime.wire import (
     MAX_BATCH_OPS,
     MAX_FREES,
+    ConnectionClosed,
     MsgType,
     ProtocolError,
     frame,
@@ -143,6 +144,9 @@ class Executor:
         self.current = session  # the admin listing's "running"
         try:
             self.run(session, work)
+        except ConnectionClosed as exc:  # the client went away with work in flight
+            log.debug("gpu-trace serve: session %d: client gone: %s", session.id, exc)
+            session.closed = True
         except Exception:  # a bug here must not take the server down
             log.exception("gpu-trace serve: session %d: work failed", session.id)
         finally:
