@@ -13,12 +13,8 @@ host storage, so views still alias their base. A storage that something else hol
 graph kept for ``rt::backward``: its leaves and outputs, or tensors it saved) stays on the
 device, since paging it out would free nothing.
 
-The session's next batch brings it back, pipelined (PipeSwitch's idea): copies start at once,
-storages the batch's ops name first, in op order, then the rest; each op runs as soon as *its*
-inputs are back. On a GPU the copies run on a side stream from pinned memory with an event per
-storage, and an op's stream waits for its inputs' events (the executor thread never blocks); on
-the CPU device a background thread copies (torch's copies release the GIL) and an op waits for
-its inputs' copies. ``pipelined=False`` restores everything before the first op, for comparison.
+The session's next batch brings it back, pipelined: each op runs as soon as its own inputs are
+back (:mod:`gpu_trace.runtime.restore`).
 
 Everything that touches a session's tables runs on the executor's thread or under
 ``executor.lock``, like the rest of the executor's work.
@@ -31,10 +27,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gpu_trace.runtime.session import OpError
+from gpu_trace.runtime.restore import (
+    Gate,
+    PagedStorage,
+    Restore,
+    RestoreStats,
+    restore_order,
+    view_on,
+)
 
 if TYPE_CHECKING:
     from gpu_trace.runtime.executor import Executor
@@ -47,99 +49,15 @@ now_ns = time.perf_counter_ns
 
 #: The server's default for how long a session may sit idle before it is paged out (seconds).
 DEFAULT_IDLE_S = 300.0
-#: How deep :func:`handle_refs` looks into an op's arguments.
-_MAX_SCAN_DEPTH = 8
-
-
-@dataclass
-class RestoreStats:
-    """One restore: ``first_op_ns`` from its start until the batch's first op could run (its
-    inputs back), ``all_ns`` until every storage was back."""
-
-    session: int
-    bytes: int
-    storages: int
-    pipelined: bool
-    device: str
-    start_ns: int
-    first_op_ns: int = 0
-    all_ns: int = 0
-
-
-class _Storage:
-    """One paged-out storage: its host copy and every tensor object that points into it."""
-
-    __slots__ = (
-        "key",
-        "size",
-        "counted",
-        "tensors",
-        "handles",
-        "host",
-        "device",
-        "ready",
-        "event",
-        "error",
-        "done_ns",
-        "final",
-    )
-
-    def __init__(self, size: int, tensors: list[Any], handles: list[int]) -> None:
-        self.key = 0  # the account's key while paged out (the host storage's address)
-        self.size = size  # bytes of the storage
-        self.counted = 0  # bytes the account counts for it (rounded to the allocator's blocks)
-        self.tensors = tensors
-        self.handles = handles
-        self.host: Any = None  # uint8 host tensor (pinned on CUDA)
-        self.device: Any = None  # uint8 device tensor, once copied back
-        self.ready: threading.Event | None = None  # CPU device: the copier finished it
-        self.event: Any = None  # CUDA: the side stream finished it
-        self.error: BaseException | None = None
-        self.done_ns = 0
-        self.final = False  # tensors point at the device again
-
-
-class _Restore:
-    def __init__(self, order: list[_Storage], stats: RestoreStats) -> None:
-        self.order = order
-        self.pending = len(order)
-        self.stats = stats
-        self.cancelled = False
-        self.thread: threading.Thread | None = None
-        self.start_event: Any = None
-        self.end_event: Any = None
-        self.first_event: Any = None
 
 
 class _Paged:
     """A session's paged-out state, and its restore once one has started."""
 
-    def __init__(self, storages: list[_Storage]) -> None:
+    def __init__(self, storages: list[PagedStorage]) -> None:
         self.storages = storages
         self.by_handle = {h: st for st in storages for h in st.handles}
-        self.restore: _Restore | None = None
-
-
-class _Gate:
-    """Called by the executor before each op of a batch that runs while a restore is in flight."""
-
-    __slots__ = ("pager", "session", "restore", "index")
-
-    def __init__(self, pager: Pager, session: Session, restore: _Restore) -> None:
-        self.pager = pager
-        self.session = session
-        self.restore = restore
-        self.index = 0
-
-    def __call__(self, op: Any) -> None:
-        pager, restore = self.pager, self.restore
-        if restore.pending:
-            pager._ready_for(self.session, restore, op)
-        if not restore.stats.first_op_ns:
-            pager._first_op(restore)
-        if pager.hook is not None:
-            pager.hook("op", self.index)
-        self.index += 1
+        self.restore: Restore | None = None
 
 
 class Pager:
@@ -243,16 +161,16 @@ class Pager:
             torch.cuda.synchronize(self.device)
         account = session.account
         notify, account.on_change = account.on_change, None
-        moved: list[_Storage] = []
+        moved: list[PagedStorage] = []
         kept = 0
         try:
             for st, storage in groups:
                 host_storage = st.host.untyped_storage()
                 for t in st.tensors:
-                    t.data = _view(torch, t, host_storage)
+                    t.data = view_on(torch, t, host_storage)
                 if _use_count(torch, storage) > 1:  # held elsewhere: nothing would be freed
                     for t in st.tensors:
-                        t.data = _view(torch, t, storage)
+                        t.data = view_on(torch, t, storage)
                     st.host = None
                     kept += st.size
                     continue
@@ -298,12 +216,12 @@ class Pager:
             slog.counter("session_paged_bytes", t1, float(account.paged_bytes), labels)
         return freed
 
-    def _groups(self, session: Session) -> list[tuple[_Storage, Any]]:
+    def _groups(self, session: Session) -> list[tuple[PagedStorage, Any]]:
         """The session's device storages that paging out would free, with their tensors."""
         torch = self.torch
         kind = self.device.type  # "cuda" and "cuda:0" are one device here
         keep = _graph_keys(torch, session.graphs)
-        groups: dict[int, tuple[_Storage, Any]] = {}
+        groups: dict[int, tuple[PagedStorage, Any]] = {}
         seen: set[int] = set()
         for handle, t in session.handles.items():
             if (
@@ -323,7 +241,7 @@ class Pager:
                 continue
             entry = groups.get(key)
             if entry is None:
-                entry = groups[key] = (_Storage(storage.nbytes(), [], []), storage)
+                entry = groups[key] = (PagedStorage(storage.nbytes(), [], []), storage)
             st = entry[0]
             st.handles.append(handle)
             for x in (t, t._base):
@@ -380,7 +298,7 @@ class Pager:
 
     # ---- restoring -------------------------------------------------------------------------------
 
-    def begin_batch(self, session: Session, ops: list[Any]) -> _Gate | None:
+    def begin_batch(self, session: Session, ops: list[Any]) -> Gate | None:
         """A batch of ``session`` starts: restore it if it is paged out.
 
         Returns the gate the executor calls before each op (None: nothing to wait for). A
@@ -391,10 +309,34 @@ class Pager:
             return None
         restore = paged.restore
         if restore is None:
-            restore = self._start(session, paged, ops)
+            order = restore_order(paged.storages, paged.by_handle, ops)
+            total = sum(st.counted for st in order)
+            stats = RestoreStats(
+                session.id, total, len(order), self.pipelined, str(self.device), now_ns()
+            )
+            if self.cuda and self._stream is None:
+                self._stream = self.torch.cuda.Stream(self.device)
+            restore = paged.restore = Restore(
+                session,
+                order,
+                paged.by_handle,
+                stats,
+                torch=self.torch,
+                device=self.device,
+                pipelined=self.pipelined,
+                hook=self.hook,
+                stream=self._stream,
+            )
+            session.usage.restores += 1
+            if self.before_restore is not None:
+                try:
+                    self.before_restore(session, total)
+                except Exception:
+                    log.exception("gpu-trace serve: before_restore failed")
+            restore.start()
             if not restore.pending and not self.cuda:  # on a GPU: when its copies are done
                 self._complete(session, restore)
-        return _Gate(self, session, restore)
+        return Gate(restore)
 
     def end_batch(self, session: Session) -> None:
         """A batch of ``session`` ended: land what is back, keep the accounts in step."""
@@ -415,227 +357,18 @@ class Pager:
             del self._paged[session.id]
         session.usage.evicted_bytes = session.account.paged_bytes
 
-    def _start(self, session: Session, paged: _Paged, ops: list[Any]) -> _Restore:
-        torch = self.torch
-        order: list[_Storage] = []
-        seen: set[int] = set()
-        refs: list[int] = []
-        for op in ops:
-            if type(op) is list and len(op) >= 3:
-                handle_refs(op[1], refs)
-                handle_refs(op[2], refs)
-        for h in refs:
-            st = paged.by_handle.get(h)
-            if st is not None and id(st) not in seen:
-                seen.add(id(st))
-                order.append(st)
-        order.extend(st for st in paged.storages if id(st) not in seen)
-        total = sum(st.counted for st in order)
-        stats = RestoreStats(
-            session.id, total, len(order), self.pipelined, str(self.device), now_ns()
-        )
-        restore = paged.restore = _Restore(order, stats)
-        session.usage.restores += 1
-        if self.before_restore is not None:
-            try:
-                self.before_restore(session, total)
-            except Exception:
-                log.exception("gpu-trace serve: before_restore failed")
-        if not self.pipelined:
-            if self.cuda:
-                restore.start_event = _timing_event(torch)
-                restore.start_event.record()
-            for i, st in enumerate(order):
-                if self.hook is not None:
-                    self.hook("copy", i)
-                try:
-                    self._land(session, restore, st)
-                except OpError as exc:  # its ops will fail, the session goes on
-                    log.info("gpu-trace serve: session %d: %s", session.id, exc)
-                    break
-                if self.hook is not None:
-                    self.hook("copied", i)
-            if self.cuda and restore.start_event is not None:
-                restore.end_event = _timing_event(torch)
-                restore.end_event.record()
-            return restore
-        if self.cuda:
-            self._issue_cuda(restore)
-        else:
-            for st in order:
-                st.ready = threading.Event()
-            restore.thread = threading.Thread(
-                target=self._copy_loop, args=(restore,), name="gpu-trace-restore", daemon=True
-            )
-            restore.thread.start()
-        return restore
-
-    def _issue_cuda(self, restore: _Restore) -> None:
-        """Start every copy on the side stream, in order, with an event per storage."""
-        torch = self.torch
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
-        side = self._stream
-        # Allocated on the stream the session's ops run on (the executor's current one), so the
-        # allocator ties the blocks to it; the side stream is told it writes them.
-        issued: list[tuple[_Storage, Any]] = []
-        for st in restore.order:
-            try:
-                issued.append((st, torch.empty(st.size, dtype=torch.uint8, device=self.device)))
-            except Exception as exc:  # out of memory: the rest come back one by one
-                log.info("gpu-trace serve: pipelined restore stopped: %s", exc)
-                break
-        side.wait_stream(torch.cuda.current_stream(self.device))  # blocks reused from its work
-        restore.start_event = _timing_event(torch)
-        restore.start_event.record(side)
-        with torch.cuda.stream(side):
-            for i, (st, dev) in enumerate(issued):
-                if self.hook is not None:
-                    self.hook("copy", i)
-                dev.copy_(st.host, non_blocking=True)
-                dev.record_stream(side)
-                st.device = dev
-                st.event = torch.cuda.Event()
-                st.event.record(side)
-        restore.end_event = _timing_event(torch)
-        restore.end_event.record(side)
-
-    def _copy_loop(self, restore: _Restore) -> None:
-        """CPU device: copy the storages back in order on this thread."""
-        torch = self.torch
-        hook = self.hook
-        for i, st in enumerate(restore.order):
-            if restore.cancelled:
-                break
-            if hook is not None:
-                hook("copy", i)
-            try:
-                dev = torch.empty(st.size, dtype=torch.uint8, device=self.device)
-                dev.copy_(st.host)
-                st.device = dev
-            except BaseException as exc:  # the executor retries it when an op needs it
-                st.error = exc
-            st.done_ns = now_ns()
-            assert st.ready is not None
-            st.ready.set()
-            if hook is not None:
-                hook("copied", i)
-        for st in restore.order:  # cancelled: let no waiter hang
-            if st.ready is not None and not st.ready.is_set():
-                st.ready.set()
-
-    def _ready_for(self, session: Session, restore: _Restore, op: Any) -> None:
-        """Wait until ``op``'s inputs are back (all of them for ``rt::backward``)."""
-        if type(op) is not list or len(op) < 3:
-            return
-        if op[0] == "rt::backward":  # its graph may hold the session's tensors
-            for st in restore.order:
-                if not st.final:
-                    self._land(session, restore, st)
-            return
-        refs: list[int] = []
-        handle_refs(op[1], refs)
-        handle_refs(op[2], refs)
-        paged = self._paged.get(session.id)
-        if paged is None:
-            return
-        for h in refs:
-            st = paged.by_handle.get(h)
-            if st is not None and not st.final:
-                self._land(session, restore, st)
-
-    def _land(
-        self, session: Session, restore: _Restore, st: _Storage, in_batch: bool = True
-    ) -> None:
-        """Point ``st``'s tensors at the device copy (waiting for it, or making it).
-
-        ``in_batch``: on the session's stream, which then waits for the copy; else (between
-        batches, on a GPU) the host waits for it.
-        """
-        torch = self.torch
-        if st.ready is not None:
-            st.ready.wait()
-        if st.event is not None:
-            if in_batch:
-                torch.cuda.current_stream(self.device).wait_event(st.event)
-            else:
-                st.event.synchronize()
-        if st.device is None:  # not started, or failed: copy it here
-            try:
-                dev = torch.empty(st.size, dtype=torch.uint8, device=self.device)
-                dev.copy_(st.host, non_blocking=self.cuda)
-            except Exception as exc:
-                raise OpError(
-                    f"could not page {st.size} bytes of this session's tensors back in: {exc}"
-                ) from None
-            if self.cuda and not in_batch:
-                torch.cuda.current_stream(self.device).synchronize()
-            st.device = dev
-            st.done_ns = now_ns()
-        storage = st.device.untyped_storage()
-        for t in st.tensors:
-            t.data = _view(torch, t, storage)
-        account = session.account
-        notify, account.on_change = account.on_change, None
-        try:
-            session.handles.moved(st.key, storage.data_ptr(), st.handles, paged=False)
-        finally:
-            account.on_change = notify
-        session.usage.evicted_bytes = account.paged_bytes
-        if notify is not None:
-            notify(account)
-        st.final = True
-        st.host = st.device = st.event = None
-        st.tensors = []
-        restore.pending -= 1
-
-    def _first_op(self, restore: _Restore) -> None:
-        stats = restore.stats
-        if self.cuda and restore.start_event is not None:
-            restore.first_event = _timing_event(self.torch)
-            restore.first_event.record()
-        stats.first_op_ns = max(1, now_ns() - stats.start_ns)
-
     def settle(self, session: Session, wait: bool = False, in_batch: bool = False) -> None:
-        """Land the storages whose copies are done (all of them, waiting, if ``wait``); finish
-        the restore when everything is back. ``in_batch``: see :meth:`_land`."""
+        """Land ``session``'s storages whose copies are done (all of them, waiting, if
+        ``wait``); finish its restore when everything is back. ``in_batch``: on the session's
+        stream, in its batch (see :meth:`Restore.land`)."""
         paged = self._paged.get(session.id)
-        if paged is None or paged.restore is None:
-            return
-        restore = paged.restore
-        for st in restore.order:
-            if st.final:
-                continue
-            if st.event is not None and not in_batch and not wait and not st.event.query():
-                continue
-            if wait or st.ready is None or st.ready.is_set():
-                self._land(session, restore, st, in_batch)
-        if restore.pending:
-            return
-        if restore.thread is not None:
-            restore.thread.join()
-        if restore.end_event is not None:
-            if not wait and not restore.end_event.query():
-                return
-            restore.end_event.synchronize()
-        self._complete(session, restore)
+        restore = paged.restore if paged is not None else None
+        if restore is not None and restore.settle(wait, in_batch):
+            self._complete(session, restore)
 
-    def _complete(self, session: Session, restore: _Restore) -> None:
-        stats = restore.stats
+    def _complete(self, session: Session, restore: Restore) -> None:
+        stats = restore.finish()
         end = now_ns()
-        if restore.end_event is not None and restore.start_event is not None:
-            restore.end_event.synchronize()
-            all_ns = int(restore.start_event.elapsed_time(restore.end_event) * 1e6)
-            if restore.first_event is not None:
-                restore.first_event.synchronize()
-                first = restore.start_event.elapsed_time(restore.first_event) * 1e6
-                stats.first_op_ns = max(1, int(first))
-            stats.all_ns = max(1, all_ns)
-        else:
-            done = max((st.done_ns for st in restore.order), default=0)
-            stats.all_ns = max(1, (done or end) - stats.start_ns)
-        if not stats.first_op_ns:  # not pipelined: the first op ran after everything
-            stats.first_op_ns = stats.all_ns
         self._paged.pop(session.id, None)
         session.usage.evicted_bytes = session.account.paged_bytes
         self.restores.append(stats)
@@ -672,7 +405,7 @@ class Pager:
 
     def sweep(self) -> int:
         """Page out every session idle for longer than its limit; sessions paged out."""
-        now = time.monotonic_ns()
+        now = now_ns()  # the executor stamps last_active_ns with this clock
         count = 0
         for session in self.sessions():
             if session.closed or not len(session.handles):
@@ -745,35 +478,6 @@ class Pager:
 # ---- helpers -------------------------------------------------------------------------------------
 
 
-def handle_refs(value: Any, out: list[int], depth: int = 0) -> None:
-    """Append the tensor handles ``{"h": n}`` in an op's arguments to ``out``, in order."""
-    t = type(value)
-    if t is list:
-        if depth < _MAX_SCAN_DEPTH:
-            for v in value:
-                if type(v) in (list, dict):
-                    handle_refs(v, out, depth + 1)
-    elif t is dict:
-        if len(value) == 1 and "h" in value:
-            if type(value["h"]) is int:
-                out.append(value["h"])
-        elif depth < _MAX_SCAN_DEPTH:
-            for v in value.values():
-                if type(v) in (list, dict):
-                    handle_refs(v, out, depth + 1)
-
-
-def _view(torch: Any, t: Any, storage: Any) -> Any:
-    """A tensor like ``t`` (dtype, offset, sizes, strides, conj and neg bits) on ``storage``."""
-    v = torch.empty(0, dtype=t.dtype, device=storage.device)
-    v.set_(storage, t.storage_offset(), t.size(), t.stride())
-    if t.is_conj():
-        v = v.conj()
-    if t.is_neg():
-        v = torch._neg_view(v)
-    return v
-
-
 def _bytes_of(torch: Any, storage: Any) -> Any:
     """A storage's bytes as a flat uint8 tensor."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
@@ -798,12 +502,8 @@ def _graph_keys(torch: Any, graphs: dict[int, Any]) -> set[int]:
     return keys
 
 
-def _held(session: Session, st: _Storage) -> bool:
+def _held(session: Session, st: PagedStorage) -> bool:
     return any(session.handles.key(h) == st.key for h in st.handles)
 
 
-def _timing_event(torch: Any) -> Any:
-    return torch.cuda.Event(enable_timing=True)
-
-
-__all__ = ["DEFAULT_IDLE_S", "Pager", "RestoreStats", "handle_refs"]
+__all__ = ["DEFAULT_IDLE_S", "Pager"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_trace.runtime.pager import handle_refs
+from gpu_trace.runtime.restore import handle_refs
 from gpu_trace.runtime.session import HandleTable, MemoryAccount
 
 
