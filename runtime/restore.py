@@ -297,6 +297,10 @@ class Restore:
     def settle(self, wait: bool = False, in_batch: bool = False) -> bool:
         """Land the storages whose copies are done (all of them, waiting, if ``wait``); True
         when everything is back and every copy has finished."""
+        if wait and self.thread is not None:
+            # Land after the copier is done: landing while it copies takes the GIL from it
+            # between its copies (it waits for the GIL after each one).
+            self.thread.join()
         for st in self.order:
             if st.final:
                 continue
