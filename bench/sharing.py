@@ -1,6 +1,6 @@
 """Sharing one GPU between tenants: what the sharing runtime's parts cost and what they buy.
 
-    python bench/sharing.py [--part replay|all] [--out results.json] [options of each part]
+    python bench/sharing.py [--part replay|tenants|restore|all] [--out results.json] [options]
 
 Each part prints a table; ``--out`` also writes every part's numbers as JSON.
 
@@ -36,6 +36,22 @@ job completion time (JCT, completion minus arrival, simulated seconds) mean, med
 the makespan, and FIFO's mean JCT over the policy's. FIFO here serves jobs to completion in order
 of arrival (every item of a job is queued at its arrival), the baseline Tiresias (NSDI 2019)
 compares with, reporting up to 5.5x lower average JCT for its discretized LAS.
+
+Part ``restore``: how long an idle session paged out to host memory takes to come back
+(:mod:`gpu_trace.runtime.pager`), per GB of tensors. A server in this process (``--restore-device``,
+default ``cuda:0`` where there is one, else the CPU device) and the forwarding client: the session
+holds ``--restore-gb`` of transformer-like layers (width ``--restore-width``: per layer a QKV,
+output and two MLP weight matrices, their biases and two layer norms, 12 tensors of 4 KB to
+16 MB), filled with ones. Each round pages the session out (``page-out``), then reads one element
+of the first layer's first weight (``probe[0, 0].item()``): the batch that brings the session
+back. ``first op`` is the server's time from the restore's start until that batch's first op
+could run (its input back), ``all`` until every storage was back, both from the pager's own
+figures (CUDA events on a GPU); ``client`` is the probe's round trip as the client saw it, next to
+the same probe on the resident session. Pipelined restores (copies in op order, each op waiting
+for its own inputs) vs not (everything back before the first op); the median of
+``--restore-reps`` rounds. PipeSwitch (OSDI 2020) reports 3.6-6.6 ms task start-up on a V100
+over PCIe 3.0 with pipelined model transmission; on the CPU device paging is a memcpy, so the
+figures here are memory bandwidth, not PCIe.
 """
 
 from __future__ import annotations
@@ -492,12 +508,136 @@ def add_tenants_options(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--tenant-policy", choices=POLICIES, default="fair")
 
 
+# ---- part: restore -------------------------------------------------------------------------------
+
+RESTORE_TOKEN = "bench-sharing-restore-0123456789"
+
+
+def _layer_shapes(d: int) -> list[tuple[int, ...]]:
+    """One transformer layer's parameters: QKV, output, two MLP matrices, biases, layer norms."""
+    matrices = [(3 * d, d), (3 * d,), (d, d), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
+    return matrices + [(d,)] * 4  # two layer norms' weights and biases
+
+
+def part_restore(args: argparse.Namespace) -> dict[str, Any]:
+    """Restore latency of an idle, paged-out session, pipelined vs not, per GB of tensors."""
+    import torch
+
+    from gpu_trace import runtime
+    from gpu_trace.runtime.server import Server
+
+    device = args.restore_device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    where = "CPU device" if device == "cpu" else f"{device} ({torch.cuda.get_device_name(device)})"
+    clock = time.perf_counter_ns
+    ms = 1e-6
+    rows, results = [], []
+    for gb in args.restore_gb:
+        target = int(gb * (1 << 30))
+        with Server("127.0.0.1:0", token=RESTORE_TOKEN, device=device, idle_s=None) as server:
+            dev = runtime.connect(server.address, token=RESTORE_TOKEN)
+            try:
+                tensors, total = [], 0
+                while total < target:
+                    for shape in _layer_shapes(args.restore_width):
+                        tensors.append(torch.ones(shape, device=dev))
+                        total += tensors[-1].numel() * 4
+                runtime.synchronize()
+                (session,) = server.sessions.values()
+                pager = server.pager
+                probe = tensors[0]
+                resident = []
+                for _ in range(args.restore_reps + 1):  # the first one warms the client's caches
+                    t0 = clock()
+                    probe[0, 0].item()
+                    resident.append(clock() - t0)
+                resident_ms = statistics.median(resident[1:]) * ms
+                for pipelined in (True, False):
+                    pager.pipelined = pipelined
+                    rounds = []
+                    for _ in range(args.restore_reps):
+                        runtime.synchronize()
+                        t0 = clock()
+                        freed = pager.request_page_out(session, reason="bench")
+                        out_ns = clock() - t0
+                        t0 = clock()
+                        probe[0, 0].item()
+                        client_ns = clock() - t0
+                        with server.executor.lock:
+                            pager.settle(session, wait=True)
+                        stats = pager.restores[-1]
+                        rounds.append((out_ns, stats.first_op_ns, stats.all_ns, client_ns))
+                        assert freed > 0 and stats.bytes == freed, (freed, stats)
+                    out, first, every, client = (
+                        statistics.median(r[i] for r in rounds) for i in range(4)
+                    )
+                    result = {
+                        "gb": gb,
+                        "bytes": total,
+                        "tensors": len(tensors),
+                        "pipelined": pipelined,
+                        "page_out_ms": out * ms,
+                        "first_op_ms": first * ms,
+                        "all_ms": every * ms,
+                        "all_ms_per_gb": every * ms / (total / (1 << 30)),
+                        "client_ms": client * ms,
+                        "client_resident_ms": resident_ms,
+                        "rounds": rounds,
+                    }
+                    results.append(result)
+                    rows.append(
+                        [
+                            f"{total / (1 << 30):.2f} GB",
+                            str(len(tensors)),
+                            "pipelined" if pipelined else "all first",
+                            f"{out * ms:.1f} ms",
+                            f"{first * ms:.2f} ms",
+                            f"{every * ms:.1f} ms",
+                            f"{result['all_ms_per_gb']:.1f} ms",
+                            f"{client * ms:.2f} ms",
+                            f"{resident_ms:.2f} ms",
+                        ]
+                    )
+                # Paging must not change a value: every tensor is still all ones.
+                assert all(bool((t == 1).all()) for t in tensors)
+            finally:
+                runtime.disconnect()
+    return {
+        "title": (
+            f"restore: an idle session paged out to host memory and back, {where}; transformer-"
+            f"like layers (width {args.restore_width}), median of {args.restore_reps} rounds. "
+            "PipeSwitch (OSDI 2020): 3.6-6.6 ms task start-up on a V100, PCIe 3.0"
+        ),
+        "columns": [
+            "held",
+            "tensors",
+            "restore",
+            "page-out",
+            "first op",
+            "all",
+            "all per GB",
+            "client",
+            "client, resident",
+        ],
+        "rows": rows,
+        "results": results,
+    }
+
+
+def add_restore_options(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("restore")
+    g.add_argument("--restore-gb", type=positive(float), nargs="+", default=[0.25, 0.5, 1.0])
+    g.add_argument("--restore-width", type=positive(int), default=1024)
+    g.add_argument("--restore-reps", type=positive(int), default=3)
+    g.add_argument("--restore-device", help="default: cuda:0 where there is one, else cpu")
+
+
 # ---- driver --------------------------------------------------------------------------------------
 
 #: The parts, by name, in the order ``all`` runs them.
 PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "replay": part_replay,
     "tenants": part_tenants,
+    "restore": part_restore,
 }
 
 
@@ -519,6 +659,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="also write the results as JSON here")
     add_replay_options(ap)
     add_tenants_options(ap)
+    add_restore_options(ap)
     args = ap.parse_args(argv)
     names = list(PARTS) if args.part == "all" else [args.part]
     results = {}

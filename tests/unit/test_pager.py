@@ -1,4 +1,4 @@
-"""The pager's pure parts: which handles an op names, and how the memory account follows a page-out."""
+"""The pager's pure parts: which handles an op names, how the memory account follows paging."""
 
 from __future__ import annotations
 
