@@ -1,0 +1,23 @@
+"""The `gpu-trace` commands, one module per concern; :mod:`gpu_trace.cli` parses and dispatches.
+
+Only the command line prints or exits: these modules and :mod:`gpu_trace.cli`. Errors are one line
+on stderr, ``gpu-trace: ...``, raised as :class:`CLIError` with the exit status.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+class CLIError(Exception):
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def echo(text: str) -> None:
+    print(text)
+
+
+def err(text: str) -> None:
+    print(f"gpu-trace: {text}", file=sys.stderr)

@@ -1,0 +1,76 @@
+"""`gpu-trace record`: run a program recorded, then load its run into the store."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from gpu_trace import _format as fmt
+from gpu_trace import config
+from gpu_trace.commands import CLIError, err
+from gpu_trace.commands.store import store_module
+
+
+def cmd_record(args: argparse.Namespace) -> int:
+    from gpu_trace import launch
+
+    argv = list(args.argv)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    dsn = config.store_dsn(args.store)
+    if not args.no_ingest:
+        problem = store_module().check_writable(dsn)
+        if problem:
+            raise CLIError(f"store {dsn} is not usable: {problem}", 2)
+    try:
+        prepared = launch.prepare(
+            argv,
+            run_dir=args.run_dir,
+            nvtx=args.nvtx,
+            torch=args.torch,
+            tf=args.tf,
+            nvml_hz=0.0 if args.no_nvml else args.nvml_hz,
+            host_hz=args.host_hz,
+            nvml_replay=args.nvml_replay,
+            remote=args.remote,
+            remote_sync=args.sync,
+        )
+    except launch.LaunchError as exc:
+        raise CLIError(str(exc), exc.exit_code) from None
+    for note in prepared.notes:
+        err(note)
+    try:
+        code = launch.run(prepared)
+    except launch.LaunchError as exc:
+        raise CLIError(str(exc), exc.exit_code) from None
+    finish_run(prepared.run_dir, dsn, ingest=not args.no_ingest)
+    return code
+
+
+def finish_run(run_dir: Path, dsn: str, *, ingest: bool) -> None:
+    from gpu_trace.tracer.run import RunInfo, read_stats
+
+    info = RunInfo.load(run_dir)
+    stats = read_stats(run_dir)
+    events = sum(int(s.get("events", 0)) for s in stats)
+    dropped = sum(int(s.get("dropped", 0)) for s in stats)
+    if not ingest:
+        err(
+            f"run {info.run_id}: {fmt.count(events)} events, {fmt.count(dropped)} dropped, spooled in {run_dir} (not ingested: gpu-trace ingest {run_dir})"
+        )
+        return
+    store_mod = store_module()
+    try:
+        with store_mod.Store(dsn) as store:
+            report = store.ingest(run_dir)
+    except store_mod.StoreError as exc:
+        err(
+            f"run {info.run_id}: {fmt.count(events)} events, {fmt.count(dropped)} dropped, NOT stored: {exc}"
+        )
+        err(f"the spool is kept in {run_dir}; load it later with: gpu-trace ingest {run_dir}")
+        return
+    for problem in report.problems:
+        err(problem)
+    err(
+        f"run {info.run_id}: {fmt.count(report.rows_total)} events, {fmt.count(dropped)} dropped, stored in {dsn}"
+    )

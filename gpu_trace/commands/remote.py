@@ -1,0 +1,133 @@
+"""`gpu-trace serve` and `gpu-trace tenants`: the forwarding server and its admin listing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from gpu_trace import config
+from gpu_trace.commands import CLIError, echo, err
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import signal
+
+    from gpu_trace.runtime import auth
+    from gpu_trace.runtime.policies import make_policy
+    from gpu_trace.runtime.scheduler import PolicyScheduler
+    from gpu_trace.runtime.server import Server
+    from gpu_trace.runtime.tenants import load_tenants, parse_size
+
+    if args.tenants is not None and args.token:
+        raise CLIError("give --tenants or --token, not both (tenants' tokens are in the file)", 2)
+    try:
+        tenants = token = token_path = None
+        if args.tenants is not None:
+            tenants = load_tenants(args.tenants)
+        else:
+            token, token_path = auth.server_token(args.token)
+        device_memory = None
+        if args.device_memory is not None:
+            device_memory = parse_size(args.device_memory)
+            if device_memory <= 0:
+                raise ValueError("--device-memory must be more than 0 bytes")
+        scheduler = PolicyScheduler(make_policy(args.policy))
+        device = args.device
+        if device is None:
+            import torch
+
+            device = "cuda:0" if torch.cuda.is_available() else "cpu"
+        sink = None
+        if args.store:
+            from gpu_trace.runtime.sink import StoreSink
+
+            sink = StoreSink(args.store, config.home() / "serve-spool")
+        server = Server(
+            args.listen,
+            device=device,
+            token=token,
+            tenants=tenants,
+            device_memory=device_memory,
+            scheduler=scheduler,
+            max_sessions=args.max_sessions,
+            sink=sink,
+            idle_s=args.idle_s,
+        )
+        server.start()
+    except (ValueError, OSError) as exc:
+        raise CLIError(f"cannot serve: {exc}", 2) from None
+    try:
+        metrics = _serve_metrics(server, args.listen, args.metrics)
+    except CLIError:
+        server.close()
+        raise
+    if tenants is not None:
+        where = f"{len(tenants)} tenants from {args.tenants}"
+    elif token_path:
+        where = f"token in {token_path}"
+    else:
+        where = "token from --token/GPU_TRACE_REMOTE_TOKEN"
+    where += f"; policy {args.policy}"
+    if sink is not None:
+        where += f"; spans to {sink.display}"
+    if metrics is not None:
+        where += f"; metrics at {metrics.url}"
+    err(f"serving {server.device} on {server.address} ({where}); Ctrl-C stops")
+    signal.signal(signal.SIGTERM, lambda *_: server.stop("SIGTERM"))
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        server.stop("SIGINT")
+    finally:
+        if metrics is not None:
+            metrics.close()
+        server.close()
+    why = f" ({server.stop_reason})" if server.stop_reason else ""
+    err(f"stopped{why}: served {server.executor.batches} batches")
+    return 0
+
+
+def _serve_metrics(server: Any, listen: str, spec: str | None) -> Any:
+    """``--metrics``: the /metrics server, started; None if off. The default (the listen port
+    + 1 on 127.0.0.1) gives way with a warning when taken; an explicit address must work."""
+    from gpu_trace.runtime.metrics import MetricsServer
+    from gpu_trace.runtime.server import parse_address
+
+    if spec is not None and spec.lower() == "off":
+        return None
+    if spec is None:
+        port = parse_address(listen)[1]
+        spec = f"127.0.0.1:{port + 1 if port else 0}"
+        explicit = False
+    else:
+        explicit = True
+    try:
+        return MetricsServer(server, spec).start()
+    except (ValueError, OSError) as exc:
+        if explicit:
+            raise CLIError(f"cannot serve metrics on {spec}: {exc}", 2) from None
+        err(f"no /metrics: {spec}: {exc} (--metrics HOST:PORT picks another address)")
+        return None
+
+
+def cmd_tenants(args: argparse.Namespace) -> int:
+    from gpu_trace.runtime import admin
+    from gpu_trace.runtime.errors import RemoteError
+
+    try:
+        if args.evict is not None:
+            admin.evict(args.address, args.evict, args.token)
+            if args.json:
+                echo(json.dumps({"evicted": args.evict}))
+            else:
+                echo(f"evicted session {args.evict}")
+            return 0
+        listing = admin.list_sessions(args.address, args.token)
+    except RemoteError as exc:
+        raise CLIError(str(exc)) from None
+    except ValueError as exc:  # no token, a malformed address
+        raise CLIError(str(exc), 2) from None
+    listing.pop("ok", None)
+    echo(json.dumps(listing, indent=2) if args.json else admin.format_listing(listing))
+    return 0

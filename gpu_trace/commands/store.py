@@ -1,0 +1,246 @@
+"""The store's commands: `gpu-trace ingest`, `ls`, `show`, `export`, `sql`, and their rendering."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from gpu_trace import _format as fmt
+from gpu_trace import config
+from gpu_trace.commands import CLIError, echo, err
+
+
+def store_module() -> Any:
+    from gpu_trace.tracer import store
+
+    return store
+
+
+def _open_store(args: argparse.Namespace) -> Any:
+    store_mod = store_module()
+    dsn = config.store_dsn(getattr(args, "store", None))
+    try:
+        return store_mod.Store(dsn)
+    except store_mod.StoreError as exc:
+        raise CLIError(f"cannot open store {dsn}: {exc}") from None
+
+
+def _resolve(store: Any, ref: str) -> str:
+    store_mod = store_module()
+    try:
+        return store.resolve_run(ref)
+    except store_mod.UnknownRunError as exc:
+        raise CLIError(str(exc)) from None
+
+
+def cmd_ingest(args: argparse.Namespace) -> int:
+    from gpu_trace.tracer.run import RunInfo
+
+    run_dir: Path = args.run_dir
+    if not RunInfo.exists(run_dir):
+        raise CLIError(f"{run_dir} is not a run directory (no run.json)", 2)
+    dsn = config.store_dsn(args.store)
+    store_mod = store_module()
+    try:
+        with store_mod.Store(dsn) as store:
+            report = store.ingest(run_dir)
+    except store_mod.StoreError as exc:
+        raise CLIError(f"ingest failed, spool kept: {exc}") from None
+    for problem in report.problems:
+        err(problem)
+    echo(
+        f"{report.run_id}: {fmt.count(report.rows_total)} rows from {report.files_ingested} files ({report.files_skipped} already ingested) into {dsn}"
+    )
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    with _open_store(args) as store:
+        runs = store.runs(limit=args.limit, search=args.search)
+    if args.json:
+        echo(json.dumps(runs, default=str, indent=2))
+        return 0
+    if not runs:
+        echo("no runs yet: gpu-trace record -- python your_script.py")
+        return 0
+    rows = []
+    for r in runs:
+        rows.append(
+            [
+                r["run_id"],
+                fmt.wall_time(_wall_ns(r)),
+                fmt.duration(max(0, r["ended_ns"] - r["started_ns"])) if r.get("ended_ns") else "-",
+                fmt.count(int(r.get("spans", 0)) + int(r.get("counters", 0))),
+                r.get("status", ""),
+                ",".join(r.get("hosts") or []),
+                _clip(r.get("command", ""), 60),
+            ]
+        )
+    echo(
+        fmt.table(
+            ["RUN", "STARTED", "DURATION", "EVENTS", "STATUS", "HOSTS", "COMMAND"],
+            rows,
+            right={2, 3},
+        )
+    )
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    with _open_store(args) as store:
+        run_id = _resolve(store, args.run)
+        run = store.run(run_id)
+        summary = store.summary(run_id, top=args.top)
+        forwarding = store.forwarding(run_id, top=args.top)
+    if args.json:
+        out = {"run": run, "summary": summary, "forwarding": forwarding}
+        echo(json.dumps(out, default=str, indent=2))
+        return 0
+    echo(render_summary(run, summary))
+    if forwarding["ops"]:
+        echo(_render_forwarding(forwarding))
+    return 0
+
+
+def _render_forwarding(fwd: dict) -> str:
+    """Where forwarded time went, per op: client, wire, queue, execute (docs/remote.md)."""
+
+    def share(row: dict) -> list[str]:
+        parts = [row["client_ns"], row["wire_ns"], row["queue_ns"], row["execute_ns"]]
+        total = sum(parts) or 1
+        return [fmt.duration(sum(parts))] + [
+            f"{fmt.duration(p)} {100 * p / total:.0f}%" for p in parts
+        ]
+
+    rows = [[_clip(r["name"], 44), fmt.count(r["count"]), *share(r)] for r in fwd["ops"]]
+    rows.append(["all ops", fmt.count(fwd["totals"]["count"]), *share(fwd["totals"])])
+    head = (
+        f"\nforwarded: {fmt.count(fwd['totals']['count'])} ops in {fmt.count(fwd['batches'])} "
+        f"batches; the program waited {fmt.duration(fwd['wait_ns'])} at sync points"
+    )
+    table = fmt.table(
+        ["OP", "COUNT", "TOTAL", "CLIENT", "WIRE", "QUEUE", "EXECUTE"],
+        rows,
+        right={1, 2, 3, 4, 5, 6},
+    )
+    return head + "\n" + table
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from gpu_trace._progress import TerminalProgress
+    from gpu_trace.tracer import chrome
+
+    out: Path = args.output
+    if out.suffix not in (".json", ".gz"):
+        raise CLIError(f"output must end in .json or .json.gz, got {out}", 2)
+    with _open_store(args) as store:
+        run_id = _resolve(store, args.run)
+        run = store.run(run_id)
+        counts = store.counts(run_id)
+        progress = TerminalProgress(sys.stderr)
+        stats = chrome.write_chrome_trace(
+            out,
+            run,
+            store.threads(run_id),
+            store.iter_spans(run_id),
+            store.iter_counters(run_id),
+            total_spans=counts.get("spans"),
+            progress=progress,
+            rank=args.rank,
+        )
+    err(f"wrote {out}: {fmt.count(stats.get('events', 0))} events")
+    return 0
+
+
+def cmd_sql(args: argparse.Namespace) -> int:
+    params: dict[str, str] = {}
+    for item in args.param:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise CLIError(f"--param takes NAME=VALUE, got {item!r}", 2)
+        params[name] = value
+    with _open_store(args) as store:
+        store_mod = store_module()
+        try:
+            columns, rows = store.sql(args.query, parameters=params or None)
+        except store_mod.StoreError as exc:
+            raise CLIError(str(exc)) from None
+    if args.json:
+        for row in rows:
+            echo(json.dumps(dict(zip(columns, row)), default=str))
+        return 0
+    echo(fmt.table(list(columns), [[_cell(v) for v in row] for row in rows]))
+    return 0
+
+
+def _wall_ns(run: dict) -> int | None:
+    attrs = run.get("attrs") or {}
+    try:
+        return int(run["started_ns"]) - int(attrs["anchor_mono_ns"]) + int(attrs["anchor_wall_ns"])
+    except (KeyError, ValueError, TypeError):
+        return None
+
+
+def render_summary(run: dict, summary: dict) -> str:
+    lines = []
+    dur = (run.get("ended_ns") or 0) - (run.get("started_ns") or 0)
+    lines.append(
+        f"run {run['run_id']}  {run.get('status', '')}  {fmt.wall_time(_wall_ns(run))}  {fmt.duration(dur) if dur > 0 else ''}"
+    )
+    lines.append(f"command: {run.get('command', '')}")
+    lines.append(f"trace id: {run.get('trace_id', '')}  hosts: {','.join(run.get('hosts') or [])}")
+    for lane in summary.get("lanes", []):
+        lines.append("")
+        lines.append(
+            f"{lane['lane']}  ({fmt.count(lane['count'])} spans, {fmt.duration(lane['total_ns'])} total)"
+        )
+        rows = [
+            [
+                _clip(r["name"], 48),
+                fmt.count(r["count"]),
+                fmt.duration(r["total_ns"]),
+                fmt.duration(r["self_ns"]),
+                fmt.duration(r["mean_ns"]),
+                fmt.duration(r["max_ns"]),
+            ]
+            for r in lane["ranges"]
+        ]
+        lines.append(
+            fmt.table(
+                ["NAME", "COUNT", "TOTAL", "SELF", "MEAN", "MAX"], rows, right={1, 2, 3, 4, 5}
+            )
+        )
+    counters = summary.get("counters") or []
+    if counters:
+        lines.append("")
+        rows = [
+            [
+                c["source"],
+                c["device"] or "-",
+                c["metric"],
+                fmt.count(c["count"]),
+                f"{c['min']:.4g}",
+                f"{c['mean']:.4g}",
+                f"{c['max']:.4g}",
+            ]
+            for c in counters
+        ]
+        lines.append(
+            fmt.table(
+                ["SOURCE", "DEVICE", "METRIC", "SAMPLES", "MIN", "MEAN", "MAX"],
+                rows,
+                right={3, 4, 5, 6},
+            )
+        )
+    return "\n".join(lines)
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _cell(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, default=str)

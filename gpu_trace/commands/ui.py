@@ -1,0 +1,119 @@
+"""`gpu-trace ui` and `gpu-trace demo`: the web timeline on a store, and on the sample runs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from gpu_trace import config
+from gpu_trace.commands import CLIError, echo, err
+from gpu_trace.commands.record import finish_run
+from gpu_trace.commands.store import render_summary, store_module
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from gpu_trace import launch
+    from gpu_trace.tracer import chrome
+
+    workload = Path(__file__).resolve().parents[1] / "_demo_workload.py"
+    dsn = config.store_dsn(args.store)
+    problem = store_module().check_writable(dsn)
+    if problem:
+        raise CLIError(f"store {dsn} is not usable: {problem}", 2)
+    # Without NVML the demo plays back the repository's (synthetic) NVML sample file, if present.
+    sample = Path(__file__).resolve().parents[2] / "sample_traces" / "nvml-synthetic-h100.jsonl"
+    prepared = launch.prepare(
+        [sys.executable, str(workload)], nvml_fallback=sample if sample.is_file() else None
+    )
+    for note in prepared.notes:
+        err(note)
+    code = launch.run(prepared)
+    finish_run(prepared.run_dir, dsn, ingest=True)
+    if code != 0:
+        raise CLIError(f"the demo workload failed with status {code}")
+    out = args.output or prepared.run_dir / "trace.json.gz"
+    with store_module().Store(dsn) as store:
+        run_id = prepared.info.run_id
+        echo(render_summary(store.run(run_id), store.summary(run_id, top=5)))
+        chrome.write_chrome_trace(
+            out,
+            store.run(run_id),
+            store.threads(run_id),
+            store.iter_spans(run_id),
+            store.iter_counters(run_id),
+        )
+    echo(f"\nChrome trace: {out}  (open it in https://ui.perfetto.dev or chrome://tracing)")
+    echo(
+        f'Next: gpu-trace show {run_id} · gpu-trace sql "SELECT lane, count() FROM gpu_trace.spans GROUP BY lane"'
+    )
+    _load_samples(dsn)
+    interactive = sys.stdin.isatty() and sys.stdout.isatty()
+    if args.ui or (args.ui is None and interactive):
+        return _serve_ui(dsn, "127.0.0.1", args.port, "forwarded-two-tenants", browser=interactive)
+    echo("Dashboard: gpu-trace ui  (then open http://127.0.0.1:8050)")
+    return 0
+
+
+def _load_samples(dsn: str) -> None:
+    """Ingest the repository's sample runs (sample_traces/runs) into the store; idempotent."""
+    from gpu_trace.dashboard import samples
+
+    store_mod = store_module()
+    try:
+        with store_mod.Store(dsn) as store:
+            reports = samples.load_samples(store)
+    except store_mod.StoreError as exc:
+        err(f"sample traces not loaded: {exc}")
+        return
+    for report in reports:
+        err(f"sample run {report.run_id} loaded ({report.files_skipped} files already there)")
+
+
+def cmd_ui(args: argparse.Namespace) -> int:
+    return _serve_ui(config.store_dsn(args.store), args.host, args.port, args.run)
+
+
+def _serve_ui(dsn: str, host: str, port: int, run: str | None, browser: bool = False) -> int:
+    try:
+        from gpu_trace.dashboard.app import Server
+        from gpu_trace.dashboard.source import Source
+    except ImportError as exc:
+        raise CLIError(
+            f"{exc} (the dashboard needs the ui extra: pip install 'gpu-trace[ui]')"
+        ) from None
+    source = Source(dsn, enforce_readonly=True)
+    try:
+        server = Server(source, host, port)
+    except (OSError, OverflowError) as exc:
+        raise CLIError(
+            f"cannot listen on {host}:{port}: {getattr(exc, 'strerror', None) or exc}", 2
+        ) from None
+    try:
+        source.store()
+    except store_module().StoreError as exc:
+        err(f"the store is not usable yet ({exc}); the page says so and retries")
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        err(f"listening on {host}: anyone who can reach this port can read every run (no login)")
+    url = server.url + "/" + (f"?run={run}" if run else "")
+    err(f"dashboard on {url} (store {dsn}); Ctrl-C stops")
+    import threading
+
+    from gpu_trace.dashboard.app import warm
+
+    threading.Thread(target=warm, args=(source, run), name="gpu-trace-ui-warm", daemon=True).start()
+    if browser:
+        import webbrowser
+
+        webbrowser.open(url)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+        source.close()
+    return 0
+
+
+# ---- helpers ----------------------------------------------------------------------------------
