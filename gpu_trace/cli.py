@@ -174,10 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "tenants",
-        help="list a shared server's sessions and usage per tenant; evict a session (admin)",
+        help="list a shared server's sessions and usage per tenant; evict or page out a session "
+        "(admin)",
         description="List the live sessions of a `gpu-trace serve` server and what each tenant "
         "and session uses. A tenant's token shows its own sessions; an admin tenant's token "
-        "shows all and may evict. See docs/sharing.md.",
+        "shows all and may evict a session or page it out. See docs/sharing.md.",
     )
     p.add_argument("address", metavar="HOST:PORT", help="the server")
     p.add_argument(
@@ -185,12 +186,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="the tenant's token (default GPU_TRACE_REMOTE_TOKEN, else the token file "
         "GPU_TRACE_HOME/remote-token)",
     )
-    p.add_argument(
+    act = p.add_mutually_exclusive_group()
+    act.add_argument(
         "--evict",
         type=int,
         metavar="SESSION_ID",
         help="close this session (an admin tenant's token only): its client gets an error at "
         "its next sync point and its memory is freed",
+    )
+    act.add_argument(
+        "--page-out",
+        type=int,
+        metavar="SESSION_ID",
+        help="move this session's tensors to host memory now, as if it had been idle (an admin "
+        "tenant's token only); its next op brings them back",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_tenants)

@@ -13,6 +13,7 @@ gets ``ADMIN_REPLY {ok, ...}`` answers::
 
     ADMIN {"op": "list"}                  <- ADMIN_REPLY {ok, server, tenants, sessions}
     ADMIN {"op": "evict", "session": 7}   <- ADMIN_REPLY {ok, evicted} or {ok: false, error}
+    ADMIN {"op": "page-out", "session": 7} <- ADMIN_REPLY {ok, paged_out, bytes}
 """
 
 from __future__ import annotations
@@ -243,9 +244,15 @@ def handle(server: Server, tenant: Tenant, req: dict[str, Any]) -> dict[str, Any
     """The server's answer to one (validated) ADMIN request from ``tenant``."""
     if req["op"] == "list":
         return {"ok": True, **snapshot(server, tenant)}
+    what = "evicting" if req["op"] == "evict" else "paging out"
     if not tenant.admin:
-        return {"ok": False, "error": "evicting a session needs an admin tenant's token"}
+        return {"ok": False, "error": f"{what} a session needs an admin tenant's token"}
     ident = req["session"]
+    if req["op"] == "page-out":
+        freed = server.page_out(ident, by=tenant.name)
+        if freed is None:
+            return {"ok": False, "error": f"no session {ident} on this server"}
+        return {"ok": True, "paged_out": ident, "bytes": freed}
     if not server.evict(ident, by=tenant.name):
         return {"ok": False, "error": f"no session {ident} on this server"}
     return {"ok": True, "evicted": ident}
@@ -376,6 +383,14 @@ def request(
 def list_sessions(address: str, token: str | None = None) -> dict[str, Any]:
     """The server's listing as the token's tenant may see it (:func:`snapshot`)."""
     return request(address, {"op": "list"}, token)
+
+
+def page_out(address: str, session: int, token: str | None = None) -> int:
+    """Page session ``session``'s tensors out to host memory now (an admin tenant's token only),
+    as if it had been idle; its next op brings them back. The bytes moved (0: the session had
+    work queued or nothing on the device)."""
+    reply = request(address, {"op": "page-out", "session": int(session)}, token)
+    return int(reply.get("bytes", 0))
 
 
 def evict(address: str, session: int, token: str | None = None) -> None:

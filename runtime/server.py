@@ -232,6 +232,21 @@ class Server:
         self._end(session, admin.EVICTED, "evicted")
         return True
 
+    def page_out(self, session_id: int, by: str = "") -> int | None:
+        """Page session ``session_id`` out to host memory now (an admin's request); the bytes
+        moved, or None if there is no such session."""
+        with self._lock:
+            session = self.sessions.get(session_id)
+        if session is None:
+            return None
+        log.info(
+            "gpu-trace serve: session %d of tenant %s paged out by %s",
+            session.id,
+            session.tenant.name,
+            by or "an administrator",
+        )
+        return self.pager.request_page_out(session, reason="admin")
+
     def _end(self, session: Session, message: str, reason: str) -> None:
         """Tell ``session``'s client why it ends, then end it: its connection's thread sees the
         socket shut and frees the session, as at a disconnect."""

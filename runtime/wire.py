@@ -71,7 +71,7 @@ MAX_STRING = 1024
 #: Most clock-sync exchanges in one CLOCK message.
 MAX_CLOCK_SAMPLES = 64
 #: What an ADMIN request may ask for.
-ADMIN_OPS = ("list", "evict")
+ADMIN_OPS = ("list", "evict", "page-out")
 
 
 class MsgType(enum.IntEnum):
@@ -183,12 +183,13 @@ def decode_clock(body: bytes | memoryview) -> list[tuple[int, int, int, int]]:
 
 
 def decode_admin(body: bytes | memoryview) -> dict[str, Any]:
-    """An ADMIN request, validated: ``{"op": "list"}`` or ``{"op": "evict", "session": N}``."""
+    """An ADMIN request, validated: ``{"op": "list"}``, or ``{"op": "evict" | "page-out",
+    "session": N}``."""
     req = decode_json(body)
     op = field_str(req, "op", 16)
     if op not in ADMIN_OPS or set(req) - {"op", "session"}:
         raise ProtocolError(f"an admin request is one of {', '.join(ADMIN_OPS)}")
-    if op == "evict":
+    if op in ("evict", "page-out"):
         return {"op": op, "session": field_int(req, "session", 1)}
     return {"op": op}
 

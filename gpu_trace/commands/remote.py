@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any
 
+from gpu_trace import _format as fmt
 from gpu_trace import config
 from gpu_trace.commands import CLIError, echo, err
 
@@ -116,6 +117,13 @@ def cmd_tenants(args: argparse.Namespace) -> int:
     from gpu_trace.runtime.errors import RemoteError
 
     try:
+        if args.page_out is not None:
+            moved = admin.page_out(args.address, args.page_out, args.token)
+            if args.json:
+                echo(json.dumps({"paged_out": args.page_out, "bytes": moved}))
+            else:
+                echo(f"paged out session {args.page_out}: {fmt.size(moved)} to host memory")
+            return 0
         if args.evict is not None:
             admin.evict(args.address, args.evict, args.token)
             if args.json:

@@ -297,3 +297,30 @@ def test_serve_policy_choices_are_the_policies() -> None:
     (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     (action,) = [a for a in commands.choices["serve"]._actions if a.dest == "policy"]
     assert tuple(action.choices) == POLICIES and action.default == DEFAULT_POLICY
+
+
+def test_an_admin_pages_a_session_out_and_its_next_op_brings_it_back(
+    shared: Server, alice: torch.device, python: str
+) -> None:
+    x = torch.arange(1 << 16, dtype=torch.float32, device=alice)
+    y = x[::2]  # a view: it must still alias x when it comes back
+    assert y.sum().item() == float(sum(range(0, 1 << 16, 2)))
+    (session,) = shared.sessions.values()
+    with pytest.raises(admin.AdminError, match="paging out a session needs an admin"):
+        admin.page_out(shared.address, session.id, ALICE)
+    with pytest.raises(admin.AdminError, match="no session 9999"):
+        admin.page_out(shared.address, 9999, OPS)
+    out = subprocess.run(
+        [python, "-m", "gpu_trace", "tenants", shared.address, "--token", OPS, "--json",
+         "--page-out", str(session.id)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    moved = json.loads(out.stdout)
+    assert moved["paged_out"] == session.id and moved["bytes"] >= x.numel() * 4
+    assert session.usage.evictions == 1 and session.usage.evicted_bytes == moved["bytes"]
+    row = admin.list_sessions(shared.address, OPS)["sessions"][0]
+    assert row["evicted_bytes"] == moved["bytes"] and row["state"] == "paged-out"
+    x.mul_(2)  # the next op restores; the view sees the in-place change
+    assert y.sum().item() == float(2 * sum(range(0, 1 << 16, 2)))
+    assert session.usage.restores == 1
