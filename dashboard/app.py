@@ -6,9 +6,11 @@ missing one is an ImportError naming the extra.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from typing import Any
+from urllib.parse import unquote
 
 from gpu_trace.dashboard.source import Source
 
@@ -16,6 +18,14 @@ log = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8050
+#: Cookie in which the page tells the server, before Dash asks for the layout, what its address
+#: asks for and how wide the window is: the layout is then sent with that view drawn.
+VIEW_COOKIE = "gpu_trace_view"
+_VIEW_SCRIPT = (
+    f"<script>document.cookie = '{VIEW_COOKIE}=' + encodeURIComponent(JSON.stringify("
+    "{search: location.search, width: window.innerWidth})) + '; path=/; SameSite=Strict';"
+    "</script>"
+)
 
 
 def _dash() -> Any:
@@ -40,12 +50,37 @@ def create_app(source: Source) -> Any:
         suppress_callback_exceptions=True,
         serve_locally=True,
     )
-    app.index_string = app.index_string.replace(
-        "{%css%}", "{%css%}<style>" + layout.CSS + "</style>"
+    prefix = app.config.requests_pathname_prefix
+    app.index_string = (
+        app.index_string.replace(
+            "{%css%}", "{%css%}<style>" + layout.CSS + "</style>" + _VIEW_SCRIPT
+        )
+        # plotly.js (3.5 MB) is otherwise fetched only once the layout is drawn, one more round
+        # trip; run here, after Dash's own scripts have sent for the layout, it is parsed while
+        # the server builds the first figure, and dcc.Graph finds window.Plotly ready.
+        .replace(
+            "{%renderer%}",
+            "{%renderer%}<script src='"
+            + prefix
+            + "_dash-component-suites/plotly/package_data/plotly.min.js'></script>",
+        )
     )
-    app.layout = layout.page(source.display())
+    display = source.display()
+
+    def page() -> Any:
+        from flask import has_request_context, request
+
+        view: dict = {}
+        # Dash also builds the layout once on its first request, to check it: only the layout
+        # request itself gets the view.
+        if has_request_context() and request.path.endswith("/_dash-layout"):
+            asked = _asked(request.cookies.get(VIEW_COOKIE))
+            if asked is not None:
+                view = callbacks.first_view(source, *asked)
+        return layout.page(display, view)
+
+    app.layout = page
     callbacks.register(app, source)
-    _warm_plotly()
 
     @app.server.after_request
     def _headers(response: Any) -> Any:
@@ -58,14 +93,14 @@ def create_app(source: Source) -> Any:
     return app
 
 
-def _warm_plotly() -> None:
-    """Build one small timeline: plotly loads its validators on a process's first figure
-    (a few hundred ms), better at start than on the first page."""
-    from gpu_trace.dashboard import figures
-    from gpu_trace.dashboard.queries import Window
-
-    run = {"run_id": "", "started_ns": 0}
-    figures.timeline(run, {"tracks": [], "rows": 1}, Window(0, 1000, 10), None, {}, [], 100)
+def _asked(cookie: str | None) -> tuple[str, int | None] | None:
+    """The address's query string and the window's width from the page's cookie."""
+    try:
+        asked = json.loads(unquote(cookie or ""))
+        width = asked.get("width")
+        return str(asked["search"]), int(width) if isinstance(width, (int, float)) else None
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
 
 
 def warm(source: Source, run: str | None = None) -> None:

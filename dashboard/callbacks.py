@@ -6,6 +6,7 @@ one-line message in the page instead of a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import tempfile
@@ -50,6 +51,167 @@ def _synthetic(run: dict[str, Any]) -> bool:
     return "synthetic" in attrs.get("gpus", "").lower() or "synthetic" in attrs.get("nvml", "")
 
 
+#: What the timeline callback sets, in order (component id, property).
+TIMELINE_OUTPUTS = (
+    ("run", "value"),
+    ("message", "children"),
+    ("tabs", "value"),
+    ("counter-pick", "options"),
+    ("counter-pick", "value"),
+    ("window", "data"),
+    ("selected", "data"),
+    ("timeline", "figure"),
+    ("lod", "children"),
+    ("window-text", "children"),
+    ("timeline-message", "children"),
+    ("export-info", "children"),
+)
+#: Plot width (px) when the page has not said its own.
+DEFAULT_VIEWPORT = 1600
+
+
+def plot_width(viewport: int | None) -> int:
+    """The plot's width in pixels for a browser window ``viewport`` pixels wide."""
+    return max(400, int(viewport or DEFAULT_VIEWPORT) - 330)
+
+
+def _run_option(run: dict[str, Any]) -> dict[str, str]:
+    return {"label": f"{run['run_id']} · {run.get('command', '')[:60]}", "value": run["run_id"]}
+
+
+def _url_params(search: str | None) -> tuple[str, str | None]:
+    q = parse_qs((search or "").lstrip("?"))
+    tab = (q.get("tab") or [None])[0]
+    return (q.get("run") or ["last"])[0], tab if tab in {v for v, _ in TABS} else None
+
+
+def open_run(
+    source: Source, ref: str | None, viewport: int | None, search: str | None = None
+) -> dict[tuple[str, str], Any]:
+    """Everything the timeline shows for a run opened on its whole duration: the run picker,
+    the counters offered and picked, the window and its figure. ``ref`` is a run id, a prefix
+    or ``last``; an unknown one (or a store that can't be reached) is a message.
+
+    The page's first view is built here, on the server, with the page itself (app.py), so the
+    first paint waits for no callback; the same function answers a run picked later.
+    """
+    out: dict[tuple[str, str], Any] = {k: no_update for k in TIMELINE_OUTPUTS}
+    out[("selected", "data")] = None
+    try:
+        run_id = source.call("resolve_run", ref or "last")
+        run = queries.run(source, run_id)
+    except Exception as exc:
+        return {**out, **_cleared(), ("message", "children"): _fail(exc)}
+    try:
+        found = [f"{c['source']}/{c['metric']}" for c in queries.counter_series(source, run_id)]
+    except Exception:
+        found = []
+    picked = [m for m in DEFAULT_COUNTERS if m in found][:3]
+    start = int(run["started_ns"])
+    end = max(int(run["ended_ns"]) or start + 1, start + 1000)
+    win = {"run": run_id, "base": start, "t0": start, "t1": end, "start": start, "end": end,
+           "width": plot_width(viewport), "search": search}  # fmt: skip
+    out.update(
+        {
+            ("run", "value"): run_id,
+            ("message", "children"): "",
+            ("counter-pick", "options"): [{"label": m, "value": m} for m in found],
+            ("counter-pick", "value"): picked,
+            ("window", "data"): win,
+        }
+    )
+    out.update(draw(source, win, picked))
+    return out
+
+
+def _cleared() -> dict[tuple[str, str], Any]:
+    return {
+        ("run", "value"): None,
+        ("counter-pick", "options"): [],
+        ("counter-pick", "value"): [],
+        ("window", "data"): None,
+        ("timeline", "figure"): figures.empty("no run selected"),
+        ("lod", "children"): "",
+        ("window-text", "children"): "",
+        ("timeline-message", "children"): "",
+        ("export-info", "children"): "no run selected",
+    }
+
+
+def draw(source: Source, win: dict, picked: list | None) -> dict[tuple[str, str], Any]:
+    """The figure of the window ``win`` and the lines around it."""
+    width = int(win.get("width") or plot_width(None))
+    out: dict[tuple[str, str], Any] = {}
+    try:
+        run_id, t0, t1 = win["run"], int(win["t0"]), int(win["t1"])
+        run = queries.run(source, run_id)
+        tr = queries.tracks(source, run_id)
+        w = queries.window(source, run_id, t0, t1, width)
+        fl = queries.flows(source, run_id, t0, t1)
+        cs = queries.counters(source, run_id, list(picked or []), t0, t1, width)
+        clock = [c for c in queries.clock_sync(source, run_id) if t0 <= c["ts_ns"] < t1]
+        fig = figures.timeline(run, tr, w, fl, cs, clock, width, _synthetic(run))
+    except Exception as exc:
+        out[("timeline", "figure")] = figures.empty("could not draw this window")
+        out[("lod", "children")] = out[("window-text", "children")] = ""
+        out[("timeline-message", "children")] = _fail(exc)
+        out[("export-info", "children")] = ""
+        return out
+    base = win["base"]
+    lod = (
+        f"{len(w.bars):,} spans as bars (≥ {figures.fmt.duration(w.bar_threshold_ns)}), "
+        f"{w.density_spans:,} narrower ones as density"
+        + (" (bar limit reached)" if w.capped else "")
+        + (f" · {fl['total']:,} forwarded-call links" if fl["total"] else "")
+        + (f", {len(fl['links']):,} drawn" if fl["total"] > len(fl["links"]) else "")
+        + (f" · {tr['unended']:,} spans without an end time not drawn" if tr["unended"] else "")
+    )
+    text = (
+        f"+{figures.fmt.duration(t0 - base)} to +{figures.fmt.duration(t1 - base)} "
+        f"({figures.fmt.duration(t1 - t0)})"
+    )
+    note = (
+        panels.message("NVML counters of this run are a replay of a SYNTHETIC sample file, "
+                       "not a measurement.", "note") if _synthetic(run) else ""
+    )  # fmt: skip
+    out[("timeline", "figure")] = fig
+    out[("lod", "children")] = lod
+    out[("window-text", "children")] = text
+    out[("timeline-message", "children")] = note
+    out[("export-info", "children")] = f"Visible window: {text}, {w.total_spans:,} spans."
+    return out
+
+
+def first_view(source: Source, search: str | None, viewport: int | None) -> dict:
+    """The page's first view for the address ``?search`` (app.py puts it in the page)."""
+    ref, tab = _url_params(search)
+    view = open_run(source, ref, viewport, search)
+    view[("tabs", "value")] = tab or "timeline"
+    run_id = view[("run", "value")]
+    view[("run", "options")] = [_run_option(queries.run(source, run_id))] if run_id else []
+    view[("viewport", "data")] = viewport
+    return view
+
+
+def _moved(win: dict, relayout: dict | None) -> dict | None:
+    """The window after a zoom or pan (plotly's relayoutData), or None if it did not move."""
+    relayout = relayout or {}
+    if any(k.endswith("autorange") for k in relayout):
+        return {**win, "t0": win["start"], "t1": win["end"]}
+    bounds: dict[int, float] = {}
+    for k, v in relayout.items():
+        m = _RANGE.match(k)
+        if m:
+            bounds[int(m.group(1))] = float(v)
+    for k, v in relayout.items():
+        if re.match(r"^xaxis\d*\.range$", k) and isinstance(v, list) and len(v) == 2:
+            bounds = {0: float(v[0]), 1: float(v[1])}
+    if len(bounds) == 2 and bounds[1] > bounds[0]:
+        t0, t1 = win["base"] + int(bounds[0]), win["base"] + int(bounds[1])
+        return {**win, "t0": t0, "t1": max(t1, t0 + 1)}
+    return None
+
+
 def register(app: Dash, source: Source) -> None:
     """Attach every callback of the page to ``app``."""
 
@@ -67,164 +229,99 @@ def register(app: Dash, source: Source) -> None:
         Output("runs-message", "children"),
         Input("runs-search", "value"),
         Input("runs-status", "value"),
+        State("run", "value"),
     )
-    def list_runs(search: str | None, status: str | None) -> tuple:
+    def list_runs(search: str | None, status: str | None, current: str | None) -> tuple:
         try:
             runs = source.call("runs", limit=500, search=search or None)
         except Exception as exc:
             return [], [], [], [], _fail(exc)
         shown = [r for r in runs if not status or r.get("status") == status]
-        opts = [{"label": f"{r['run_id']} · {r.get('command', '')[:60]}", "value": r["run_id"]}
-                for r in runs]  # fmt: skip
+        opts = [_run_option(r) for r in runs]
         note = (
             ""
             if runs
             else panels.message("No runs yet: gpu-trace record -- python train.py", "note")
         )
-        return panels.runs_table(shown), opts, opts, opts, note
-
-    @app.callback(
-        Output("run", "value"),
-        Output("message", "children"),
-        Output("tabs", "value"),
-        Input("url", "search"),
-        State("tabs", "value"),
-    )
-    def pick_run(search: str | None, tab: str) -> tuple:
-        ref = (parse_qs((search or "").lstrip("?")).get("run") or ["last"])[0]
-        want = (parse_qs((search or "").lstrip("?")).get("tab") or [tab])[0]
-        want = want if want in {v for v, _ in TABS} else tab
-        try:
-            return source.call("resolve_run", ref), "", want
-        except Exception as exc:
-            return None, _fail(exc), want
+        picker = opts
+        if current and current not in {r["run_id"] for r in runs}:
+            # The run on screen stays in the picker (an old one, or one a search left out).
+            with contextlib.suppress(Exception):
+                picker = [_run_option(queries.run(source, current)), *opts]
+        return panels.runs_table(shown), picker, opts, opts, note
 
     @app.callback(
         *[Output(f"panel-{v}", "style") for v, _ in TABS],
         Input("tabs", "value"),
+        prevent_initial_call=True,  # the page is sent with the right panel shown
     )
     def show_tab(tab: str) -> list:
         return [{} if v == tab else {"display": "none"} for v, _ in TABS]
 
     @app.callback(
-        Output("counter-pick", "options"),
-        Output("counter-pick", "value"),
-        Input("run", "value"),
-    )
-    def counter_options(run_id: str | None) -> tuple:
-        if not run_id:
-            return [], []
-        try:
-            found = [f"{c['source']}/{c['metric']}" for c in queries.counter_series(source, run_id)]
-        except Exception:
-            return [], []
-        default = [m for m in DEFAULT_COUNTERS if m in found][:3]
-        return [{"label": m, "value": m} for m in found], default
-
-    @app.callback(
-        Output("window", "data"),
-        Output("selected", "data"),
+        *[Output(c, p) for c, p in TIMELINE_OUTPUTS],
+        Input("url", "search"),
         Input("run", "value"),
         Input("reset", "n_clicks"),
         Input("timeline", "relayoutData"),
         Input("timeline", "clickData"),
         Input({"type": "goto", "span": ALL, "start": ALL, "end": ALL}, "n_clicks"),
+        Input("counter-pick", "value"),
         State("window", "data"),
+        State("tabs", "value"),
+        State("viewport", "data"),
     )
-    def navigate(run_id, _reset, relayout, click, _goto, win) -> tuple:
+    def timeline(search, run_id, _reset, relayout, click, _goto, picked, win, tab, viewport):
+        """Every change of what the timeline shows, in one round trip: the address, the run
+        picker, Whole run, zoom and pan, a click on a span, a step link, the counters."""
+        out: dict[tuple[str, str], Any] = {k: no_update for k in TIMELINE_OUTPUTS}
         trig = ctx.triggered_id
-        if trig in ("run", "reset") or (win is None or win.get("run") != run_id):
-            if not run_id:
-                return None, None
-            try:
-                run = queries.run(source, run_id)
-            except Exception:
-                return None, None
-            end = int(run["ended_ns"]) or int(run["started_ns"]) + 1
-            full = {"run": run_id, "base": int(run["started_ns"]), "t0": int(run["started_ns"]),
-                    "t1": max(end, int(run["started_ns"]) + 1000)}  # fmt: skip
-            full["start"], full["end"] = full["t0"], full["t1"]
-            return full, (None if trig == "run" else no_update)
-        if trig == "timeline" and "timeline.clickData" in ctx.triggered_prop_ids:
+        if trig is None or trig == "url":
+            ref, want = _url_params(search)
+            if win and win.get("search") == search:
+                # The page came with this view drawn (app.py), or a link to it was followed.
+                out[("tabs", "value")] = want if want and want != tab else no_update
+                return _ordered(out)
+            view = open_run(source, ref, viewport, search)
+            view[("tabs", "value")] = want or tab
+            return _ordered(view)
+        if trig == "run":
+            if not run_id or (win and win.get("run") == run_id):
+                return _ordered(out)
+            return _ordered(open_run(source, run_id, viewport))
+        if not win:
+            return _ordered(out)
+        if trig == "reset":
+            win = {**win, "t0": win["start"], "t1": win["end"]}
+        elif trig == "timeline" and "timeline.clickData" in ctx.triggered_prop_ids:
             point = ((click or {}).get("points") or [{}])[0]
             data = point.get("customdata")
             if isinstance(data, list) and len(data) == 2:
-                return no_update, {"span_id": str(data[0]), "start_ns": int(data[1])}
-            return no_update, no_update
-        if trig == "timeline":
-            relayout = relayout or {}
-            if any(k.endswith("autorange") for k in relayout):
-                return {**win, "t0": win["start"], "t1": win["end"]}, no_update
-            bounds: dict[int, float] = {}
-            for k, v in relayout.items():
-                m = _RANGE.match(k)
-                if m:
-                    bounds[int(m.group(1))] = float(v)
-            for k, v in relayout.items():
-                if re.match(r"^xaxis\d*\.range$", k) and isinstance(v, list) and len(v) == 2:
-                    bounds = {0: float(v[0]), 1: float(v[1])}
-            if len(bounds) == 2 and bounds[1] > bounds[0]:
-                t0, t1 = win["base"] + int(bounds[0]), win["base"] + int(bounds[1])
-                return {**win, "t0": t0, "t1": max(t1, t0 + 1)}, no_update
-            return no_update, no_update
-        if isinstance(trig, dict) and trig.get("type") == "goto" and ctx.triggered[0]["value"]:
+                out[("selected", "data")] = {"span_id": str(data[0]), "start_ns": int(data[1])}
+            return _ordered(out)
+        elif trig == "timeline":
+            moved = _moved(win, relayout)
+            if moved is None:
+                return _ordered(out)
+            win = moved
+        elif isinstance(trig, dict) and trig.get("type") == "goto":
+            if not ctx.triggered[0]["value"]:
+                return _ordered(out)
             start, end = int(trig["start"]), int(trig["end"])
             pad = max((end - start) // 2, 1000)
-            return (
-                {**win, "t0": start - pad, "t1": end + pad},
-                {"span_id": trig["span"], "start_ns": start},
-            )
-        return no_update, no_update
-
-    @app.callback(
-        Output("timeline", "figure"),
-        Output("lod", "children"),
-        Output("window-text", "children"),
-        Output("timeline-message", "children"),
-        Output("export-info", "children"),
-        Input("window", "data"),
-        Input("counter-pick", "value"),
-        State("viewport", "data"),
-    )
-    def draw(win: dict | None, picked: list | None, viewport: int | None) -> tuple:
-        if not win:
-            return figures.empty("no run selected"), "", "", "", "no run selected"
-        width = max(400, int(viewport or 1600) - 330)
-        try:
-            run_id, t0, t1 = win["run"], int(win["t0"]), int(win["t1"])
-            run = queries.run(source, run_id)
-            tr = queries.tracks(source, run_id)
-            w = queries.window(source, run_id, t0, t1, width)
-            fl = queries.flows(source, run_id, t0, t1)
-            cs = queries.counters(source, run_id, list(picked or []), t0, t1, width)
-            clock = [c for c in queries.clock_sync(source, run_id) if t0 <= c["ts_ns"] < t1]
-            fig = figures.timeline(run, tr, w, fl, cs, clock, width, _synthetic(run))
-        except Exception as exc:
-            return figures.empty("could not draw this window"), "", "", _fail(exc), ""
-        base = win["base"]
-        lod = (
-            f"{len(w.bars):,} spans as bars (≥ {figures.fmt.duration(w.bar_threshold_ns)}), "
-            f"{w.density_spans:,} narrower ones as density"
-            + (" (bar limit reached)" if w.capped else "")
-            + (f" · {fl['total']:,} forwarded-call links" if fl["total"] else "")
-            + (f", {len(fl['links']):,} drawn" if fl["total"] > len(fl["links"]) else "")
-            + (f" · {tr['unended']:,} spans without an end time not drawn" if tr["unended"] else "")
-        )
-        text = (
-            f"+{figures.fmt.duration(t0 - base)} to +{figures.fmt.duration(t1 - base)} "
-            f"({figures.fmt.duration(t1 - t0)})"
-        )
-        note = (
-            panels.message("NVML counters of this run are a replay of a SYNTHETIC sample file, "
-                           "not a measurement.", "note") if _synthetic(run) else ""
-        )  # fmt: skip
-        export = f"Visible window: {text}, {w.total_spans:,} spans."
-        return fig, lod, text, note, export
+            win = {**win, "t0": start - pad, "t1": end + pad}
+            out[("selected", "data")] = {"span_id": trig["span"], "start_ns": start}
+        elif trig != "counter-pick":
+            return _ordered(out)
+        out[("window", "data")] = win
+        out.update(draw(source, win, picked))
+        return _ordered(out)
 
     @app.callback(
         Output("details", "children"),
         Input("selected", "data"),
         State("window", "data"),
+        prevent_initial_call=True,  # the page is sent with the hint
     )
     def show_details(sel: dict | None, win: dict | None) -> Any:
         if not sel or not win:
@@ -287,6 +384,10 @@ def register(app: Dash, source: Source) -> None:
         return {"content": data, "filename": name}, panels.message(
             f"wrote {name}: {spans:,} spans", "note"
         )
+
+
+def _ordered(out: dict[tuple[str, str], Any]) -> tuple:
+    return tuple(out[k] for k in TIMELINE_OUTPUTS)
 
 
 def export_window(source: Source, run_id: str, t0: int, t1: int) -> tuple[str, int]:

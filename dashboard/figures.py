@@ -7,15 +7,13 @@ durations); every name drawn is HTML-escaped, so a span called ``<script>`` is s
 
 from __future__ import annotations
 
+import base64
 import html
 import math
 from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
-import pyarrow as pa
-import pyarrow.compute as pc
-from plotly.subplots import make_subplots
 
 from gpu_trace import _format as fmt
 from gpu_trace.dashboard.queries import TrackInfo, Window
@@ -36,6 +34,10 @@ ROW_PX = 18
 COUNTER_PX = 110
 #: Bars at least this many pixels wide get their name written in them.
 LABEL_PX = 40
+LABEL_FONT_PX = 10
+LABEL_PAD_PX = 3
+#: Width of a label character in ems, generously (track label margin, names cut to fit bars).
+CHAR_EM = 0.62
 
 
 def esc(text: Any) -> str:
@@ -71,6 +73,33 @@ def _rows_of(tracks: list[TrackInfo]) -> dict[tuple, TrackInfo]:
     return {t.key: t for t in tracks}
 
 
+def typed(values: np.ndarray) -> dict[str, str]:
+    """A numpy array as plotly.js's typed-array spec (base64 bytes): far smaller and quicker to
+    read in the page than a JSON list of numbers."""
+    arr = np.ascontiguousarray(values)
+    code = {"f": "f", "i": "i", "u": "u"}[arr.dtype.kind] + str(arr.dtype.itemsize)
+    arr = arr.astype(f"<{code}", copy=False)
+    return {
+        "dtype": code,
+        "bdata": base64.b64encode(arr.tobytes()).decode("ascii"),
+        "shape": ", ".join(str(n) for n in arr.shape),
+    }
+
+
+def _axis(row: int) -> str:
+    return "" if row == 1 else str(row)
+
+
+def label_margin(labels: list[str], font_px: int = 10) -> int:
+    """Left margin (px) that fits the widest track label, estimated from its length.
+
+    Set explicitly because plotly's automatic margins draw the whole figure twice (once to
+    measure the labels, once with the margin they need).
+    """
+    widest = max((len(html.unescape(text)) for text in labels), default=0)
+    return max(50, int(12 + widest * font_px * CHAR_EM))
+
+
 def timeline(
     run: dict[str, Any],
     tracks: dict[str, Any],
@@ -80,8 +109,12 @@ def timeline(
     clock: list[dict[str, Any]] | None = None,
     width_px: int = 1600,
     synthetic: bool = False,
-) -> go.Figure:
-    """The whole timeline figure for one window."""
+) -> dict[str, Any]:
+    """The whole timeline figure for one window, as the plain dict plotly.js draws.
+
+    Built as a dict rather than a ``plotly.graph_objects.Figure``: plotly's validation of a
+    figure with thousands of bars costs the server most of a second per window.
+    """
     base = int(run["started_ns"])
     info: list[TrackInfo] = tracks["tracks"]
     n_rows = max(1, tracks["rows"])
@@ -95,163 +128,192 @@ def timeline(
     ]
     if clock:
         titles.append("clock offset of each remote host, ± uncertainty")
-    fig = make_subplots(
-        rows=len(heights),
-        cols=1,
-        shared_xaxes=True,
-        vertical_spacing=min(0.04, 30 / max(1, sum(heights))),
-        row_heights=heights,
-        subplot_titles=titles,
-    )
-    _density(fig, win, by_key, base, n_rows)
-    _bars(fig, win, by_key, base, width_px)
+    data: list[dict[str, Any]] = []
+    data += _density(win, base)
+    data += _bars(win, by_key, base, width_px)
     if flows and flows["links"]:
-        _flows(fig, flows["links"], by_key, base)
+        data.append(_flows(flows["links"], by_key, base))
     for i, (name, rows) in enumerate(panels):
-        _counter_panel(fig, i + 2, name, rows, base)
+        data += _counter_panel(i + 2, name, rows, base)
     if clock:
-        _clock_panel(fig, len(heights), clock, base)
+        data += _clock_panel(len(heights), clock, base)
 
-    for t in info:  # remote (clock-mapped) tracks get a tinted band
-        if t.remote:
-            fig.add_shape(
-                type="rect", xref="x domain", x0=0, x1=1, y0=t.row - 0.5,
-                y1=t.row + t.levels - 0.5, fillcolor="rgba(255,160,0,0.08)",
-                line_width=0, layer="below", row=1, col=1,
-            )  # fmt: skip
     tickvals, ticktext = ticks(win.t0, win.t1, base)
-    fig.update_xaxes(
-        range=[win.t0 - base, win.t1 - base], tickvals=tickvals, ticktext=ticktext, showgrid=True
-    )
-    fig.update_yaxes(
-        row=1,
-        col=1,
+    labels = [track_label(t) for t in info]
+    layout: dict[str, Any] = {
+        "height": sum(heights) + 80,
+        "margin": {"l": label_margin(labels), "r": 10, "t": 30, "b": 30},
+        "barmode": "overlay",
+        "dragmode": "zoom",
+        "hovermode": "closest",
+        "uirevision": run["run_id"],
+        "legend": {"orientation": "h", "y": 1.0, "yanchor": "bottom", "x": 0},
+        "plot_bgcolor": "white",
+        "annotations": [],
+        # Remote (clock-mapped) tracks get a tinted band.
+        "shapes": [
+            {"type": "rect", "xref": "x domain", "yref": "y", "x0": 0, "x1": 1,
+             "y0": t.row - 0.5, "y1": t.row + t.levels - 0.5, "fillcolor": "rgba(255,160,0,0.08)",
+             "line": {"width": 0}, "layer": "below"}
+            for t in info if t.remote
+        ],
+    }  # fmt: skip
+    # One column of subplots sharing the x axis (what plotly's make_subplots lays out), the
+    # track rows on top. Every axis has a fixed margin and never hides labels that overflow:
+    # both make plotly measure every tick label and draw again (seconds for 300 tracks).
+    gap = min(0.04, 30 / max(1, sum(heights)))
+    unit = (1 - gap * (len(heights) - 1)) / sum(heights)
+    top = 1.0
+    for r, (h, title) in enumerate(zip(heights, titles), start=1):
+        bottom = max(0.0, top - h * unit)
+        layout[f"xaxis{_axis(r)}"] = {
+            "anchor": f"y{_axis(r)}",
+            "domain": [0, 1],
+            "range": [win.t0 - base, win.t1 - base],
+            "tickvals": tickvals,
+            "ticktext": ticktext,
+            "showgrid": True,
+            "showticklabels": r == len(heights),
+            "automargin": False,
+            "ticklabeloverflow": "allow",
+            **({"matches": "x"} if r > 1 else {}),
+        }
+        layout[f"yaxis{_axis(r)}"] = {
+            "anchor": f"x{_axis(r)}",
+            "domain": [bottom, top],
+            "fixedrange": True,
+            "automargin": False,
+            "ticklabeloverflow": "allow",
+            "tickfont": {"size": 9},
+        }
+        if title:
+            layout["annotations"].append(
+                {"text": title, "x": 0.5, "y": top, "xref": "paper", "yref": "paper",
+                 "xanchor": "center", "yanchor": "bottom", "showarrow": False,
+                 "font": {"size": 14}}
+            )  # fmt: skip
+        top = bottom - gap
+    layout["yaxis"].update(
         range=[n_rows - 0.5, -0.5],
         tickvals=[t.row for t in info],
-        ticktext=[track_label(t) for t in info],
+        ticktext=labels,
         tickfont={"size": 10},
-        fixedrange=True,
         zeroline=False,
     )
-    for r in range(2, len(heights) + 1):
-        fig.update_yaxes(row=r, col=1, fixedrange=True, tickfont={"size": 9})
-    fig.update_layout(
-        height=sum(heights) + 80,
-        margin={"l": 10, "r": 10, "t": 30, "b": 30},
-        barmode="overlay",
-        dragmode="zoom",
-        hovermode="closest",
-        uirevision=run["run_id"],
-        uniformtext={"minsize": 8, "mode": "hide"},
-        legend={"orientation": "h", "y": 1.0, "yanchor": "bottom", "x": 0},
-        plot_bgcolor="white",
-    )
-    return fig
+    if clock:
+        layout[f"yaxis{_axis(len(heights))}"]["title"] = {"text": "µs"}
+    return {"data": data, "layout": layout}
 
 
-def _density(fig: go.Figure, win: Window, by_key: dict, base: int, n_rows: int) -> None:
-    cells = win.cells
-    if not cells.num_rows:
-        return
-    nb = max(1, -(-(win.t1 - win.t0) // win.bucket_ns))
-    # One code per track (host|pid|tid|lane), then row = the track's first row + the span's level.
-    keys = (
-        pc.binary_join_element_wise(
-            cells["host"].cast(pa.string()),
-            pc.cast(cells["pid"], pa.string()),
-            pc.cast(cells["tid"], pa.string()),
-            cells["lane"].cast(pa.string()),
-            "|",
-        )
-        .combine_chunks()
-        .dictionary_encode()
-    )
-    first = np.full(len(keys.dictionary) + 1, -1, dtype=np.int64)
-    lowest = np.zeros_like(first)
-    levels = np.ones_like(first)
-    for i, key in enumerate(keys.dictionary.to_pylist()):
-        host, pid, tid, lane = key.split("|", 3)
-        t = by_key.get((host, int(pid), int(tid), lane))
-        if t is not None:
-            first[i], lowest[i], levels[i] = t.row, t.min_depth, t.levels
-    code = keys.indices.to_numpy()
-    depth = cells["depth"].to_numpy().astype(np.int64)
-    row = first[code] + np.clip(depth - lowest[code], 0, levels[code] - 1)
-    bucket = cells["bucket"].to_numpy().astype(np.int64)
-    ok = (first[code] >= 0) & (bucket >= 0) & (bucket < nb)
-    row, bucket = row[ok], bucket[ok]
-    count = np.zeros((n_rows, nb), dtype=np.int64)
-    busy_ns = np.zeros((n_rows, nb), dtype=np.float64)
-    np.add.at(count, (row, bucket), cells["n"].to_numpy()[ok])
-    np.add.at(busy_ns, (row, bucket), cells["busy_ns"].to_numpy()[ok])
-    busy = np.where(count > 0, np.minimum(1.0, busy_ns / win.bucket_ns), np.nan).astype(np.float32)
-    used = np.flatnonzero(count.sum(axis=1))
+def _density(win: Window, base: int) -> list[dict[str, Any]]:
+    count = win.count
+    used = np.flatnonzero(count.sum(axis=1)) if count.size else np.zeros(0, np.int64)
     if not len(used):
-        return
+        return []
     lo, hi = int(used.min()), int(used.max()) + 1
-    fig.add_trace(
-        go.Heatmap(
-            z=busy[lo:hi],
-            customdata=count[lo:hi].astype(np.int32),
-            x0=win.t0 - base + win.bucket_ns / 2,
-            dx=win.bucket_ns,
-            y0=lo,
-            dy=1,
-            zmin=0,
-            zmax=1,
-            colorscale=[[0, "rgba(120,120,200,0.25)"], [1, "rgba(40,40,140,0.95)"]],
-            showscale=False,
-            name="density",
-            hovertemplate="%{customdata} spans narrower than a pixel<br>busy %{z:.0%}"
+    count = count[lo:hi]
+    busy = np.where(
+        count > 0, np.minimum(1.0, win.busy_ns[lo:hi] / max(1, win.bucket_ns)), np.nan
+    ).astype(np.float32)
+    top = int(count.max())
+    kind = np.uint8 if top < 2**8 else np.uint16 if top < 2**16 else np.uint32
+    return [
+        {
+            "type": "heatmap",
+            "z": typed(busy),
+            "customdata": typed(count.astype(kind)),
+            "x0": win.t0 - base + win.bucket_ns / 2,
+            "dx": win.bucket_ns,
+            "y0": lo,
+            "dy": 1,
+            "zmin": 0,
+            "zmax": 1,
+            "colorscale": [[0, "rgba(120,120,200,0.25)"], [1, "rgba(40,40,140,0.95)"]],
+            "showscale": False,
+            "hoverongaps": False,
+            "name": "density",
+            "hovertemplate": "%{customdata} spans narrower than a pixel<br>busy %{z:.0%}"
             "<extra>density</extra>",
-        ),
-        row=1,
-        col=1,
-    )
+        }
+    ]
 
 
-def _bars(fig: go.Figure, win: Window, by_key: dict, base: int, width_px: int) -> None:
+def _bars(win: Window, by_key: dict, base: int, width_px: int) -> list[dict[str, Any]]:
+    """One bar trace per category (each bar keeps its own hover text and click data), and one
+    text trace with the names of the bars wide enough to hold one."""
     ns_per_px = max(1.0, (win.t1 - win.t0) / max(1, width_px))
     groups: dict[str, dict[str, list]] = {}
+    labels: dict[str, list] = {"x": [], "y": [], "text": []}
     for b in win.bars:
         t = by_key.get((b["host"], int(b["pid"]), int(b["tid"]), b["lane"]))
         if t is None:
             continue
-        dur = int(b["end_ns"]) - int(b["start_ns"])
-        g = groups.setdefault(
-            b["category"], {k: [] for k in ("x", "base", "y", "text", "hover", "cd")}
-        )
+        start = int(b["start_ns"])
+        dur = int(b["end_ns"]) - start
+        g = groups.get(b["category"])
+        if g is None:
+            g = groups[b["category"]] = {k: [] for k in ("x", "base", "y", "hover", "cd")}
+        row = t.row + t.level(int(b["depth"]))
         g["x"].append(max(dur, 1))
-        g["base"].append(int(b["start_ns"]) - base)
-        g["y"].append(t.row + t.level(int(b["depth"])))
+        g["base"].append(start - base)
+        g["y"].append(row)
         name = esc(b["name"])
-        g["text"].append(name if dur / ns_per_px >= LABEL_PX else "")
         g["hover"].append(f"{name}<br>{fmt.duration(dur)} · {esc(b['lane'])}")
-        g["cd"].append([b["span_id"], int(b["start_ns"])])
-    for category, g in sorted(groups.items()):
-        fig.add_trace(
-            go.Bar(
-                orientation="h",
-                x=g["x"],
-                base=g["base"],
-                y=g["y"],
-                width=0.8,
-                name=esc(category),
-                marker={"color": COLORS.get(category, "#bcbd22"), "line": {"width": 0}},
-                text=g["text"],
-                textposition="inside",
-                insidetextanchor="start",
-                textfont={"color": "white", "size": 10},
-                hovertext=g["hover"],
-                hoverinfo="text",
-                customdata=g["cd"],
-            ),
-            row=1,
-            col=1,
+        g["cd"].append([b["span_id"], start])
+        # The visible part of the bar, in pixels: its name, cut to fit, starts at its left end.
+        left, right = max(start, win.t0), min(int(b["end_ns"]), win.t1)
+        text = fit_label(str(b["name"]), (right - left) / ns_per_px)
+        if text:
+            labels["x"].append(left - base + LABEL_PAD_PX * ns_per_px)
+            labels["y"].append(row)
+            labels["text"].append(esc(text))
+    traces: list[dict[str, Any]] = [
+        {
+            "type": "bar",
+            "orientation": "h",
+            "x": g["x"],
+            "base": g["base"],
+            "y": g["y"],
+            "width": 0.8,
+            "name": esc(category),
+            "marker": {"color": COLORS.get(category, "#bcbd22"), "line": {"width": 0}},
+            "hovertext": g["hover"],
+            "hoverinfo": "text",
+            "customdata": g["cd"],
+        }
+        for category, g in sorted(groups.items())
+    ]
+    if labels["text"]:
+        # Text drawn on top of the bars rather than as bar text: plotly fits bar text to the
+        # bar's height with padding and hides what does not fit, which at 18 px rows is all.
+        traces.append(
+            {
+                "type": "scatter",
+                "mode": "text",
+                "x": labels["x"],
+                "y": labels["y"],
+                "text": labels["text"],
+                "textposition": "middle right",
+                "textfont": {"color": "white", "size": LABEL_FONT_PX},
+                "hoverinfo": "skip",
+                "showlegend": False,
+                "name": "labels",
+            }
         )
+    return traces
 
 
-def _flows(fig: go.Figure, links: list[dict[str, Any]], by_key: dict, base: int) -> None:
+def fit_label(name: str, width_px: float) -> str:
+    """``name`` cut to fit a bar ``width_px`` wide ('' if the bar is narrower than LABEL_PX)."""
+    if width_px < LABEL_PX:
+        return ""
+    room = int((width_px - 2 * LABEL_PAD_PX) / (LABEL_FONT_PX * CHAR_EM))
+    if len(name) <= room:
+        return name
+    return name[: max(1, room - 1)] + "…"
+
+
+def _flows(links: list[dict[str, Any]], by_key: dict, base: int) -> dict[str, Any]:
     xs: list[Any] = []
     ys: list[Any] = []
     for link in links:
@@ -261,63 +323,66 @@ def _flows(fig: go.Figure, links: list[dict[str, Any]], by_key: dict, base: int)
             continue
         xs += [int(link["p_start"]) - base, int(link["c_start"]) - base, None]
         ys += [p.row + p.level(int(link["p_depth"])), c.row + c.level(int(link["c_depth"])), None]
-    fig.add_trace(
-        go.Scatter(
-            x=xs,
-            y=ys,
-            mode="lines",
-            line={"color": "rgba(90,90,90,0.45)", "width": 1},
-            name="forwarded call → server",
-            hoverinfo="skip",
-        ),
-        row=1,
-        col=1,
-    )
+    return {
+        "type": "scatter",
+        "x": xs,
+        "y": ys,
+        "mode": "lines",
+        "line": {"color": "rgba(90,90,90,0.45)", "width": 1},
+        "name": "forwarded call → server",
+        "hoverinfo": "skip",
+    }
 
 
-def _counter_panel(fig: go.Figure, row: int, name: str, rows: list[dict], base: int) -> None:
+def _counter_panel(row: int, name: str, rows: list[dict], base: int) -> list[dict[str, Any]]:
     series: dict[str, tuple[list, list]] = {}
     for r in rows:
         xs, ys = series.setdefault(r["series"], ([], []))
         xs.append(int(r["ts_ns"]) - base)
         ys.append(float(r["value"]))
-    for label, (xs, ys) in series.items():
-        fig.add_trace(
-            go.Scatter(
-                x=xs,
-                y=ys,
-                mode="lines",
-                line={"width": 1.2},
-                name=esc(f"{name} {label}"),
-                showlegend=False,
-                hovertemplate=f"{esc(label)}: %{{y:.4g}}<extra>{esc(name)}</extra>",
-            ),
-            row=row,
-            col=1,
-        )
+    return [
+        {
+            "type": "scatter",
+            "x": xs,
+            "y": ys,
+            "xaxis": f"x{_axis(row)}",
+            "yaxis": f"y{_axis(row)}",
+            "mode": "lines",
+            "line": {"width": 1.2},
+            "name": esc(f"{name} {label}"),
+            "showlegend": False,
+            "hovertemplate": f"{esc(label)}: %{{y:.4g}}<extra>{esc(name)}</extra>",
+        }
+        for label, (xs, ys) in series.items()
+    ]
 
 
-def _clock_panel(fig: go.Figure, row: int, clock: list[dict[str, Any]], base: int) -> None:
+def _clock_panel(row: int, clock: list[dict[str, Any]], base: int) -> list[dict[str, Any]]:
     peers: dict[str, list[dict]] = {}
     for c in clock:
         peers.setdefault(f"{c['host']} → {c['peer']}", []).append(c)
+    out = []
     for label, rows in peers.items():
         ref = int(rows[0]["offset_ns"])
-        fig.add_trace(
-            go.Scatter(
-                x=[int(r["ts_ns"]) - base for r in rows],
-                y=[(int(r["offset_ns"]) - ref) / 1000 for r in rows],
-                error_y={"type": "data", "array": [int(r["uncertainty_ns"]) / 1000 for r in rows]},
-                mode="markers",
-                name=esc(label),
-                showlegend=False,
-                hovertemplate=f"{esc(label)}<br>offset %{{y:.1f}} µs from the first"
+        out.append(
+            {
+                "type": "scatter",
+                "x": [int(r["ts_ns"]) - base for r in rows],
+                "y": [(int(r["offset_ns"]) - ref) / 1000 for r in rows],
+                "xaxis": f"x{_axis(row)}",
+                "yaxis": f"y{_axis(row)}",
+                "error_y": {
+                    "type": "data",
+                    "array": [int(r["uncertainty_ns"]) / 1000 for r in rows],
+                },
+                "mode": "markers",
+                "name": esc(label),
+                "showlegend": False,
+                "hovertemplate": f"{esc(label)}<br>offset %{{y:.1f}} µs from the first"
                 " ± %{error_y.array:.1f} µs<extra>clock sync</extra>",
-            ),
-            row=row,
-            col=1,
+            }
         )
-    fig.update_yaxes(title_text="µs", row=row, col=1)
+    return out
 
 
 def empty(message: str) -> go.Figure:

@@ -1,8 +1,16 @@
-"""The page: a header with the run picker, the tabs, and one panel per tab (all kept mounted)."""
+"""The page: a header with the run picker, the tabs, and one panel per tab (all kept mounted).
+
+The page is sent with its first view in it (the run, the window and its figure: ``view``, from
+``callbacks.first_view``), so the timeline is drawn without waiting for a callback.
+"""
 
 from __future__ import annotations
 
-from dash import dcc, html
+from typing import Any
+
+from dash import dcc, html, no_update
+
+from gpu_trace.dashboard import panels
 
 TABS = (
     ("runs", "Runs"),
@@ -30,10 +38,12 @@ table.grid td, table.grid th, table.kv td, table.kv th { border: 1px solid #ddd;
 button.goto { display: block; margin: 2px 0; font-size: 12px; text-align: left; background: #f4f6f8; border: 1px solid #ccd; cursor: pointer; }
 button.goto.current { font-weight: bold; }
 #details { border-top: 1px solid #ddd; margin-top: 6px; padding-top: 4px; }
+#timeline { transition: opacity .15s; }
+#timeline[data-dash-is-loading="true"] { opacity: .55; cursor: progress; transition: opacity .2s .3s; }
 """
 
 
-def _panel(name: str, children: list, visible: bool = False) -> html.Div:
+def _panel(name: str, children: list, visible: bool) -> html.Div:
     return html.Div(
         children,
         id=f"panel-{name}",
@@ -42,7 +52,15 @@ def _panel(name: str, children: list, visible: bool = False) -> html.Div:
     )
 
 
-def page(store_display: str) -> html.Div:
+def page(store_display: str, view: dict[tuple[str, str], Any] | None = None) -> html.Div:
+    """The page; ``view`` maps (component id, property) to what it starts with."""
+    view = {k: v for k, v in (view or {}).items() if not isinstance(v, type(no_update))}
+
+    def first(cid: str, prop: str, default: Any = None) -> dict[str, Any]:
+        value = view.get((cid, prop), default)
+        return {} if value is None else {prop: value}
+
+    tab = view.get(("tabs", "value"), "timeline")
     runs = _panel(
         "runs",
         [
@@ -55,6 +73,7 @@ def page(store_display: str) -> html.Div:
                          style={"width": "14em", "display": "inline-block"}),
             html.Div(id="runs-table"),
         ],
+        tab == "runs",
     )  # fmt: skip
     timeline = _panel(
         "timeline",
@@ -62,19 +81,23 @@ def page(store_display: str) -> html.Div:
             html.Div(
                 [
                     html.Button("Whole run", id="reset", n_clicks=0),
-                    html.Span(id="window-text"),
+                    html.Span(id="window-text", **first("window-text", "children")),
                     dcc.Dropdown(id="counter-pick", multi=True, placeholder="counters",
-                                 style={"minWidth": "420px"}),
-                    html.Span(id="lod", className="hint"),
+                                 style={"minWidth": "420px"},
+                                 **first("counter-pick", "options"),
+                                 **first("counter-pick", "value")),
+                    html.Span(id="lod", className="hint", **first("lod", "children")),
                 ],
                 className="toolbar",
             ),
-            html.Div(id="timeline-message"),
-            dcc.Loading(dcc.Graph(id="timeline", config={"scrollZoom": True, "displaylogo": False}),
-                        delay_show=400),
-            html.Div(id="details"),
+            html.Div(id="timeline-message", **first("timeline-message", "children")),
+            # No dcc.Loading around the graph: it would re-mount the plot on every update; the
+            # CSS above dims the graph while Dash waits for its figure.
+            dcc.Graph(id="timeline", config={"scrollZoom": True, "displaylogo": False},
+                      **first("timeline", "figure")),
+            html.Div(panels.details(None, [], 0), id="details"),
         ],
-        visible=True,
+        tab == "timeline",
     )  # fmt: skip
     compare = _panel(
         "compare",
@@ -88,6 +111,7 @@ def page(store_display: str) -> html.Div:
             ),
             dcc.Loading(html.Div(id="compare-body")),
         ],
+        tab == "compare",
     )
     export = _panel(
         "export",
@@ -95,32 +119,34 @@ def page(store_display: str) -> html.Div:
             html.P("Writes the spans and counters of the window visible on the Timeline tab as "
                    "Chrome trace JSON (Perfetto, chrome://tracing, Holistic Trace Analysis). "
                    "For a whole run, gpu-trace export RUN -o FILE.json.gz streams any size."),
-            html.Div(id="export-info"),
+            html.Div(id="export-info", **first("export-info", "children")),
             html.Button("Download visible window", id="export-button", n_clicks=0),
             html.Div(id="export-message"),
             dcc.Download(id="download"),
         ],
+        tab == "export",
     )  # fmt: skip
     return html.Div(
         [
             dcc.Location(id="url", refresh=False),
-            dcc.Store(id="viewport"),
-            dcc.Store(id="window"),
+            dcc.Store(id="viewport", **first("viewport", "data")),
+            dcc.Store(id="window", **first("window", "data")),
             dcc.Store(id="selected"),
             html.Header(
                 [
                     html.H1("gpu-trace"),
-                    dcc.Dropdown(id="run", placeholder="pick a run", clearable=False),
+                    dcc.Dropdown(id="run", placeholder="pick a run", clearable=False,
+                                 **first("run", "options"), **first("run", "value")),
                     html.Span(f"store: {store_display}", className="store"),
                 ]
             ),
-            html.Div(id="message"),
-            dcc.Tabs(id="tabs", value="timeline", children=[dcc.Tab(label=t, value=v, id=f"tab-{v}")
-                                                            for v, t in TABS]),
+            html.Div(id="message", **first("message", "children")),
+            dcc.Tabs(id="tabs", value=tab, children=[dcc.Tab(label=t, value=v, id=f"tab-{v}")
+                                                     for v, t in TABS]),
             runs,
             timeline,
-            _panel("summary", [dcc.Loading(html.Div(id="summary-body"))]),
-            _panel("tenants", [dcc.Loading(html.Div(id="tenants-body"))]),
+            _panel("summary", [dcc.Loading(html.Div(id="summary-body"))], tab == "summary"),
+            _panel("tenants", [dcc.Loading(html.Div(id="tenants-body"))], tab == "tenants"),
             compare,
             export,
         ]

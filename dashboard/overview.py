@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from gpu_trace.dashboard.source import Source
 
@@ -48,16 +49,27 @@ WHERE run_id = {run:String} AND end_ns - start_ns >= {cell:Int64}
 
 @dataclass
 class Overview:
-    """One run's grid (short spans) and long spans."""
+    """One run's grid (short spans, ordered by cell) and long spans."""
 
     origin: int
     cell_ns: int
     grid: pa.Table  # host, pid, tid, lane, depth, cell, n, busy_ns, spans, unended, max_dur
     long: pa.Table  # id, host, pid, tid, lane, category, name, depth, start_ns, end_ns
 
-    def window(self, t0: int, t1: int, bucket: int, max_bars: int) -> dict[str, Any]:
-        """Bars, density cells (Arrow) and the bar threshold for ``[t0, t1)`` in ``bucket`` ns
-        buckets; ``bucket`` must be at least ``cell_ns``."""
+    def window(
+        self,
+        t0: int,
+        t1: int,
+        bucket: int,
+        max_bars: int,
+        grid_row: np.ndarray,
+        long_row: np.ndarray,
+        n_rows: int,
+    ) -> dict[str, Any]:
+        """Bars, density (span count and busy ns per timeline row and bucket) and the bar
+        threshold for ``[t0, t1)`` in ``bucket`` ns buckets; ``bucket`` must be at least
+        ``cell_ns``. ``grid_row`` and ``long_row`` give the timeline row of each grid cell and
+        long span (-1: not drawn)."""
         nb = max(1, -(-(t1 - t0) // bucket))
         start = self.long["start_ns"].to_numpy()
         end = self.long["end_ns"].to_numpy()
@@ -75,31 +87,43 @@ class Overview:
             b["span_id"] = b.pop("id")
         narrow = inside[dur < threshold]
         s0 = np.maximum(start[narrow], t0)
-        long_cells = pa.table(
-            {
-                **{k: self.long[k].take(pa.array(narrow, pa.int64())) for k in _KEYS},
-                "bucket": pa.array((s0 - t0) // bucket),
-                "n": pa.array(np.ones(len(narrow), dtype=np.int64)),
-                "busy_ns": pa.array(np.minimum(end[narrow], t1) - s0),
-            }
-        )
-        g = self.grid
-        cell = g["cell"].to_numpy()
-        cstart = self.origin + cell * self.cell_ns
-        keep = np.flatnonzero(
-            (cstart + self.cell_ns > t0) & (cstart < t1) & (g["n"].to_numpy() > 0)
-        )
-        cs = np.maximum(cstart[keep], t0)
-        short_cells = pa.table(
-            {
-                **{k: g[k].take(pa.array(keep, pa.int64())) for k in _KEYS},
-                "bucket": pa.array(np.minimum((cs - t0) // bucket, nb - 1)),
-                "n": g["n"].take(pa.array(keep, pa.int64())),
-                "busy_ns": g["busy_ns"].take(pa.array(keep, pa.int64())),
-            }
-        )
-        cells = pa.concat_tables([long_cells, short_cells.cast(long_cells.schema)])
-        return {"bars": bars, "cells": cells, "threshold": threshold, "capped": capped}
+        rows = [long_row[narrow]]
+        buckets = [(s0 - t0) // bucket]
+        counts = [np.ones(len(narrow), dtype=np.float64)]
+        busy = [(np.minimum(end[narrow], t1) - s0).astype(np.float64)]
+        # The grid is ordered by cell: the window's cells are one slice of it.
+        cell = self.grid["cell"].to_numpy()
+        lo = int(np.searchsorted(cell, (t0 - self.origin) // self.cell_ns, "left"))
+        hi = int(np.searchsorted(cell, -(-(t1 - self.origin) // self.cell_ns), "left"))
+        cstart = self.origin + cell[lo:hi] * self.cell_ns
+        rows.append(grid_row[lo:hi])
+        buckets.append(np.minimum((np.maximum(cstart, t0) - t0) // bucket, nb - 1))
+        counts.append(self.grid["n"].to_numpy()[lo:hi].astype(np.float64))
+        busy.append(self.grid["busy_ns"].to_numpy()[lo:hi].astype(np.float64))
+        count, busy_ns = bin_cells(
+            np.concatenate(rows), np.concatenate(buckets), np.concatenate(counts),
+            np.concatenate(busy), n_rows, nb,
+        )  # fmt: skip
+        return {
+            "bars": bars,
+            "count": count,
+            "busy_ns": busy_ns,
+            "threshold": threshold,
+            "capped": capped,
+        }
+
+
+def bin_cells(
+    row: np.ndarray, bucket: np.ndarray, n: np.ndarray, busy: np.ndarray, n_rows: int, nb: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Span counts and busy ns summed per (row, bucket): two ``n_rows x nb`` arrays. Cells of a
+    row below 0 (a track not drawn) or outside the buckets are left out."""
+    ok = (row >= 0) & (row < n_rows) & (bucket >= 0) & (bucket < nb)
+    flat = row[ok].astype(np.int64) * nb + bucket[ok].astype(np.int64)
+    size = max(0, n_rows) * nb
+    count = np.bincount(flat, weights=n[ok], minlength=size).astype(np.int64)
+    busy_ns = np.bincount(flat, weights=busy[ok], minlength=size)
+    return count.reshape(n_rows, nb), busy_ns.reshape(n_rows, nb)
 
 
 _KEYS = ("host", "pid", "tid", "lane", "depth")
@@ -113,6 +137,7 @@ def overview(source: Source, run_id: str, started_ns: int, ended_ns: int) -> Ove
         params = {"run": run_id, "o": int(started_ns), "cell": int(cell)}
         grid = source.arrow(_GRID, params)
         grid = grid.cast(_plain(grid.schema))
+        grid = grid.take(pc.sort_indices(grid, [("cell", "ascending")]))
         long = source.arrow(_LONG, params)
         long = long.cast(_plain(long.schema))
         return Overview(origin=int(started_ns), cell_ns=int(cell), grid=grid, long=long)
@@ -154,4 +179,4 @@ def _plain(schema: pa.Schema) -> pa.Schema:
     )
 
 
-__all__ = ["CELLS", "Overview", "overview", "track_totals"]
+__all__ = ["CELLS", "Overview", "bin_cells", "overview", "track_totals"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -71,11 +72,20 @@ class Window:
     t1: int
     bucket_ns: int
     bars: list[dict[str, Any]] = field(default_factory=list)
-    #: Density cells: host, pid, tid, lane, depth, bucket, n, busy_ns (Arrow: up to rows x buckets).
-    cells: pa.Table = field(default_factory=lambda: pa.table({}))
+    #: Density: spans counted per timeline row and bucket (rows x buckets), and their busy ns.
+    count: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
+    busy_ns: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
     bar_threshold_ns: int = 0  # spans at least this long are bars
-    density_spans: int = 0
     capped: bool = False  # MAX_BARS was reached and the threshold raised
+
+    @property
+    def density_spans(self) -> int:
+        return int(self.count.sum())
+
+    @property
+    def density_cells(self) -> int:
+        """Cells drawn (row and bucket with at least one span)."""
+        return int(np.count_nonzero(self.count))
 
     @property
     def total_spans(self) -> int:
@@ -106,6 +116,43 @@ def run(source: Source, run_id: str) -> dict[str, Any]:
 def _overview(source: Source, run_id: str) -> overview.Overview:
     r = run(source, run_id)
     return overview.overview(source, run_id, int(r["started_ns"]), int(r["ended_ns"] or 0))
+
+
+def track_rows(table: pa.Table, tracks: list[TrackInfo]) -> np.ndarray:
+    """The timeline row of each row of ``table`` (columns host, pid, tid, lane, depth): its
+    track's first row plus its level; -1 where the track is not drawn."""
+    if not table.num_rows:
+        return np.zeros(0, np.int64)
+    keys = (
+        pc.binary_join_element_wise(
+            table["host"].cast(pa.string()),
+            pc.cast(table["pid"], pa.string()),
+            pc.cast(table["tid"], pa.string()),
+            table["lane"].cast(pa.string()),
+            "|",
+        )
+        .combine_chunks()
+        .dictionary_encode()
+    )
+    by_key = {f"{t.host}|{t.pid}|{t.tid}|{t.lane}": t for t in tracks}
+    found = [by_key.get(k) for k in keys.dictionary.to_pylist()]
+    first = np.array([t.row if t else -1 for t in found], np.int64)
+    lowest = np.array([t.min_depth if t else 0 for t in found], np.int64)
+    levels = np.array([t.levels if t else 1 for t in found], np.int64)
+    code = keys.indices.to_numpy(zero_copy_only=False)
+    depth = table["depth"].to_numpy().astype(np.int64)
+    row = first[code] + np.clip(depth - lowest[code], 0, levels[code] - 1)
+    return np.where(first[code] >= 0, row, -1)
+
+
+def _overview_rows(source: Source, run_id: str) -> tuple[np.ndarray, np.ndarray]:
+    """Timeline rows of the overview's grid cells and long spans (once per run)."""
+
+    def compute() -> tuple[np.ndarray, np.ndarray]:
+        ov, info = _overview(source, run_id), tracks(source, run_id)["tracks"]
+        return track_rows(ov.grid, info), track_rows(ov.long, info)
+
+    return source.cached(("overview_rows", run_id), compute)
 
 
 def tracks(source: Source, run_id: str) -> dict[str, Any]:
@@ -160,20 +207,22 @@ def window(source: Source, run_id: str, t0: int, t1: int, width_px: int = 1600) 
     buckets = max(1, int(width_px) // BUCKET_PX)
     bucket = max(1, -(-(t1 - t0) // buckets))
     ov = _overview(source, run_id)
+    tr = tracks(source, run_id)
+    nb = max(1, -(-(t1 - t0) // bucket))
     if bucket >= ov.cell_ns:  # zoomed out: answered from the overview in memory
-        found = ov.window(t0, t1, bucket, MAX_BARS)
-        cells = found["cells"]
+        grid_row, long_row = _overview_rows(source, run_id)
+        found = ov.window(t0, t1, bucket, MAX_BARS, grid_row, long_row, tr["rows"])
         return Window(
             t0=t0,
             t1=t1,
             bucket_ns=bucket,
             bars=found["bars"],
-            cells=cells,
+            count=found["count"],
+            busy_ns=found["busy_ns"],
             bar_threshold_ns=found["threshold"],
-            density_spans=int(pc.sum(cells["n"]).as_py() or 0) if cells.num_rows else 0,
             capped=found["capped"],
         )
-    lo = t0 - tracks(source, run_id)["max_dur"] - 1  # lets the primary key prune by start_ns
+    lo = t0 - tr["max_dur"] - 1  # lets the primary key prune by start_ns
     base = {"run": run_id, "t0": t0, "t1": t1, "lo": lo}
     where = (
         "run_id = {run:String} AND start_ns < {t1:Int64} AND start_ns >= {lo:Int64}"
@@ -207,14 +256,25 @@ def window(source: Source, run_id: str, t0: int, t1: int, width_px: int = 1600) 
         """,
         {**base, "bucket": bucket, "thr": threshold},
     )
+    if cells.num_rows:
+        count, busy_ns = overview.bin_cells(
+            track_rows(cells, tr["tracks"]),
+            cells["bucket"].to_numpy().astype(np.int64),
+            cells["n"].to_numpy().astype(np.float64),
+            cells["busy_ns"].to_numpy().astype(np.float64),
+            tr["rows"],
+            nb,
+        )
+    else:
+        count, busy_ns = np.zeros((tr["rows"], nb), np.int64), np.zeros((tr["rows"], nb))
     return Window(
         t0=t0,
         t1=t1,
         bucket_ns=bucket,
         bars=bars,
-        cells=cells,
+        count=count,
+        busy_ns=busy_ns,
         bar_threshold_ns=threshold,
-        density_spans=int(pc.sum(cells["n"]).as_py() or 0) if cells.num_rows else 0,
         capped=capped,
     )
 

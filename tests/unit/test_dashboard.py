@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import quote
 
+import numpy as np
 import pytest
 
 pytest.importorskip("dash")
@@ -96,7 +99,7 @@ def test_names_are_escaped_in_the_figure(source: Source) -> None:
     tr = queries.tracks(source, "fwd")
     w = queries.window(source, "fwd", 0, 3_000_000, 2000)
     fig = figures.timeline(run, tr, w, queries.flows(source, "fwd", 0, 3_000_000), {}, [], 2000)
-    text = str(fig.to_dict())  # to_json would \u003c-escape every "<" on its own
+    text = str(fig)  # a JSON encoder would \u003c-escape every "<" on its own
     assert "<script>" not in text and "<b>lane</b>" not in text
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in text
     assert "nvtx/&lt;b&gt;lane&lt;/b&gt;" in text
@@ -173,3 +176,121 @@ def test_a_steps_counterparts_are_the_other_steps(source: Source) -> None:
     assert [(f["step"], f["current"]) for f in found] == [
         ("ProfilerStep#0", False), ("ProfilerStep#1", True), ("ProfilerStep#2", False)
     ]  # fmt: skip
+
+
+def decoded(spec: dict) -> np.ndarray:
+    """A plotly.js typed-array spec back as a numpy array."""
+    shape = [int(n) for n in spec["shape"].split(",")]
+    return np.frombuffer(base64.b64decode(spec["bdata"]), dtype=spec["dtype"]).reshape(shape)
+
+
+def lod_figure(source: Source, t0: int, t1: int, width: int) -> tuple[queries.Window, dict]:
+    run = source.call("run", "lod")
+    w = queries.window(source, "lod", t0, t1, width)
+    return w, figures.timeline(run, queries.tracks(source, "lod"), w, None, {}, [], width)
+
+
+@pytest.mark.parametrize("t0,t1,width", [(0, 10_000_000, 300), (1_000_000, 1_050_000, 1000)])
+def test_the_figure_draws_each_span_as_one_bar_or_in_one_density_cell(
+    source: Source, t0, t1, width
+) -> None:
+    w, fig = lod_figure(source, t0, t1, width)
+    bars = [t for t in fig["data"] if t["type"] == "bar"]
+    cells = [t for t in fig["data"] if t["type"] == "heatmap"]
+    in_bars = sum(len(t["x"]) for t in bars)
+    in_cells = int(decoded(cells[0]["customdata"]).sum()) if cells else 0
+    assert in_bars + in_cells == overlapping(source, "lod", t0, t1)
+    assert in_bars == len(w.bars) and in_cells == w.density_spans
+    for t in bars:  # each bar can be clicked for its details
+        assert len(t["customdata"]) == len(t["x"]) and all(len(c) == 2 for c in t["customdata"])
+
+
+def test_density_cells_say_how_busy_and_leave_empty_cells_blank(source: Source) -> None:
+    w, fig = lod_figure(source, 0, 10_000_000, 300)
+    (cells,) = [t for t in fig["data"] if t["type"] == "heatmap"]
+    count, busy = decoded(cells["customdata"]), decoded(cells["z"])
+    assert count.shape == busy.shape and count.shape[1] == -(-10_000_000 // w.bucket_ns)
+    assert np.isnan(busy[count == 0]).all() and not cells["hoverongaps"]
+    # 1 µs spans every 10 µs: each cell is about a tenth busy.
+    assert np.nanmax(busy) <= 1 and 0.05 < float(np.nanmean(busy)) < 0.2
+
+
+def test_bars_are_one_trace_per_category(source: Source) -> None:
+    run = source.call("run", "fwd")
+    w = queries.window(source, "fwd", 0, 3_000_000, 2000)
+    fig = figures.timeline(run, queries.tracks(source, "fwd"), w, None, {}, [], 2000)
+    names = [t["name"] for t in fig["data"] if t["type"] == "bar"]
+    assert sorted(names) == sorted(set(names)) == ["forward", "nvtx", "server", "step"]
+
+
+def test_wide_bars_are_labelled_with_their_name_cut_to_fit(source: Source) -> None:
+    run = source.call("run", "fwd")
+    tr = queries.tracks(source, "fwd")
+    w = queries.window(source, "fwd", 0, 3_000_000, 2000)
+    fig = figures.timeline(run, tr, w, None, {}, [], 2000)
+    (labels,) = [t for t in fig["data"] if t.get("mode") == "text"]
+    assert "ProfilerStep#0" in labels["text"] and labels["hoverinfo"] == "skip"
+    # A step is 900 µs (600 px at 1.5 µs a pixel): named in full. Narrower than LABEL_PX at
+    # 1/10 of the width: no label.
+    assert not [t for t in figures.timeline(run, tr, w, None, {}, [], 200)["data"]
+                if t.get("mode") == "text" and "batch" in t["text"]]  # fmt: skip
+    assert figures.fit_label("ProfilerStep#0", figures.LABEL_PX - 1) == ""
+    cut = figures.fit_label("aten::convolution_backward", 60)
+    assert cut.endswith("…") and len(cut) * figures.LABEL_FONT_PX * figures.CHAR_EM <= 60
+
+
+def test_axes_never_make_plotly_measure_labels_and_draw_twice(source: Source) -> None:
+    w, fig = lod_figure(source, 0, 10_000_000, 300)
+    axes = [v for k, v in fig["layout"].items() if k.startswith(("xaxis", "yaxis"))]
+    assert axes and all(a["automargin"] is False for a in axes)
+    assert all(a["ticklabeloverflow"] == "allow" for a in axes)
+    labels = fig["layout"]["yaxis"]["ticktext"]
+    widest = max(len(x) for x in labels)
+    assert fig["layout"]["margin"]["l"] >= widest * 10 * 0.55  # room for the longest label
+
+
+def test_typed_arrays_round_trip() -> None:
+    a = np.array([[1.5, np.nan], [0.25, 1.0]], dtype=np.float32)
+    spec = figures.typed(a)
+    assert spec["dtype"] == "f4" and spec["shape"] == "2, 2"
+    np.testing.assert_array_equal(decoded(spec), a)
+    assert decoded(figures.typed(np.arange(5, dtype=np.uint16)))[-1] == 4
+
+
+def test_the_first_view_is_built_for_the_address(source: Source) -> None:
+    view = callbacks.first_view(source, "?run=fwd&tab=summary", 1500)
+    assert view[("run", "value")] == "fwd" and view[("tabs", "value")] == "summary"
+    win = view[("window", "data")]
+    assert (win["t0"], win["t1"], win["width"], win["search"]) == (
+        0, 3_000_000, callbacks.plot_width(1500), "?run=fwd&tab=summary"
+    )  # fmt: skip
+    assert any(t["type"] == "bar" for t in view[("timeline", "figure")]["data"])
+    assert "as bars" in view[("lod", "children")]
+    missing = callbacks.first_view(source, "?run=nope", None)
+    assert missing[("window", "data")] is None and missing[("run", "value")] is None
+    assert "no run 'nope'" in str(missing[("message", "children")])
+
+
+def test_the_page_is_sent_with_the_view_its_address_asks_for(source: Source) -> None:
+    from gpu_trace.dashboard.app import VIEW_COOKIE, create_app
+
+    client = create_app(source).server.test_client()
+    client.get("/")
+    assert VIEW_COOKIE in client.get("/").get_data(as_text=True)  # the page sets the cookie
+    plain = json.loads(client.get("/_dash-layout").get_data())
+    assert '"type": "bar"' not in json.dumps(plain)  # no cookie: Dash's callback draws it
+    client.set_cookie(VIEW_COOKIE, quote(json.dumps({"search": "?run=fwd", "width": 1500})))
+    layout = json.dumps(json.loads(client.get("/_dash-layout").get_data()))
+    assert '"type": "bar"' in layout and '"run": "fwd"' in layout
+    client.set_cookie(VIEW_COOKIE, "garbage")
+    assert client.get("/_dash-layout").status_code == 200
+
+
+def test_zoom_and_pan_move_the_window() -> None:
+    win = {"base": 100, "start": 100, "end": 1100, "t0": 100, "t1": 1100}
+    moved = callbacks._moved(win, {"xaxis.range[0]": 200.0, "xaxis.range[1]": 300.0})
+    assert (moved["t0"], moved["t1"]) == (300, 400)
+    moved = callbacks._moved(win, {"xaxis2.range": [10, 20]})
+    assert (moved["t0"], moved["t1"]) == (110, 120)
+    assert callbacks._moved({**win, "t0": 300}, {"xaxis.autorange": True})["t0"] == 100
+    assert callbacks._moved(win, {"autosize": True}) is None
