@@ -8,12 +8,15 @@ Runs on the CPU, or on the GPU of a `gpu-trace serve` server under ``record --re
 from __future__ import annotations
 
 import sys
+import time
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 12
+#: Seconds to stop half-way (the two-tenant sample: an idle session its server pages out).
+PAUSE_S = float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
 BATCH = 32
 
 
@@ -39,7 +42,9 @@ def main() -> None:
     loss_fn = nn.CrossEntropyLoss()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     model.train()
-    for x, y in loader:
+    for step, (x, y) in enumerate(loader):
+        if PAUSE_S and step == STEPS // 2:
+            time.sleep(PAUSE_S)
         x, y = x.to(device), y.to(device)
         loss = loss_fn(model(x), y)
         loss.backward()
