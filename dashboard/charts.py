@@ -10,6 +10,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
+from gpu_trace import _format as fmt
 from gpu_trace.dashboard.figures import empty, esc
 
 PARTS = (
@@ -125,69 +126,238 @@ def steps(rows: list[dict[str, Any]]) -> go.Figure:
 
 # ---- tenants -------------------------------------------------------------------------------------
 
+#: One colour per tenant, the same in every chart of the tab (plotly's default sequence).
+TENANT_COLORS = (
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
+    "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
+)  # fmt: skip
+_MIB = float(1 << 20)
+#: Hover text of a line: its (escaped) trace name, never a name pasted into the template, where a
+#: ``%{...}`` in a tenant's name would be read as a field.
+_HOVER = "%{fullData.name}: %{y:.4g}"
 
-def tenant_lines(data: dict[str, Any], metric: str, title: str, scale: float = 1.0) -> go.Figure:
-    """One runtime counter per tenant over time (seconds since ``t0``)."""
-    rows = data["counters"].get(metric) or []
-    if not rows:
-        return empty(f"no {metric} counters in this run")
-    t0 = min(int(r["ts_ns"]) for r in rows)
-    series: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-        series.setdefault(r["tenant"], []).append(r)
-    fig = go.Figure(
-        [
-            go.Scatter(
-                x=[(int(r["ts_ns"]) - t0) / 1e9 for r in rs],
-                y=[float(r["value"]) / scale for r in rs],
-                mode="lines+markers",
-                line_shape="hv",
-                name=esc(tenant),
-            )
-            for tenant, rs in sorted(series.items())
-        ]
+
+def _colors(data: dict[str, Any]) -> dict[str, str]:
+    keys = [t["key"] for t in data["tenants"]]
+    return {k: TENANT_COLORS[i % len(TENANT_COLORS)] for i, k in enumerate(keys)}
+
+
+def _since(data: dict[str, Any], ts: Any) -> float:
+    """Seconds since the run started (the timeline's +time)."""
+    return (int(ts) - int(data["run_ns"][0])) / 1e9
+
+
+def _tenant_layout(fig: go.Figure, data: dict[str, Any], title: str, **extra: Any) -> go.Figure:
+    """Every tenant chart on the same x range: the tenants' activity, in seconds since the run
+    started (as the timeline counts); legend entries in the tenants' order."""
+    lo, hi = (_since(data, t) for t in data["range_ns"])
+    pad = (hi - lo) * 0.01
+    fig.update_xaxes(ticksuffix=" s", range=[lo - pad, hi + pad])
+    fig = _layout(fig, title, height=300, **extra)
+    fig.update_layout(legend_traceorder="normal")
+    return fig
+
+
+def _step_line(
+    data: dict[str, Any],
+    points: list[tuple[int, float]],
+    name: str,
+    color: str,
+    scale: float = 1.0,
+    unit: str = "",
+    mode: str = "lines",
+    **line: Any,
+) -> go.Scatter:
+    """A counter as a step line (a value holds until the next sample); ``name`` is escaped."""
+    return go.Scatter(
+        x=[_since(data, t) for t, _ in points],
+        y=[v / scale for _, v in points],
+        name=esc(name),
+        mode=mode,
+        line={"shape": "hv", "color": color, **line},
+        hovertemplate=f"{_HOVER}{unit}<extra></extra>",
     )
-    fig.update_xaxes(title_text="s")
-    return _layout(fig, title, height=280)
+
+
+def tenant_memory(data: dict[str, Any]) -> go.Figure:
+    """Memory each tenant holds (solid) and has on the device (dotted) against its quota (dashed).
+
+    The y axis is logarithmic when every peak is under a twentieth of the largest quota (memory
+    would be a flat line at the bottom); two buttons switch.
+    """
+    colors = _colors(data)
+    fig = go.Figure()
+    peak = top_quota = 0.0
+    for tenant, series in sorted(data["memory"].items()):
+        color, quota = colors.get(tenant, "#333"), series["quota"]
+        if series["held"]:
+            peak = max(peak, *(v for _, v in series["held"]))
+            name = f"{tenant} held" + ("" if quota else " (no quota)")
+            fig.add_trace(_step_line(data, series["held"], name, color, scale=_MIB,
+                                     unit=" MiB", mode="lines+markers"))  # fmt: skip
+        if series["resident"]:
+            fig.add_trace(_step_line(data, series["resident"], f"{tenant} on the device", color,
+                                     scale=_MIB, unit=" MiB", dash="dot", width=1))  # fmt: skip
+        if quota:
+            top_quota = max(top_quota, *(v for _, v in quota))
+            name = f"{tenant} quota {fmt.size(int(quota[-1][1]))}"
+            fig.add_trace(
+                _step_line(data, quota, name, color, scale=_MIB, unit=" MiB", dash="dash")
+            )
+    if not fig.data:
+        return empty("no memory counters in this run")
+    log = top_quota > 0 and peak < top_quota / 20
+    # Log ticks at powers of 32 bytes, named in binary units (plotly's own would say "100µ" MiB).
+    exponents = range(0, 46, 5)
+    scales = {
+        "linear": {"yaxis.type": "linear", "yaxis.tickmode": "auto", "yaxis.title.text": "MiB"},
+        "log": {"yaxis.type": "log", "yaxis.tickmode": "array", "yaxis.title.text": ""},
+    }
+    fig.update_yaxes(
+        tickvals=[2.0 ** (e - 20) for e in exponents],
+        ticktext=[fmt.size(1 << e) for e in exponents],
+    )
+    fig.update_layout(scales["log" if log else "linear"])
+    buttons = [
+        {"label": label, "method": "relayout", "args": [args]} for label, args in scales.items()
+    ]
+    menu = {"type": "buttons", "direction": "right", "buttons": buttons, "active": int(log),
+            "x": 1, "xanchor": "right", "y": 1.2, "yanchor": "top"}  # fmt: skip
+    title = "memory per tenant against its quota" + (" (log scale)" if log else " (MiB)")
+    return _tenant_layout(fig, data, title, updatemenus=[menu])
 
 
 def tenant_busy(data: dict[str, Any]) -> go.Figure:
-    """Each tenant's share of the server's execute time per bucket (stacked)."""
+    """Each tenant's share of each bucket's time that the server executed its batches (stacked)."""
     if not data["busy"]:
         return empty("no server execute spans (no forwarded work in this run)")
-    return _tenant_series(
-        data, data["busy"], "share", 1.0, "busy share of the server (execute time / time)", True
-    )
-
-
-def tenant_queue(data: dict[str, Any]) -> go.Figure:
-    """Mean queue wait of each tenant's batches per bucket."""
-    if not data["queue"]:
-        return empty("no server queue spans (no forwarded work in this run)")
-    return _tenant_series(data, data["queue"], "mean_ns", 1e6, "queue wait per batch (ms)", False)
-
-
-def _tenant_series(
-    data: dict[str, Any], rows: list[dict], key: str, scale: float, title: str, stack: bool
-) -> go.Figure:
-    t0 = min(int(r["ts_ns"]) for r in rows)
+    colors, width = _colors(data), int(data["bucket_ns"])
     series: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
+    for r in data["busy"]:
         series.setdefault(r["tenant"], []).append(r)
     fig = go.Figure(
         [
-            go.Scatter(
-                x=[(int(r["ts_ns"]) - t0) / 1e9 for r in rs],
-                y=[float(r[key]) / scale for r in rs],
-                mode="lines",
-                stackgroup="one" if stack else None,
+            go.Bar(
+                x=[_since(data, int(r["ts_ns"]) + width // 2) for r in rs],
+                y=[100 * float(r["share"]) for r in rs],
+                width=width / 1e9,
                 name=esc(tenant),
+                marker_color=colors.get(tenant, "#333"),
+                customdata=[_ms(r["ns"]) for r in rs],
+                hovertemplate="%{fullData.name}: %{y:.1f}% (%{customdata:.1f} ms)<extra></extra>",
             )
             for tenant, rs in sorted(series.items())
         ]
     )
-    fig.update_xaxes(title_text="s")
-    return _layout(fig, title, height=280)
+    fig.update_yaxes(title_text="% of the time", rangemode="tozero")
+    title = f"busy share: server execute time per {fmt.duration(width)}, by tenant"
+    return _tenant_layout(fig, data, title, barmode="stack", bargap=0)
+
+
+def tenant_queue(data: dict[str, Any]) -> go.Figure:
+    """Mean queue wait of each tenant's batches per bucket (hover: batches, max)."""
+    if not data["queue"]:
+        return empty("no server queue spans (no forwarded work in this run)")
+    colors, width = _colors(data), int(data["bucket_ns"])
+    series: dict[str, list[dict[str, Any]]] = {}
+    for r in data["queue"]:
+        series.setdefault(r["tenant"], []).append(r)
+    fig = go.Figure(
+        [
+            go.Scatter(
+                x=[_since(data, int(r["ts_ns"]) + width // 2) for r in rs],
+                y=[_ms(r["mean_ns"]) for r in rs],
+                customdata=[[r["n"], _ms(r["max_ns"])] for r in rs],
+                mode="markers",
+                marker={"color": colors.get(tenant, "#333"), "size": 8},
+                name=esc(tenant),
+                hovertemplate="%{fullData.name}: %{y:.3f} ms mean over %{customdata[0]} batches,"
+                " max %{customdata[1]:.3f} ms<extra></extra>",
+            )
+            for tenant, rs in sorted(series.items())
+        ]
+    )
+    fig.update_yaxes(title_text="ms", rangemode="tozero")
+    return _tenant_layout(fig, data, f"queue wait per batch (ms, mean per {fmt.duration(width)})")
+
+
+#: Cumulative counters drawn as steps in :func:`tenant_paging`, and how.
+_COUNTS = (
+    ("evictions", "page-outs", "solid"),
+    ("restores", "restores", "dash"),
+    ("quota_waits", "quota waits", "dot"),
+    ("quota_errors", "quota errors", "dashdot"),
+)
+_SYMBOLS = {"page-out": "triangle-down", "restore": "triangle-up", "quota wait": "x"}
+
+
+def _event_text(e: dict[str, Any]) -> str:
+    a = e["attrs"]
+    parts = [f"{e['tenant']} {e['kind']} #{e['index']}"]
+    if e["session"]:
+        parts[0] += f" (session {e['session']})"
+    if a.get("reason"):
+        parts.append(f"reason: {a['reason']}")
+    if str(a.get("bytes", "")).isdigit():
+        parts.append(f"{fmt.size(int(a['bytes']))} in {a.get('storages', '?')} storages")
+    parts.append(f"took {fmt.duration(int(e['end_ns']) - int(e['start_ns']))}")
+    if str(a.get("first_op_ns", "")).isdigit():
+        parts.append(f"first op after {fmt.duration(int(a['first_op_ns']))}")
+    return esc(" · ".join(parts))
+
+
+def tenant_paging(data: dict[str, Any]) -> go.Figure:
+    """Page-outs, restores, quota waits and errors per tenant: the cumulative counters as steps,
+    the ``server/evict``, ``server/restore`` and ``server/quota-wait`` spans as markers (at their
+    start, at their count; hover: reason, bytes, how long)."""
+    colors = _colors(data)
+    fig = go.Figure()
+    for tenant, metrics in sorted(data["cumulative"].items()):
+        for metric, label, dash in _COUNTS:
+            points = metrics.get(metric) or []
+            if any(v for _, v in points):
+                color = colors.get(tenant, "#333")
+                fig.add_trace(_step_line(data, points, f"{tenant} {label}", color, dash=dash))
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for e in data["events"]:
+        groups.setdefault((e["tenant"], e["kind"]), []).append(e)
+    for (tenant, kind), es in sorted(groups.items()):
+        fig.add_trace(
+            go.Scatter(
+                x=[_since(data, e["start_ns"]) for e in es],
+                y=[e["index"] for e in es],
+                mode="markers",
+                marker={"symbol": _SYMBOLS.get(kind, "circle"), "size": 11,
+                        "color": colors.get(tenant, "#333")},
+                name=esc(f"{tenant} {kind} spans"),
+                hovertext=[_event_text(e) for e in es],
+                hoverinfo="text",
+            )
+        )  # fmt: skip
+    if not fig.data:
+        return empty("no page-outs, restores, quota waits or quota errors in this run")
+    fig.update_yaxes(title_text="count", rangemode="tozero")
+    return _tenant_layout(fig, data, "page-outs, restores and quota waits per tenant")
+
+
+def tenant_lines(data: dict[str, Any], metric: str, title: str, scale: float = 1.0) -> go.Figure:
+    """One runtime counter over time, a step line per tenant (per session where it has several)."""
+    rows = data["counters"].get(metric) or []
+    if not rows:
+        return empty(f"no {metric} counters in this run")
+    colors = _colors(data)
+    series: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    for r in rows:
+        series.setdefault((r["tenant"], r["session"]), []).append((r["ts_ns"], r["value"]))
+    tenants = [t for t, _ in series]
+    fig = go.Figure(
+        [
+            _step_line(data, points, f"{t} session {s}" if tenants.count(t) > 1 else t,
+                       colors.get(t, "#333"), scale=scale, mode="lines+markers")
+            for (t, s), points in sorted(series.items())
+        ]
+    )  # fmt: skip
+    return _tenant_layout(fig, data, title)
 
 
 # ---- compare -------------------------------------------------------------------------------------

@@ -15,11 +15,20 @@ from gpu_trace import _format as fmt
 from gpu_trace.dashboard import charts
 
 TENANTS_NOTE = (
-    "A tenant here is one forwarding session on the server (docs/dashboard.md). Shown: the "
-    "server's per-session accounting (memory and handles it holds, queue depth, from the "
-    "runtime counters) and its server spans (execute share, queue wait). Quotas and evictions "
-    "come with the sharing runtime (issue 6), which is not built yet: those charts say so until "
-    "its counters appear."
+    "Per tenant, from the sharing runtime's counters and the server's spans in this run: memory "
+    "held against the tenant's quota, its share of the server's busy time, queue wait per batch, "
+    "page-outs and restores, quota waits. A run holds only its own tenants' numbers: a client's "
+    "run never gets another tenant's (docs/sharing.md)."
+)
+TENANTS_BEFORE = (
+    "This run was recorded before tenants existed: each forwarding session is shown as a tenant "
+    "of its own, named by its session; quotas, page-outs and the busy and queue counters were not "
+    "recorded (busy and queue wait come from the server's spans)."
+)
+_TOTALS_HINT = (
+    "Busy and queue wait: totals of the server/execute and server/queue spans.",
+    "Totals are the last values of the cumulative counters (busy: busy_ns, the device time the "
+    "scheduler charged); batches and ops: the server/execute spans.",
 )
 
 
@@ -176,30 +185,68 @@ def summary(data: dict[str, Any]) -> html.Div:
     return html.Div(parts)
 
 
+def _pair(a: Any, b: Any, show: Any) -> str:
+    """``a · b``; ``-`` for a number the run did not record."""
+    return " · ".join(show(v) if v is not None else "-" for v in (a, b))
+
+
+def _tenant_row(t: dict[str, Any]) -> list[str]:
+    busy = "-"
+    if t["busy_ns"] is not None:
+        busy = fmt.duration(t["busy_ns"])
+        if t["busy_share"] is not None:
+            busy += f" ({t['busy_share']:.1%} of the run)"
+    return [
+        t["tenant"],
+        ", ".join(t["sessions"]) or "-",
+        fmt.size(t["peak_bytes"]),
+        fmt.size(t["quota_bytes"]) if t["quota_bytes"] else "no quota",
+        f"{t['peak_share']:.2%}" if t["peak_share"] is not None else "-",
+        busy,
+        f"{fmt.count(t['batches'])} · {fmt.count(t['ops'])}",
+        _pair(t["queue_wait_ns"], t["queue_mean_ns"], fmt.duration),
+        _pair(t["bytes_in"], t["bytes_out"], fmt.size),
+        _pair(t["evictions"], t["restores"], fmt.count),
+        _pair(t["quota_waits"], t["quota_errors"], fmt.count),
+    ]
+
+
 def tenants(data: dict[str, Any]) -> html.Div:
-    gib = float(1 << 30)
+    """The Tenants tab: a summary row per tenant, its sessions, then the charts over time."""
     parts: list[Any] = [message(TENANTS_NOTE, "note")]
     if not data["tenants"]:
         parts.append(
             message("No forwarding sessions in this run (record --remote makes them).", "note")
         )
         return html.Div(parts)
-    parts.append(
-        table(["tenant", "session", "client pid"],
-              [[t["label"], t.get("session", ""), t.get("pid", "")] for t in data["tenants"]])
-    )  # fmt: skip
+    if not data["labelled"]:
+        parts.append(message(TENANTS_BEFORE, "note"))
+    head = ["tenant", "sessions", "peak memory", "quota", "peak / quota", "busy",
+            "batches · ops", "queue wait · per batch", "bytes in · out", "page-outs · restores",
+            "quota waits · errors"]  # fmt: skip
     parts += [
-        dcc.Graph(figure=charts.tenant_lines(data, "session_memory_bytes",
-                                             "device memory held per tenant (GiB)", gib)),
-        dcc.Graph(figure=charts.tenant_busy(data)),
-        dcc.Graph(figure=charts.tenant_queue(data)),
-        dcc.Graph(figure=charts.tenant_lines(data, "queue_depth", "server queue depth")),
+        html.H4("Tenants"),
+        html.Div(table(head, [_tenant_row(t) for t in data["summary"]]), id="tenants-summary"),
+        html.P(_TOTALS_HINT[any(t["busy_from"] == "busy_ns" for t in data["summary"])],
+               className="hint"),
     ]  # fmt: skip
-    for metric in data["missing"]:
-        if metric in ("quota_bytes", "evictions"):
-            parts.append(
-                message(f"{metric}: not recorded (quotas and evictions come with issue 6)", "note")
-            )
+    sessions = [
+        [t["key"], s["session"] or "-",
+         f"pid {s['pid']} on {s['host']}" if s["host"] else "-",
+         fmt.count(s["batches"]), fmt.count(s["ops"])]
+        for t in data["tenants"] for s in t["sessions"]
+    ]  # fmt: skip
+    if sessions:
+        parts += [
+            html.H4("Sessions"),
+            table(["tenant", "session", "client", "batches", "ops"], sessions),
+        ]
+    parts += [
+        dcc.Graph(figure=charts.tenant_memory(data), id="tenants-memory"),
+        dcc.Graph(figure=charts.tenant_busy(data), id="tenants-busy"),
+        dcc.Graph(figure=charts.tenant_queue(data), id="tenants-queue"),
+        dcc.Graph(figure=charts.tenant_paging(data), id="tenants-paging"),
+    ]
     return html.Div(parts)
 
 

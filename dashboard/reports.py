@@ -3,12 +3,10 @@
 Plain functions of a :class:`~gpu_trace.dashboard.source.Source` returning dicts and lists; the
 charts are in :mod:`gpu_trace.dashboard.charts`.
 
-Tenants: the sharing runtime's per-tenant quotas and evictions (issue 6) are not built yet. What
-exists is the forwarding server's per-session accounting: every session's ``session_memory_bytes``,
-``session_handles`` and ``queue_depth`` counters (``source = 'runtime'``, label ``session``) and its
-server spans (queue, execute). A tenant here is one forwarding session, named by the client
-process that opened it. When counters carry a ``tenant`` label, or ``quota_bytes`` and
-``evictions`` metrics appear, they are used as they are (:data:`TENANT_METRICS`).
+Tenants: the sharing runtime's counters in a client's run (``source = 'runtime'``, labelled
+``tenant`` and ``session``; docs/sharing.md, "In the client's run") and its sessions' server spans
+(execute, queue, evict, restore, quota-wait), grouped by tenant (:func:`tenants`,
+:data:`TENANT_METRICS`). A run holds only its own sessions' tenants.
 """
 
 from __future__ import annotations
@@ -17,14 +15,38 @@ from typing import Any
 
 from gpu_trace.dashboard.source import Source
 
-#: Runtime counter metrics shown per tenant, with what they mean. The last two come with issue 6.
+#: Runtime counters (``source = 'runtime'``) the Tenants tab reads, with what they are
+#: (docs/sharing.md, "In the client's run"). Per session (labels ``session``, ``tenant``) unless
+#: named in :data:`PER_TENANT`; those in :data:`CUMULATIVE` are totals since the session connected.
 TENANT_METRICS = {
-    "session_memory_bytes": "device memory the session holds",
-    "session_handles": "tensor handles the session holds",
-    "queue_depth": "batches waiting on the server when the session's batch finished",
-    "quota_bytes": "the tenant's memory quota (sharing runtime)",
-    "evictions": "tensors offloaded to host memory (sharing runtime)",
+    "session_memory_bytes": "bytes the session holds, as its tenant's quota counts them",
+    "session_handles": "tensors the session holds",
+    "queue_depth": "work items waiting on the server when the session's batch ended",
+    "busy_ns": "device time of the session's batches",
+    "queue_wait_ns": "time its batches waited for the executor",
+    "bytes_in": "tensor bytes uploaded",
+    "bytes_out": "tensor bytes downloaded",
+    "quota_waits": "ops that waited for memory",
+    "quota_errors": "ops that failed on the quota",
+    "evictions": "times the session was paged out",
+    "restores": "times it was paged back in",
+    "session_paged_bytes": "its bytes paged out to host memory",
+    "tenant_memory_bytes": "all the tenant's sessions: bytes held, resident and paged out",
+    "tenant_resident_bytes": "all the tenant's sessions: bytes on the device",
+    "quota_bytes": "the tenant's memory quota (absent: no quota)",
 }
+PER_TENANT = ("tenant_memory_bytes", "tenant_resident_bytes", "quota_bytes")
+CUMULATIVE = (
+    "busy_ns", "queue_wait_ns", "bytes_in", "bytes_out", "quota_waits", "quota_errors",
+    "evictions", "restores",
+)  # fmt: skip
+#: Server lanes whose spans are drawn as events: page-outs, restores, waits for memory.
+EVENT_LANES = {
+    "server/evict": "page-out",
+    "server/restore": "restore",
+    "server/quota-wait": "quota wait",
+}
+_SESSION_SPANS = ("server/receive", "server/queue", "server/execute", "server/reply", *EVENT_LANES)
 
 
 def top_ranges(summary: dict[str, Any], top: int = 25) -> dict[str, list[dict[str, Any]]]:
@@ -123,94 +145,289 @@ def summary(source: Source, run_id: str, top: int = 25) -> dict[str, Any]:
 # ---- tenants -------------------------------------------------------------------------------------
 
 
-def tenants(source: Source, run_id: str, buckets: int = 60) -> dict[str, Any]:
-    """Per tenant (forwarding session), over time: runtime counters, busy share, queue wait.
+def _stepwise_sum(rows: list[dict[str, Any]]) -> list[tuple[int, float]]:
+    """``(ts_ns, value)`` of a sum over sessions, each at its latest sample (rows in time order)."""
+    latest: dict[str, float] = {}
+    out: list[tuple[int, float]] = []
+    for r in rows:
+        latest[r["session"]] = float(r["value"])
+        point = (int(r["ts_ns"]), sum(latest.values()))
+        if out and out[-1][0] == point[0]:
+            out[-1] = point
+        else:
+            out.append(point)
+    return out
 
-    Returns ``{"tenants": [{"key", "label", "session", "pid"}], "counters": {metric: [{"tenant",
-    "ts_ns", "value"}]}, "busy": [...], "queue": [...], "bucket_ns", "missing": [metric, ...]}``.
-    ``busy`` rows are ``tenant, ts_ns, share`` (the session's execute time over the bucket);
-    ``queue`` rows are ``tenant, ts_ns, mean_ns, max_ns`` of its batches' queue spans.
+
+def tenants(source: Source, run_id: str, buckets: int = 60) -> dict[str, Any]:
+    """Per tenant over time: memory against quota, busy share, queue wait, page-outs; a summary.
+
+    A tenant is the ``tenant`` label of the run's runtime counters. A run recorded before tenants
+    existed has only a ``session`` label: each session is then a tenant of its own, ``session N``.
+    A client's run holds only its own sessions, so only its own tenants' numbers.
+
+    Server spans are a session's through their ids: the server numbers every span of one session
+    from one random prefix (the id's high 32 bits, ``runtime/session.py`` ``SpanLog``), and a
+    session's counters are stamped with the end of one of its ``server/reply`` spans (or, for
+    ``evictions``, of its ``server/evict`` span): that joins a prefix to its ``session`` label. The
+    client process is the one whose ``forward`` span is the parent of the session's batches.
+
+    Busy share is exact: the ``server/execute`` spans, each cut at the bucket edges, over the
+    bucket's length (the cumulative ``busy_ns`` counter is sampled only every 200 ms; on the CPU
+    device it is the same time, on a GPU the kernels' time: the summary's busy total is the
+    counter, what the scheduler charged). Queue wait is per batch, from the ``server/queue`` spans.
+
+    Returns ``{"run_ns": (start, end), "range_ns": (first, last), "bucket_ns", "labelled",
+    "tenants": [{"key", "sessions": [{"session", "host", "pid", "batches", "ops"}]}], "counters":
+    {metric: [{"tenant", "session", "ts_ns", "value"}]}, "memory": {tenant: {"held", "resident",
+    "quota": [(ts_ns, bytes)]}}, "cumulative": {tenant: {metric: [(ts_ns, total)]}}, "busy":
+    [{"tenant", "ts_ns", "ns", "share"}], "queue": [{"tenant", "ts_ns", "n", "ns", "mean_ns",
+    "max_ns"}], "events": [{"tenant", "session", "kind", "start_ns", "end_ns", "attrs",
+    "index"}], "summary": [per tenant]}``; ``ts_ns`` of a bucket is its start.
     """
     run = source.call("run", run_id)
-    t0, t1 = int(run["started_ns"]), int(run["ended_ns"] or run["started_ns"] + 1)
-    bucket = max(1, -(-(t1 - t0) // buckets))
+    r0, r1 = int(run["started_ns"]), int(run["ended_ns"] or run["started_ns"] + 1)
+    params: dict[str, Any] = {"run": run_id}
     counter_rows = source.rows(
         """
-        SELECT if(labels['tenant'] != '', labels['tenant'], concat('session ', labels['session']))
-                 AS tenant, labels['session'] AS session, metric, ts_ns, value
+        SELECT labels['tenant'] AS tenant, labels['session'] AS session, metric, ts_ns, value
         FROM __db__.counters
         WHERE run_id = {run:String} AND source = 'runtime'
           AND (labels['tenant'] != '' OR labels['session'] != '')
-        ORDER BY tenant, metric, ts_ns
+        ORDER BY ts_ns, metric LIMIT 1000000
         """,
-        {"run": run_id},
+        params,
     )
-    # A session's counters are taken when one of its batches' reply ends, so they name the
-    # client process that sent that batch: that is how a session gets a name.
-    owners = source.rows(
+    # Which session a span-id prefix is: a session's counters carry its reply's (or page-out's)
+    # end time.
+    linked = source.rows(
         """
-        SELECT c.labels['session'] AS session, any(p.host) AS host, any(p.pid) AS pid
-        FROM __db__.counters AS c
-        INNER JOIN (SELECT parent_span_id, end_ns FROM __db__.spans
-                    WHERE run_id = {run:String} AND lane = 'server/reply') AS r
-          ON r.end_ns = c.ts_ns
-        INNER JOIN (SELECT span_id, host, pid FROM __db__.spans
-                    WHERE run_id = {run:String} AND category = 'forward') AS p
-          ON p.span_id = r.parent_span_id
-        WHERE c.run_id = {run:String} AND c.source = 'runtime' AND c.labels['session'] != ''
-        GROUP BY session
+        SELECT bitShiftRight(s.span_id, 32) AS prefix, any(c.session) AS session
+        FROM (SELECT span_id, end_ns,
+                     if(lane = 'server/reply', 'session_memory_bytes', 'evictions') AS metric
+              FROM __db__.spans
+              WHERE run_id = {run:String} AND lane IN ('server/reply', 'server/evict')) AS s
+        INNER JOIN (SELECT ts_ns, metric, labels['session'] AS session FROM __db__.counters
+                    WHERE run_id = {run:String} AND source = 'runtime' AND labels['session'] != ''
+                      AND metric IN ('session_memory_bytes', 'evictions')) AS c
+          ON c.ts_ns = s.end_ns AND c.metric = s.metric
+        GROUP BY prefix
         """,
-        {"run": run_id},
+        params,
     )
-    pid_session = {(o["host"], int(o["pid"])): o["session"] for o in owners}
-    server = source.rows(
+    executes = source.rows(
         """
-        SELECT p.host AS host, p.pid AS pid, s.lane AS lane,
-               intDiv(s.start_ns - {t0:Int64}, {bucket:Int64}) AS b,
-               count() AS n, sum(s.end_ns - s.start_ns) AS ns, max(s.end_ns - s.start_ns) AS max_ns
-        FROM __db__.spans AS s
-        INNER JOIN (SELECT span_id, host, pid FROM __db__.spans
-                    WHERE run_id = {run:String} AND category = 'forward') AS p
+        SELECT bitShiftRight(s.span_id, 32) AS prefix, count() AS batches,
+               sum(toUInt64OrZero(s.attrs['ops'])) AS ops,
+               any(p.host) AS host, any(p.pid) AS pid
+        FROM (SELECT span_id, parent_span_id, attrs FROM __db__.spans
+              WHERE run_id = {run:String} AND lane = 'server/execute') AS s
+        LEFT JOIN (SELECT span_id, host, pid FROM __db__.spans
+                   WHERE run_id = {run:String} AND category = 'forward') AS p
           ON p.span_id = s.parent_span_id
-        WHERE s.run_id = {run:String} AND s.lane IN ('server/execute', 'server/queue')
-        GROUP BY host, pid, lane, b ORDER BY host, pid, lane, b
+        GROUP BY prefix
         """,
-        {"run": run_id, "t0": t0, "bucket": bucket},
+        params,
     )
-    names: dict[str, dict[str, Any]] = {}
+    extent = source.rows(
+        """
+        SELECT min(start_ns) AS lo, max(end_ns) AS hi, count() AS n FROM __db__.spans
+        WHERE run_id = {run:String} AND lane IN {lanes:Array(String)}
+        """,
+        {**params, "lanes": list(_SESSION_SPANS)},
+    )[0]
+    times = [int(r["ts_ns"]) for r in counter_rows[:1] + counter_rows[-1:]]
+    if int(extent["n"]):
+        times += [int(extent["lo"]), int(extent["hi"])]
+    lo, hi = (min(times), max(times)) if times else (r0, r1)
+    bucket = max(1, -(-(hi - lo + 1) // buckets))
+    window = {**params, "lo": lo, "bucket": bucket}
+    busy_rows = source.rows(
+        """
+        SELECT prefix, b, sum(least(end_ns, {lo:Int64} + (b + 1) * {bucket:Int64})
+                              - greatest(start_ns, {lo:Int64} + b * {bucket:Int64})) AS ns
+        FROM (SELECT bitShiftRight(span_id, 32) AS prefix, start_ns, end_ns,
+                     arrayJoin(range(toUInt32(intDiv(start_ns - {lo:Int64}, {bucket:Int64})),
+                                     toUInt32(intDiv(end_ns - 1 - {lo:Int64}, {bucket:Int64}) + 1)))
+                       AS b
+              FROM __db__.spans
+              WHERE run_id = {run:String} AND lane = 'server/execute'
+                AND end_ns > start_ns AND start_ns >= {lo:Int64})
+        GROUP BY prefix, b ORDER BY prefix, b
+        """,
+        window,
+    )
+    queue_rows = source.rows(
+        """
+        SELECT bitShiftRight(span_id, 32) AS prefix,
+               intDiv(start_ns - {lo:Int64}, {bucket:Int64}) AS b, count() AS n,
+               sum(end_ns - start_ns) AS ns, max(end_ns - start_ns) AS max_ns
+        FROM __db__.spans
+        WHERE run_id = {run:String} AND lane = 'server/queue' AND start_ns >= {lo:Int64}
+        GROUP BY prefix, b ORDER BY prefix, b
+        """,
+        window,
+    )
+    event_rows = source.rows(
+        """
+        SELECT bitShiftRight(span_id, 32) AS prefix, lane, start_ns, end_ns, attrs
+        FROM __db__.spans
+        WHERE run_id = {run:String} AND lane IN {lanes:Array(String)}
+        ORDER BY start_ns LIMIT 20000
+        """,
+        {**params, "lanes": list(EVENT_LANES)},
+    )
 
-    def tenant_of(host: str, pid: int) -> str:
-        session = pid_session.get((host, pid))
-        key = f"session {session}" if session else f"client {host}:{pid}"
-        entry = names.setdefault(key, {"key": key, "session": session or "", "pid": pid})
-        entry["label"] = f"{key} (client pid {pid} on {host})" if session else key
-        return key
+    # Tenants: the counters' tenant label; in a run from before tenants, each session its own.
+    labelled = any(r["tenant"] for r in counter_rows)
+    named = {r["session"]: r["tenant"] for r in counter_rows if r["session"] and r["tenant"]}
+    prefix_session = {int(r["prefix"]): r["session"] for r in linked}
+    clients = {int(r["prefix"]): r for r in executes}
 
-    busy, queue = [], []
-    for r in server:
-        tenant = tenant_of(r["host"], int(r["pid"]))
-        ts = t0 + int(r["b"]) * bucket
-        if r["lane"] == "server/execute":
-            busy.append({"tenant": tenant, "ts_ns": ts, "share": int(r["ns"]) / bucket})
-        else:
-            mean = int(r["ns"]) // max(1, int(r["n"]))
-            queue.append({"tenant": tenant, "ts_ns": ts, "mean_ns": mean, "max_ns": r["max_ns"]})
+    def tenant_of(prefix: int) -> str:
+        session = prefix_session.get(prefix)
+        if session:
+            return named.get(session) or f"session {session}"
+        client = clients.get(prefix)
+        if client is not None and client["host"]:
+            return f"client {client['host']}:{client['pid']}"
+        return "unattributed server spans"
+
+    sessions: dict[str, dict[str, dict[str, Any]]] = {}  # tenant -> session -> entry
+
+    def session_entry(tenant: str, session: str) -> dict[str, Any]:
+        blank = {"session": session, "host": "", "pid": None, "batches": 0, "ops": 0}
+        return sessions.setdefault(tenant, {}).setdefault(session, blank)
+
     by_metric: dict[str, list[dict[str, Any]]] = {}
+    grouped: dict[tuple[str, str], list[dict[str, Any]]] = {}  # (metric, tenant) -> rows
     for r in counter_rows:
-        names.setdefault(
-            r["tenant"], {"key": r["tenant"], "label": r["tenant"], "session": r["session"]}
-        )
-        by_metric.setdefault(r["metric"], []).append(
-            {"tenant": r["tenant"], "ts_ns": r["ts_ns"], "value": r["value"]}
-        )
+        tenant = r["tenant"] or named.get(r["session"]) or f"session {r['session']}"
+        row = {"tenant": tenant, "session": r["session"], "ts_ns": int(r["ts_ns"]),
+               "value": float(r["value"])}  # fmt: skip
+        by_metric.setdefault(r["metric"], []).append(row)
+        grouped.setdefault((r["metric"], tenant), []).append(row)
+        sessions.setdefault(tenant, {})
+        if r["session"]:
+            session_entry(tenant, r["session"])
+    for prefix, c in clients.items():
+        entry = session_entry(tenant_of(prefix), prefix_session.get(prefix, ""))
+        if c["host"]:
+            entry.update(host=c["host"], pid=int(c["pid"]))
+        entry["batches"] += int(c["batches"])
+        entry["ops"] += int(c["ops"])
+    for r in event_rows:
+        sessions.setdefault(tenant_of(int(r["prefix"])), {})
+
+    def points(metric: str, tenant: str) -> list[tuple[int, float]]:
+        return [(r["ts_ns"], r["value"]) for r in grouped.get((metric, tenant), [])]
+
+    memory: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    cumulative: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for tenant in sessions:
+        memory[tenant] = {
+            "held": points("tenant_memory_bytes", tenant)
+            or _stepwise_sum(grouped.get(("session_memory_bytes", tenant), [])),
+            "resident": points("tenant_resident_bytes", tenant),
+            "quota": points("quota_bytes", tenant),
+        }
+        cumulative[tenant] = {
+            m: _stepwise_sum(grouped[(m, tenant)]) for m in CUMULATIVE if (m, tenant) in grouped
+        }
+
+    busy = [
+        {"tenant": tenant_of(int(r["prefix"])), "ts_ns": lo + int(r["b"]) * bucket,
+         "ns": int(r["ns"]), "share": int(r["ns"]) / bucket}
+        for r in busy_rows
+    ]  # fmt: skip
+    queue = [
+        {"tenant": tenant_of(int(r["prefix"])), "ts_ns": lo + int(r["b"]) * bucket,
+         "n": int(r["n"]), "ns": int(r["ns"]), "mean_ns": int(r["ns"]) // max(1, int(r["n"])),
+         "max_ns": int(r["max_ns"])}
+        for r in queue_rows
+    ]  # fmt: skip
+    events: list[dict[str, Any]] = []
+    seen: dict[tuple[str, str], int] = {}
+    for r in event_rows:
+        tenant, kind = tenant_of(int(r["prefix"])), EVENT_LANES[r["lane"]]
+        seen[(tenant, kind)] = seen.get((tenant, kind), 0) + 1
+        events.append(
+            {"tenant": tenant, "session": prefix_session.get(int(r["prefix"]), ""), "kind": kind,
+             "start_ns": int(r["start_ns"]), "end_ns": int(r["end_ns"]),
+             "attrs": dict(r["attrs"] or {}), "index": seen[(tenant, kind)]}
+        )  # fmt: skip
+
+    summary = []
+    for tenant in sorted(sessions):
+        summary.append(
+            _tenant_summary(tenant, sessions[tenant], memory[tenant], cumulative[tenant],
+                            [b for b in busy if b["tenant"] == tenant],
+                            [q for q in queue if q["tenant"] == tenant], r1 - r0, labelled)
+        )  # fmt: skip
     return {
-        "tenants": sorted(names.values(), key=lambda t: t["key"]),
+        "run_ns": (r0, r1),
+        "range_ns": (lo, hi),
+        "bucket_ns": bucket,
+        "labelled": labelled,
+        "tenants": [
+            {"key": t, "sessions": sorted(s.values(), key=lambda e: (e["session"], e["pid"] or 0))}
+            for t, s in sorted(sessions.items())
+        ],
         "counters": by_metric,
+        "memory": memory,
+        "cumulative": cumulative,
         "busy": busy,
         "queue": queue,
-        "bucket_ns": bucket,
-        "missing": [m for m in TENANT_METRICS if m not in by_metric],
+        "events": events,
+        "summary": summary,
     }
+
+
+def _tenant_summary(
+    tenant: str,
+    sessions: dict[str, dict[str, Any]],
+    memory: dict[str, list[tuple[int, float]]],
+    cumulative: dict[str, list[tuple[int, float]]],
+    busy: list[dict[str, Any]],
+    queue: list[dict[str, Any]],
+    run_ns: int,
+    labelled: bool,
+) -> dict[str, Any]:
+    """One tenant's row of the summary table; None where the run did not record it."""
+
+    def last(metric: str) -> int | None:
+        series = cumulative.get(metric)
+        if series:
+            return int(series[-1][1])
+        # The runtime that labels tenants counts page-outs and restores only when they happen.
+        return 0 if labelled and metric in ("evictions", "restores") else None
+
+    peak = int(max(v for _, v in memory["held"])) if memory["held"] else None
+    quota = int(memory["quota"][-1][1]) if memory["quota"] else None
+    busy_ns = last("busy_ns")
+    busy_from = "busy_ns"
+    if busy_ns is None and busy:
+        busy_ns, busy_from = sum(b["ns"] for b in busy), "server/execute spans"
+    batches = sum(q["n"] for q in queue)
+    wait = last("queue_wait_ns")
+    if wait is None and queue:
+        wait = sum(q["ns"] for q in queue)
+    return {
+        "tenant": tenant,
+        "sessions": sorted(s for s in sessions if s),
+        "peak_bytes": peak,
+        "quota_bytes": quota,
+        "peak_share": peak / quota if peak is not None and quota else None,
+        "busy_ns": busy_ns,
+        "busy_from": busy_from if busy_ns is not None else None,
+        "busy_share": busy_ns / run_ns if busy_ns is not None and run_ns > 0 else None,
+        "batches": batches,
+        "ops": sum(s["ops"] for s in sessions.values()),
+        "queue_wait_ns": wait,
+        "queue_mean_ns": wait // batches if wait is not None and batches else None,
+        **{m: last(m) for m in ("bytes_in", "bytes_out", "evictions", "restores",
+                                "quota_waits", "quota_errors")},
+    }  # fmt: skip
 
 
 # ---- compare -------------------------------------------------------------------------------------

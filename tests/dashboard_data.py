@@ -107,3 +107,92 @@ def forwarded_run(store: Store, run_id: str = "fwd") -> None:
     spans.append({"name": XSS, "lane": "nvtx/<b>lane</b>", "start_ns": 2_950_000,
                   "end_ns": 3_000_000, "span_id": 500, "attrs": {"note": XSS}})  # fmt: skip
     add_run(store, run_id, spans, 0, 3_000_000)
+
+
+def add_counters(store: Store, run_id: str, rows: list[dict[str, Any]]) -> None:
+    """Insert runtime counters (dicts with metric, ts_ns, value, labels) into run ``run_id``."""
+    schema = pa.schema(
+        [
+            ("run_id", pa.string()),
+            ("host", pa.string()),
+            ("source", pa.string()),
+            ("device", pa.string()),
+            ("metric", pa.string()),
+            ("ts_ns", pa.int64()),
+            ("value", pa.float64()),
+            ("labels", pa.map_(pa.string(), pa.string())),
+        ]
+    )
+    table = [
+        {"run_id": run_id, "host": "gpu-box", "source": "runtime", "device": "", **r,
+         "labels": list(r["labels"].items())}
+        for r in rows
+    ]  # fmt: skip
+    store._insert_arrow("counters", pa.Table.from_pylist(table, schema=schema))
+
+
+def tenants_run(store: Store, run_id: str, tenants: tuple[str, str] | None) -> None:
+    """Two forwarding sessions (1 and 2, from client pids 21 and 22) of four batches each, as the
+    sharing runtime records them: a session's server spans numbered from one id prefix, its
+    counters stamped with its batches' reply ends, session 2 paged out and restored between its
+    2nd and 3rd batch.
+
+    ``tenants``: the sessions' tenant names (the first has a 64 MiB quota, the second none), or
+    None for a run from before tenants (a ``session`` label only, no quotas, page-outs or busy
+    counters). Session 1's batches wait 10 µs in the queue and execute 200 µs; session 2's, 30 and
+    300 µs. Session k holds k MiB after its k-th batch.
+    """
+    spans: list[dict[str, Any]] = []
+    counters: list[dict[str, Any]] = []
+
+    def server(lane: str, ids: Any, s0: int, s1: int, parent: int = 0, **attrs: str) -> None:
+        spans.append({"name": lane.split("/")[1], "lane": lane, "category": "server",
+                      "start_ns": s0, "end_ns": s1, "span_id": next(ids), "parent_span_id": parent,
+                      "host": "gpu-box", "pid": 99, "attrs": attrs})  # fmt: skip
+
+    def count(metric: str, ts: int, value: float, labels: dict[str, str]) -> None:
+        counters.append({"metric": metric, "ts_ns": ts, "value": value, "labels": labels})
+
+    for n, (wait, run) in enumerate(((10_000, 200_000), (30_000, 300_000))):
+        session = n + 1
+        ids = iter(range(((0x1000 + session) << 32) + 1, ((0x1000 + session) << 32) + 1000))
+        labels = {"session": str(session)}
+        tenant = {"tenant": tenants[n]} if tenants is not None else {}
+        labels |= tenant
+        busy = queued = 0
+        for k in range(4):
+            t = 1_000_000 + 2_000_000 * k + 500_000 * n + (3_000_000 if n and k >= 2 else 0)
+            batch = 10_000 * session + k
+            spans.append({"name": "batch", "lane": "forward/batch", "category": "forward",
+                          "start_ns": t, "end_ns": t + 600_000, "span_id": batch,
+                          "pid": 20 + session})  # fmt: skip
+            q0 = t + 20_000
+            e0, e1 = q0 + wait, q0 + wait + run
+            server("server/receive", ids, t + 10_000, q0, batch)
+            server("server/queue", ids, q0, e0, batch)
+            server("server/execute", ids, e0, e1, batch, ops="3")
+            server("server/reply", ids, e1, e1 + 5_000, batch)
+            busy, queued, held, ts = busy + run, queued + wait, (k + 1) << 20, e1 + 5_000
+            count("session_memory_bytes", ts, held, labels)
+            count("session_handles", ts, k + 1, labels)
+            count("queue_depth", ts, 0, labels)
+            if not tenant:
+                continue
+            for metric, value in (("busy_ns", busy), ("queue_wait_ns", queued),
+                                  ("bytes_in", 1000 * (k + 1)), ("bytes_out", 10 * (k + 1)),
+                                  ("quota_waits", 0), ("quota_errors", 0)):  # fmt: skip
+                count(metric, ts, value, labels)
+            count("tenant_memory_bytes", ts, held, tenant)
+            count("tenant_resident_bytes", ts, held, tenant)
+            if session == 1:
+                count("quota_bytes", ts, 64 << 20, tenant)
+            if session == 2 and k == 1:
+                p0 = ts + 1_000_000
+                server("server/evict", ids, p0, p0 + 100_000, reason="idle", bytes=str(held),
+                       storages="2")  # fmt: skip
+                count("evictions", p0 + 100_000, 1, labels)
+                server("server/restore", ids, p0 + 2_000_000, p0 + 2_050_000, bytes=str(held),
+                       storages="2", first_op_ns="20000")  # fmt: skip
+                count("restores", p0 + 2_060_000, 1, labels)
+    add_run(store, run_id, spans, 0, 14_000_000)
+    add_counters(store, run_id, counters)

@@ -19,7 +19,7 @@ from gpu_trace.dashboard.app import Server  # noqa: E402
 from gpu_trace.dashboard.source import Source  # noqa: E402
 from gpu_trace.tracer.store import Store  # noqa: E402
 from tests.browser.conftest import ARTIFACTS  # noqa: E402
-from tests.dashboard_data import XSS, forwarded_run  # noqa: E402
+from tests.dashboard_data import XSS, forwarded_run, tenants_run  # noqa: E402
 
 TIMEOUT = 60_000
 
@@ -29,6 +29,7 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     store = Store(f"chdb://{tmp_path_factory.mktemp('ui') / 'store'}")
     samples.load_samples(store)
     forwarded_run(store, "xss")
+    tenants_run(store, "tenants-xss", ("alice", XSS))
     source = Source(store=store)
     server = Server(source, "127.0.0.1", 0).start()
     yield server
@@ -111,7 +112,7 @@ def test_timeline_zoom_click_details_and_tabs(page, app: Server) -> None:
 
     for tab, probe in (
         ("Summary", "#summary-forwarding"),
-        ("Tenants", "#tenants-body table"),
+        ("Tenants", "#tenants-paging .scatterlayer .trace"),
         ("Runs", "#runs-table td a"),
         ("Export", "#export-button"),
     ):
@@ -120,9 +121,11 @@ def test_timeline_zoom_click_details_and_tabs(page, app: Server) -> None:
         page.wait_for_timeout(300)
         page.screenshot(path=str(ARTIFACTS / f"{tab.lower()}.png"), full_page=True)
     page.click("#tab-tenants")
-    page.locator("#tenants-body table").wait_for()
-    assert "session 3" in page.inner_text("#tenants-body")
-    assert "issue 6" in page.inner_text("#tenants-body")
+    page.locator("#tenants-summary table").wait_for()
+    body = page.inner_text("#tenants-body")
+    assert "alice" in body and "bob" in body and "512 MiB" in body and "256 MiB" in body
+    assert "bob quota 256 MiB" in page.inner_text("#tenants-memory")  # the quota line's legend
+    assert "bob page-out spans" in page.inner_text("#tenants-paging")
 
 
 def test_goto_links_move_the_window_to_another_step(page, app: Server) -> None:
@@ -153,6 +156,17 @@ def test_script_names_render_as_text(page, app: Server) -> None:
     page.wait_for_timeout(500)
     assert page.dialogs == []
     page.screenshot(path=str(ARTIFACTS / "xss.png"), full_page=True)
+
+
+def test_tenant_names_render_as_text(page, app: Server) -> None:
+    page.goto(f"{app.url}/?run=tenants-xss&tab=tenants")
+    page.locator("#tenants-summary table").wait_for()
+    page.locator("#tenants-paging .scatterlayer .trace").first.wait_for(state="attached")
+    assert XSS in page.inner_text("#tenants-summary")
+    assert XSS in page.inner_text("#tenants-memory")  # a legend entry, as text
+    assert page.locator("#tenants-body script").count() == 0
+    page.wait_for_timeout(500)
+    assert page.dialogs == []
 
 
 def test_export_downloads_the_visible_window(page, app: Server, tmp_path: Path) -> None:

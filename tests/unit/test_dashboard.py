@@ -13,10 +13,18 @@ import pytest
 
 pytest.importorskip("dash")
 
-from gpu_trace.dashboard import callbacks, charts, figures, queries, reports, samples  # noqa: E402
+from gpu_trace.dashboard import (  # noqa: E402
+    callbacks,
+    charts,
+    figures,
+    panels,
+    queries,
+    reports,
+    samples,
+)
 from gpu_trace.dashboard.source import Source  # noqa: E402
 from gpu_trace.tracer.store import Store, StoreError  # noqa: E402
-from tests.dashboard_data import XSS, forwarded_run, lod_run  # noqa: E402
+from tests.dashboard_data import XSS, forwarded_run, lod_run, tenants_run  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +32,8 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Source]:
     store = Store(f"chdb://{tmp_path_factory.mktemp('dash') / 'store'}")
     lod_run(store)
     forwarded_run(store)
+    tenants_run(store, "tenants-xss", ("alice", XSS))
+    tenants_run(store, "sessions-only", None)
     samples.load_samples(store)
     src = Source(store=store)
     yield src
@@ -130,13 +140,129 @@ def test_summary_of_the_local_sample(source: Source) -> None:
     charts.steps(data["steps"])
 
 
+def text_of(component: object) -> str:
+    """The text a Dash component tree shows (its string children, in order)."""
+    if isinstance(component, str | int | float):
+        return str(component)
+    children = getattr(component, "children", None)
+    if isinstance(children, list | tuple):
+        return " ".join(text_of(c) for c in children)
+    return "" if children is None else text_of(children)
+
+
 def test_tenants_of_the_two_tenant_sample(source: Source) -> None:
-    data = reports.tenants(source, "forwarded-two-tenants")
-    assert len(data["tenants"]) == 2
-    assert {t["session"] for t in data["tenants"]} == {"3", "4"}
-    assert data["busy"] and data["queue"] and "session_memory_bytes" in data["counters"]
-    assert set(data["missing"]) == {"quota_bytes", "evictions"}
-    assert {r["tenant"] for r in data["busy"]} == {t["key"] for t in data["tenants"]}
+    run = "forwarded-two-tenants"
+    data = reports.tenants(source, run)
+    assert data["labelled"] and [t["key"] for t in data["tenants"]] == ["alice", "bob"]
+    alice, bob = (t["sessions"] for t in data["tenants"])
+    assert [s["session"] for s in alice] == ["1"] and [s["session"] for s in bob] == ["2"]
+    assert alice[0]["pid"] != bob[0]["pid"], "each tenant's session is its own client process"
+    quotas = {t: m["quota"][-1][1] for t, m in data["memory"].items()}
+    assert quotas == {"alice": 512 << 20, "bob": 256 << 20}
+    lines = {t.name: t.line.dash for t in charts.tenant_memory(data).data if "quota" in t.name}
+    assert lines == {"alice quota 512 MiB": "dash", "bob quota 256 MiB": "dash"}
+
+    # bob was paged out while idle and restored, three times; alice never.
+    events = [(e["tenant"], e["kind"], e["index"]) for e in data["events"]]
+    assert sorted(events) == [("bob", k, i) for k in ("page-out", "restore") for i in (1, 2, 3)]
+    assert {e["attrs"]["reason"] for e in data["events"] if e["kind"] == "page-out"} == {"idle"}
+    paging = {t.name for t in charts.tenant_paging(data).data}
+    assert {"bob page-outs", "bob restores", "bob page-out spans", "bob restore spans"} <= paging
+
+    # Busy share and queue wait per tenant: every execute and queue span counted once.
+    assert {r["tenant"] for r in data["busy"]} == {r["tenant"] for r in data["queue"]} == {
+        "alice", "bob"
+    }  # fmt: skip
+    spans = source.rows(
+        "SELECT lane, count() AS n, sum(end_ns - start_ns) AS ns FROM __db__.spans"
+        " WHERE run_id = {r:String} AND lane IN ('server/execute', 'server/queue') GROUP BY lane",
+        {"r": run},
+    )
+    totals = {r["lane"]: r for r in spans}
+    assert sum(r["ns"] for r in data["busy"]) == totals["server/execute"]["ns"]
+    assert sum(r["n"] for r in data["queue"]) == totals["server/queue"]["n"]
+    assert all(0 < r["share"] <= 1 for r in data["busy"])
+
+    # The summary is the counters' last values (summed over a tenant's sessions).
+    last = {
+        (r["t"], r["metric"]): r["v"]
+        for r in source.rows(
+            """SELECT t, metric, sum(v) AS v FROM (
+                 SELECT labels['tenant'] AS t, labels['session'] AS s, metric,
+                        argMax(value, ts_ns) AS v
+                 FROM __db__.counters WHERE run_id = {r:String} AND source = 'runtime'
+                   AND s != '' GROUP BY t, s, metric) GROUP BY t, metric""",
+            {"r": run},
+        )
+    }
+    peaks = {
+        r["t"]: r["v"]
+        for r in source.rows(
+            "SELECT labels['tenant'] AS t, max(value) AS v FROM __db__.counters"
+            " WHERE run_id = {r:String} AND metric = 'tenant_memory_bytes' GROUP BY t",
+            {"r": run},
+        )
+    }
+    meta = source.call("run", run)
+    for row in data["summary"]:
+        t = row["tenant"]
+        for m in ("busy_ns", "queue_wait_ns", "bytes_in", "bytes_out", "quota_waits"):
+            assert row[m] == last[(t, m)], (t, m)
+        assert row["quota_errors"] == last[(t, "quota_errors")] == 0
+        assert (row["evictions"], row["restores"]) == ((3, 3) if t == "bob" else (0, 0))
+        assert row["peak_bytes"] == peaks[t] and row["peak_share"] == peaks[t] / quotas[t]
+        assert row["busy_share"] == row["busy_ns"] / (meta["ended_ns"] - meta["started_ns"])
+        assert row["batches"] == sum(r["n"] for r in data["queue"] if r["tenant"] == t)
+        assert row["queue_mean_ns"] == row["queue_wait_ns"] // row["batches"]
+        # On the CPU device busy_ns is the batches' wall time: the execute spans' (to rounding).
+        spans_ns = sum(r["ns"] for r in data["busy"] if r["tenant"] == t)
+        assert abs(spans_ns - row["busy_ns"]) < 1e-4 * row["busy_ns"]
+    text = text_of(panels.tenants(data))
+    assert "512 MiB" in text and "256 MiB" in text and "3 · 3" in text
+    assert "issue 6" not in text and "own tenants" in text
+
+
+def test_a_run_from_before_tenants_has_a_tenant_per_session(source: Source) -> None:
+    data = reports.tenants(source, "sessions-only")
+    assert not data["labelled"]
+    assert [(t["key"], s["session"], s["pid"], s["batches"], s["ops"])
+            for t in data["tenants"] for s in t["sessions"]] == [
+        ("session 1", "1", 21, 4, 12), ("session 2", "2", 22, 4, 12)
+    ]  # fmt: skip
+    one, two = data["summary"]
+    assert (one["busy_ns"], two["busy_ns"]) == (4 * 200_000, 4 * 300_000)
+    assert one["busy_from"] == "server/execute spans"
+    assert (one["queue_wait_ns"], two["queue_mean_ns"]) == (4 * 10_000, 30_000)
+    assert one["peak_bytes"] == 4 << 20 and one["quota_bytes"] is None
+    assert one["evictions"] is None and not data["events"]
+    assert {r["tenant"] for r in data["busy"]} == {"session 1", "session 2"}
+    text = text_of(panels.tenants(data))
+    assert "before tenants" in text and "no quota" in text and "pid 21 on client" in text
+
+
+def test_tenant_names_are_text(source: Source) -> None:
+    data = reports.tenants(source, "tenants-xss")
+    assert [t["key"] for t in data["tenants"]] == [XSS, "alice"]  # "<" sorts first
+    xss, alice = data["summary"]
+    assert (alice["quota_bytes"], xss["quota_bytes"]) == (64 << 20, None)
+    assert (xss["evictions"], xss["restores"], alice["evictions"]) == (1, 1, 0)
+    assert (alice["busy_ns"], xss["busy_ns"], xss["queue_wait_ns"]) == (800_000, 1_200_000, 120_000)
+    assert [(e["tenant"], e["kind"]) for e in data["events"]] == [
+        (XSS, "page-out"), (XSS, "restore")
+    ]  # fmt: skip
+    for fig in (
+        charts.tenant_memory(data),
+        charts.tenant_busy(data),
+        charts.tenant_queue(data),
+        charts.tenant_paging(data),
+        charts.tenant_lines(data, "session_handles", "handles"),
+    ):
+        text = str(fig)
+        assert "<script>" not in text and "&lt;script&gt;alert(1)&lt;/script&gt;" in text
+        # Hover templates name the trace through its escaped name, never the name itself.
+        assert all(XSS not in (t.hovertemplate or "") for t in fig.data)
+    # In the page a name is a text child (Dash renders it as text, never as markup).
+    assert XSS in text_of(panels.tenants(data))
 
 
 def test_compare_two_runs(source: Source) -> None:
