@@ -16,8 +16,8 @@ from typing import Any
 from gpu_trace.dashboard.source import Source
 
 #: Runtime counters (``source = 'runtime'``) the Tenants tab reads, with what they are
-#: (docs/sharing.md, "In the client's run"). Per session (labels ``session``, ``tenant``) unless
-#: named in :data:`PER_TENANT`; those in :data:`CUMULATIVE` are totals since the session connected.
+#: (docs/sharing.md, "In the client's run"). Per session (labels ``session``, ``tenant``) but for
+#: the last three (label ``tenant``); those in :data:`CUMULATIVE` are totals since it connected.
 TENANT_METRICS = {
     "session_memory_bytes": "bytes the session holds, as its tenant's quota counts them",
     "session_handles": "tensors the session holds",
@@ -35,7 +35,6 @@ TENANT_METRICS = {
     "tenant_resident_bytes": "all the tenant's sessions: bytes on the device",
     "quota_bytes": "the tenant's memory quota (absent: no quota)",
 }
-PER_TENANT = ("tenant_memory_bytes", "tenant_resident_bytes", "quota_bytes")
 CUMULATIVE = (
     "busy_ns", "queue_wait_ns", "bytes_in", "bytes_out", "quota_waits", "quota_errors",
     "evictions", "restores",
