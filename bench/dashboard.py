@@ -11,10 +11,12 @@ about a second every second.
 
 Prints, for the big run: the first (uncached) track query, then for zoom levels from the whole run
 down to 1/100000 of it the window query (bars + density), the flow and counter queries and the
-figure build, and how many spans were bars and density cells. With Chromium (``/usr/bin/chromium``
-and playwright), the first page load (navigation until the timeline's bars are drawn) on each run,
-and the page's JS heap after loading and after zooming, for both runs: the page holds what is on
-screen, so 10x more spans should not mean more memory. No thresholds: figures only, like every
+figure build (with its JSON, what the server sends), and how many spans were bars and density
+cells. With Chromium (``/usr/bin/chromium`` and playwright), the first page load (navigation until
+the timeline's bars are drawn; when the page's scripts, plotly.js included, had run and when the
+layout with the first figure had arrived) on each run, and the page's JS heap after loading and
+after zooming, for both runs: the page holds what is on screen, so 10x more spans should not mean
+more memory. No thresholds: figures only, like every
 bench here (the machine is shared and noisy).
 """
 
@@ -195,7 +197,9 @@ def bench_browser(source: Source, runs: list[str]) -> None:
                 load = time.perf_counter() - t
                 nav = page.evaluate(
                     "() => { const n = performance.getEntriesByType('navigation')[0];"
-                    " return [n.domContentLoadedEventEnd, n.loadEventEnd]; }"
+                    " const l = performance.getEntriesByType('resource')"
+                    ".filter(e => e.name.includes('_dash-layout'))[0];"
+                    " return [n.domContentLoadedEventEnd, n.loadEventEnd, l ? l.responseEnd : 0]; }"
                 )
 
                 def heap(cdp=cdp) -> float:
@@ -223,7 +227,7 @@ def bench_browser(source: Source, runs: list[str]) -> None:
                 zoomed = heap()
                 spans = source.call("run", run_id)["spans"]
                 print(f"  {run_id:>12}: {spans:>11,} spans: first page load {load:5.2f} s (scripts"
-                      f" loaded at {nav[1] / 1e3:.2f} s);"
+                      f" run by {nav[1] / 1e3:.2f} s, layout in by {nav[2] / 1e3:.2f} s);"
                       f" JS heap {loaded:6.1f} MiB loaded, {zoomed:6.1f} MiB after a zoom")  # fmt: skip
                 page.close()
             browser.close()

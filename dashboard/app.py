@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
@@ -18,6 +20,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8050
+#: The plotly.js trace types the dashboard draws: dashboard/static holds plotly.js with only these
+#: (scripts/build_plotly_bundle.sh), evaluated in a sixth of the full bundle's time.
+PLOTLY_TRACES = ("scatter", "bar", "heatmap", "icicle")
+PLOTLY_BUNDLE = Path(__file__).resolve().parent / "static" / "plotly-dashboard.min.js"
 #: Cookie in which the page tells the server, before Dash asks for the layout, what its address
 #: asks for and how wide the window is: the layout is then sent with that view drawn.
 VIEW_COOKIE = "gpu_trace_view"
@@ -51,19 +57,31 @@ def create_app(source: Source) -> Any:
         serve_locally=True,
     )
     prefix = app.config.requests_pathname_prefix
+    plotly_url = prefix + "_dash-component-suites/plotly/package_data/plotly.min.js"
+    if plotly_bundle_version() == _plotly_version():
+        plotly_url = f"{prefix}_gpu-trace/{PLOTLY_BUNDLE.name}?v={_plotly_version()}"
+
+        @app.server.route(f"/_gpu-trace/{PLOTLY_BUNDLE.name}")
+        def _plotly_bundle() -> Any:
+            from flask import send_file
+
+            return send_file(PLOTLY_BUNDLE, mimetype="text/javascript", max_age=365 * 86400)
+
+    else:
+        log.warning(
+            "gpu-trace: %s is not plotly.js %s (scripts/build_plotly_bundle.sh rebuilds it); "
+            "the full plotly.js is used",
+            PLOTLY_BUNDLE,
+            _plotly_version(),
+        )
     app.index_string = (
         app.index_string.replace(
             "{%css%}", "{%css%}<style>" + layout.CSS + "</style>" + _VIEW_SCRIPT
         )
-        # plotly.js (3.5 MB) is otherwise fetched only once the layout is drawn, one more round
-        # trip; run here, after Dash's own scripts have sent for the layout, it is parsed while
-        # the server builds the first figure, and dcc.Graph finds window.Plotly ready.
-        .replace(
-            "{%renderer%}",
-            "{%renderer%}<script src='"
-            + prefix
-            + "_dash-component-suites/plotly/package_data/plotly.min.js'></script>",
-        )
+        # Dash would fetch plotly.js only once the layout is drawn, one more round trip; here,
+        # after Dash's own scripts have sent for the layout, it runs while the server builds the
+        # first figure, and dcc.Graph finds window.Plotly ready.
+        .replace("{%renderer%}", "{%renderer%}<script src='" + plotly_url + "'></script>")
     )
     display = source.display()
 
@@ -91,6 +109,23 @@ def create_app(source: Source) -> Any:
         return response
 
     return app
+
+
+def _plotly_version() -> str:
+    from plotly.offline import get_plotlyjs_version
+
+    return str(get_plotlyjs_version())
+
+
+def plotly_bundle_version() -> str | None:
+    """The plotly.js version of the dashboard's own bundle (None if it is missing)."""
+    try:
+        with PLOTLY_BUNDLE.open(encoding="utf-8") as f:
+            head = f.read(300)
+    except OSError:
+        return None
+    found = re.search(r"plotly\.js v(\S+)", head)
+    return found.group(1) if found else None
 
 
 def _asked(cookie: str | None) -> tuple[str, int | None] | None:

@@ -420,3 +420,59 @@ def test_zoom_and_pan_move_the_window() -> None:
     assert (moved["t0"], moved["t1"]) == (110, 120)
     assert callbacks._moved({**win, "t0": 300}, {"xaxis.autorange": True})["t0"] == 100
     assert callbacks._moved(win, {"autosize": True}) is None
+
+
+def test_the_page_loads_the_dashboards_own_plotly_bundle(source: Source) -> None:
+    from plotly.offline import get_plotlyjs_version
+
+    from gpu_trace.dashboard import app
+
+    # A plotly upgrade without scripts/build_plotly_bundle.sh fails here (the page would then
+    # fall back to the full plotly.js, several times slower to start).
+    assert app.plotly_bundle_version() == get_plotlyjs_version()
+    client = app.create_app(source).server.test_client()
+    page = client.get("/").get_data(as_text=True)
+    url = next(u for u in page.split("'") if "plotly-dashboard.min.js" in u)
+    bundle = client.get(url)
+    assert bundle.status_code == 200 and "max-age" in bundle.headers["Cache-Control"]
+    assert "package_data/plotly.min.js" not in page
+    bundle.close()
+
+
+def test_every_trace_type_drawn_is_in_the_plotly_bundle(source: Source) -> None:
+    from gpu_trace.dashboard.app import PLOTLY_TRACES
+
+    view = callbacks.first_view(source, "?run=forwarded-two-tenants", 1500)
+    types = {t["type"] for t in view[("timeline", "figure")]["data"]}
+    summary = reports.summary(source, "local-training")
+    tenants = reports.tenants(source, "forwarded-two-tenants")
+    compare = reports.compare(source, "local-training", "forwarded-two-tenants")
+    for fig in (
+        charts.top_self(summary["top"]["by_self"]),
+        charts.module_tree(summary["modules"]),
+        charts.forwarding(summary["forwarding"]),
+        charts.steps(summary["steps"]),
+        charts.tenant_lines(tenants, "queue_depth", "queue"),
+        charts.tenant_memory(tenants),
+        charts.tenant_busy(tenants),
+        charts.tenant_queue(tenants),
+        charts.tenant_paging(tenants),
+        charts.compare_steps(compare),
+        charts.compare_bars(compare["ops"], "name", ("a", "b"), "ms"),
+        figures.empty("nothing"),
+    ):
+        types |= {t.type for t in fig.data}
+    assert types and types <= set(PLOTLY_TRACES)
+    assert {"bar", "heatmap", "icicle", "scatter"} <= types
+    # And any chart added later: every plotly trace class or trace dict the code names.
+    import re
+
+    import plotly.graph_objects as go
+    from plotly.basedatatypes import BaseTraceType
+
+    code = "".join(Path(str(m.__file__)).read_text() for m in (charts, figures, panels))
+    named = {c.lower() for c in re.findall(r"\bgo\.(?!Figure\b)([A-Z]\w*)\(", code)}
+    traces = {name.lower() for name in dir(go) if isinstance(getattr(go, name), type)
+              and issubclass(getattr(go, name), BaseTraceType)}  # fmt: skip
+    named |= set(re.findall(r'"type": "(\w+)"', code)) & traces
+    assert named and named <= set(PLOTLY_TRACES), named - set(PLOTLY_TRACES)
