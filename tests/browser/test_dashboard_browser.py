@@ -54,13 +54,7 @@ def bars(pg) -> object:
 
 def open_run(pg, app: Server, run: str) -> None:
     pg.goto(f"{app.url}/?run={run}")
-    try:
-        bars(pg).first.wait_for(state="attached", timeout=30_000)
-    except Exception:
-        # Known intermittent problem (docs/dashboard.md): under load the first figure sometimes
-        # never arrives; a reload draws it.
-        pg.reload()
-        bars(pg).first.wait_for(state="attached")
+    bars(pg).first.wait_for(state="attached")
     pg.wait_for_function("document.querySelector('#lod').innerText.length > 0")
     pg.wait_for_timeout(500)  # let Dash settle (the figure's first relayout) before clicking
 
@@ -126,6 +120,32 @@ def test_timeline_zoom_click_details_and_tabs(page, app: Server) -> None:
     assert "alice" in body and "bob" in body and "512 MiB" in body and "256 MiB" in body
     assert "bob quota 256 MiB" in page.inner_text("#tenants-memory")  # the quota line's legend
     assert "bob page-out spans" in page.inner_text("#tenants-paging")
+
+
+def test_the_first_timeline_comes_with_the_page(browser, app: Server) -> None:
+    """No callback is needed for the first view: with every Dash callback request refused, the
+    page still draws the run's bars, density, labels and the line above the chart."""
+    context = browser.new_context(viewport={"width": 1500, "height": 1000})
+    pg = context.new_page()
+    refused: list[str] = []
+
+    def refuse(route) -> None:
+        refused.append(route.request.url)
+        route.abort()
+
+    pg.route("**/_dash-update-component*", refuse)
+    pg.on("console", lambda m: None)  # Dash logs the refused callbacks
+    pg.goto(f"{app.url}/?run=forwarded-two-tenants")
+    bars(pg).first.wait_for(state="attached", timeout=TIMEOUT)
+    assert "as bars" in pg.inner_text("#lod") and "density" in pg.inner_text("#lod")
+    assert pg.locator("#timeline .heatmaplayer image").count() == 1  # the density cells
+    assert pg.locator("#timeline .textpoint").count() > 0  # names on the wide bars
+    assert "clock ±" in pg.inner_text("#timeline")
+    assert pg.inner_text("#window-text").startswith("+0 ns to ")
+    pg.wait_for_timeout(500)
+    assert refused  # the page did ask (the list of runs, ...): it was drawn without the answers
+    pg.screenshot(path=str(ARTIFACTS / "timeline-first-paint.png"), full_page=True)
+    context.close()
 
 
 def test_goto_links_move_the_window_to_another_step(page, app: Server) -> None:

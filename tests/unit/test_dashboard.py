@@ -476,3 +476,50 @@ def test_every_trace_type_drawn_is_in_the_plotly_bundle(source: Source) -> None:
               and issubclass(getattr(go, name), BaseTraceType)}  # fmt: skip
     named |= set(re.findall(r'"type": "(\w+)"', code)) & traces
     assert named and named <= set(PLOTLY_TRACES), named - set(PLOTLY_TRACES)
+
+
+def _timeline_callback(client, app, changed: str, values: dict) -> tuple[int, dict]:
+    """POST the page's timeline callback as the Dash renderer does; (status, what it updated)."""
+    key = next(k for k in app.callback_map if "timeline.figure" in k)
+    ids = [("url", "search"), ("run", "value"), ("reset", "n_clicks"),
+           ("timeline", "relayoutData"), ("timeline", "clickData")]  # fmt: skip
+    inputs: list = [{"id": c, "property": p, "value": values.get(f"{c}.{p}")} for c, p in ids]
+    inputs += [[], {"id": "counter-pick", "property": "value", "value": []}]  # no step links
+    state = [{"id": c, "property": p, "value": values.get(f"{c}.{p}")}
+             for c, p in (("window", "data"), ("tabs", "value"), ("viewport", "data"))]  # fmt: skip
+    body = {
+        "output": key,
+        "outputs": [{"id": c, "property": p} for c, p in callbacks.TIMELINE_OUTPUTS],
+        "inputs": inputs,
+        "changedPropIds": [changed],
+        "state": state,
+    }
+    r = client.post("/_dash-update-component", json=body)
+    return r.status_code, (r.get_json(silent=True) or {}).get("response", {})
+
+
+def test_a_run_picker_cleared_by_dash_leaves_the_timeline_drawn(source: Source) -> None:
+    # The old "blank first timeline": the run picker got its value before its options, Dash's
+    # Dropdown cleared it, and the chain run -> window -> figure drew "no run selected".
+    from gpu_trace.dashboard.app import create_app
+
+    app = create_app(source)
+    client = app.server.test_client()
+    view = callbacks.first_view(source, "?run=fwd", 1500)
+    page = {"url.search": "?run=fwd", "window.data": view[("window", "data")],
+            "tabs.value": "timeline", "viewport.data": 1500}  # fmt: skip
+    status, changed = _timeline_callback(client, app, "run.value", {**page, "run.value": None})
+    assert not changed, changed  # nothing redrawn
+    # Loading the page: the view it came with is the one its address asks for.
+    status, changed = _timeline_callback(client, app, "url.search", {**page, "run.value": "fwd"})
+    assert not changed, changed
+    # Another address, and a zoom: one round trip each, straight to the figure.
+    status, changed = _timeline_callback(client, app, "url.search",
+                                         {**page, "url.search": "?run=lod"})  # fmt: skip
+    assert changed["run"]["value"] == "lod" and changed["window"]["data"]["run"] == "lod"
+    assert any(t["type"] == "bar" for t in changed["timeline"]["figure"]["data"])
+    zoom = {"xaxis.range[0]": 1_000_000, "xaxis.range[1]": 2_000_000}
+    status, changed = _timeline_callback(client, app, "timeline.relayoutData",
+                                         {**page, "timeline.relayoutData": zoom})  # fmt: skip
+    win = changed["window"]["data"]
+    assert (win["t0"], win["t1"]) == (1_000_000, 2_000_000) and "timeline" in changed
