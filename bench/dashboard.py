@@ -134,8 +134,8 @@ def make_run(store: Store, run_id: str, spans: int, lanes: int, seed: int = 0) -
 
 def bench_queries(source: Source, run_id: str, width: int = 1270) -> None:
     t = time.perf_counter()
-    tr = queries.tracks(source, run_id)
-    print(f"  first open (one scan: overview grid, long spans, tracks; then kept in memory): "
+    tr = queries.prepare(source, run_id)
+    print(f"  first open (one scan: overview grid, long spans, tracks, grid rows; kept in memory): "
           f"{1e3 * (time.perf_counter() - t):.0f} ms, {len(tr['tracks'])} tracks, "
           f"{tr['rows']} rows")  # fmt: skip
     run = source.call("run", run_id)

@@ -147,7 +147,7 @@ def warm(source: Source, run: str | None = None) -> None:
 
     try:
         run_id = source.call("resolve_run", run or "last")
-        queries.tracks(source, run_id)
+        queries.prepare(source, run_id)
     except Exception as exc:  # the page shows store errors; nothing to do here
         log.debug("gpu-trace: warming the dashboard failed: %s", exc)
 

@@ -185,11 +185,23 @@ def draw(source: Source, win: dict, picked: list | None) -> dict[tuple[str, str]
 def first_view(source: Source, search: str | None, viewport: int | None) -> dict:
     """The page's first view for the address ``?search`` (app.py puts it in the page)."""
     ref, tab = _url_params(search)
-    view = open_run(source, ref, viewport, search)
-    view[("tabs", "value")] = tab or "timeline"
+    first = {("tabs", "value"): tab or "timeline", ("viewport", "data"): viewport}
+    try:
+        run_id = source.call("resolve_run", ref or "last")
+    except Exception:
+        run_id = None  # open_run says why, in the page
+    if run_id and not queries.prepared(source, run_id):
+        # A run opened for the first time costs a scan of it (seconds for tens of millions of
+        # spans): the page goes out at once and the timeline callback draws it. The picker gets
+        # the run and its option together (Dash's Dropdown drops a value it has no option for).
+        try:
+            option = _run_option(queries.run(source, run_id))
+        except Exception:
+            return first
+        return {**first, ("run", "value"): run_id, ("run", "options"): [option]}
+    view = {**open_run(source, ref, viewport, search), **first}
     run_id = view[("run", "value")]
     view[("run", "options")] = [_run_option(queries.run(source, run_id))] if run_id else []
-    view[("viewport", "data")] = viewport
     return view
 
 
@@ -258,22 +270,34 @@ def register(app: Dash, source: Source) -> None:
     def show_tab(tab: str) -> list:
         return [{} if v == tab else {"display": "none"} for v, _ in TABS]
 
+    # Only a zoom, a pan or a double-click moves the window. plotly also reports other layout
+    # changes (the autosize of a first draw): sent to the timeline callback, such a no-op would
+    # make Dash drop the answer of a call still in flight (the newest call of a callback wins).
+    app.clientside_callback(
+        """function(r) {
+            const moved = r && Object.keys(r).some(k => /^xaxis\\d*\\.(range|autorange)/.test(k));
+            return moved ? r : window.dash_clientside.no_update;
+        }""",
+        Output("zoom", "data"),
+        Input("timeline", "relayoutData"),
+        prevent_initial_call=True,
+    )
+
     @app.callback(
         *[Output(c, p) for c, p in TIMELINE_OUTPUTS],
         Input("url", "search"),
         Input("run", "value"),
         Input("reset", "n_clicks"),
-        Input("timeline", "relayoutData"),
-        Input("timeline", "clickData"),
+        Input("zoom", "data"),
         Input({"type": "goto", "span": ALL, "start": ALL, "end": ALL}, "n_clicks"),
         Input("counter-pick", "value"),
         State("window", "data"),
         State("tabs", "value"),
         State("viewport", "data"),
     )
-    def timeline(search, run_id, _reset, relayout, click, _goto, picked, win, tab, viewport):
+    def timeline(search, run_id, _reset, zoom, _goto, picked, win, tab, viewport):
         """Every change of what the timeline shows, in one round trip: the address, the run
-        picker, Whole run, zoom and pan, a click on a span, a step link, the counters."""
+        picker, Whole run, zoom and pan, a step link, the counters."""
         out: dict[tuple[str, str], Any] = {k: no_update for k in TIMELINE_OUTPUTS}
         trig = ctx.triggered_id
         if trig is None or trig == "url":
@@ -286,6 +310,7 @@ def register(app: Dash, source: Source) -> None:
             view[("tabs", "value")] = want or tab
             return _ordered(view)
         if trig == "run":
+            # None: Dash's Dropdown clears a value it has no option for; nothing to draw.
             if not run_id or (win and win.get("run") == run_id):
                 return _ordered(out)
             return _ordered(open_run(source, run_id, viewport))
@@ -293,14 +318,8 @@ def register(app: Dash, source: Source) -> None:
             return _ordered(out)
         if trig == "reset":
             win = {**win, "t0": win["start"], "t1": win["end"]}
-        elif trig == "timeline" and "timeline.clickData" in ctx.triggered_prop_ids:
-            point = ((click or {}).get("points") or [{}])[0]
-            data = point.get("customdata")
-            if isinstance(data, list) and len(data) == 2:
-                out[("selected", "data")] = {"span_id": str(data[0]), "start_ns": int(data[1])}
-            return _ordered(out)
-        elif trig == "timeline":
-            moved = _moved(win, relayout)
+        elif trig == "zoom":
+            moved = _moved(win, zoom)
             if moved is None:
                 return _ordered(out)
             win = moved
@@ -316,6 +335,19 @@ def register(app: Dash, source: Source) -> None:
         out[("window", "data")] = win
         out.update(draw(source, win, picked))
         return _ordered(out)
+
+    @app.callback(
+        Output("selected", "data", allow_duplicate=True),
+        Input("timeline", "clickData"),
+        prevent_initial_call=True,
+    )
+    def select(click: dict | None) -> Any:
+        """A click on a bar selects its span (the details panel shows it)."""
+        point = ((click or {}).get("points") or [{}])[0]
+        data = point.get("customdata")
+        if isinstance(data, list) and len(data) == 2:
+            return {"span_id": str(data[0]), "start_ns": int(data[1])}
+        return no_update
 
     @app.callback(
         Output("details", "children"),

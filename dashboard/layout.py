@@ -132,6 +132,7 @@ def page(store_display: str, view: dict[tuple[str, str], Any] | None = None) -> 
             dcc.Store(id="viewport", **first("viewport", "data")),
             dcc.Store(id="window", **first("window", "data")),
             dcc.Store(id="selected"),
+            dcc.Store(id="zoom"),
             html.Header(
                 [
                     html.H1("gpu-trace"),

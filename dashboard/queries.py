@@ -155,6 +155,19 @@ def _overview_rows(source: Source, run_id: str) -> tuple[np.ndarray, np.ndarray]
     return source.cached(("overview_rows", run_id), compute)
 
 
+def prepare(source: Source, run_id: str) -> dict[str, Any]:
+    """Read what a run's zoomed-out windows are answered from, once: the overview (one scan), the
+    tracks, and the timeline row of each overview cell. Returns the tracks."""
+    found = tracks(source, run_id)
+    _overview_rows(source, run_id)
+    return found
+
+
+def prepared(source: Source, run_id: str) -> bool:
+    """Whether :func:`prepare` has read this run (its windows are then quick)."""
+    return ("overview_rows", run_id) in source.cache
+
+
 def tracks(source: Source, run_id: str) -> dict[str, Any]:
     """Tracks of a run, grouped host > process > thread > lane (remote server tracks last).
 

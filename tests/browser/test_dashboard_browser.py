@@ -122,9 +122,11 @@ def test_timeline_zoom_click_details_and_tabs(page, app: Server) -> None:
     assert "bob page-out spans" in page.inner_text("#tenants-paging")
 
 
-def test_the_first_timeline_comes_with_the_page(browser, app: Server) -> None:
-    """No callback is needed for the first view: with every Dash callback request refused, the
-    page still draws the run's bars, density, labels and the line above the chart."""
+def test_the_first_timeline_comes_with_the_page(browser, page, app: Server) -> None:
+    """No callback is needed for the first view of a run the server has read (gpu-trace ui reads
+    the newest at start; here, a first page): with every Dash callback request refused, the page
+    still draws the run's bars, density, labels and the line above the chart."""
+    open_run(page, app, "forwarded-two-tenants")  # drawn by the callback: the run is read now
     context = browser.new_context(viewport={"width": 1500, "height": 1000})
     pg = context.new_page()
     refused: list[str] = []
