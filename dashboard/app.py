@@ -10,6 +10,7 @@ import json
 import logging
 import re
 import threading
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -74,16 +75,19 @@ def create_app(source: Source) -> Any:
             PLOTLY_BUNDLE,
             _plotly_version(),
         )
-    app.index_string = (
-        app.index_string.replace(
-            "{%css%}", "{%css%}<style>" + layout.CSS + "</style>" + _VIEW_SCRIPT
-        )
-        # Dash would fetch plotly.js only once the layout is drawn, one more round trip; here,
-        # after Dash's own scripts have sent for the layout, it runs while the server builds the
-        # first figure, and dcc.Graph finds window.Plotly ready.
-        .replace("{%renderer%}", "{%renderer%}<script src='" + plotly_url + "'></script>")
+    # Dash would fetch plotly.js and the code of dcc.Graph and dcc.Dropdown only once the layout
+    # is drawn, one more round trip; here, after Dash's own scripts have sent for the layout, they
+    # run while the server builds the first figure (webpack finds its chunks already loaded, and
+    # dcc.Graph finds window.Plotly).
+    scripts = [f"{prefix}_dash-component-suites/dash/dcc/{chunk}" for chunk in _dcc_chunks()]
+    scripts.append(plotly_url)
+    app.index_string = app.index_string.replace(
+        "{%css%}", "{%css%}<style>" + layout.CSS + "</style>" + _VIEW_SCRIPT
+    ).replace(
+        "{%renderer%}", "{%renderer%}" + "".join(f"<script src='{u}'></script>" for u in scripts)
     )
     display = source.display()
+    views = FirstViews(lambda search, width: callbacks.first_view(source, search, width))
 
     def page() -> Any:
         from flask import has_request_context, request
@@ -94,11 +98,24 @@ def create_app(source: Source) -> Any:
         if has_request_context() and request.path.endswith("/_dash-layout"):
             asked = _asked(request.cookies.get(VIEW_COOKIE))
             if asked is not None:
-                view = callbacks.first_view(source, *asked)
+                view = views.take(*asked)
         return layout.page(display, view)
 
     app.layout = page
     callbacks.register(app, source)
+
+    @app.server.before_request
+    def _start_first_view() -> None:
+        # The page itself (any path Dash answers with it): its first view is built while the
+        # browser loads and runs the scripts, for the width of its last visit (the cookie) or
+        # the usual one; the layout request picks it up if the width is right.
+        from flask import request
+
+        if request.method == "GET" and not request.path.startswith(_NOT_PAGES):
+            asked = _asked(request.cookies.get(VIEW_COOKIE))
+            query = request.query_string.decode("latin-1")
+            width = asked[1] if asked else callbacks.DEFAULT_VIEWPORT
+            views.start("?" + query if query else "", width)
 
     @app.server.after_request
     def _headers(response: Any) -> Any:
@@ -109,6 +126,58 @@ def create_app(source: Source) -> Any:
         return response
 
     return app
+
+
+_NOT_PAGES = ("/_dash", "/_gpu-trace", "/_favicon", "/_reload", "/assets")
+
+
+class FirstViews:
+    """First views started when a page is asked for, taken by that page's layout request.
+
+    ``build(search, width)`` runs on one background thread; what no layout request takes within
+    :data:`KEEP_S` is dropped (and at most :data:`KEEP` are kept).
+    """
+
+    KEEP = 8
+    KEEP_S = 30.0
+
+    def __init__(self, build: Any) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._build = build
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpu-trace-view")
+        self._lock = threading.Lock()
+        self._started: dict[tuple[str, int | None], tuple[float, Any]] = {}
+
+    def start(self, search: str, width: int | None) -> None:
+        key = (search, width)
+        now = time.monotonic()
+        with self._lock:
+            for k, (at, _) in list(self._started.items()):
+                if now - at > self.KEEP_S:
+                    del self._started[k]
+            if key not in self._started:
+                while len(self._started) >= self.KEEP:
+                    self._started.pop(next(iter(self._started)))
+                self._started[key] = (now, self._pool.submit(self._build, search, width))
+
+    def take(self, search: str, width: int | None) -> dict:
+        with self._lock:
+            found = self._started.pop((search, width), None)
+        if found is not None:
+            try:
+                return found[1].result()
+            except Exception as exc:  # built again below, where the error reaches the page
+                log.debug("gpu-trace: first view built ahead failed: %s", exc)
+        return self._build(search, width)
+
+
+def _dcc_chunks() -> list[str]:
+    """dcc's lazily loaded chunks the first page needs (those this Dash has)."""
+    from dash import dcc
+
+    here = Path(dcc.__file__).parent
+    return [c for c in ("async-graph.js", "async-dropdown.js") if (here / c).is_file()]
 
 
 def _plotly_version() -> str:

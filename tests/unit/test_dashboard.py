@@ -444,6 +444,12 @@ def test_the_page_loads_the_dashboards_own_plotly_bundle(source: Source) -> None
     assert bundle.status_code == 200 and "max-age" in bundle.headers["Cache-Control"]
     assert "package_data/plotly.min.js" not in page
     bundle.close()
+    chunks = [u for u in page.split("'") if "/dcc/async-" in u]
+    assert len(chunks) == 2  # dcc.Graph's and dcc.Dropdown's code come with the page
+    for u in chunks:
+        r = client.get(u)
+        assert r.status_code == 200 and b"webpackChunkdash_core_components" in r.data
+        r.close()
 
 
 def test_every_trace_type_drawn_is_in_the_plotly_bundle(source: Source) -> None:
@@ -530,3 +536,24 @@ def test_a_run_picker_cleared_by_dash_leaves_the_timeline_drawn(source: Source) 
     status, changed = _timeline_callback(client, app, "zoom.data", {**page, "zoom.data": zoom})
     win = changed["window"]["data"]
     assert (win["t0"], win["t1"]) == (1_000_000, 2_000_000) and "timeline" in changed
+
+
+def test_a_first_view_started_with_the_page_is_taken_by_its_layout_request() -> None:
+    from gpu_trace.dashboard.app import FirstViews
+
+    built: list[tuple] = []
+
+    def build(search: str, width: int | None) -> dict:
+        built.append((search, width))
+        return {"search": search, "width": width, "n": len(built)}
+
+    views = FirstViews(build)
+    views.start("?run=a", 1600)
+    views.start("?run=a", 1600)  # a reload while the first is still wanted: built once
+    assert views.take("?run=a", 1600)["n"] == 1 and built == [("?run=a", 1600)]
+    assert views.take("?run=a", 1600)["n"] == 2  # taken once; asked again, built again
+    views.start("?run=b", 1600)
+    assert views.take("?run=b", 1200)["width"] == 1200  # another width: built for it
+    for i in range(FirstViews.KEEP + 3):
+        views.start(f"?run={i}", None)
+    assert len(views._started) <= FirstViews.KEEP
