@@ -1,12 +1,28 @@
-"""Step time of small models with gpu-trace's framework patches, next to their peers, in one run.
+"""Step cost of small models with gpu-trace's framework patches, next to their peers, in one run.
 
-    python bench/patch_overhead.py [--steps 60] [--repeats 5]
+    python bench/patch_overhead.py [--rounds 30] [--round-s 0.25] [--models CNN,LSTM,Keras]
 
-PyTorch (a small CNN and an LSTM): unpatched, gpu-trace module level, gpu-trace op level,
-torch.profiler (CPU activities) and torch.autograd.profiler.emit_nvtx (only where the PyTorch
-build has NVTX). TensorFlow (a Keras model, eager training steps): unpatched, layer level, op
-level. Each configuration runs ``--steps`` training steps ``--repeats`` times, interleaved; the
-median step time is reported with its ratio to unpatched. The machine is noisy: compare ratios.
+PyTorch (a small CNN, an LSTM, and an MLP of 33 tiny layers whose step is mostly per-module
+framework work, so its figures show the cost per module call most clearly): unpatched, gpu-trace recording with the PyTorch patches off
+(the recorder's own cost), gpu-trace module level, gpu-trace op level, torch.profiler (CPU
+activities) and torch.autograd.profiler.emit_nvtx (only where the PyTorch build has NVTX).
+TensorFlow (a Keras model, eager training steps): unpatched, layer level, op level.
+
+Made for a shared, noisy machine:
+
+- Each step is timed three ways: wall time, CPU time of the training thread
+  (``time.thread_time_ns``) and CPU time of the process (``time.process_time_ns``, which adds the
+  recorder's flusher and any other thread). PyTorch runs with ``torch.set_num_threads(1)``: its
+  ops and the CPU autograd engine then run on the calling thread, so the thread's CPU time is the
+  whole of the training work, and CPU time does not count the time the machine gave to others.
+- Configurations are interleaved in short rounds (``--round-s`` of steps each, the order rotated
+  every round), many rounds; each round compares every configuration with the unpatched steps of
+  the same round. Reported: the median over rounds of each configuration's median step, its ratio
+  to unpatched, and the 25th-75th percentile of that ratio over rounds (the spread).
+- Overhead per module call (µs): (configuration - unpatched) / forward module calls per step, so
+  the figure does not depend on how long the model's ops take.
+- ``stop ms``: the time leaving the configuration took (the recorder's last flush, the
+  profiler building its results); it is not in the step times.
 """
 
 from __future__ import annotations
@@ -19,12 +35,16 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import gpu_trace
+
+Step = Callable[[], None]
 
 
 @contextlib.contextmanager
 def recording(env: str, level: str) -> Iterator[None]:
+    old = os.environ.get(env)
     os.environ[env] = level
     with tempfile.TemporaryDirectory() as d:
         gpu_trace.start(os.path.join(d, "run"))
@@ -32,9 +52,17 @@ def recording(env: str, level: str) -> Iterator[None]:
             yield
         finally:
             gpu_trace.stop()
+            if old is None:
+                os.environ.pop(env, None)
+            else:
+                os.environ[env] = old
 
 
-def torch_cases() -> dict[str, Callable[[], tuple[Callable[[], None], Callable[[], None]]]]:
+# ---- models -------------------------------------------------------------------------------------
+
+
+def torch_cases() -> dict[str, Callable[[], tuple[Step, int]]]:
+    """Name -> setup, which returns a training step and its forward module calls per step."""
     import torch
     from torch import nn
 
@@ -64,8 +92,16 @@ def torch_cases() -> dict[str, Callable[[], tuple[Callable[[], None], Callable[[
         t, y = torch.randint(0, 100, (16, 20)), torch.randint(0, 100, (16,))
         return model, lambda: nn.functional.cross_entropy(model(t), y)
 
+    def mlp():
+        layers = [m for _ in range(16) for m in (nn.Linear(32, 32), nn.ReLU())]
+        model = nn.Sequential(*layers, nn.Linear(32, 10))
+        x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+        return model, lambda: nn.functional.cross_entropy(model(x), y)
+
     def make(build):
-        def setup():
+        def setup() -> tuple[Step, int]:
+            from torch.nn.modules import module as nn_module
+
             torch.manual_seed(0)
             model, loss_fn = build()
             opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -75,18 +111,27 @@ def torch_cases() -> dict[str, Callable[[], tuple[Callable[[], None], Callable[[
                 loss_fn().backward()
                 opt.step()
 
-            return step
+            calls = [0]
+            handle = nn_module.register_module_forward_pre_hook(
+                lambda m, a: calls.__setitem__(0, calls[0] + 1)
+            )
+            try:
+                step()
+            finally:
+                handle.remove()
+            return step, calls[0]
 
         return setup
 
-    return {"CNN": make(cnn), "LSTM": make(lstm)}
+    return {"CNN": make(cnn), "LSTM": make(lstm), "MLP": make(mlp)}
 
 
 def torch_configs() -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
     import torch
 
-    configs = {
+    configs: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
         "unpatched": contextlib.nullcontext,
+        "gpu-trace, torch off": lambda: recording("GPU_TRACE_TORCH", "off"),
         "gpu-trace module": lambda: recording("GPU_TRACE_TORCH", "module"),
         "gpu-trace op": lambda: recording("GPU_TRACE_TORCH", "op"),
         "torch.profiler (CPU)": lambda: torch.profiler.profile(
@@ -98,7 +143,7 @@ def torch_configs() -> dict[str, Callable[[], contextlib.AbstractContextManager]
     return configs
 
 
-def keras_case() -> Callable[[], None]:
+def keras_case() -> tuple[Step, int]:
     import keras
     import numpy as np
     import tensorflow as tf
@@ -119,61 +164,142 @@ def keras_case() -> Callable[[], None]:
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(grads, model.trainable_variables))
 
-    return step
+    return step, 4  # the Sequential and its three Dense layers
 
 
-def measure(step: Callable[[], None], ctx, steps: int) -> float:
-    with ctx():
-        for _ in range(3):
-            step()
-        t0 = time.perf_counter_ns()
+def keras_configs() -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
+    return {
+        "unpatched": contextlib.nullcontext,
+        "gpu-trace, tf off": lambda: recording("GPU_TRACE_TF", "off"),
+        "gpu-trace layer": lambda: recording("GPU_TRACE_TF", "layer"),
+        "gpu-trace op": lambda: recording("GPU_TRACE_TF", "op"),
+    }
+
+
+# ---- measuring ----------------------------------------------------------------------------------
+
+METRICS = ("wall", "thread", "process")
+
+
+def run_round(step: Step, ctx: Any, steps: int) -> tuple[dict[str, float], float]:
+    """Median step time (ns) per metric over ``steps`` steps inside ``ctx``; and the exit time."""
+    wall, thread, proc = [], [], []
+    pc, tt, pt = time.perf_counter_ns, time.thread_time_ns, time.process_time_ns
+    cm = ctx()
+    cm.__enter__()
+    try:
+        step()  # the first step after patching names modules, creates buffers
+        step()
         for _ in range(steps):
+            w, t, p = pc(), tt(), pt()
             step()
-        return (time.perf_counter_ns() - t0) / steps
+            p1, t1, w1 = pt(), tt(), pc()
+            wall.append(w1 - w)
+            thread.append(t1 - t)
+            proc.append(p1 - p)
+    finally:
+        s = pc()
+        cm.__exit__(None, None, None)
+        stop_ns = pc() - s
+    med = statistics.median
+    return {"wall": med(wall), "thread": med(thread), "process": med(proc)}, stop_ns
 
 
-def table(title: str, results: dict[str, list[float]]) -> None:
-    base = statistics.median(results["unpatched"])
+def measure(
+    step: Step, configs: dict[str, Any], rounds: int, round_s: float
+) -> tuple[dict[str, dict[str, list[float]]], dict[str, list[float]], int]:
+    """Per configuration, per metric, one median step time per round; exit times; steps/round."""
+    for _ in range(3):
+        step()
+    t0 = time.perf_counter_ns()
+    for _ in range(5):
+        step()
+    step_ns = (time.perf_counter_ns() - t0) / 5
+    steps = max(5, min(200, round(round_s * 1e9 / step_ns)))
+    names = list(configs)
+    results = {k: {m: [] for m in METRICS} for k in names}
+    stops: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for k in order:
+            times, stop_ns = run_round(step, configs[k], steps)
+            for m in METRICS:
+                results[k][m].append(times[m])
+            stops[k].append(stop_ns)
+    return results, stops, steps
+
+
+def quartiles(xs: list[float]) -> tuple[float, float, float]:
+    if len(xs) < 2:
+        return xs[0], xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[1], q[2]
+
+
+def report(
+    title: str,
+    results: dict[str, dict[str, list[float]]],
+    stops: dict[str, list[float]],
+    calls: int,
+) -> None:
+    base = results["unpatched"]
     print(f"\n{title}")
-    print(f"  {'configuration':24} {'step (ms)':>10} {'ratio':>7}")
-    for name, times in results.items():
-        med = statistics.median(times)
-        print(f"  {name:24} {med / 1e6:10.3f} {med / base:7.3f}")
+    head = f"  {'configuration':22}"
+    for m in METRICS:
+        head += f" | {m + ' ms':>10} {'ratio':>6} {'[p25-p75]':>13} {'µs/call':>7}"
+    print(head + f" | {'stop ms':>7}")
+    for name, res in results.items():
+        line = f"  {name:22}"
+        for m in METRICS:
+            ratios = [a / b for a, b in zip(res[m], base[m])]
+            per_call = [(a - b) / calls / 1e3 for a, b in zip(res[m], base[m])]
+            lo, mid, hi = quartiles(ratios)
+            line += (
+                f" | {statistics.median(res[m]) / 1e6:10.3f} {mid:6.3f} [{lo:5.3f}-{hi:5.3f}]"
+                f" {statistics.median(per_call):7.1f}"
+            )
+        print(line + f" | {statistics.median(stops[name]) / 1e6:7.1f}")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--no-tf", action="store_true")
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--round-s", type=float, default=0.25, help="steps per round, in seconds")
+    ap.add_argument("--models", default="CNN,LSTM,MLP,Keras", help="comma-separated")
     args = ap.parse_args()
     import logging
 
     logging.basicConfig(level=logging.ERROR)
-    for name, setup in torch_cases().items():
-        step = setup()
-        configs = torch_configs()
-        results: dict[str, list[float]] = {k: [] for k in configs}
-        for _ in range(args.repeats):
-            for k, ctx in configs.items():
-                results[k].append(measure(step, ctx, args.steps))
-        table(f"PyTorch {name}, {args.steps} steps x {args.repeats}", results)
-    if not args.no_tf:
-        try:
-            step = keras_case()
-        except ImportError:
-            print("\nTensorFlow not installed: no Keras figures", file=sys.stderr)
-            return 0
-        configs = {
-            "unpatched": contextlib.nullcontext,
-            "gpu-trace layer": lambda: recording("GPU_TRACE_TF", "layer"),
-            "gpu-trace op": lambda: recording("GPU_TRACE_TF", "op"),
-        }
-        results = {k: [] for k in configs}
-        for _ in range(args.repeats):
-            for k, ctx in configs.items():
-                results[k].append(measure(step, ctx, args.steps))
-        table(f"Keras MLP (eager steps), {args.steps} steps x {args.repeats}", results)
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    cases = torch_cases() if {"CNN", "LSTM", "MLP"} & set(models) else {}
+    if cases:
+        import torch
+
+        print(
+            f"PyTorch {torch.__version__}, intra-op threads {torch.get_num_threads()}, "
+            f"{os.cpu_count()} CPUs"
+        )
+    for name in models:
+        if name in cases:
+            step, calls = cases[name]()
+            configs = torch_configs()
+        elif name == "Keras":
+            try:
+                step, calls = keras_case()
+            except ImportError:
+                print("\nTensorFlow not installed: no Keras figures", file=sys.stderr)
+                continue
+            configs = keras_configs()
+        else:
+            print(f"unknown model {name!r}", file=sys.stderr)
+            return 2
+        results, stops, steps = measure(step, configs, args.rounds, args.round_s)
+        title = (
+            f"{name}: {calls} module calls/step, {args.rounds} rounds x {steps} steps; "
+            f"median over rounds, ratio to unpatched in the same round [its p25-p75], "
+            f"overhead per module call"
+        )
+        report(title, results, stops, calls)
     return 0
 
 
