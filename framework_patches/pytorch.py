@@ -10,14 +10,9 @@ others, and one warning says what is not captured.
 
 from __future__ import annotations
 
-import functools
 import logging
-import re
-import warnings
-from types import ModuleType
 from typing import Any
 
-from gpu_trace._imports import discard, when_imported
 from gpu_trace.framework_patches import spans, torch_modules, torch_training
 from gpu_trace.framework_patches.torch_ops import OpSource
 
@@ -62,7 +57,6 @@ def patch(torch: Any, level: str = "module", *, shapes: bool = False, rec: Any =
             log.debug("gpu-trace: PyTorch op collection failed", exc_info=True)
             failed.append(f"op ranges ({type(exc).__name__}: {exc})")
     torch_modules.on_root = _on_root
-    when_imported("torch._dynamo.eval_frame", _quiet_compiled)
     if failed:
         log.warning(
             "gpu-trace: PyTorch %s: not captured: %s",
@@ -76,7 +70,6 @@ def unpatch() -> None:
     """Undo :func:`patch`. Idempotent."""
     global _ops, _patched
     torch_modules.on_root = None
-    discard("torch._dynamo.eval_frame", _quiet_compiled)
     torch_modules.unpatch()
     torch_training.unpatch()
     if _ops is not None:
@@ -95,25 +88,3 @@ def _on_root() -> None:
     torch_training.iteration_starts()
     if _ops is not None:
         _ops.harvest()
-
-
-_COMPILE_WARNING = "Using `torch.compile(module)` when there are global hooks"
-
-
-def _quiet_compiled(eval_frame: ModuleType) -> None:
-    """Our global module hooks make every call of a ``torch.compile``d module warn that hooks fire
-    for its wrapper too (we want that: the compiled module is one range). The program did not
-    install those hooks, so it should not see the warning (or fail on it under ``-W error``)."""
-    if not is_patched():
-        return
-
-    def make(original: Any) -> Any:
-        @functools.wraps(original)
-        def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=re.escape(_COMPILE_WARNING))
-                return original(self, *args, **kwargs)
-
-        return __call__
-
-    torch_training._wrap(eval_frame.OptimizedModule, "__call__", make)

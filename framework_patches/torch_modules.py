@@ -1,18 +1,35 @@
 """Ranges around every ``nn.Module``'s forward and backward, named by the module's path.
 
-Forward: PyTorch's global module hooks (``register_module_forward_pre_hook`` and
-``register_module_forward_hook(always_call=True)``), so the range closes even when forward raises
-and a module's own hooks keep working unchanged. Names come from ``named_modules()`` of the first
+Forward: ``nn.Module.__call__`` is wrapped; the range closes when forward returns or raises, and
+a module's own hooks run inside it unchanged. Names come from ``named_modules()`` of the first
 module called with no module around it (the root, named by its class): ``Net.encoder.layers.3``.
 
-Backward: no module backward hooks (their identity functions make in-place ops on a module's
-output fail). Instead, after forward, one pre-hook goes on the autograd node that produced each
-output and on the node that produced each input: a module's backward starts when the gradient of
-its output is about to be computed, and ends when its input's node is about to run (the gradient
-of the input is complete) or, for inputs no gradient flows into, when the backward pass ends.
-Several modules that share a node open outer-first and close inner-first, so ranges nest.
+Why a wrapper and not PyTorch's global module hooks: any global hook sends every module call down
+``Module._call_impl``'s slow path (a closure, a set, loops over the hook dicts), which costs more
+than our own work per call; with the wrapper, modules without hooks of their own keep the fast
+path. ``torch._dynamo`` recognizes ``nn.Module.__call__`` by identity with the function it saw
+when it was imported; it is pointed at the real one, so it traces through our wrapper while it is
+installed (doing nothing inside compiled code) and knows the real one again after :func:`unpatch`.
 
-Inside ``torch.compile`` tracing the hooks do nothing: a compiled module is one range.
+Backward: no module backward hooks (their identity functions make in-place ops on a module's
+output fail). Instead the wrapper notes the autograd node that produced each input (read before
+forward: an in-place op may replace it) and each output, and when the outermost module call
+returns, one pre-hook goes on each noted node: a module's backward starts when the gradient of
+its output is about to be computed, and ends when its input's node is about to run (the gradient
+of the input is complete) or, for inputs no gradient flows into, when the backward pass ends
+(when ``Tensor.backward`` returns, or the engine's end-of-pass callback for passes started some
+other way). Several modules that share a node open outer-first and close inner-first, so ranges
+nest. ``Tensor.backward`` called inside a module's forward first places the hooks noted so far.
+
+Inside ``torch.compile`` tracing the wrapper does nothing: a compiled module is one range.
+
+Cost: every module call runs the wrapper, so it does as little as it can per call. What a
+module's ranges need (its name, attrs, backward range name, depth) is worked out once per module
+and found again by ``id`` (:class:`_Module`, a weak reference that forgets the entry when the
+module dies). Hooks are placed in one batch per outermost call because between module calls the
+model's own work evicts this code from the CPU caches: placing a hook right after a module's
+compute costs several times what the next one costs. An autograd node gets one pre-hook however
+many modules meet there. See docs/frameworks.md, "Cost".
 """
 
 from __future__ import annotations
@@ -22,78 +39,146 @@ import threading
 import weakref
 from typing import Any
 
+from gpu_trace._imports import discard, when_imported
 from gpu_trace.framework_patches import spans
+from gpu_trace.tracer import recorder as _recorder
 from gpu_trace.tracer.records import MODULE
 
 log = logging.getLogger(__name__)
 
 DOMAIN = spans.Domain("torch")
-_META = "gpu_trace"  # key in an autograd node's metadata dict: [opens, closes]
+_META = "gpu_trace"  # key in an autograd node's metadata dict: (opens, closes)
+#: Where torch._dynamo keeps the ``nn.Module.__call__`` it saw at import.
+_DYNAMO = ("torch._dynamo.utils", "torch._dynamo.variables.nn_module")
 
-_handles: list[Any] = []
-_names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _attrs: dict[str, dict[str, str]] = {}
 _local = threading.local()
-#: Backward ranges open now, by module path (lists: a module may run more than once per pass).
-_open_bw: dict[str, list[list]] = {}
+#: Backward ranges open now, by module (lists: a module may run more than once per pass). A
+#: module's entry is removed when its last range closes, so ``not _open_bw`` means none is open.
+_open_bw: dict[_Module, list[list]] = {}
 _bw_attrs = {"pass": "backward"}
+#: One entry per ``Tensor.backward`` call in progress (list: append and pop are atomic).
+_in_backward: list[None] = []
 _torch: Any = None
-_is_compiling: Any = None
+_is_compiling: Any = lambda: False  # noqa: E731 (torch.compiler.is_compiling once patched)
+_grad_enabled: Any = None
+_Tensor: Any = None
 _engine: Any = None
+#: (nn.Module, its original __call__, our wrapper) while patched.
+_patched: tuple[Any, Any, Any] | None = None
 #: Called before a module runs with no module around it (a new iteration may be starting).
 on_root: Any = None
 
 
 def patch(torch: Any) -> None:
-    """Register the global hooks (first undoing an earlier patch)."""
-    global _torch, _is_compiling, _engine
+    """Wrap ``nn.Module.__call__`` (first undoing an earlier patch)."""
+    global _torch, _is_compiling, _grad_enabled, _Tensor, _engine, _patched
     unpatch()
-    from torch.nn.modules import module as nn_module
-
-    _torch = torch
+    module_cls = torch.nn.Module
+    original = module_cls.__dict__["__call__"]
     _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (
         lambda: False
     )
+    _grad_enabled = torch.is_grad_enabled
+    _Tensor = torch.Tensor
     _engine = torch.autograd.Variable._execution_engine
-    _handles.append(nn_module.register_module_forward_pre_hook(_pre))
-    _handles.append(nn_module.register_module_forward_hook(_post, always_call=True))
+    wrapper = _wrap_call(original)
+    _patched = (module_cls, original, wrapper)
+    module_cls.__call__ = wrapper
+    _torch = torch
+    for name in _DYNAMO:
+        when_imported(name, _dynamo_sees_original)
 
 
 def unpatch() -> None:
-    """Remove the hooks. Hooks already on autograd nodes of live graphs turn into no-ops."""
-    global _torch
-    for handle in _handles:
-        handle.remove()
-    _handles.clear()
-    _open_bw.clear()
+    """Put ``nn.Module.__call__`` back. Our wrapper, wherever it is still referenced, and hooks
+    already on autograd nodes of live graphs turn into no-ops."""
+    global _torch, _patched
     _torch = None
+    _open_bw.clear()
+    _in_backward.clear()
+    for name in _DYNAMO:
+        discard(name, _dynamo_sees_original)
+    if _patched is None:
+        return
+    module_cls, original, wrapper = _patched
+    _patched = None
+    if module_cls.__dict__.get("__call__") is wrapper:
+        module_cls.__call__ = original
+    else:  # someone wrapped ours since; they will call ours, which now passes straight through
+        log.debug("gpu-trace: nn.Module.__call__ was replaced after ours; left as it is")
 
 
 def is_patched() -> bool:
-    return bool(_handles)
+    return _patched is not None
+
+
+def _dynamo_sees_original(module: Any) -> None:
+    if _patched is not None and getattr(module, "unpatched_nn_module_call", None) is _patched[2]:
+        module.unpatched_nn_module_call = _patched[1]
 
 
 # ---- names --------------------------------------------------------------------------------------
 
 
-def name_of(module: Any) -> str:
-    """The module's path (its root's class name, then attribute names), assigned on first call."""
-    name = _names.get(module)
-    if name is not None:
-        return name
-    stack = getattr(_local, "stack", None)
-    parent = stack[-1][0] if stack else None
+class _Module(weakref.ref):
+    """A module's name and what its ranges carry, computed once; keyed by ``id(module)`` in
+    :data:`_modules`, and removed from there when the module is garbage-collected."""
+
+    __slots__ = ("key", "name", "attrs", "bw_name", "depth")
+    # By identity, like the modules (a weak reference hashes and compares its referent).
+    __hash__ = object.__hash__
+    __eq__ = object.__eq__
+
+    def __new__(cls, module: Any, name: str) -> _Module:
+        return super().__new__(cls, module, _forget)
+
+    def __init__(self, module: Any, name: str) -> None:
+        super().__init__(module, _forget)
+        self.key = id(module)
+        self.name = name
+        self.attrs = _module_attrs(module)
+        self.bw_name = name + ".backward"
+        self.depth = name.count(".")
+
+
+#: id(module) -> its :class:`_Module`, for the modules that have been called (and still live).
+_modules: dict[int, _Module] = {}
+
+
+def _forget(ref: _Module) -> None:
+    # Runs while the module is being freed, before its id can be reused.
+    if _modules.get(ref.key) is ref:
+        del _modules[ref.key]
+
+
+def _name(module: Any, name: str) -> _Module:
+    m = _modules[id(module)] = _Module(module, name)
+    return m
+
+
+def _lookup(module: Any) -> _Module:
+    """The module's :class:`_Module`, naming it on its first call (see :func:`name_of`)."""
+    m = _modules.get(id(module))
+    if m is not None:
+        return m
+    t = getattr(_local, "t", None)
+    parent = t.stack[-1] if t is not None and t.stack else None
     if parent is not None:
-        pname = _names.get(parent, type(parent).__name__)
-        child = next((k for k, m in parent._modules.items() if m is module), None)
-        name = f"{pname}.{child}" if child is not None else f"{pname}.{type(module).__name__}"
-        _names[module] = name
-        return name
+        p = _modules.get(id(parent))
+        pname = p.name if p is not None else type(parent).__name__
+        child = next((k for k, sub in parent._modules.items() if sub is module), None)
+        return _name(module, f"{pname}.{child if child is not None else type(module).__name__}")
     root = type(module).__name__
     for path, sub in module.named_modules(remove_duplicate=True):
-        if sub not in _names:
-            _names[sub] = f"{root}.{path}" if path else root
-    return _names.get(module, root)
+        if id(sub) not in _modules:
+            _name(sub, f"{root}.{path}" if path else root)
+    return _modules[id(module)]
+
+
+def name_of(module: Any) -> str:
+    """The module's path (its root's class name, then attribute names), assigned on first call."""
+    return _lookup(module).name
 
 
 def _module_attrs(module: Any) -> dict[str, str]:
@@ -107,82 +192,161 @@ def _module_attrs(module: Any) -> dict[str, str]:
 # ---- forward ------------------------------------------------------------------------------------
 
 
-def _pre(module: Any, args: tuple) -> None:
-    if _torch is None or _is_compiling():
-        return
-    try:
-        stack = _local.stack
-    except AttributeError:
-        stack = _local.stack = []
-    try:
-        if not stack and on_root is not None:
-            on_root()
-        name = _names.get(module) or name_of(module)
-        token = spans.begin(DOMAIN, MODULE, name, _module_attrs(module))
-        stack.append((module, token))
-        if token is not None and _torch.is_grad_enabled():
-            _mark_nodes(args, name, 1)
-    except Exception:
-        spans._warn_once("module forward")
+class _Thread:
+    """This thread's module calls in progress, and the autograd nodes noted since the outermost
+    began (placed when it returns: see :func:`_place_hooks`)."""
+
+    __slots__ = ("stack", "marks")
+
+    def __init__(self) -> None:
+        self.stack: list[Any] = []
+        self.marks: list[tuple[Any, _Module, int]] = []
 
 
-def _post(module: Any, args: tuple, output: Any) -> None:
-    if _torch is None or _is_compiling():
-        return
-    stack = getattr(_local, "stack", None)
-    if not stack:
-        return
-    try:
-        # Pop to this module: entries above it belong to modules whose hooks never ran.
-        while stack:
-            m, token = stack.pop()
+def _wrap_call(original: Any) -> Any:
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _is_compiling() or _torch is None or _recorder.active is None:
+            return original(self, *args, **kwargs)
+        try:
+            t = _local.t
+        except AttributeError:
+            t = _local.t = _Thread()
+        stack = t.stack
+        token = m = None
+        try:
+            if not stack and on_root is not None:
+                on_root()
+            m = _modules.get(id(self)) or _lookup(self)
+            token = spans.begin(DOMAIN, MODULE, m.name, m.attrs)
+            if token is not None and args and _grad_enabled():
+                if len(args) == 1 and isinstance(args[0], _Tensor):  # the common case, inline
+                    node = args[0].grad_fn
+                    if node is not None:
+                        t.marks.append((node, m, 1))
+                else:
+                    _mark_nodes(args, m, 1, t.marks)
+        except Exception:
+            spans._warn_once("module forward")
+        stack.append(self)
+        try:
+            result = original(self, *args, **kwargs)
+        except BaseException:
+            stack.pop()
             spans.end(token)
-            if m is module:
-                break
-        if token is not None and output is not None and _torch.is_grad_enabled():
-            _mark_nodes(output, token[6], 0)
-    except Exception:
-        spans._warn_once("module forward end")
+            if not stack:
+                t.marks.clear()  # a failed forward's graph is not kept alive by us
+            raise
+        stack.pop()
+        spans.end(token)
+        try:
+            if token is not None and result is not None and _grad_enabled():
+                if isinstance(result, _Tensor):
+                    node = result.grad_fn
+                    if node is not None:
+                        t.marks.append((node, m, 0))
+                else:
+                    _mark_nodes(result, m, 0, t.marks)
+            if not stack and t.marks:
+                _place_hooks(t.marks)
+        except Exception:
+            spans._warn_once("module forward end")
+        return result
+
+    __call__.__wrapped__ = original  # type: ignore[attr-defined]
+    __call__.__doc__ = original.__doc__
+    return __call__
+
+
+def backward_begins() -> None:
+    """``Tensor.backward`` starts: place the hooks noted so far on this thread (it may be called
+    inside a module's forward, before the outermost module returns)."""
+    _in_backward.append(None)
+    t = getattr(_local, "t", None)
+    if t is not None and t.marks:
+        try:
+            _place_hooks(t.marks)
+        except Exception:
+            spans._warn_once("module backward hooks")
+
+
+def backward_ends() -> None:
+    """``Tensor.backward`` returns: the outermost one closes the backward ranges still open."""
+    if _in_backward:
+        _in_backward.pop()
+    if _open_bw and not _in_backward:
+        _close_all()
 
 
 # ---- backward -----------------------------------------------------------------------------------
 
 
-def _mark_nodes(value: Any, name: str, which: int) -> None:
-    """Note ``name`` on the autograd nodes of the tensors in ``value``: 0 opens, 1 closes there."""
-    Tensor = _torch.Tensor
+def _mark_nodes(value: Any, m: _Module, which: int, marks: list) -> None:
+    """Note ``m`` for the autograd nodes of the tensors in ``value`` (0 opens, 1 closes there).
+
+    Only the node is read now (an in-place op may give the tensor another one later); the
+    hooks are placed by :func:`_place_hooks`."""
+    Tensor = _Tensor
     if isinstance(value, Tensor):
         node = value.grad_fn
         if node is not None:
-            _note(node, name, which)
+            marks.append((node, m, which))
         return
     if isinstance(value, (tuple, list)):
-        seen = set()
-        for v in value:
+        if len(value) == 1:  # most modules' args
+            v = value[0]
             if isinstance(v, Tensor):
                 node = v.grad_fn
-                if node is not None and id(node) not in seen:
-                    seen.add(id(node))
-                    _note(node, name, which)
+                if node is not None:
+                    marks.append((node, m, which))
+                return
+        for v in value:  # a node seen twice is noted once (_note checks)
+            if isinstance(v, Tensor):
+                node = v.grad_fn
+                if node is not None:
+                    marks.append((node, m, which))
             elif isinstance(v, (tuple, list)):  # LSTM: (output, (h, c))
                 for w in v:
-                    if isinstance(w, Tensor) and w.grad_fn is not None:
-                        _note(w.grad_fn, name, which)
+                    if isinstance(w, Tensor):
+                        node = w.grad_fn
+                        if node is not None:
+                            marks.append((node, m, which))
     elif isinstance(value, dict):
         for v in value.values():
-            if isinstance(v, Tensor) and v.grad_fn is not None:
-                _note(v.grad_fn, name, which)
+            if isinstance(v, Tensor):
+                node = v.grad_fn
+                if node is not None:
+                    marks.append((node, m, which))
 
 
-def _note(node: Any, name: str, which: int) -> None:
+def _place_hooks(marks: list[tuple[Any, _Module, int]]) -> None:
+    """Put the noted modules on their nodes, with one pre-hook per node, and forget them (in
+    one go per outermost call: see the module docstring, "Cost")."""
+    try:
+        for node, m, which in marks:
+            _note(node, m, which)
+    finally:
+        marks.clear()
+
+
+def _outer_first(m: _Module) -> int:
+    return m.depth
+
+
+def _inner_first(m: _Module) -> int:
+    return -m.depth
+
+
+def _note(node: Any, m: _Module, which: int) -> None:
     meta = node.metadata
     entry = meta.get(_META)
     if entry is None:
-        entry = meta[_META] = ([], [])
+        meta[_META] = entry = ([], [])
         node.register_prehook(_NodeHook(entry))
-    names = entry[which]
-    if name not in names:
-        names.append(name)
+    ms = entry[which]
+    if m not in ms:
+        ms.append(m)
+        if len(ms) > 1:  # opens outer-first, closes inner-first (a stable sort keeps call order)
+            ms.sort(key=_outer_first if which == 0 else _inner_first)
 
 
 class _NodeHook:
@@ -192,7 +356,7 @@ class _NodeHook:
 
     __slots__ = ("entry",)
 
-    def __init__(self, entry: tuple[list[str], list[str]]) -> None:
+    def __init__(self, entry: tuple[list[_Module], list[_Module]]) -> None:
         self.entry = entry
 
     def __call__(self, grad_outputs: Any) -> None:
@@ -200,25 +364,28 @@ class _NodeHook:
             return None
         try:
             opens, closes = self.entry
-            if closes:
-                for name in sorted(closes, key=_depth, reverse=True):
-                    tokens = _open_bw.get(name)
-                    if tokens:
-                        spans.end(tokens.pop())
+            for m in closes:
+                tokens = _open_bw.get(m)
+                if tokens:
+                    spans.end(tokens.pop())
+                    if not tokens:
+                        del _open_bw[m]
             if opens:
-                if not any(_open_bw.values()):
+                if not _open_bw and not _in_backward:
+                    # The pass's first range, outside Tensor.backward: close what is left
+                    # when the engine finishes (Tensor.backward does that when it returns).
                     _engine.queue_callback(_close_all)
-                for name in sorted(opens, key=_depth):
-                    token = spans.begin(DOMAIN, MODULE, name + ".backward", _bw_attrs)
+                for m in opens:
+                    token = spans.begin(DOMAIN, MODULE, m.bw_name, _bw_attrs)
                     if token is not None:
-                        _open_bw.setdefault(name, []).append(token)
+                        tokens = _open_bw.get(m)
+                        if tokens is None:
+                            _open_bw[m] = [token]
+                        else:
+                            tokens.append(token)
         except Exception:
             spans._warn_once("module backward")
         return None
-
-
-def _depth(name: str) -> int:
-    return name.count(".")
 
 
 def _close_all() -> None:

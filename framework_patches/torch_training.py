@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from gpu_trace.framework_patches import spans
+from gpu_trace.framework_patches import spans, torch_modules
 from gpu_trace.framework_patches.steps import Steps
 from gpu_trace.tracer.records import MODULE
 
@@ -104,9 +104,11 @@ def _backward(original: Any) -> Any:
     @functools.wraps(original)
     def backward(self, *args: Any, **kwargs: Any) -> Any:
         token = spans.begin(DOMAIN, MODULE, "Tensor.backward")
+        torch_modules.backward_begins()
         try:
             return original(self, *args, **kwargs)
         finally:
+            torch_modules.backward_ends()
             spans.end(token)
 
     return backward

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -115,6 +119,29 @@ def test_module_tree_forward_and_backward_nest(record) -> None:
             assert p["start_ns"] <= r["start_ns"] <= r["end_ns"] <= p["end_ns"], r["name"]
 
 
+def test_backward_called_inside_a_module_has_module_backward_ranges(record) -> None:
+    class TrainStep(nn.Module):  # hooks are placed when the outermost module returns: not yet
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+
+        def forward(self, x):
+            self.net(x).sum().backward()
+            return x
+
+    run = record()
+    TrainStep()(torch.randn(2, 3))
+    gpu_trace.stop()
+    rows = spans(run)
+    by_id = {r["span_id"]: r for r in rows}
+    mods = {r["name"]: r for r in rows}
+    assert {"TrainStep.net.0.backward", "TrainStep.net.2.backward"} <= set(mods)
+    assert by_id[mods["TrainStep.net.2.backward"]["parent_span_id"]]["name"] == (
+        "TrainStep.net.backward"
+    )
+    assert by_id[mods["TrainStep.net.backward"]["parent_span_id"]]["name"] == "Tensor.backward"
+
+
 def test_training_loop_gives_steps_optimizer_and_dataloader(record) -> None:
     run = record()
     torch.manual_seed(0)
@@ -208,15 +235,86 @@ def test_patch_is_idempotent_and_symmetric() -> None:
     from torch.nn.modules import module as m
     from torch.optim import optimizer as o
 
-    before = (len(m._global_forward_hooks), len(o._global_optimizer_pre_hooks))
-    backward = torch.Tensor.backward
+    hooks_before = [
+        len(d)
+        for d in (
+            m._global_forward_pre_hooks,
+            m._global_forward_hooks,
+            m._global_backward_hooks,
+            o._global_optimizer_pre_hooks,
+        )
+    ]
+    call, backward = nn.Module.__call__, torch.Tensor.backward
     pytorch.patch(torch, "op")
     pytorch.patch(torch, "module")
-    assert len(m._global_forward_hooks) == before[0] + 1
+    assert nn.Module.__call__ is not call and nn.Module.__call__.__wrapped__ is call
+    assert len(m._global_forward_hooks) == hooks_before[1]  # module calls keep the fast path
     pytorch.unpatch()
     pytorch.unpatch()
-    assert (len(m._global_forward_hooks), len(o._global_optimizer_pre_hooks)) == before
-    assert torch.Tensor.backward is backward and not pytorch.is_patched()
+    assert nn.Module.__call__ is call and torch.Tensor.backward is backward
+    assert [
+        len(d)
+        for d in (
+            m._global_forward_pre_hooks,
+            m._global_forward_hooks,
+            m._global_backward_hooks,
+            o._global_optimizer_pre_hooks,
+        )
+    ] == hooks_before
+    assert not pytorch.is_patched()
+
+
+def test_module_compiled_while_recording_traces_without_graph_breaks(record) -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(5, 3)
+    expected = model(x)
+    run = record()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)  # a graph break raises
+    assert torch.equal(compiled(x), expected)
+    gpu_trace.stop()
+    names = [r["name"] for r in spans(run) if r["category"] == "module"]
+    assert "OptimizedModule" in names
+    assert not any(n.startswith("Sequential") for n in names)  # inside the compiled graph
+
+
+def test_dynamo_imported_while_patched_knows_the_real_module_call(tmp_path: Path) -> None:
+    """torch._dynamo keeps the nn.Module.__call__ it sees at import: it must be the real one."""
+    prog = textwrap.dedent(
+        """
+        import sys
+        import gpu_trace
+
+        gpu_trace.start(sys.argv[1])
+        import torch
+        from torch import nn
+
+        assert "torch._dynamo" not in sys.modules
+        real = nn.Module.__call__.__wrapped__
+        model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+        x = torch.randn(2, 3)
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        assert torch.equal(compiled(x), model(x))
+        from torch._dynamo import utils
+        from torch._dynamo.variables import nn_module
+
+        assert utils.unpatched_nn_module_call is real
+        assert nn_module.unpatched_nn_module_call is real
+        gpu_trace.stop()
+        assert nn.Module.__call__ is real
+        print("ok")
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_TRACE_")}
+    env.update(GPU_TRACE_HOME=str(tmp_path / "home"), GPU_TRACE_TORCH="module")
+    out = subprocess.run(
+        [sys.executable, "-c", prog, str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
 
 
 def test_off_and_bad_levels(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
