@@ -3,8 +3,8 @@
 Everything a session can reach is in its own tables: a handle is an integer the client chose,
 looked up only in this session's :class:`HandleTable`, so another session's tensors are never
 reachable. :class:`MemoryAccount` counts the bytes of the distinct storages a session holds (views
-share their base's storage) and is the hook for quotas (issue #6): ``limit_bytes`` and
-``on_change`` are set by whoever owns the sharing policy.
+share their base's storage); the server's :class:`~gpu_trace.runtime.memory.Memory` sums the
+accounts per tenant for quotas (``on_change``), and the pager marks which bytes are paged out.
 """
 
 from __future__ import annotations
