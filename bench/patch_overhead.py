@@ -23,12 +23,17 @@ Made for a shared, noisy machine:
   the figure does not depend on how long the model's ops take.
 - ``stop ms``: the time leaving the configuration took (the recorder's last flush, the
   profiler building its results); it is not in the step times.
+- glibc is told to keep freed memory (``mallopt``): otherwise the CNN's activations come from
+  fresh ``mmap``s in some steps and not in others (hundreds of page faults, a millisecond and
+  more, depending on the allocator's state rather than on the configuration).
+  ``--default-malloc`` leaves the allocator as it is.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import os
 import statistics
 import sys
@@ -178,6 +183,17 @@ def keras_configs() -> dict[str, Callable[[], contextlib.AbstractContextManager]
 
 # ---- measuring ----------------------------------------------------------------------------------
 
+
+def steady_allocator() -> None:
+    """Make glibc serve large blocks from the heap and keep what is freed (see the docstring)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(-3, 1 << 25)  # M_MMAP_THRESHOLD: 32 MiB, the most glibc takes
+    libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
+
+
 METRICS = ("wall", "thread", "process")
 
 
@@ -266,7 +282,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--round-s", type=float, default=0.25, help="steps per round, in seconds")
     ap.add_argument("--models", default="CNN,LSTM,MLP,Keras", help="comma-separated")
+    ap.add_argument("--default-malloc", action="store_true", help="leave glibc's malloc as it is")
     args = ap.parse_args()
+    if not args.default_malloc:
+        steady_allocator()
     import logging
 
     logging.basicConfig(level=logging.ERROR)
