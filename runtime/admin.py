@@ -27,11 +27,7 @@ from typing import TYPE_CHECKING, Any
 from gpu_trace.runtime import auth
 from gpu_trace.runtime.errors import ProtocolMismatch, RemoteError, ServerGone
 from gpu_trace.runtime.wire import (
-    MAX_FRAME,
-    MAX_HANDSHAKE_FRAME,
-    PROTOCOL_VERSION,
     ConnectionClosed,
-    FrameReader,
     FrameWriter,
     MsgType,
     ProtocolError,
@@ -344,27 +340,10 @@ def request(
     except OSError as exc:
         raise ServerGone(f"cannot connect to {address}: {exc}") from None
     with sock:
-        reader = FrameReader(sock, MAX_HANDSHAKE_FRAME)
         writer = FrameWriter(sock)
+        client = {"host": socket.gethostname(), "pid": str(os.getpid())}
         try:
-            mtype, body = reader.read()
-            if mtype != MsgType.CHALLENGE:
-                raise ProtocolMismatch(f"{address} is not a gpu-trace server")
-            nonce = bytes.fromhex(str(decode_json(body).get("nonce", "")))
-            hello = {
-                "v": PROTOCOL_VERSION,
-                "mac": auth.mac(token, nonce),
-                "client": {"host": socket.gethostname(), "pid": str(os.getpid())},
-                "mode": "admin",
-            }
-            writer.send(json_frame(MsgType.HELLO, hello))
-            reader.max_frame = MAX_FRAME
-            mtype, body = reader.read()
-            if mtype == MsgType.ERROR:
-                message = decode_json(body).get("message")
-                raise ProtocolMismatch(f"{address} refused the session: {message}")
-            if mtype != MsgType.WELCOME:
-                raise ProtocolMismatch(f"unexpected {MsgType(mtype).name} from {address}")
+            reader, _ = auth.client_handshake(sock, address, token, client, mode="admin")
             writer.send(json_frame(MsgType.ADMIN, req))
             mtype, body = reader.read()
             if mtype == MsgType.ERROR:

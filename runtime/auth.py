@@ -15,14 +15,16 @@ import hashlib
 import hmac
 import os
 import secrets
+import socket
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gpu_trace import config
 
 if TYPE_CHECKING:
     from gpu_trace.runtime.tenants import Tenant
+    from gpu_trace.runtime.wire import FrameReader
 
 DOMAIN = b"gpu-trace/1"
 NONCE_BYTES = 32
@@ -105,3 +107,48 @@ def client_token(explicit: str | None = None) -> str:
             f"this machine (it writes {path})"
         ) from None
     return check_token(token)
+
+
+def client_handshake(
+    sock: socket.socket, address: str, token: str, client: dict[str, str], mode: str = ""
+) -> tuple[FrameReader, dict[str, Any]]:
+    """A client's side of CHALLENGE/HELLO/WELCOME on a connected ``sock``: the reader (now
+    allowing full frames) and the WELCOME message. ``mode="admin"`` opens no session.
+
+    Raises :class:`~gpu_trace.runtime.errors.ProtocolMismatch` if the peer is not a gpu-trace
+    server of this protocol or refuses the token, and lets wire and socket errors through.
+    """
+    from gpu_trace.runtime.errors import ProtocolMismatch
+    from gpu_trace.runtime.wire import (
+        MAX_FRAME,
+        MAX_HANDSHAKE_FRAME,
+        PROTOCOL_VERSION,
+        FrameReader,
+        FrameWriter,
+        MsgType,
+        decode_json,
+        json_frame,
+    )
+
+    reader = FrameReader(sock, MAX_HANDSHAKE_FRAME)
+    mtype, body = reader.read()
+    if mtype != MsgType.CHALLENGE:
+        raise ProtocolMismatch(f"{address} is not a gpu-trace server")
+    challenge = decode_json(body)
+    if challenge.get("v") != PROTOCOL_VERSION:
+        raise ProtocolMismatch(
+            f"server protocol version {challenge.get('v')}, client {PROTOCOL_VERSION}"
+        )
+    nonce = bytes.fromhex(str(challenge.get("nonce", "")))
+    hello: dict[str, Any] = {"v": PROTOCOL_VERSION, "mac": mac(token, nonce), "client": client}
+    if mode:
+        hello["mode"] = mode
+    FrameWriter(sock).send(json_frame(MsgType.HELLO, hello))
+    reader.max_frame = MAX_FRAME
+    mtype, body = reader.read()
+    msg = decode_json(body)
+    if mtype == MsgType.ERROR:
+        raise ProtocolMismatch(f"{address} refused the session: {msg.get('message')}")
+    if mtype != MsgType.WELCOME:
+        raise ProtocolMismatch(f"unexpected {MsgType(mtype).name} from {address}")
+    return reader, msg

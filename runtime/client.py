@@ -34,15 +34,12 @@ from gpu_trace.runtime.tracing import ClientTrace
 from gpu_trace.runtime.wire import (
     INLINE_BYTES,
     MAX_FRAME,
-    MAX_HANDSHAKE_FRAME,
-    PROTOCOL_VERSION,
     ConnectionClosed,
     FrameReader,
     FrameWriter,
     MsgType,
     ProtocolError,
     chunk_frames,
-    decode_json,
     frame,
     json_frame,
     split_frame,
@@ -140,39 +137,20 @@ class Connection(Receiver):
     # ---- handshake -------------------------------------------------------------------------------
 
     def _handshake(self, token: str) -> None:
-        reader = FrameReader(self.sock, MAX_HANDSHAKE_FRAME)
+        client = {
+            "host": socket.gethostname(),
+            "pid": str(os.getpid()),
+            "trace": "1" if self.trace.enabled else "0",
+            **self.trace.identity(),
+        }
         try:
-            mtype, body = reader.read()
-            if mtype != MsgType.CHALLENGE:
-                raise ProtocolMismatch(f"{self.address} is not a gpu-trace server")
-            challenge = decode_json(body)
-            if challenge.get("v") != PROTOCOL_VERSION:
-                raise ProtocolMismatch(
-                    f"server protocol version {challenge.get('v')}, client {PROTOCOL_VERSION}"
-                )
-            nonce = bytes.fromhex(str(challenge.get("nonce", "")))
-            client = {
-                "host": socket.gethostname(),
-                "pid": str(os.getpid()),
-                "trace": "1" if self.trace.enabled else "0",
-                **self.trace.identity(),
-            }
-            hello = {"v": PROTOCOL_VERSION, "mac": auth.mac(token, nonce), "client": client}
-            self.writer.send(json_frame(MsgType.HELLO, hello))
-            reader.max_frame = MAX_FRAME
-            mtype, body = reader.read()
-            msg = decode_json(body)
+            _, msg = auth.client_handshake(self.sock, self.address, token, client)
+        except ProtocolMismatch:
+            self.sock.close()
+            raise
         except (ConnectionClosed, ProtocolError, TimeoutError, OSError, ValueError) as exc:
             self.sock.close()
-            if isinstance(exc, ProtocolMismatch):
-                raise
             raise ServerGone(f"handshake with {self.address} failed: {exc}") from None
-        if mtype == MsgType.ERROR:
-            self.sock.close()
-            raise ProtocolMismatch(f"{self.address} refused the session: {msg.get('message')}")
-        if mtype != MsgType.WELCOME:
-            self.sock.close()
-            raise ProtocolMismatch(f"unexpected {MsgType(mtype).name} from {self.address}")
         self.session_id = int(msg.get("session", 0))
         self.server_device = str(msg.get("device", ""))
         self.server_host = str(msg.get("host", ""))
