@@ -49,6 +49,7 @@ def patch(torch: Any, level: str = "module", *, shapes: bool = False, rec: Any =
             ops = OpSource(torch, shapes=shapes)
             if ops.start():
                 _ops = ops
+                torch_modules.backward_from(ops)  # module backward ranges from its ops
                 if rec is not None:
                     rec.add_source(ops)
             else:

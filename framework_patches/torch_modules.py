@@ -21,6 +21,12 @@ of the input is complete) or, for inputs no gradient flows into, when the backwa
 other way). Several modules that share a node open outer-first and close inner-first, so ranges
 nest. ``Tensor.backward`` called inside a module's forward first places the hooks noted so far.
 
+At op level the profiler's collection already records every backward node as it runs, with the
+sequence number of the forward op that made it, so no hooks are placed: the wrapper notes the
+range of sequence numbers each module call's forward ops took (two reads of a thread-local
+counter), and the op collection makes the backward ranges from them (see
+:mod:`.torch_ops`, "Module backward ranges").
+
 Inside ``torch.compile`` tracing the wrapper does nothing: a compiled module is one range.
 
 Cost: every module call runs the wrapper, so it does as little as it can per call. What a
@@ -37,11 +43,13 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from threading import get_ident as _thread_id
 from typing import Any
 
 from gpu_trace._imports import discard, when_imported
 from gpu_trace.framework_patches import spans
 from gpu_trace.tracer import recorder as _recorder
+from gpu_trace.tracer.clock import now_ns
 from gpu_trace.tracer.records import MODULE
 
 log = logging.getLogger(__name__)
@@ -68,11 +76,14 @@ _engine: Any = None
 _patched: tuple[Any, Any, Any] | None = None
 #: Called before a module runs with no module around it (a new iteration may be starting).
 on_root: Any = None
+#: At op level, the op collection that makes module backward ranges (see :func:`backward_from`).
+_calls_sink: Any = None
+_seq: Any = None  # torch._C._autograd._get_sequence_nr once patched
 
 
 def patch(torch: Any) -> None:
     """Wrap ``nn.Module.__call__`` (first undoing an earlier patch)."""
-    global _torch, _is_compiling, _grad_enabled, _Tensor, _engine, _patched
+    global _torch, _is_compiling, _grad_enabled, _Tensor, _engine, _patched, _seq
     unpatch()
     module_cls = torch.nn.Module
     original = module_cls.__dict__["__call__"]
@@ -82,6 +93,7 @@ def patch(torch: Any) -> None:
     _grad_enabled = torch.is_grad_enabled
     _Tensor = torch.Tensor
     _engine = torch.autograd.Variable._execution_engine
+    _seq = torch._C._autograd._get_sequence_nr
     wrapper = _wrap_call(original)
     _patched = (module_cls, original, wrapper)
     module_cls.__call__ = wrapper
@@ -93,8 +105,9 @@ def patch(torch: Any) -> None:
 def unpatch() -> None:
     """Put ``nn.Module.__call__`` back. Our wrapper, wherever it is still referenced, and hooks
     already on autograd nodes of live graphs turn into no-ops."""
-    global _torch, _patched
+    global _torch, _patched, _calls_sink
     _torch = None
+    _calls_sink = None
     _open_bw.clear()
     _in_backward.clear()
     for name in _DYNAMO:
@@ -111,6 +124,17 @@ def unpatch() -> None:
 
 def is_patched() -> bool:
     return _patched is not None
+
+
+def backward_from(sink: Any) -> None:
+    """Op level: make module backward ranges from the op collection ``sink`` instead of hooks.
+
+    ``sink`` has ``owner`` (the thread whose ops it collects), ``calls`` (a list the wrapper
+    appends ``(first, end, module)`` sequence-number ranges of that thread's module calls to) and
+    ``passes`` (one ``[start_ns, end_ns, parent span id, depth, modules running]`` per
+    ``Tensor.backward`` on that thread); None goes back to hooks."""
+    global _calls_sink
+    _calls_sink = sink
 
 
 def _dynamo_sees_original(module: Any) -> None:
@@ -196,11 +220,13 @@ class _Thread:
     """This thread's module calls in progress, and the autograd nodes noted since the outermost
     began (placed when it returns: see :func:`_place_hooks`)."""
 
-    __slots__ = ("stack", "marks")
+    __slots__ = ("stack", "marks", "calls")
 
     def __init__(self) -> None:
         self.stack: list[Any] = []
         self.marks: list[tuple[Any, _Module, int]] = []
+        #: At op level on the collected thread: where module calls' sequence ranges go.
+        self.calls: list | None = None
 
 
 def _wrap_call(original: Any) -> Any:
@@ -212,13 +238,19 @@ def _wrap_call(original: Any) -> Any:
         except AttributeError:
             t = _local.t = _Thread()
         stack = t.stack
-        token = m = None
+        token = m = calls = None
         try:
-            if not stack and on_root is not None:
-                on_root()
+            if not stack:
+                if on_root is not None:
+                    on_root()
+                sink = _calls_sink
+                t.calls = sink.calls if sink is not None and sink.owner == _thread_id() else None
             m = _modules.get(id(self)) or _lookup(self)
             token = spans.begin(DOMAIN, MODULE, m.name, m.attrs)
-            if token is not None and args and _grad_enabled():
+            calls = t.calls
+            if calls is not None:
+                first = _seq()
+            elif token is not None and args and _grad_enabled():
                 if len(args) == 1 and isinstance(args[0], _Tensor):  # the common case, inline
                     node = args[0].grad_fn
                     if node is not None:
@@ -239,7 +271,11 @@ def _wrap_call(original: Any) -> Any:
         stack.pop()
         spans.end(token)
         try:
-            if token is not None and result is not None and _grad_enabled():
+            if calls is not None:
+                end = _seq()
+                if end != first:  # it made autograd nodes
+                    calls.append((first, end, m))
+            elif token is not None and result is not None and _grad_enabled():
                 if isinstance(result, _Tensor):
                     node = result.grad_fn
                     if node is not None:
@@ -261,6 +297,10 @@ def backward_begins() -> None:
     """``Tensor.backward`` starts: place the hooks noted so far on this thread (it may be called
     inside a module's forward, before the outermost module returns)."""
     _in_backward.append(None)
+    sink = _calls_sink
+    if sink is not None:
+        _note_pass(sink)
+        return
     t = getattr(_local, "t", None)
     if t is not None and t.marks:
         try:
@@ -273,8 +313,29 @@ def backward_ends() -> None:
     """``Tensor.backward`` returns: the outermost one closes the backward ranges still open."""
     if _in_backward:
         _in_backward.pop()
+    sink = _calls_sink
+    if sink is not None and not _in_backward and sink.passes and _thread_id() == sink.owner:
+        p = sink.passes[-1]
+        if not p[1]:
+            p[1] = now_ns()
     if _open_bw and not _in_backward:
         _close_all()
+
+
+def _note_pass(sink: Any) -> None:
+    """Op level: a backward pass starts on the collected thread inside the range open there (the
+    ``Tensor.backward`` range): module backward ranges made from its ops go under that range."""
+    try:
+        if _thread_id() != sink.owner or len(_in_backward) > 1:
+            return
+        rec = _recorder.active
+        buf = getattr(rec._local, "buf", None) if rec is not None else None
+        stack = buf.stack if buf is not None else ()
+        t = getattr(_local, "t", None)
+        running = {_modules.get(id(m)) for m in t.stack} if t is not None else set()
+        sink.passes.append([now_ns(), 0, stack[-1] if stack else 0, len(stack), running])
+    except Exception:
+        spans._warn_once("backward pass")
 
 
 # ---- backward -----------------------------------------------------------------------------------

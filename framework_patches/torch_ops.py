@@ -10,6 +10,13 @@ milliseconds), and the finished session's result waits for the recorder's flushe
 event tree into spans (``category`` ``op``, lane ``torch/ops``) on the run's clock. The last
 session is harvested when recording stops.
 
+Module backward ranges come from the same collection at this level (no autograd hooks, see
+:mod:`.torch_backward`): the module wrapper notes each module call's range of autograd sequence
+numbers in :attr:`OpSource.calls`, and a session's backward-node events are matched to them when
+its spans are made. A graph whose backward runs more than one session after its forward (over
+:data:`HARVEST_INTERVAL_S` later, with top-level module calls in between) gets op ranges but no
+module backward ranges.
+
 The profiler records the thread that started it and the autograd threads working for it; ops of
 other threads are not captured. A program that starts ``torch.profiler`` itself while op level
 is on gets an error from PyTorch (only one profiler may run): use ``--torch module`` there.
@@ -27,9 +34,13 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from gpu_trace.framework_patches import torch_backward
+from gpu_trace.framework_patches.torch_backward import EVALUATE
+from gpu_trace.framework_patches.torch_modules import DOMAIN
 from gpu_trace.tracer import recorder as _recorder
 from gpu_trace.tracer.clock import anchor, now_ns
 from gpu_trace.tracer.records import (
+    MODULE,
     OP,
     SPAN_SCHEMA,
     attrs_column,
@@ -42,6 +53,7 @@ log = logging.getLogger(__name__)
 LANE = "torch/ops"
 HARVEST_INTERVAL_S = 2.0
 _MARKER = "gpu_trace#thread"
+_BW = {"pass": "backward"}  # a module backward range's attrs, as module level's
 
 
 class OpSource:
@@ -67,10 +79,15 @@ class OpSource:
         )
         self._activities = {P.ProfilerActivity.CPU}
         self.shapes = bool(shapes)
-        self._owner = threading.get_ident()
+        self.owner = threading.get_ident()
         self._tid = threading.get_native_id()
         self._offset = 0  # Kineto's Unix-epoch ns minus CLOCK_MONOTONIC ns, per session
-        self._results: list[tuple[Any, int, int]] = []
+        #: The owner's module calls this session, (first, end, module): see torch_backward.
+        self.calls: list[tuple[int, int, Any]] = []
+        #: The owner's Tensor.backward passes: [start_ns, end_ns, parent, depth, running].
+        self.passes: list[list[int]] = []
+        self._last_calls: list[tuple[int, int, Any]] = []  # the previous session's, for _table
+        self._results: list[tuple[Any, int, int, list, list]] = []
         self._lock = threading.Lock()
         self._on = False
         self._last = 0
@@ -90,7 +107,7 @@ class OpSource:
             log.warning("gpu-trace: PyTorch op ranges are not captured: %s", exc)
             return False
         self._offset = a.wall_ns - a.mono_ns
-        self._owner = threading.get_ident()
+        self.owner = threading.get_ident()
         self._tid = threading.get_native_id()
         self._on = True
         self._last = now_ns()
@@ -100,7 +117,7 @@ class OpSource:
 
     def stop(self) -> None:
         """End the session, keeping its result for the next drain (only on the starting thread)."""
-        if not self._on or threading.get_ident() != self._owner:
+        if not self._on or threading.get_ident() != self.owner:
             return
         self._on = False
         try:
@@ -108,12 +125,14 @@ class OpSource:
         except Exception:
             log.exception("gpu-trace: stopping PyTorch op collection failed")
             return
+        calls, self.calls = self.calls, []
+        passes, self.passes = self.passes, []
         with self._lock:
-            self._results.append((result, self._offset, self._tid))
+            self._results.append((result, self._offset, self._tid, calls, passes))
 
     def harvest(self, force: bool = False) -> None:
         """Stop the session and start the next if it has run long enough (or ``force``)."""
-        if not self._on or threading.get_ident() != self._owner:
+        if not self._on or threading.get_ident() != self.owner:
             return
         if not force and now_ns() - self._last < HARVEST_INTERVAL_S * 1e9:
             return
@@ -123,12 +142,12 @@ class OpSource:
     # ---- Source protocol ----------------------------------------------------------------------
 
     def drain(self) -> Iterable[tuple[str, pa.Table]]:
-        if threading.get_ident() == self._owner and _recorder.active is None:
+        if threading.get_ident() == self.owner and _recorder.active is None:
             self.stop()  # the recorder is closing on the program's thread: take the last session
         with self._lock:
             results, self._results = self._results, []
-        for result, offset, tid in results:
-            table = self._table(result, offset, tid)
+        for result, offset, tid, calls, passes in results:
+            table = self._table(result, offset, tid, calls, passes)
             if table is not None:
                 yield "spans", table
 
@@ -138,23 +157,32 @@ class OpSource:
     def after_fork_in_child(self) -> None:
         with self._lock:
             self._results = []
+        self.calls, self.passes, self._last_calls = [], [], []
 
     def close(self) -> None:
         self.stop()
         with self._lock:
             self._results = []
+        self._last_calls = []
 
     # ---- events to spans ----------------------------------------------------------------------
 
-    def _table(self, result: Any, offset: int, tid: int) -> pa.Table | None:
+    def _table(
+        self, result: Any, offset: int, tid: int, calls: list, passes: list
+    ) -> pa.Table | None:
         rows: list[tuple] = []
         marker_tid = None
-        todo = [(e, 0, 0) for e in reversed(result.experimental_event_tree())]
+        todo = [(e, 0, 0, -1) for e in reversed(result.experimental_event_tree())]
         seq = 0
         prefix = (random.getrandbits(31) | 1) << 32  # as a ThreadBuffer's: odd, never the C ids
         TorchOp = self._TorchOp
+        # For module backward ranges: backward nodes, and top-level forward ops (made with
+        # grad on, so outside any backward pass: they end the ranges) unless a backward node is
+        # inside them (a program's own range around forward and backward).
+        nodes: list[tuple] = []
+        tops: list[list] = []
         while todo:
-            event, parent, depth = todo.pop()
+            event, parent, depth, top = todo.pop()
             if event.tag != TorchOp:
                 continue
             name = event.name
@@ -163,24 +191,30 @@ class OpSource:
                 continue
             seq += 1
             sid = prefix + seq
+            start, end = event.start_time_ns - offset, event.end_time_ns - offset
+            if name.startswith(EVALUATE):
+                nodes.append((event.start_tid, start, end, event.extra_fields.sequence_number))
+                if top >= 0:
+                    tops[top][3] = -1
+            elif depth == 0 and event.extra_fields.sequence_number >= 0:
+                top = len(tops)
+                tops.append([event.start_tid, start, end, None])
             attrs = self._shapes(event) if self.shapes else None
-            rows.append(
-                (
-                    sid,
-                    parent,
-                    event.start_tid,
-                    name,
-                    event.start_time_ns,
-                    event.end_time_ns,
-                    depth,
-                    attrs,
-                )
-            )
+            rows.append((sid, parent, event.start_tid, name, start, end, depth, attrs, OP, LANE))
             for child in reversed(event.children):
-                todo.append((child, sid, depth + 1))
+                todo.append((child, sid, depth + 1, top))
+        last, self._last_calls = self._last_calls, calls
+        if nodes and (calls or last):
+            nodes.extend(t for t in tops if t[3] is None)
+            both = last + calls
+            ids = iter(range(prefix + seq + 1, prefix + (1 << 32)))
+            made = torch_backward.ranges(nodes, both, passes, ids.__next__)
+            for sid, parent, rtid, call, start, end, depth in made:
+                name = both[call][2].bw_name
+                rows.append((sid, parent, rtid, name, start, end, depth, _BW, MODULE, DOMAIN.lane))
         if not rows:
             return None
-        sid, parent, rtid, name, start, end, depth, attrs = zip(*rows)
+        sid, parent, rtid, name, start, end, depth, attrs, category, lane = zip(*rows)
         rtid = np.asarray(rtid, dtype=np.uint64)
         tids = np.where(rtid == marker_tid, tid, rtid) if marker_tid is not None else rtid
         n = len(rows)
@@ -190,11 +224,11 @@ class OpSource:
                 "parent_span_id": numeric_column(parent, pa.uint64()),
                 "pid": numeric_column(np.full(n, os.getpid()), pa.uint32()),
                 "tid": numeric_column(tids, pa.uint64()),
-                "lane": dict_column([LANE] * n),
-                "category": dict_column([OP] * n),
+                "lane": dict_column(lane),
+                "category": dict_column(category),
                 "name": dict_column(name),
-                "start_ns": numeric_column(np.asarray(start, dtype=np.int64) - offset, pa.int64()),
-                "end_ns": numeric_column(np.asarray(end, dtype=np.int64) - offset, pa.int64()),
+                "start_ns": numeric_column(start, pa.int64()),
+                "end_ns": numeric_column(end, pa.int64()),
                 "depth": numeric_column(depth, pa.uint16()),
                 "attrs": attrs_column(list(attrs)),
             },

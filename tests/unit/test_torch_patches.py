@@ -194,6 +194,76 @@ def test_op_level_records_aten_and_backward_ops_with_shapes(record) -> None:
     assert mods and mods[0]["start_ns"] <= conv["start_ns"] <= conv["end_ns"] <= mods[0]["end_ns"]
 
 
+def module_backward(rows: list[dict]) -> list[tuple]:
+    by_id = {r["span_id"]: r for r in rows}
+    return [
+        (r["name"], by_id[r["parent_span_id"]]["name"], r["depth"], r["lane"])
+        for r in rows
+        if r["category"] == "module"
+        and r["name"].endswith(".backward")
+        and r["name"] != "Tensor.backward"
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_op_level_makes_module_backward_ranges_from_ops_without_hooks(name: str, record) -> None:
+    """The same module backward ranges as module level's hooks, made from the collected ops."""
+    expected = {}
+    for level in ("module", "op"):
+        run = record(level)
+        torch.manual_seed(0)
+        model = MODELS[name][0]()
+        x = MODELS[name][1]()
+        for _ in range(2):
+            out = model(x)
+            if level == "op":  # no hook was placed on the graph
+                assert "gpu_trace" not in out.grad_fn.metadata
+            out.square().mean().backward()
+        gpu_trace.stop()
+        rows = spans(run)
+        expected[level] = module_backward(rows)
+    assert expected["op"] == expected["module"]
+    assert len(expected["op"]) >= 4
+    by_id = {r["span_id"]: r for r in rows}
+    for r in rows:  # children lie inside their parents, across module ranges and ops
+        p = by_id.get(r["parent_span_id"])
+        if p is not None:
+            assert p["start_ns"] <= r["start_ns"] <= r["end_ns"] <= p["end_ns"], r["name"]
+    if name == "cnn":  # each module's backward holds its own nodes
+        ranges = [r for r in rows if r["name"] == "CNN.head.backward"]
+        nodes = [r for r in rows if r["name"].endswith("evaluate_function: AddmmBackward0")]
+        assert len(ranges) == len(nodes) == 2
+        for rng, node in zip(ranges, nodes):
+            assert rng["start_ns"] <= node["start_ns"] <= node["end_ns"] <= rng["end_ns"]
+
+
+def test_op_level_module_backward_across_sessions_and_inside_a_module(record, monkeypatch):
+    """A forward and its backward in different op sessions; backward called inside forward."""
+    from gpu_trace.framework_patches import torch_ops
+
+    monkeypatch.setattr(torch_ops, "HARVEST_INTERVAL_S", 0.0)  # every top-level call cycles
+
+    class TrainStep(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+
+        def forward(self, x):
+            self.net(x).sum().backward()
+            return x
+
+    run = record("op")
+    model, loss = CNN(), nn.CrossEntropyLoss()
+    out = model(torch.randn(2, 1, 12, 12))
+    loss(out, torch.tensor([1, 2])).backward()  # the loss module started a new session
+    TrainStep()(torch.randn(2, 3))
+    gpu_trace.stop()
+    got = set(module_backward(spans(run)))
+    assert ("CNN.features.0.backward", "CNN.features.backward", 3, "nvtx/torch") in got
+    assert ("CNN.backward", "Tensor.backward", 1, "nvtx/torch") in got
+    assert ("TrainStep.net.2.backward", "TrainStep.net.backward", 3, "nvtx/torch") in got
+
+
 def test_exception_in_forward_propagates_and_ranges_close(record) -> None:
     class Boom(nn.Module):
         def forward(self, x):

@@ -1,0 +1,158 @@
+"""Module backward ranges made from collected backward ops (op level), instead of hooks.
+
+At op level the profiler's collection records every autograd node as it runs
+(``autograd::engine::evaluate_function: AddmmBackward0``) with the sequence number of the
+forward op that created the node, and the module wrapper notes the sequence numbers each module
+call's forward took on that thread (``[first, end)``). A backward node therefore belongs to the
+innermost module call whose range holds its number, and to every call around that one.
+
+Ranges are made like the hook-based ones of module level: walking a thread's backward nodes in
+time order, a module call's range opens at the start of the first node that belongs to it and
+ends at the end of the last node of the run of nodes that belong to it (nodes created outside
+any module, like a loss computed with functions, end the runs of those they are not in). Nodes
+with no forward op (``AccumulateGrad``) extend the ranges open around them; other ops don't
+(the optimizer's, the gradient sums between nodes), and a forward op made with grad on (the next
+forward's) ends them all. A module's forward
+called several times (a shared layer, a loop) gets a backward range per call; one whose backward
+interleaves with another's shows as several ranges with the same name.
+
+Ranges of a ``Tensor.backward`` on the collected thread go under its range (its span id and
+depth, noted when it began); other passes' ranges are roots. A module call still running when a
+pass began (``backward`` called inside a module's forward) has no backward range in that pass:
+its forward is not over, so its output's gradient is not what the pass computes.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Callable, Sequence
+from typing import Any
+
+#: Name prefix of the profiler's event for an autograd node.
+EVALUATE = "autograd::engine::evaluate_function: "
+
+#: A backward-node event: (thread, start_ns, end_ns, seq) with seq >= 0 for a node with a
+#: forward op, -1 for one without; seq None marks any other op (it ends the open ranges).
+Event = tuple[int, int, int, "int | None"]
+#: A made range: (span id, parent span id, thread, call index, start_ns, end_ns, depth).
+Range = tuple[int, int, int, int, int, int, int]
+
+
+def owners(calls: Sequence[tuple[int, int, Any]]) -> tuple[list[int], list[int], list[int]]:
+    """Index the calls: ``starts`` (sorted firsts), ``order`` (call index per start) and
+    ``parent`` (enclosing call index per call, -1 at the top)."""
+    order = sorted(range(len(calls)), key=lambda i: (calls[i][0], -calls[i][1]))
+    parent = [-1] * len(calls)
+    open_: list[int] = []
+    for i in order:
+        first, end, _ = calls[i]
+        while open_ and calls[open_[-1]][1] <= first:
+            open_.pop()
+        if open_ and end <= calls[open_[-1]][1]:
+            parent[i] = open_[-1]
+        open_.append(i)
+    return [calls[i][0] for i in order], order, parent
+
+
+def chain(seq: int, calls: Sequence[tuple[int, int, Any]], index: tuple) -> list[int]:
+    """Call indexes holding ``seq``, outermost first (empty: made outside any module).
+
+    Calls on one thread nest, and so do their ranges of numbers: the innermost call holding
+    ``seq`` is the call starting last at or before it, or the nearest of its enclosing calls
+    that holds it (none holds it if none of those does)."""
+    starts, order, parent = index
+    k = bisect_right(starts, seq) - 1
+    i = order[k] if k >= 0 else -1
+    while i >= 0 and calls[i][1] <= seq:
+        i = parent[i]
+    out = []
+    while i >= 0:
+        out.append(i)
+        i = parent[i]
+    out.reverse()
+    return out
+
+
+def _first(p: Sequence) -> int:
+    return p[0]
+
+
+def ranges(
+    events: Sequence[Event],
+    calls: Sequence[tuple[int, int, Any]],
+    passes: Sequence[Sequence[Any]],
+    next_id: Callable[[], int],
+) -> list[Range]:
+    """The module backward ranges the backward-node ``events`` make (see the module docstring)."""
+    if not calls:
+        return []
+    by_thread: dict[int, list[Event]] = {}
+    for e in events:
+        by_thread.setdefault(e[0], []).append(e)
+    walk = _Walk(calls, passes, next_id)
+    for tid, evs in by_thread.items():
+        evs.sort(key=lambda e: e[1])
+        walk.thread(tid, evs)
+    return walk.out
+
+
+class _Walk:
+    """One thread's nodes at a time, in time order, with the ranges open so far."""
+
+    def __init__(self, calls: Sequence, passes: Sequence[Sequence[Any]], next_id: Callable) -> None:
+        self.calls = calls
+        self.index = owners(calls)
+        self.windows = sorted(((p[0], p[1] or (1 << 62), *p[2:5]) for p in passes), key=_first)
+        self.starts = [w[0] for w in self.windows]
+        self.next_id = next_id
+        self.cache: dict[tuple[int, int], list[int]] = {}  # (seq, pass) -> chain
+        self.out: list[Range] = []
+        self.open: list[list[int]] = []  # [call, start, last end, span id, parent, depth]
+        self.tid = 0
+
+    def close(self, keep: int) -> None:
+        open_ = self.open
+        while len(open_) > keep:
+            call, start, last, sid, parent, depth = open_.pop()
+            self.out.append((sid, parent, self.tid, call, start, last, depth))
+
+    def chain(self, seq: int, start: int) -> tuple[list[int], Any]:
+        """The calls a node belongs to, and the pass it runs in (None: not a recorded one)."""
+        k = bisect_right(self.starts, start) - 1
+        p = self.windows[k] if k >= 0 and self.windows[k][1] >= start else None
+        key = (seq, k if p is not None else -1)
+        c = self.cache.get(key)
+        if c is None:
+            c = chain(seq, self.calls, self.index)
+            if p is not None and p[4]:  # calls running when the pass began are not in it
+                c = [i for i in c if self.calls[i][2] not in p[4]]
+            self.cache[key] = c
+        return c, p
+
+    def thread(self, tid: int, events: list[Event]) -> None:
+        self.tid, open_ = tid, self.open
+        for _, start, end, seq in events:
+            if seq is None:
+                self.close(0)
+                continue
+            if seq >= 0:
+                c, p = self.chain(seq, start)
+                keep = 0
+                while keep < len(open_) and keep < len(c) and open_[keep][0] == c[keep]:
+                    keep += 1
+                self.close(keep)
+                if len(c) > keep:
+                    if open_:
+                        parent, depth = open_[-1][3], open_[-1][5] + 1
+                    elif p is not None:
+                        parent, depth = p[2], p[3]
+                    else:
+                        parent, depth = 0, 0
+                    for call in c[keep:]:
+                        sid = self.next_id()
+                        open_.append([call, start, end, sid, parent, depth])
+                        parent, depth = sid, depth + 1
+            for o in open_:  # a node of the open ranges, or one with no forward op
+                if end > o[2]:
+                    o[2] = end
+        self.close(0)
