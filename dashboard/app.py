@@ -28,11 +28,28 @@ PLOTLY_BUNDLE = Path(__file__).resolve().parent / "static" / "plotly-dashboard.m
 #: Cookie in which the page tells the server, before Dash asks for the layout, what its address
 #: asks for and how wide the window is: the layout is then sent with that view drawn.
 VIEW_COOKIE = "gpu_trace_view"
-_VIEW_SCRIPT = (
-    f"<script>document.cookie = '{VIEW_COOKIE}=' + encodeURIComponent(JSON.stringify("
-    "{search: location.search, width: window.innerWidth})) + '; path=/; SameSite=Strict';"
-    "</script>"
-)
+LABELS_JS = Path(__file__).resolve().parent / "static" / "labels.js"
+#: Run first in the page: stores the view cookie, then asks for Dash's layout and callback list
+#: at once (Dash asks only once all its scripts, plotly.js included, have run: about a second on
+#: a small machine) and hands Dash those answers when it asks.
+_HEAD_SCRIPT = """<script>(function () {
+  document.cookie = "%(cookie)s=" + encodeURIComponent(JSON.stringify(
+    {search: location.search, width: window.innerWidth})) + "; path=/; SameSite=Strict";
+  var fetch0 = window.fetch, early = {};
+  %(paths)s.forEach(function (url) {
+    early[url] = fetch0(url, {credentials: "same-origin",
+      headers: {Accept: "application/json", "Content-Type": "application/json"}});
+  });
+  window.fetch = function (url, opts) {
+    var got = typeof url === "string" && early[url];
+    if (!got || (opts && opts.method && opts.method !== "GET")) {
+      return fetch0.apply(this, arguments);
+    }
+    delete early[url];
+    if (!Object.keys(early).length) window.fetch = fetch0;
+    return got.catch(function () { return fetch0(url, opts); });
+  };
+})();</script>"""
 
 
 def _dash() -> Any:
@@ -76,15 +93,24 @@ def create_app(source: Source) -> Any:
             _plotly_version(),
         )
     # Dash would fetch plotly.js and the code of dcc.Graph and dcc.Dropdown only once the layout
-    # is drawn, one more round trip; here, after Dash's own scripts have sent for the layout, they
-    # run while the server builds the first figure (webpack finds its chunks already loaded, and
-    # dcc.Graph finds window.Plotly).
+    # is drawn, one more round trip; here they load with the page, before Dash's renderer starts
+    # (webpack finds its chunks already loaded, and dcc.Graph finds window.Plotly). They must run
+    # before it: the head script has the layout on its way, and a renderer started earlier could
+    # draw the graph before plotly.js is there (dcc.Graph would then fetch the full plotly.js).
     scripts = [f"{prefix}_dash-component-suites/dash/dcc/{chunk}" for chunk in _dcc_chunks()]
     scripts.append(plotly_url)
+    head = _HEAD_SCRIPT % {
+        "cookie": VIEW_COOKIE,
+        "paths": json.dumps([prefix + "_dash-layout", prefix + "_dash-dependencies"]),
+    }
     app.index_string = app.index_string.replace(
-        "{%css%}", "{%css%}<style>" + layout.CSS + "</style>" + _VIEW_SCRIPT
+        "{%css%}", "{%css%}<style>" + layout.CSS + "</style>" + head
     ).replace(
-        "{%renderer%}", "{%renderer%}" + "".join(f"<script src='{u}'></script>" for u in scripts)
+        "{%renderer%}",
+        "".join(f"<script src='{u}'></script>" for u in scripts)
+        + "<script>"
+        + LABELS_JS.read_text(encoding="utf-8")
+        + "</script>{%renderer%}",
     )
     display = source.display()
     views = FirstViews(lambda search, width: callbacks.first_view(source, search, width))

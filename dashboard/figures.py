@@ -130,7 +130,8 @@ def timeline(
         titles.append("clock offset of each remote host, ± uncertainty")
     data: list[dict[str, Any]] = []
     data += _density(win, base)
-    data += _bars(win, by_key, base, width_px)
+    bars, names = _bars(win, by_key, base, width_px)
+    data += bars
     if flows and flows["links"]:
         data.append(_flows(flows["links"], by_key, base))
     for i, (name, rows) in enumerate(panels):
@@ -150,6 +151,9 @@ def timeline(
         "legend": {"orientation": "h", "y": 1.0, "yanchor": "bottom", "x": 0},
         "plot_bgcolor": "white",
         "annotations": [],
+        # The names on the bars, raw text: static/labels.js draws them in one SVG layer over
+        # the plot (as a plotly text trace they took a third of plotly's drawing time).
+        "meta": {"labels": names},
         # Remote (clock-mapped) tracks get a tinted band.
         "shapes": [
             {"type": "rect", "xref": "x domain", "yref": "y", "x0": 0, "x1": 1,
@@ -238,9 +242,12 @@ def _density(win: Window, base: int) -> list[dict[str, Any]]:
     ]
 
 
-def _bars(win: Window, by_key: dict, base: int, width_px: int) -> list[dict[str, Any]]:
-    """One bar trace per category (each bar keeps its own hover text and click data), and one
-    text trace with the names of the bars wide enough to hold one."""
+def _bars(
+    win: Window, by_key: dict, base: int, width_px: int
+) -> tuple[list[dict[str, Any]], dict[str, list]]:
+    """One bar trace per category (each bar keeps its own hover text and click data), and the
+    names of the bars wide enough to hold one (``{x, y, text}``: where the name starts, its row,
+    the name cut to fit)."""
     ns_per_px = max(1.0, (win.t1 - win.t0) / max(1, width_px))
     groups: dict[str, dict[str, list]] = {}
     labels: dict[str, list] = {"x": [], "y": [], "text": []}
@@ -266,7 +273,7 @@ def _bars(win: Window, by_key: dict, base: int, width_px: int) -> list[dict[str,
         if text:
             labels["x"].append(left - base + LABEL_PAD_PX * ns_per_px)
             labels["y"].append(row)
-            labels["text"].append(esc(text))
+            labels["text"].append(text)
     traces: list[dict[str, Any]] = [
         {
             "type": "bar",
@@ -283,24 +290,7 @@ def _bars(win: Window, by_key: dict, base: int, width_px: int) -> list[dict[str,
         }
         for category, g in sorted(groups.items())
     ]
-    if labels["text"]:
-        # Text drawn on top of the bars rather than as bar text: plotly fits bar text to the
-        # bar's height with padding and hides what does not fit, which at 18 px rows is all.
-        traces.append(
-            {
-                "type": "scatter",
-                "mode": "text",
-                "x": labels["x"],
-                "y": labels["y"],
-                "text": labels["text"],
-                "textposition": "middle right",
-                "textfont": {"color": "white", "size": LABEL_FONT_PX},
-                "hoverinfo": "skip",
-                "showlegend": False,
-                "name": "labels",
-            }
-        )
-    return traces
+    return traces, labels
 
 
 def fit_label(name: str, width_px: float) -> str:

@@ -171,7 +171,8 @@ def prepared(source: Source, run_id: str) -> bool:
 def tracks(source: Source, run_id: str) -> dict[str, Any]:
     """Tracks of a run, grouped host > process > thread > lane (remote server tracks last).
 
-    Returns ``{"tracks": [TrackInfo], "rows": N, "max_dur": ns, "unended": N}``; cached per run.
+    Returns ``{"tracks": [TrackInfo], "rows": N, "max_dur": ns, "unended": N, "server_tracks": N}``
+    (tracks holding spans of category ``server``); cached per run.
     ``unended`` counts spans that end before they start (never closed): they can't be drawn, and
     the page says how many there are.
     """
@@ -207,7 +208,8 @@ def tracks(source: Source, run_id: str) -> dict[str, Any]:
             out.append(info)
         max_dur = max((int(t["max_dur"]) for t in found), default=0)
         unended = sum(int(t["unended"]) for t in found)
-        return {"tracks": out, "rows": row, "max_dur": max_dur, "unended": unended}
+        return {"tracks": out, "rows": row, "max_dur": max_dur, "unended": unended,
+                "server_tracks": len(clock)}  # fmt: skip
 
     return source.cached(("tracks", run_id), compute)
 
@@ -295,6 +297,11 @@ def window(source: Source, run_id: str, t0: int, t1: int, width_px: int = 1600) 
 def flows(source: Source, run_id: str, t0: int, t1: int) -> dict[str, Any]:
     """Links from a span to its children in another process (forwarded calls to server spans)
     that overlap the window: ``{"links": [...], "total": N}`` (at most :data:`MAX_FLOWS` links)."""
+    known = source.cache.get(("tracks", run_id))
+    if known is not None and not known["server_tracks"]:
+        # No server spans in the run (most runs): the join would still read the whole run's
+        # categories, a tenth of a second or more on ten million spans.
+        return {"links": [], "total": 0}
     params = {"run": run_id, "t0": int(t0), "t1": int(t1), "cap": MAX_FLOWS}
     rows = source.rows(
         """

@@ -141,7 +141,7 @@ def test_the_first_timeline_comes_with_the_page(browser, page, app: Server) -> N
     bars(pg).first.wait_for(state="attached", timeout=TIMEOUT)
     assert "as bars" in pg.inner_text("#lod") and "density" in pg.inner_text("#lod")
     assert pg.locator("#timeline .heatmaplayer image").count() == 1  # the density cells
-    assert pg.locator("#timeline .textpoint").count() > 0  # names on the wide bars
+    assert pg.locator("#timeline svg.gpu-trace-labels text").count() > 0  # names on wide bars
     assert "clock ±" in pg.inner_text("#timeline")
     assert pg.inner_text("#window-text").startswith("+0 ns to ")
     pg.wait_for_timeout(500)
@@ -178,6 +178,49 @@ def test_script_names_render_as_text(page, app: Server) -> None:
     page.wait_for_timeout(500)
     assert page.dialogs == []
     page.screenshot(path=str(ARTIFACTS / "xss.png"), full_page=True)
+
+
+LABELS = "#timeline svg.gpu-trace-labels text"
+#: Each drawn name's text and whether its middle lies on a bar (static/labels.js draws them).
+NAMES_ON_BARS = """() => {
+    const bars = [...document.querySelectorAll('#timeline g.barlayer g.point path')]
+        .map(b => b.getBoundingClientRect());
+    return [...document.querySelectorAll('#timeline svg.gpu-trace-labels text')].map(t => {
+        const r = t.getBoundingClientRect(), x = r.left + 2, y = r.top + r.height / 2;
+        return [t.textContent, bars.some(b => b.left <= x && x <= b.right && b.top <= y
+                                              && y <= b.bottom)];
+    });
+}"""
+
+
+def test_bar_names_are_drawn_on_their_bars_as_text_and_follow_zooms(page, app: Server) -> None:
+    open_run(page, app, "xss")
+    names = page.evaluate(NAMES_ON_BARS)
+    assert "ProfilerStep#0" in [n for n, _ in names] and all(on for _, on in names)
+    # Zoom onto the span named like a script tag (the last 50 µs of the run): its name is drawn
+    # in full, as text, on its bar; no element is made of it and no dialog opens.
+    before = page.inner_text("#window-text")
+    page.evaluate(
+        """() => { const gd = document.querySelector('#timeline .js-plotly-plot');
+                   const [a, b] = gd.layout.xaxis.range;
+                   Plotly.relayout(gd, {'xaxis.range[0]': a + (b - a) * 0.965,
+                                        'xaxis.range[1]': b}); }"""
+    )
+    page.wait_for_function(
+        "t => document.querySelector('#window-text').innerText !== t", arg=before
+    )
+    page.wait_for_function(
+        "x => [...document.querySelectorAll('#timeline svg.gpu-trace-labels text')]"
+        ".some(t => t.textContent === x)",
+        arg=XSS,
+    )
+    names = page.evaluate(NAMES_ON_BARS)
+    assert (XSS, True) in [tuple(n) for n in names] and all(on for _, on in names)
+    assert page.locator("#timeline svg.gpu-trace-labels *").count() == page.locator(LABELS).count()
+    assert page.locator("#timeline script").count() == 0
+    page.wait_for_timeout(300)
+    assert page.dialogs == []
+    page.screenshot(path=str(ARTIFACTS / "labels-xss.png"), full_page=True)
 
 
 def test_tenant_names_render_as_text(page, app: Server) -> None:

@@ -109,7 +109,10 @@ def test_names_are_escaped_in_the_figure(source: Source) -> None:
     tr = queries.tracks(source, "fwd")
     w = queries.window(source, "fwd", 0, 3_000_000, 2000)
     fig = figures.timeline(run, tr, w, queries.flows(source, "fwd", 0, 3_000_000), {}, [], 2000)
-    text = str(fig)  # a JSON encoder would \u003c-escape every "<" on its own
+    # Everything plotly draws is escaped (a JSON encoder would \u003c-escape every "<" on its
+    # own); the names on bars are raw text for static/labels.js, which sets them as textContent.
+    drawn = {**fig, "layout": {k: v for k, v in fig["layout"].items() if k != "meta"}}
+    text = str(drawn)
     assert "<script>" not in text and "<b>lane</b>" not in text
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in text
     assert "nvtx/&lt;b&gt;lane&lt;/b&gt;" in text
@@ -354,15 +357,33 @@ def test_wide_bars_are_labelled_with_their_name_cut_to_fit(source: Source) -> No
     tr = queries.tracks(source, "fwd")
     w = queries.window(source, "fwd", 0, 3_000_000, 2000)
     fig = figures.timeline(run, tr, w, None, {}, [], 2000)
-    (labels,) = [t for t in fig["data"] if t.get("mode") == "text"]
-    assert "ProfilerStep#0" in labels["text"] and labels["hoverinfo"] == "skip"
+    # The names are not a plotly trace (plotly styles each text element one by one): they go to
+    # static/labels.js in the layout's meta, as x (ns since the run started), row and text.
+    assert not [t for t in fig["data"] if t.get("mode") == "text"]
+    labels = fig["layout"]["meta"]["labels"]
+    assert len(labels["x"]) == len(labels["y"]) == len(labels["text"])
+    assert "ProfilerStep#0" in labels["text"]
+    step = labels["text"].index("ProfilerStep#0")
+    bar = next(t for t in fig["data"] if t["type"] == "bar" and t["name"] == "step")
+    i = next(i for i, y in enumerate(bar["y"]) if y == labels["y"][step])
+    assert bar["base"][i] < labels["x"][step] < bar["base"][i] + bar["x"][i]  # inside its bar
     # A step is 900 µs (600 px at 1.5 µs a pixel): named in full. Narrower than LABEL_PX at
     # 1/10 of the width: no label.
-    assert not [t for t in figures.timeline(run, tr, w, None, {}, [], 200)["data"]
-                if t.get("mode") == "text" and "batch" in t["text"]]  # fmt: skip
+    narrow = figures.timeline(run, tr, w, None, {}, [], 200)["layout"]["meta"]["labels"]
+    assert not [t for t in narrow["text"] if "batch" in t]
     assert figures.fit_label("ProfilerStep#0", figures.LABEL_PX - 1) == ""
     cut = figures.fit_label("aten::convolution_backward", 60)
     assert cut.endswith("…") and len(cut) * figures.LABEL_FONT_PX * figures.CHAR_EM <= 60
+
+
+def test_bar_names_are_raw_text_for_the_labels_layer(source: Source) -> None:
+    """static/labels.js sets each name as a text node's textContent (never parsed as markup),
+    so the figure carries names as they are, unlike plotly's labels and hovers."""
+    run = source.call("run", "fwd")
+    w = queries.window(source, "fwd", 2_900_000, 3_000_000, 2000)  # the script-named span, wide
+    fig = figures.timeline(run, queries.tracks(source, "fwd"), w, None, {}, [], 2000)
+    assert XSS in fig["layout"]["meta"]["labels"]["text"]
+    assert any(figures.esc(XSS) in h for t in fig["data"] for h in t.get("hovertext", []))
 
 
 def test_axes_never_make_plotly_measure_labels_and_draw_twice(source: Source) -> None:
@@ -419,6 +440,26 @@ def test_the_page_is_sent_with_the_view_its_address_asks_for(source: Source) -> 
     assert client.get("/_dash-layout").status_code == 200
 
 
+def test_the_page_asks_for_its_layout_before_dashs_scripts_have_run(source: Source) -> None:
+    """The head script fetches the layout and the callback list at once and hands them to Dash
+    when it asks: the server builds the first view while the scripts load and run."""
+    from gpu_trace.dashboard.app import create_app
+
+    client = create_app(source).server.test_client()
+    page = client.get("/").get_data(as_text=True)
+    head = page[: page.index("</head>")]
+    assert '["/_dash-layout", "/_dash-dependencies"]' in head and "window.fetch" in head
+    assert head.index("document.cookie") < head.index("fetch0(url")  # the view goes with it
+    assert page.index("</head>") < page.index("dash_renderer")
+
+
+def test_runs_without_server_spans_skip_the_flow_query(source: Source) -> None:
+    assert queries.tracks(source, "lod")["server_tracks"] == 0
+    assert queries.tracks(source, "fwd")["server_tracks"] > 0
+    assert queries.flows(source, "lod", 0, 10_000_000) == {"links": [], "total": 0}
+    assert queries.flows(source, "fwd", 0, 3_000_000)["total"] > 0
+
+
 def test_zoom_and_pan_move_the_window() -> None:
     win = {"base": 100, "start": 100, "end": 1100, "t0": 100, "t1": 1100}
     moved = callbacks._moved(win, {"xaxis.range[0]": 200.0, "xaxis.range[1]": 300.0})
@@ -446,6 +487,11 @@ def test_the_page_loads_the_dashboards_own_plotly_bundle(source: Source) -> None
     bundle.close()
     chunks = [u for u in page.split("'") if "/dcc/async-" in u]
     assert len(chunks) == 2  # dcc.Graph's and dcc.Dropdown's code come with the page
+    # ... before Dash's renderer starts (a graph drawn before window.Plotly is there would make
+    # dcc.Graph fetch the full plotly.js), and the labels layer right after plotly.js.
+    renderer = page.index('id="_dash-renderer"')
+    assert all(page.index(u) < renderer for u in [*chunks, url])
+    assert page.index(url) < page.index("gpuTraceLabels") < renderer
     for u in chunks:
         r = client.get(u)
         assert r.status_code == 200 and b"webpackChunkdash_core_components" in r.data
