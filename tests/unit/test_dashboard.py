@@ -453,6 +453,20 @@ def test_the_page_asks_for_its_layout_before_dashs_scripts_have_run(source: Sour
     assert page.index("</head>") < page.index("dash_renderer")
 
 
+def test_the_page_gets_regenerator_runtime_instead_of_dashs_whole_polyfill(source: Source) -> None:
+    """Dash's and dcc's scripts need the regeneratorRuntime global from @babel/polyfill; the
+    rest of it (core-js) only serves browsers Dash does not support. The browser tests run the
+    page with it."""
+    from gpu_trace.dashboard.app import _regenerator_runtime, create_app
+
+    page = create_app(source).server.test_client().get("/").get_data(as_text=True)
+    assert "/deps/polyfill@" not in page
+    assert "regeneratorRuntime=e" in page and page.index("regeneratorRuntime=e") < page.index(
+        "dash_renderer"
+    )
+    assert _regenerator_runtime() in page
+
+
 def test_runs_without_server_spans_skip_the_flow_query(source: Source) -> None:
     assert queries.tracks(source, "lod")["server_tracks"] == 0
     assert queries.tracks(source, "fwd")["server_tracks"] > 0
