@@ -1,7 +1,7 @@
 """Dashboard speed on big runs: window query + figure build per zoom level, first page load and
 browser memory in headless Chromium.
 
-    python bench/dashboard.py [--spans 10000000] [--lanes 100] [--no-browser]
+    python bench/dashboard.py [--spans 10000000] [--lanes 100] [--no-browser] [--loads N]
 
 Writes two synthetic runs straight into a fresh embedded store as Arrow (no spool, no recorder):
 ``bench-small`` with a tenth of ``--spans`` and ``bench`` with all of them, both over ``--lanes``
@@ -16,18 +16,21 @@ cells. With Chromium (``/usr/bin/chromium`` and playwright), the first page load
 the timeline's bars are drawn; when the page's scripts, plotly.js included, had run and when the
 layout with the first figure had arrived) on each run, and the page's JS heap after loading and
 after zooming, for both runs: the page holds what is on screen, so 10x more spans should not mean
-more memory. No thresholds: figures only, like every
-bench here (the machine is shared and noisy).
+more memory; with ``--loads N``, N-1 more first loads per run after that (a fresh browser context
+each), their median and range. No thresholds: figures only, like every bench here (the machine is shared and
+noisy).
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -159,7 +162,7 @@ def bench_queries(source: Source, run_id: str, width: int = 1270) -> None:
               f" {w.density_spans:14,} {w.density_cells:7,}")  # fmt: skip
 
 
-def bench_browser(source: Source, runs: list[str]) -> None:
+def bench_browser(source: Source, runs: list[str], loads: int = 1) -> None:
     from gpu_trace.dashboard.app import Server
 
     try:
@@ -230,9 +233,31 @@ def bench_browser(source: Source, runs: list[str]) -> None:
                       f" run by {nav[1] / 1e3:.2f} s, layout in by {nav[2] / 1e3:.2f} s);"
                       f" JS heap {loaded:6.1f} MiB loaded, {zoomed:6.1f} MiB after a zoom")  # fmt: skip
                 page.close()
+                # More first loads, now that the server has read the run (as the bench run was).
+                times = [_load_once(browser, server.url, run_id) for _ in range(loads - 1)]
+                if times:
+                    times.sort()
+                    print(f"  {'':>12}  then {len(times)} more (a fresh browser context each): median"
+                          f" {statistics.median(times):.2f} s, {times[0]:.2f}-{times[-1]:.2f} s")  # fmt: skip
             browser.close()
     finally:
         server.close()
+
+
+def _load_once(browser: Any, url: str, run_id: str) -> float:
+    """Seconds from navigation until the timeline's bars are in a fresh page (nan if never)."""
+    page = browser.new_page(viewport={"width": 1600, "height": 1000})
+    try:
+        t = time.perf_counter()
+        page.goto(f"{url}/?run={run_id}")
+        page.locator("#timeline g.barlayer g.point path").first.wait_for(
+            state="attached", timeout=120_000
+        )
+        return time.perf_counter() - t
+    except Exception:
+        return float("nan")
+    finally:
+        page.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -240,6 +265,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--spans", type=int, default=10_000_000)
     p.add_argument("--lanes", type=int, default=100)
     p.add_argument("--no-browser", action="store_true")
+    p.add_argument("--loads", type=int, default=1,
+                   help="page loads per run: the first, then N-1 more (median and range)")  # fmt: skip
     p.add_argument("--keep", action="store_true", help="keep the temporary store")
     args = p.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="gpu-trace-bench-dashboard-"))
@@ -254,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
         bench_queries(source, "bench")
         if not args.no_browser:
             print("headless Chromium (first page load includes Dash's and plotly's scripts):")
-            bench_browser(source, ["bench-small", "bench"])
+            bench_browser(source, ["bench-small", "bench"], max(1, args.loads))
         source.close()
     finally:
         if args.keep:
