@@ -2,7 +2,9 @@
 
 Plain functions from what :mod:`gpu_trace.dashboard.queries` returns to a plotly figure; no
 store, no Dash. The x axis is nanoseconds since the run started (ticks are labelled with
-durations); every name drawn is HTML-escaped, so a span called ``<script>`` is shown as text.
+durations); every name plotly draws is HTML-escaped, so a span called ``<script>`` is shown as
+text. The names on bars go raw in ``layout.meta.labels`` to ``static/labels.js``, which sets each
+as a text node's content.
 """
 
 from __future__ import annotations
