@@ -20,8 +20,10 @@ import itertools
 import logging
 import os
 import socket
+import sys
 import threading
 import time
+from array import array
 from typing import Any
 
 from gpu_trace import config
@@ -30,6 +32,7 @@ from gpu_trace.runtime.batch import Batch, OpRecord
 from gpu_trace.runtime.errors import ProtocolMismatch, RemoteOpError, ServerGone
 from gpu_trace.runtime.receiver import Receiver
 from gpu_trace.runtime.server import parse_address
+from gpu_trace.runtime.templates import MAX_TEMPLATES, make_template
 from gpu_trace.runtime.tracing import ClientTrace
 from gpu_trace.runtime.wire import (
     INLINE_BYTES,
@@ -49,6 +52,9 @@ from gpu_trace.runtime.wire import (
 log = logging.getLogger(__name__)
 
 now_ns = time.perf_counter_ns
+
+_BIG_ENDIAN = sys.byteorder != "little"
+_epochs = itertools.count(1)
 
 
 class Connection(Receiver):
@@ -95,7 +101,9 @@ class Connection(Receiver):
 
         self._lock = threading.RLock()  # pending batch and sending
         self._cond = threading.Condition(threading.Lock())  # completion
-        self._pending: list[list[Any]] = []
+        self._pending: list[list[Any]] = []  # JSON ops of the pending batch
+        self._codes = array("q")  # its op stream (templates' ids and numbers; 0: a JSON op)
+        self._defs: list[list[Any]] = []  # templates defined since the last batch
         self._records: list[OpRecord] = []
         self._inline: list[list[Any]] = []
         self._inline_data: list[memoryview | bytes] = []
@@ -109,7 +117,12 @@ class Connection(Receiver):
         self._error: RemoteOpError | None = None
         self.broken: str | None = None
         self.closed = False
-        self._ids = itertools.count(1)
+        #: Handle numbers (``next(c.ids)``; the hot path takes them without a method call).
+        self.ids = itertools.count(1)
+        #: This connection among all of the process's: a plan's template is ours if its
+        #: ``tepoch`` is this (templates are per session).
+        self.epoch = next(_epochs)
+        self._tids = itertools.count(1)
         self._fetches: dict[int, list[Any]] = {}
         self._ping_lock = threading.Lock()
         self._rx_lock = threading.Lock()  # whoever holds it reads the socket
@@ -159,11 +172,13 @@ class Connection(Receiver):
         self.server_sink = str(msg.get("sink", "return"))
         #: The tenant the server knows us as (our token says which).
         self.tenant = str(msg.get("tenant", ""))
+        #: Whether the server takes op templates and an op stream (else every op is JSON).
+        self.templates = msg.get("templates") is True
 
     # ---- issuing ---------------------------------------------------------------------------------
 
     def new_handle(self) -> int:
-        return next(self._ids)
+        return next(self.ids)
 
     def issue(
         self,
@@ -179,40 +194,90 @@ class Connection(Receiver):
         with self._lock:
             if self.broken:
                 raise ServerGone(self.broken)
-            if not self._pending:
-                self._first_ns = record.t0
-                self._span_id = self.trace.new_span_id()
             self._pending.append(op)
-            self._records.append(record)
-            if blobs:
-                for ident, dtype, shape, data in blobs:
-                    if len(data) <= INLINE_BYTES:
-                        self._inline.append([ident, dtype, shape, len(data)])
-                        self._inline_data.append(data)
-                    else:
-                        put = {"blob": ident, "dtype": dtype, "shape": shape, "nbytes": len(data)}
-                        self._large.append(json_frame(MsgType.PUT, put))
-                        self._large.extend(chunk_frames(ident, memoryview(data)))
-            seq = self.sent_seq + 1
-            self.ops_issued += 1
-            n = len(self._pending)
-            if self.sync or urgent:
-                self._flush_locked(urgent=True)
-            elif (
-                n >= self.max_batch_ops
-                or (not self._in_flight and n >= self.min_batch_ops)
-                or len(self._large) > 64
-            ):
-                self._flush_locked()
-            elif n == 1 and not self._in_flight:
-                self._kick.set()  # the heartbeat thread sends it after a short linger
+            self._codes.append(0)
+            seq = self._appended(record, blobs, urgent)
         if self.sync:
             self.wait(seq, record.name)
         return seq
 
+    def issue_t(
+        self,
+        tid: int,
+        nums: list[int],
+        record: OpRecord,
+        blobs: list[tuple[int, str, list[int], bytes]] | None = None,
+    ) -> int:
+        """Append a call of template ``tid`` with its handle numbers (see :meth:`define`)."""
+        with self._lock:
+            if self.broken:
+                raise ServerGone(self.broken)
+            codes = self._codes
+            codes.append(tid)
+            codes.extend(nums)
+            records = self._records
+            if blobs or self.sync or not records:
+                seq = self._appended(record, blobs, False)
+            else:  # _appended's common case, inline (this runs for nearly every op)
+                records.append(record)
+                seq = self.sent_seq + 1
+                self.ops_issued += 1
+                n = len(records)
+                if n >= self.max_batch_ops or (not self._in_flight and n >= self.min_batch_ops):
+                    self._flush_locked()
+        if self.sync:
+            self.wait(seq, record.name)
+        return seq
+
+    def define(self, plan: Any, name: str, args: list, kwargs: dict, outs: Any) -> int:
+        """The id of ``plan``'s template in this session, defining it with the next batch from
+        the wire op ``[name, args, kwargs, outs]``; 0 when the session has all it may define
+        (the op then goes as JSON). Ops issued after this return may use the id."""
+        with self._lock:
+            if plan.tepoch != self.epoch:
+                tid = next(self._tids) if self.templates else 0
+                if tid > MAX_TEMPLATES or not tid:
+                    tid = 0
+                else:
+                    self._defs.append(make_template(tid, name, args, kwargs, outs))
+                plan.tid = tid
+                plan.tepoch = self.epoch
+            return plan.tid
+
+    def _appended(self, record: OpRecord, blobs: Any, urgent: bool) -> int:
+        """An op was appended (under the lock): note it, send the batch if it is time."""
+        records = self._records
+        if not records:
+            self._first_ns = record.t0
+            self._span_id = self.trace.new_span_id()
+        records.append(record)
+        if blobs:
+            for ident, dtype, shape, data in blobs:
+                if len(data) <= INLINE_BYTES:
+                    self._inline.append([ident, dtype, shape, len(data)])
+                    self._inline_data.append(data)
+                else:
+                    put = {"blob": ident, "dtype": dtype, "shape": shape, "nbytes": len(data)}
+                    self._large.append(json_frame(MsgType.PUT, put))
+                    self._large.extend(chunk_frames(ident, memoryview(data)))
+        seq = self.sent_seq + 1
+        self.ops_issued += 1
+        n = len(records)
+        if self.sync or urgent:
+            self._flush_locked(urgent=True)
+        elif (
+            n >= self.max_batch_ops
+            or (not self._in_flight and n >= self.min_batch_ops)
+            or len(self._large) > 64
+        ):
+            self._flush_locked()
+        elif n == 1 and not self._in_flight:
+            self._kick.set()  # the heartbeat thread sends it after a short linger
+        return seq
+
     def flush(self) -> None:
         with self._lock:
-            if self._pending or self.frees:
+            if self._records or self.frees:
                 self._flush_locked()
 
     def _flush_locked(self, urgent: bool = False) -> None:
@@ -220,9 +285,10 @@ class Connection(Receiver):
         itself, so the receiver thread is not woken for it."""
         if self.broken:
             raise ServerGone(self.broken)
-        with self._cond:
-            while len(self._in_flight) >= self.max_in_flight and not self.broken:
-                self._cond.wait(0.25)
+        if len(self._in_flight) >= self.max_in_flight:
+            with self._cond:
+                while len(self._in_flight) >= self.max_in_flight and not self.broken:
+                    self._cond.wait(0.25)
         if self.broken:
             raise ServerGone(self.broken)
         t_ser = now_ns()
@@ -237,12 +303,21 @@ class Connection(Receiver):
         seq = self.sent_seq
         span_id = self._span_id or self.trace.new_span_id()
         head: dict[str, Any] = {"seq": seq, "ops": self._pending, "free": frees}
+        if self._defs:
+            head["defs"] = self._defs
+        stream = b""
+        if self.templates:  # the op stream goes first, then the blobs' bytes
+            codes = self._codes
+            if _BIG_ENDIAN:
+                codes.byteswap()
+            stream = codes.tobytes()
+            head["xb"] = len(stream)
         if self._inline:
             head["blobs"] = self._inline
         tp = self.trace.traceparent(span_id)
         if tp:
             head["tp"] = tp
-        frames = [*self._large, *split_frame(MsgType.BATCH, head, self._inline_data)]
+        frames = [*self._large, *split_frame(MsgType.BATCH, head, [stream, *self._inline_data])]
         batch = Batch(seq, span_id, self._records, self._first_ns or t_ser)
         batch.t_serialize = t_ser
         batch.nbytes = sum(len(f) for f in frames)
@@ -253,6 +328,8 @@ class Connection(Receiver):
             [],
             [],
         )
+        self._codes = array("q")
+        self._defs = []
         self._first_ns = self._span_id = 0
         with self._cond:
             self._in_flight[seq] = batch
@@ -297,7 +374,7 @@ class Connection(Receiver):
     def synchronize(self) -> None:
         """Wait for every op issued so far (``torch.cuda.synchronize()``)."""
         with self._lock:
-            if self._pending or self.frees:
+            if self._records or self.frees:
                 self._flush_locked(urgent=True)
             seq = self.sent_seq
         self.wait(seq, "synchronize")
@@ -310,9 +387,9 @@ class Connection(Receiver):
             if self._kick.wait(max(0.0, next_beat - time.monotonic())):
                 self._kick.clear()
                 time.sleep(self.linger_s)
-                if self._pending and not self._in_flight and self._lock.acquire(timeout=0.05):
+                if self._records and not self._in_flight and self._lock.acquire(timeout=0.05):
                     try:
-                        if self._pending and not self._in_flight and not self.broken:
+                        if self._records and not self._in_flight and not self.broken:
                             self._flush_locked()
                     except ServerGone:
                         pass

@@ -10,8 +10,10 @@ from typing import Any
 _SKIP = (os.path.dirname(os.path.abspath(__file__)),)
 
 
-def user_frames(raw: list[tuple[Any, int]], keep: int = 8) -> list[tuple[str, int, str]]:
-    """``(file, line, function)`` outermost first, from ``(code, line)`` innermost first."""
+def user_frames(raw: tuple | list, keep: int = 8) -> list[tuple[str, int, str]]:
+    """``(file, line, function)`` outermost first, from ``(code, lasti, code, lasti, ...)``
+    innermost first (frames' code objects and last instruction offsets, as the client keeps
+    them per op)."""
     skip = _SKIP
     try:
         import torch
@@ -20,11 +22,19 @@ def user_frames(raw: list[tuple[Any, int]], keep: int = 8) -> list[tuple[str, in
     except ImportError:
         pass
     out = [
-        (code.co_filename, line, code.co_name)
-        for code, line in raw
+        (code.co_filename, _line(code, lasti), code.co_name)
+        for code, lasti in zip(raw[::2], raw[1::2])
         if not code.co_filename.startswith(skip)
     ]
     return list(reversed(out[:keep]))
+
+
+def _line(code: Any, lasti: int) -> int:
+    """The source line of the instruction at byte offset ``lasti`` (what ``f_lineno`` says)."""
+    for start, end, line in code.co_lines():
+        if start <= lasti < end:
+            return line if line is not None else code.co_firstlineno
+    return code.co_firstlineno
 
 
 class RemoteError(RuntimeError):

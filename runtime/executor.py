@@ -32,8 +32,10 @@ from gpu_trace.runtime.pseudo_ops import rng_state, run_pseudo, seed_device, set
 from gpu_trace.runtime.scheduler import PolicyScheduler, Work
 from gpu_trace.runtime.session import OpError, Session
 from gpu_trace.runtime.sink import ReturnSink, record_batch, record_counters, record_quota_wait
+from gpu_trace.runtime.templates import Template, TOp
 from gpu_trace.runtime.values import ArgDecoder, encode_result
 from gpu_trace.runtime.wire import (
+    HEADER,
     MAX_BATCH_OPS,
     MAX_FREES,
     ConnectionClosed,
@@ -238,18 +240,28 @@ class Executor:
         with self.torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             events = self._begin_events() if stream is not None else None
             # A paged-out session comes back: each op waits for its own inputs only.
-            gate = self.pager.begin_batch(session, ops) if self.pager is not None else None
+            gate = None
+            if self.pager is not None and self.pager.is_paged(session):
+                if any(type(op) is TOp for op in ops):  # the pager reads JSON ops
+                    ops = head["ops"] = [op.materialize() if type(op) is TOp else op for op in ops]
+                gate = self.pager.begin_batch(session, ops)
             index = first - 1
             while index + 1 < len(ops):
                 index += 1
                 op = ops[index]
-                name = op[0] if type(op) is list and op and type(op[0]) is str else "?"
+                if type(op) is TOp:
+                    name = op.t.name
+                else:
+                    name = op[0] if type(op) is list and op and type(op[0]) is str else "?"
                 try:
                     try:
                         if gate is not None:
                             gate(op)
                         t0 = now_ns()
-                        value = self._op(session, decoder, op)
+                        if type(op) is TOp:
+                            value = self._top(session, decoder, op)
+                        else:
+                            value = self._op(session, decoder, op)
                         t1 = now_ns()
                     except _Refused as refused:
                         if refused.rerun and _free_early(session, work, ops, index, frees):
@@ -285,8 +297,7 @@ class Executor:
                     break
             if not parked:
                 self._end_wait(session, work, "failed")  # a retried op that failed otherwise
-                for handle in frees:
-                    session.free(handle)
+                session.free_many(frees)
                 if stream is not None and (head.get("sync") or error is None and results):
                     stream.synchronize()
             if self.pager is not None:
@@ -306,14 +317,12 @@ class Executor:
         usage.batches += 1
         usage.ops += len(ops)
         self.batches += 1
-        done = {
-            "seq": seq,
-            "ok": error is None,
-            "error": error,
-            "results": results,
-            "t": [work.recv_start_ns, work.recv_end_ns, exec_start, exec_end, now_ns()],
-        }
-        session.send(json_frame(MsgType.DONE, done))
+        t = (work.recv_start_ns, work.recv_end_ns, exec_start, exec_end, now_ns())
+        if error is None and not results:  # most batches: the same JSON, formatted directly
+            session.send(_done_frame(seq, t))
+        else:
+            done = {"seq": seq, "ok": error is None, "error": error, "results": results, "t": t}
+            session.send(json_frame(MsgType.DONE, done))
         if session.trace:
             record_batch(
                 session,
@@ -343,16 +352,85 @@ class Executor:
                 if account.bytes > before and self.memory.over(session):
                     self._admit_output(session, before, outs, False, None)
                 return value
-            target = allowlist.resolve(name)
-            if target is None:
-                raise OpError(f"op {name[:200]!r} is not on the server's allow-list")
-            entry = self._ops[name] = _entry(target)
-        target, rule, sized, factory, rerunnable, seeded = entry
+            entry = self._resolve(name)
         if type(args) is not list:
             raise ProtocolError("op args must be a list")
         taken = self._blobs_taken
         a = decoder.decode_args(args)
         k = decoder.decode_kwargs(kwargs) if kwargs else {}
+        return self._run_op(session, entry, a, k, outs, before, taken)
+
+    def _resolve(self, name: str) -> tuple[Any, Any, bool, Any, bool, bool]:
+        """An allow-listed ATen op's entry (see :func:`_entry`), made once per name."""
+        entry = self._ops.get(name)
+        if entry is None:
+            target = allowlist.resolve(name)
+            if target is None:
+                raise OpError(f"op {name[:200]!r} is not on the server's allow-list")
+            entry = self._ops[name] = _entry(target)
+        return entry
+
+    def _top(self, session: Session, decoder: ArgDecoder, op: TOp) -> Any:
+        """A template call: its tensors looked up in the template's decoded constants, or, for
+        a template that is not that simple, the call filled in and run as a JSON op."""
+        prep = op.t.prep
+        if prep is None:
+            prep = op.t.prep = self._prepare(op.t)
+        if prep is False:
+            return self._op(session, decoder, op.materialize())
+        entry, args, holes, kwargs, outs = prep
+        vals = op.vals
+        before = session.account.bytes
+        taken = self._blobs_taken
+        a = list(args)
+        get = session.handles.get
+        for pos, hole in holes:
+            a[pos] = get(vals[hole])
+        filled = None if outs is None else [None if h is None else vals[h] for h in outs]
+        return self._run_op(session, entry, a, dict(kwargs), filled, before, taken)
+
+    def _prepare(self, t: Template) -> Any:
+        """A template's decoded form, ``(entry, args, holes, kwargs, outs)`` with ``holes`` the
+        ``(position, hole)`` of each top-level tensor; False where tensors are nested in
+        arguments, or it names a runtime op (such templates are filled in per call)."""
+        if t.name.startswith("rt::") or type(t.outs) not in (list, type(None)):
+            return False
+        if t.outs is not None and not all(o is None or type(o) is int for o in t.outs):
+            return False
+        entry = self._resolve(t.name)
+
+        def constant(ident: int) -> Any:
+            raise ProtocolError("a template's constants cannot name tensors")
+
+        decoder = ArgDecoder(constant, constant, self.device)
+        args: list[Any] = []
+        holes: list[tuple[int, int]] = []
+        for pos, v in enumerate(t.args):
+            if type(v) is dict and len(v) == 1 and "xh" in v:
+                holes.append((pos, v["xh"]))
+                args.append(None)
+            elif _has_hole(v):
+                return False
+            else:
+                args.append(decoder.decode(v, 1))
+        if _has_hole(t.kwargs):
+            return False
+        kwargs = decoder.decode_kwargs(t.kwargs) if t.kwargs else {}
+        return entry, args, holes, kwargs, t.outs
+
+    def _run_op(
+        self,
+        session: Session,
+        entry: tuple[Any, Any, bool, Any, bool, bool],
+        a: list[Any],
+        k: dict[str, Any],
+        outs: Any,
+        before: int,
+        taken: int,
+    ) -> Any:
+        """Run a decoded op: its rules and memory checks, the op, its outputs' handles."""
+        target, rule, sized, factory, rerunnable, seeded = entry
+        account = session.account
         if rule is not None:
             rule(a, k)
         if sized:
@@ -556,6 +634,12 @@ class Executor:
     # ---- tracing ---------------------------------------------------------------------------------
 
 
+def _done_frame(seq: int, t: tuple[int, ...]) -> bytes:
+    """The DONE of a batch with no error and no results (integers only: no escaping)."""
+    body = b'{"seq":%d,"ok":true,"error":null,"results":{},"t":[%d,%d,%d,%d,%d]}' % (seq, *t)
+    return HEADER.pack(len(body), MsgType.DONE) + body
+
+
 def _scalar(value: Any) -> Any:
     torch = __import__("torch")
     if isinstance(value, torch.Tensor):
@@ -585,7 +669,9 @@ def _entry(target: Any) -> tuple[Any, Any, bool, Any, bool, bool]:
         a.alias_info is not None and a.alias_info.is_write for a in arguments
     )
     seeded = torch.Tag.nondeterministic_seeded in target.tags
-    return target, allowlist.RULES.get(schema.name), sized, factory, rerunnable, seeded
+    # The overload's own C++ callable: calling the OpOverload adds a Python frame per op.
+    call = getattr(target, "_op", target)
+    return call, allowlist.RULES.get(schema.name), sized, factory, rerunnable, seeded
 
 
 def _factory_bytes(factory: tuple[int, str], args: list[Any], kwargs: dict[str, Any]) -> int:
@@ -629,12 +715,24 @@ def _ints(value: Any, out: set[int], depth: int) -> None:
     t = type(value)
     if t is int:
         out.add(value)
+    elif t is TOp:
+        out.update(value.vals)
     elif t is list and depth < 16:
         for v in value:
             _ints(v, out, depth + 1)
     elif t is dict and depth < 16:
         for v in value.values():
             _ints(v, out, depth + 1)
+
+
+def _has_hole(value: Any) -> bool:
+    """Whether a template's argument holds a hole anywhere."""
+    t = type(value)
+    if t is dict:
+        return "xh" in value or "xb" in value or any(_has_hole(v) for v in value.values())
+    if t is list:
+        return any(_has_hole(v) for v in value)
+    return False
 
 
 def _handles(outs: Any) -> list[int]:

@@ -66,7 +66,10 @@ class Receiver:
             try:
                 got = reader.next_frame()
                 if got is None:
-                    if polled or not reader.poll_adaptive(SPIN_NS):
+                    # With no spin, straight to select: a reply that is already there makes it
+                    # return at once, one that is not (most, just after sending) costs no failed
+                    # read first.
+                    if polled or not SPIN_NS or not reader.poll_adaptive(SPIN_NS):
                         polled = True  # nothing came while polling: this one takes a while
                         if not self._readable(0.25):
                             if deadline and time.monotonic() > deadline:
@@ -214,9 +217,9 @@ class Receiver:
         with self._cond:
             self.done_seq = max(self.done_seq, seq)
             self._cond.notify_all()
-        if not self._in_flight and self._pending and self._lock.acquire(timeout=0.05):
+        if not self._in_flight and self._records and self._lock.acquire(timeout=0.05):
             try:
-                if self._pending and not self.broken:
+                if self._records and not self.broken:
                     self._flush_locked()
             except ServerGone:
                 pass

@@ -27,6 +27,7 @@ from gpu_trace.runtime.pager import DEFAULT_IDLE_S, Pager
 from gpu_trace.runtime.scheduler import PolicyScheduler, Work
 from gpu_trace.runtime.session import Session
 from gpu_trace.runtime.sink import ReturnSink
+from gpu_trace.runtime.templates import define, expand
 from gpu_trace.runtime.tenants import Tenant, check_tenants, single_tenant
 from gpu_trace.runtime.values import tensor_from_bytes, tensor_meta
 from gpu_trace.runtime.wire import (
@@ -352,6 +353,8 @@ class Server:
             "pid": os.getpid(),
             "sink": self.sink.kind,
             "tenant": tenant.name,
+            # Batches may carry an op stream and templates (:mod:`.templates`).
+            "templates": True,
         }
         if mode == "admin":
             writer.send(
@@ -411,6 +414,14 @@ class Server:
             elif mtype == MsgType.BATCH:
                 start = reader.frame_started_ns
                 head, data = decode_split(body)
+                xb = head.get("xb")
+                if xb is not None:  # the op stream (templates' calls) before the blobs
+                    if type(xb) is not int or not 0 <= xb <= len(data):
+                        raise ProtocolError("field 'xb' must be the op stream's length")
+                    if "defs" in head:
+                        define(session.templates, head["defs"])
+                    head["ops"] = expand(session.templates, data[:xb], head.get("ops"))
+                    data = data[xb:]
                 inline = field_list(head, "blobs", 1 << 16, [])
                 off = 0
                 for entry in inline:  # inline uploads: [id, dtype, shape, nbytes]

@@ -73,6 +73,23 @@ class MemoryAccount:
                 self.paged_bytes -= self._paged.pop(key, 0)
             self._add(-entry[0])
 
+    def release_many(self, keys: list[int]) -> None:
+        """:meth:`release` of each key, with one ``on_change`` at the end (a batch's frees)."""
+        storages = self._storages
+        freed = 0
+        for key in keys:
+            entry = storages.get(key)
+            if entry is None:
+                continue
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del storages[key]
+                if self._paged:
+                    self.paged_bytes -= self._paged.pop(key, 0)
+                freed += entry[0]
+        if freed:
+            self._add(-freed)
+
     def move(self, old_key: int, new_key: int, paged: bool) -> int:
         """The pager moved a storage to host memory (``paged``) or back: same bytes, new key.
 
@@ -160,6 +177,16 @@ class HandleTable:
             return
         if self._tensors.pop(handle, None) is not None:
             self.account.release(self._keys.pop(handle))
+
+    def free_many(self, handles: list[Any]) -> None:
+        """:meth:`free` of each handle, the account changed once."""
+        tensors, keys = self._tensors, self._keys
+        gone = []
+        for handle in handles:
+            if type(handle) is int and tensors.pop(handle, None) is not None:
+                gone.append(keys.pop(handle))
+        if gone:
+            self.account.release_many(gone)
 
     def clear(self) -> None:
         for handle in list(self._tensors):
@@ -282,6 +309,9 @@ class Session:
         self.trace = bool(client.get("trace"))
         self.log = SpanLog()
         self.graphs: dict[int, Any] = {}
+        #: Op templates by id (:mod:`gpu_trace.runtime.templates`); the connection's thread
+        #: adds them, in the order batches arrive.
+        self.templates: dict[int, Any] = {}
         self.rng_state: Any = None
         self.seed: int | None = random.getrandbits(63)
         self.closed = False
@@ -309,6 +339,19 @@ class Session:
             del self.graphs[ident]
         else:
             self.handles.free(ident)
+
+    def free_many(self, idents: list[Any]) -> None:
+        """:meth:`free` of each (a batch's ``free`` list)."""
+        graphs = self.graphs
+        if graphs:
+            handles = []
+            for ident in idents:
+                if type(ident) is int and ident in graphs:
+                    del graphs[ident]
+                else:
+                    handles.append(ident)
+            idents = handles
+        self.handles.free_many(idents)
 
     def close(self) -> None:
         """Free everything the session holds (the executor calls this between batches)."""

@@ -50,26 +50,23 @@ class ShapeCache:
     """Plans by ``(op, signature)``; thread-safe (the autograd engine issues from its own thread)."""
 
     def __init__(self, max_plans: int = MAX_PLANS) -> None:
-        self._plans: dict[Any, Any] = {}
+        #: The plans; read directly on the hot path (one dict lookup). Never replaced: cleared.
+        self.plans: dict[Any, Any] = {}
         self._lock = threading.Lock()
         self.max_plans = max_plans
-        self.hits = 0
         self.misses = 0
 
     def __len__(self) -> int:
-        return len(self._plans)
+        return len(self.plans)
 
     def get(self, key: Any) -> Any:
-        plan = self._plans.get(key)
-        if plan is not None:
-            self.hits += 1
-        return plan
+        return self.plans.get(key)
 
     def put(self, key: Any, plan: Any) -> None:
         with self._lock:
-            if len(self._plans) >= self.max_plans:
-                self._plans.clear()
-            self._plans[key] = plan
+            if len(self.plans) >= self.max_plans:
+                self.plans.clear()
+            self.plans[key] = plan
         self.misses += 1
 
     def plan(self, func: Any, args: tuple, kwargs: dict[str, Any], is_remote: Any) -> Any:

@@ -21,6 +21,7 @@ from gpu_trace.runtime.allowlist import wire_name
 from gpu_trace.runtime.client import Connection, OpRecord, now_ns
 from gpu_trace.runtime.errors import RemoteError, ServerGone
 from gpu_trace.runtime.shapes import DYNAMIC, RESIZED, Alias, NewTensor, ShapeCache
+from gpu_trace.runtime.templates import numbers
 from gpu_trace.runtime.values import (
     DTYPE_NAMES,
     DTYPES,
@@ -114,23 +115,41 @@ def _new(c: Connection, plan: NewTensor) -> tuple[int, RemoteTensor]:
     return h, RemoteTensor(c, h, dtype, shape, stride, offset)
 
 
-def _stack() -> list[tuple[Any, int]]:
-    """The issuing stack, cheaply: ``(code, line)`` of the innermost frames, filtered later.
+def _stack() -> tuple:
+    """The issuing stack, cheaply: ``(code, lasti, code, lasti, ...)`` of the innermost frames,
+    innermost first; :func:`~gpu_trace.runtime.errors.user_frames` turns it into lines, only
+    for an op that failed (``f_lineno`` decodes the line table: it cost more than the rest).
 
     In sync mode errors are raised where the op is issued, so no stack is kept.
     """
     c = conn
     if c is not None and c.sync:
-        return []
-    f = _getframe(2)
-    out = []
-    append = out.append
-    n = 6
-    while f is not None and n:
-        append((f.f_code, f.f_lineno))
-        f = f.f_back
-        n -= 1
-    return out
+        return ()
+    f = _getframe(1).f_back  # the caller's caller (none on the autograd engine's thread)
+    if f is None:
+        return ()
+    g = f.f_back
+    if g is None:
+        return (f.f_code, f.f_lasti)
+    h = g.f_back
+    if h is None:
+        return (f.f_code, f.f_lasti, g.f_code, g.f_lasti)
+    i = h.f_back
+    if i is None:
+        return (f.f_code, f.f_lasti, g.f_code, g.f_lasti, h.f_code, h.f_lasti)
+    j = i.f_back
+    if j is None:
+        return (f.f_code, f.f_lasti, g.f_code, g.f_lasti, h.f_code, h.f_lasti, i.f_code, i.f_lasti)
+    k = j.f_back
+    if k is None:
+        return (
+            *(f.f_code, f.f_lasti, g.f_code, g.f_lasti, h.f_code, h.f_lasti),
+            *(i.f_code, i.f_lasti, j.f_code, j.f_lasti),
+        )
+    return (
+        *(f.f_code, f.f_lasti, g.f_code, g.f_lasti, h.f_code, h.f_lasti),
+        *(i.f_code, i.f_lasti, j.f_code, j.f_lasti, k.f_code, k.f_lasti),
+    )
 
 
 def _kind(func: Any) -> str:
@@ -214,8 +233,9 @@ def _op_info(func: Any) -> tuple[Any, str, str]:
     info = _info.get(id(func))
     if info is None:
         kind = _kind(func)
-        info = _info[id(func)] = (_SPECIAL.get(func), kind, _names[func], func)
-    return info[:3]
+        info = _info[id(func)] = (_SPECIAL.get(func), kind, _names[func])
+        _keep.append(func)
+    return info
 
 
 def dispatch(func: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
@@ -224,84 +244,205 @@ def dispatch(func: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
 
 
 def _dispatch(cls: Any, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-    """:func:`dispatch`, with ``__torch_dispatch__``'s arguments."""
+    """:func:`dispatch`, with ``__torch_dispatch__``'s arguments.
+
+    The common case, an op whose arguments are remote tensors and plain numbers with a plan
+    already made for its signature, is one loop over the arguments, one dict lookup and, per
+    new result, a wrapper tensor and a handle number.
+    """
     t0 = now_ns()
-    if kwargs is None:
-        kwargs = {}
     c = conn
     if c is None or c.broken:
         c = _session(args, kwargs)
     info = _info.get(id(func))
-    special, kind, name = info[:3] if info is not None else _op_info(func)
+    if info is None:
+        info = _op_info(func)
+    special, kind, name = info
     if special is not None:
-        result = special(c, func, args, kwargs, t0)
+        result = special(c, func, args, kwargs or {}, t0)
         if result is not NotImplemented:
             return result
     # Arguments: remote tensors and plain numbers inline, anything else through the encoder.
+    # ``nums``: the handle numbers of a template call (when all arguments were inline).
     inputs: list[Any] = []
-    e: _Encoder | None = None
-    sigs: list[Any] = [id(func)]
+    e: Any = _NO_ENCODER
+    key: list[Any] = [id(func)]
     wire_args = []
+    nums: list[int] | None = []
     for a in args:
-        cls = type(a)
-        if cls is RemoteTensor:
+        t = type(a)
+        if t is RemoteTensor:
             rt = a._rt
             if rt.conn is not c:
                 raise RemoteError("this remote tensor belongs to a closed or different session")
             inputs.append(a)
-            sigs.append(rt.sig)
+            key.append(rt.sig)
             wire_args.append(rt.wire)
-        elif cls is int or cls is float or cls is bool:
-            sigs.append((cls, a))
+            nums.append(rt.id)  # type: ignore[union-attr]
+        elif t is int or t is bool:
+            key.append((t, a))
+            wire_args.append(a)
+        elif t is float:
+            # 0.0 == -0.0: a template keeps the value, so the key tells them apart.
+            key.append((t, a) if a else (t, a, str(a)))
             wire_args.append(a)
         else:
-            if e is None:
+            if e is _NO_ENCODER:
                 e = _Encoder(c, inputs)
-            s, w = e.enc(a)
-            sigs.append(s)
+            sig, w = e.enc(a)
+            key.append(sig)
             wire_args.append(w)
     wire_kwargs = {}
     if kwargs:
-        if e is None:
+        if e is _NO_ENCODER:
             e = _Encoder(c, inputs)
         enc = e.enc
         for k, v in kwargs.items():
-            s, w = enc(v)
-            sigs.append((k, s))
+            sig, w = enc(v)
+            key.append((k, sig))
             wire_kwargs[k] = w
-    if e is None:
-        e = _NO_ENCODER
-    key = tuple(sigs)
+    if e is not _NO_ENCODER:
+        nums = None  # found in the wire form, if the op goes as a template call
+    if kind == "tensor":
+        plan = _plans.get(tuple(key))
+        if plan is None:
+            plan = _plan(func, args, kwargs or {}, tuple(key), name)
+        if type(plan) is _One:  # one new tensor: most ops
+            ident = next(c.ids)
+            out = _make(c, ident, plan)
+            record = OpRecord(name, _stack(), t0)
+            outs = [ident]
+            tid = (
+                plan.tid
+                if plan.tepoch == c.epoch
+                else c.define(plan, name, wire_args, wire_kwargs, outs)
+            )
+            if tid:
+                if nums is None:
+                    nums = numbers(wire_args, wire_kwargs, outs)
+                else:
+                    nums.append(ident)
+                record.t1 = now_ns()
+                c.issue_t(tid, nums, record, e.blobs)
+            else:
+                record.t1 = now_ns()
+                c.issue([name, wire_args, wire_kwargs, outs], record, e.blobs)
+            return out
+        if plan is DYNAMIC:
+            return _dynamic(c, func, name, wire_args, wire_kwargs, e, t0)
+        return _issue_plan(c, plan, name, wire_args, wire_kwargs, inputs, nums, e, t0)
     if kind == "none":
         record = OpRecord(name, _stack(), t0)
         c.issue([name, wire_args, wire_kwargs, None], record, e.blobs)
         record.t1 = now_ns()
         return None
     if kind == "scalar":
-        if func in _METADATA_QUERIES and key in _query_cache:
-            return _query_cache[key]
+        key_t = tuple(key)
+        if func in _METADATA_QUERIES and key_t in _query_cache:
+            return _query_cache[key_t]
         value = _call(
             c, name, wire_args, wire_kwargs, e.blobs, t0, "item" if "scalar" in name else name
         )
         if func in _METADATA_QUERIES:
-            _query_cache[key] = value
+            _query_cache[key_t] = value
         return value
-    if kind == "mixed":
-        raise NotImplementedError(f"{name} returns tensors and other values: not forwarded")
-    plan = cache.get(key)
-    if plan is None:
-        plan = cache.plan(func, args, kwargs, None)
-        cache.put(key, plan)
+    raise NotImplementedError(f"{name} returns tensors and other values: not forwarded")
+
+
+class _One:
+    """A plan made ready: the op's one result is a new tensor (``contiguous``: its strides are
+    those a new tensor of its shape gets, so the wrapper is made without giving them).
+
+    ``tid``: the op's template in the session whose ``epoch`` is ``tepoch`` (0: none there).
+    """
+
+    __slots__ = ("shape", "dtype", "stride", "offset", "sig", "contiguous", "tid", "tepoch")
+
+    def __init__(self, dtype: Any, shape: tuple, stride: tuple, offset: int) -> None:
+        self.shape = shape
+        self.dtype = dtype
+        self.stride = stride
+        self.offset = offset
+        self.sig = (dtype, shape, stride, offset)
+        self.contiguous = offset == 0 and _contiguous_strides(shape) == stride
+        self.tid = 0
+        self.tepoch = 0
+
+
+class _Many:
+    """A plan made ready for any other results: ``described`` as the shape cache describes
+    them (:mod:`gpu_trace.runtime.shapes`); ``tid``/``tepoch`` as :class:`_One`'s."""
+
+    __slots__ = ("is_tuple", "described", "tid", "tepoch")
+
+    def __init__(self, is_tuple: bool, described: tuple) -> None:
+        self.is_tuple = is_tuple
+        self.described = described
+        self.tid = 0
+        self.tepoch = 0
+
+
+#: Ready plans by signature key, the shape cache's own dict (see :func:`_plan`).
+_plans: dict[Any, Any] = cache.plans
+
+
+def _plan(func: Any, args: tuple, kwargs: dict, key: tuple, name: str) -> Any:
+    """Compute, make ready and cache the plan of a signature not seen yet (or raise)."""
+    plan = cache.plan(func, args, kwargs, None)
     if plan is RESIZED:
         raise NotImplementedError(
             f"{name} would change a remote tensor's shape in place; use the functional form"
         )
-    if plan is DYNAMIC:
-        return _dynamic(c, func, name, wire_args, wire_kwargs, e, t0)
-    is_tuple, described = plan
+    if plan is not DYNAMIC:
+        is_tuple, described = plan
+        if not is_tuple and len(described) == 1 and type(described[0]) is NewTensor:
+            plan = _One(*described[0])
+        else:
+            plan = _Many(is_tuple, described)
+    cache.put(key, plan)
+    return plan
+
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    """The strides ``_make_wrapper_subclass`` gives a tensor of ``shape`` when given none."""
+    return tuple(torch.empty(shape, device="meta").stride())
+
+
+_mws = torch.Tensor._make_wrapper_subclass
+
+
+def _make(c: Connection, ident: int, one: _One) -> RemoteTensor:
+    """The remote tensor of a new result (``one``: its ready plan)."""
+    if one.contiguous:
+        r = _mws(RemoteTensor, one.shape, dtype=one.dtype, device=DEVICE)
+    else:
+        r = _mws(
+            RemoteTensor,
+            one.shape,
+            strides=one.stride,
+            storage_offset=one.offset,
+            dtype=one.dtype,
+            device=DEVICE,
+        )
+    r._rt = _Handle(c, ident, one.sig)
+    return r
+
+
+def _issue_plan(
+    c: Connection,
+    plan: _Many,
+    name: str,
+    wire_args: list,
+    wire_kwargs: dict,
+    inputs: list,
+    nums: list[int] | None,
+    e: Any,
+    t0: int,
+) -> Any:
+    """Issue an op whose results are not a single new tensor (several, aliases, lists)."""
     outs: list[Any] = []
     results: list[Any] = []
-    for d in described:
+    for d in plan.described:
         if type(d) is NewTensor:
             h, t = _new(c, d)
             outs.append(h)
@@ -317,9 +458,18 @@ def _dispatch(cls: Any, func: Any, types: Any, args: tuple = (), kwargs: Any = N
             outs.append([h for h, _ in pairs])
             results.append([t for _, t in pairs])
     record = OpRecord(name, _stack(), t0)
-    record.t1 = now_ns()
-    c.issue([name, wire_args, wire_kwargs, outs], record, e.blobs)
-    return tuple(results) if is_tuple else results[0]
+    tid = plan.tid if plan.tepoch == c.epoch else c.define(plan, name, wire_args, wire_kwargs, outs)
+    if tid:
+        if nums is None:
+            nums = numbers(wire_args, wire_kwargs, outs)
+        else:
+            nums.extend(numbers([], {}, outs))
+        record.t1 = now_ns()
+        c.issue_t(tid, nums, record, e.blobs)
+    else:
+        record.t1 = now_ns()
+        c.issue([name, wire_args, wire_kwargs, outs], record, e.blobs)
+    return tuple(results) if plan.is_tuple else results[0]
 
 
 def _call(
@@ -392,8 +542,10 @@ def _copy_(c: Connection, func: Any, args: tuple, kwargs: dict, t0: int) -> Any:
 
 
 _SPECIAL = {aten._to_copy.default: _to_copy, aten.copy_.default: _copy_}
-#: Per op, by ``id(op)``: ``(special handler, kind, wire name, op)`` (the op keeps its id valid).
-_info: dict[int, tuple[Any, str, str, Any]] = {}
+#: Per op, by ``id(op)``: ``(special handler, kind, wire name)``.
+_info: dict[int, tuple[Any, str, str]] = {}
+#: The ops in ``_info`` (kept alive, so that their ids stay theirs).
+_keep: list[Any] = []
 
 
 class _NoEncoder:
@@ -407,3 +559,6 @@ class _NoEncoder:
 
 
 _NO_ENCODER: Any = _NoEncoder()
+
+# Called by PyTorch directly (no frame of a wrapper between the program and the dispatch).
+RemoteTensor.__torch_dispatch__ = classmethod(_dispatch)  # type: ignore[assignment]

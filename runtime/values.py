@@ -184,11 +184,10 @@ class ArgDecoder:
     def __init__(
         self, handle: Callable[[int], Any], blob: Callable[[int], Any], device: Any
     ) -> None:
-        torch = _load()
         self.handle = handle
         self.blob = blob
         self.device = device
-        self.cpu = torch.device("cpu")
+        self.cpu = _cpu()
 
     def decode(self, value: Any, depth: int = 0) -> Any:
         t = type(value)
@@ -269,6 +268,16 @@ class ArgDecoder:
                 raise ProtocolError("keyword argument names must be identifiers")
             out[k] = self.decode(v)
         return out
+
+
+_CPU: list[Any] = []
+
+
+def _cpu() -> Any:
+    """``torch.device("cpu")``, made once."""
+    if not _CPU:
+        _CPU.append(_load().device("cpu"))
+    return _CPU[0]
 
 
 def _ident(value: Any) -> int:

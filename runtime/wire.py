@@ -141,7 +141,7 @@ def chunk_frames(ident: int, data: memoryview) -> list[bytes | memoryview]:
 def decode_json(body: bytes | memoryview) -> dict[str, Any]:
     """A JSON object body; ``ProtocolError`` for anything else."""
     try:
-        obj = json.loads(bytes(body))
+        obj = json.loads(bytes(body).decode())  # a str: json skips guessing the encoding
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise ProtocolError(f"malformed JSON body: {str(exc)[:100]}") from None
     if not isinstance(obj, dict):
@@ -353,7 +353,7 @@ class FrameReader:
             got = self.next_frame()
             if got is not None:
                 return got
-            if not self.poll_adaptive(spin_ns):
+            if not spin_ns or not self.poll_adaptive(spin_ns):
                 try:
                     ready = select.select([self.sock], [], [], timeout)[0]
                 except (OSError, ValueError):

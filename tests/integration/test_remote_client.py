@@ -113,6 +113,75 @@ def test_shapes_are_cached_after_first_use(dev: torch.device) -> None:
     assert rt.cache.misses == misses
 
 
+def test_each_signature_has_its_own_plan_and_template(dev: torch.device) -> None:
+    """Plans and templates are found by the inputs' dtypes, shapes, strides and offsets and the
+    other arguments' values: calls that differ in any one give their own results."""
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    r = base.to(dev)
+    cases = [
+        (r, base),
+        (r.double(), base.double()),  # dtype
+        (r.reshape(4, 3), base.reshape(4, 3)),  # shape
+        (r.t(), base.t()),  # strides
+        (r[1:], base[1:]),  # storage offset
+        (r[:, 1:], base[:, 1:]),  # offset and strides
+    ]
+    for _ in range(2):  # the second round reuses each plan and template
+        for remote, local in cases:
+            got = remote * 2 + 1
+            assert got.shape == local.shape and got.stride() == (local * 2 + 1).stride()
+            assert torch.equal(got.cpu(), local * 2 + 1)
+            assert torch.equal((remote + 0.5).cpu(), local + 0.5)
+            assert torch.equal((remote + 2).cpu(), local + 2)  # an int, then a float
+    # 0.0 and -0.0 are equal, but a template keeps the value: 1 / (x * -0.0) is -inf.
+    ones = torch.ones(2, device=dev)
+    assert (1 / (ones * 0.0)).tolist() == [float("inf")] * 2
+    assert (1 / (ones * -0.0)).tolist() == [float("-inf")] * 2
+    assert (1 / (ones * 0.0)).tolist() == [float("inf")] * 2
+
+
+def test_requires_grad_does_not_change_what_runs(dev: torch.device) -> None:
+    """requires_grad is autograd's business, above the dispatch that plans see: the same
+    signature with and without it gives the same op, and gradients are right."""
+    x = torch.tensor([1.0, -2.0, 3.0])
+    plain = x.to(dev)
+    leaf = x.to(dev).requires_grad_()
+    assert torch.equal((plain * plain).cpu(), x * x)
+    y = (leaf * leaf).sum()
+    y.backward()
+    assert torch.equal(leaf.grad.cpu(), 2 * x)
+    assert torch.equal((plain * plain).cpu(), x * x)
+
+
+def test_templates_with_lists_uploads_and_keywords(dev: torch.device) -> None:
+    """Templates whose handles sit in lists, uploads and keyword arguments, called again."""
+    a, b = torch.randn(2, 3), torch.randn(2, 3)
+    ra, rb = a.to(dev), b.to(dev)
+    for i in range(3):
+        cpu = torch.full((2, 3), float(i))
+        assert torch.equal(torch.cat([ra, rb, ra]).cpu(), torch.cat([a, b, a]))
+        assert torch.equal((ra + cpu.to(dev)).cpu(), a + cpu)  # a fresh upload each time
+        assert torch.equal(torch.where(ra > 0, ra, rb).cpu(), torch.where(a > 0, a, b))
+        got = ra.sum(dim=1, dtype=torch.float64)
+        assert got.dtype == torch.float64 and torch.equal(got.cpu(), a.sum(1, dtype=torch.float64))
+        ra.add_(rb, alpha=2)
+        a.add_(b, alpha=2)
+        assert torch.equal(ra.cpu(), a)
+
+
+def test_templates_are_defined_again_in_a_new_session(served: str) -> None:
+    """Plans outlive a session; their templates are the session's, so a new one defines them."""
+    x = torch.arange(5.0)
+    for _ in range(2):
+        dev = runtime.connect(served, token=TOKEN)
+        try:
+            r = x.to(dev)
+            for _ in range(3):
+                assert torch.equal((r * 3 - 1).cpu(), x * 3 - 1)
+        finally:
+            runtime.disconnect()
+
+
 def test_async_error_surfaces_at_next_sync_with_op_and_stack(dev: torch.device) -> None:
     r = torch.ones(3, device=dev)
     index = torch.tensor([7], device=dev)

@@ -157,6 +157,63 @@ def test_op_errors_name_the_op_and_the_session_goes_on(server: Server) -> None:
     assert c.batch([["aten::neg.default", [{"h": 1}], {}, [4]]])["ok"]
 
 
+def _stream_batch(c: Raw, defs: list, stream: list[int], ops: list | None = None) -> dict:
+    """A batch in the op-stream form: templates, then their calls as int64s."""
+    from array import array
+
+    c.seq += 1
+    data = array("q", stream).tobytes()
+    head = {"seq": c.seq, "ops": ops or [], "free": [], "defs": defs, "xb": len(data)}
+    c.writer.send(*wire.split_frame(MsgType.BATCH, head, [data]))
+    return c.until(MsgType.DONE)
+
+
+def test_template_calls_run_like_json_ops(server: Server) -> None:
+    c = Raw(server.address)
+    assert json.loads(c.welcome[1])["templates"] is True
+    ones = ["aten::ones.default", [[3]], {"dtype": {"d": "float32"}, "device": {"v": "r"}}, [1]]
+    defs = [
+        [1, "aten::mul.Tensor", [{"xh": 0}, 3.0], {}, [1], 2],
+        [2, "aten::add_.Tensor", [{"xh": 0}, {"xh": 1}], {"alpha": 2}, [None], 2],
+        [3, "aten::cat.default", [[{"xh": 0}, {"xh": 1}]], {}, [2], 3],
+    ]
+    # JSON op (id 0), then x2 = x1 * 3, x1 += 2 * x2, x3 = cat(x1, x2), x4 = x3 * 3
+    done = _stream_batch(c, defs, [0, 1, 1, 2, 2, 1, 2, 3, 1, 2, 3, 1, 3, 4], [ones])
+    assert done["ok"], done
+    x1 = torch.ones(3) + 2 * torch.full((3,), 3.0)
+    assert torch.equal(c.fetch(3), torch.cat([x1, torch.full((3,), 3.0)]))
+    assert torch.equal(c.fetch(4), torch.cat([x1, torch.full((3,), 3.0)]) * 3)
+    # A call naming a handle that does not exist fails as an op; the session goes on.
+    done = _stream_batch(c, [], [1, 99, 5, 1, 1, 6])
+    assert not done["ok"] and done["error"]["index"] == 0
+    assert done["error"]["op"] == "aten::mul.Tensor"
+    assert "unknown tensor handle 99" in done["error"]["message"]
+    assert _stream_batch(c, [], [1, 1, 7])["ok"]
+    # A template's constants cannot name tensors; an op off the allow-list is refused.
+    bad = [
+        [4, "aten::add.Tensor", [{"xh": 0}, {"h": 1}], {}, [1], 2],
+        [5, "aten::from_file.default", ["/etc/passwd"], {}, [0], 1],
+    ]
+    done = _stream_batch(c, bad, [4, 1, 8])
+    assert not done["ok"] and "constants cannot name tensors" in done["error"]["message"]
+    done = _stream_batch(c, [], [5, 9])
+    assert not done["ok"] and "allow-list" in done["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("defs", "stream"),
+    [
+        ([[1, "aten::neg.default", [{"xh": 0}], {}, [1], 1]], [1, 1]),  # outs name hole 1 of 1
+        ([[1, "aten::neg.default", [{"xh": 0}], {}, [1], 3]], [1, 1, 2, 3]),  # holes misnumbered
+        ([], [7, 1, 2]),  # unknown template
+    ],
+)
+def test_malformed_op_streams_close_the_session(server: Server, defs: list, stream: list) -> None:
+    c = Raw(server.address)
+    with pytest.raises(wire.ProtocolError):
+        _stream_batch(c, defs, stream)
+
+
 @pytest.mark.parametrize(
     "op",
     [
