@@ -4,7 +4,8 @@
 
 PyTorch (a small CNN, an LSTM, and an MLP of 33 tiny layers whose step is mostly per-module
 framework work, so its figures show the cost per module call most clearly): unpatched, gpu-trace recording with the PyTorch patches off
-(the recorder's own cost), gpu-trace module level, gpu-trace op level, torch.profiler (CPU
+(the recorder's own cost), gpu-trace module level, gpu-trace op level (and op level with module
+backward ranges from hooks, as before they came from the collected ops), torch.profiler (CPU
 activities) and torch.autograd.profiler.emit_nvtx (only where the PyTorch build has NVTX).
 TensorFlow (a Keras model, eager training steps): unpatched, layer level, op level.
 
@@ -131,6 +132,17 @@ def torch_cases() -> dict[str, Callable[[], tuple[Step, int]]]:
     return {"CNN": make(cnn), "LSTM": make(lstm), "MLP": make(mlp)}
 
 
+@contextlib.contextmanager
+def op_with_hooks() -> Iterator[None]:
+    """Op level with module backward ranges from autograd hooks, as module level makes them (as
+    op level did before they were made from the collected ops): for comparison."""
+    from gpu_trace.framework_patches import torch_modules
+
+    with recording("GPU_TRACE_TORCH", "op"):
+        torch_modules.backward_from(None)
+        yield
+
+
 def torch_configs() -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
     import torch
 
@@ -139,6 +151,7 @@ def torch_configs() -> dict[str, Callable[[], contextlib.AbstractContextManager]
         "gpu-trace, torch off": lambda: recording("GPU_TRACE_TORCH", "off"),
         "gpu-trace module": lambda: recording("GPU_TRACE_TORCH", "module"),
         "gpu-trace op": lambda: recording("GPU_TRACE_TORCH", "op"),
+        "gpu-trace op, hooks": op_with_hooks,
         "torch.profiler (CPU)": lambda: torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU]
         ),
