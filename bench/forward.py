@@ -8,7 +8,8 @@ torch.distributed.rpc worker (TensorPipe), then measures:
 
 1. peer: ``rpc_sync`` round trip of a small ``torch.add`` and ``rpc_async`` calls/s (all issued,
    then waited); and the floor of any Python round trip here: a bare TCP ping-pong of 100 bytes
-   between two processes (blocking ``recv``, ``TCP_NODELAY``);
+   between two processes (blocking ``recv``, ``TCP_NODELAY``); and the floor of any op on a
+   tensor subclass: a ``__torch_dispatch__`` that returns a new wrapper (or a prebuilt tensor);
 2. forwarded small ops/s, asynchronous (``x = x + 1`` on a 16-element tensor, then one sync);
 3. a synchronous op's round trip: the same op with ``sync=True``, and ``.item()`` of a sum;
 4. with 1 ms added round trip: a small MLP training step, asynchronous vs ``sync=True``;
@@ -153,6 +154,40 @@ def bench_ping() -> dict[str, float]:
     return {"bare_ping_us": us}
 
 
+def bench_floor(n: int) -> dict[str, float]:
+    """The floor of any tensor subclass here: ``x + 1`` through a ``__torch_dispatch__`` that
+    only returns a new ``_make_wrapper_subclass`` tensor (or a prebuilt one), no forwarding."""
+    meta = torch.device("meta")
+
+    class New(torch.Tensor):
+        __torch_function__ = torch._C._disabled_torch_function_impl
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+            return torch.Tensor._make_wrapper_subclass(cls, (16,), dtype=torch.float32, device=meta)
+
+    class Same(torch.Tensor):
+        __torch_function__ = torch._C._disabled_torch_function_impl
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+            return prebuilt
+
+    out = {}
+    for name, cls in (("floor_new_ops_s", New), ("floor_same_ops_s", Same)):
+        x = torch.Tensor._make_wrapper_subclass(cls, (16,), dtype=torch.float32, device=meta)
+        prebuilt = x
+
+        def rate(x: torch.Tensor = x) -> float:
+            t = time.perf_counter()
+            for _ in range(n):
+                x + 1
+            return n / (time.perf_counter() - t)
+
+        out[name] = max(rate() for _ in range(3))
+    return out
+
+
 # ---- ours ----------------------------------------------------------------------------------------
 
 
@@ -285,6 +320,7 @@ def main() -> None:
     results: dict[str, float] = {}
     results.update(bench_rpc(n))
     results.update(bench_ping())
+    results.update(bench_floor(n))
     plain, address = _spawn_server(0.0)
     delayed, delayed_address = _spawn_server(0.5)
     try:
@@ -301,6 +337,8 @@ def main() -> None:
         ("peer rpc_sync round trip", f"{r['rpc_sync_rtt_us']:.0f} µs", ""),
         ("peer rpc_async calls/s", f"{r['rpc_async_calls_s']:,.0f}", ""),
         ("bare Python TCP ping (floor)", f"{r['bare_ping_us']:.0f} µs", ""),
+        ("floor: no-op subclass, new wrapper, ops/s", f"{r['floor_new_ops_s']:,.0f}", ""),
+        ("floor: no-op subclass, same tensor, ops/s", f"{r['floor_same_ops_s']:,.0f}", ""),
         (
             "forwarded small ops/s (async)",
             f"{r['ops_s']:,.0f}",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import json
 import logging
 import os
 import socket
@@ -35,7 +36,9 @@ from gpu_trace.runtime.server import parse_address
 from gpu_trace.runtime.templates import MAX_TEMPLATES, make_template
 from gpu_trace.runtime.tracing import ClientTrace
 from gpu_trace.runtime.wire import (
+    HEADER,
     INLINE_BYTES,
+    JSON_LEN,
     MAX_FRAME,
     ConnectionClosed,
     FrameReader,
@@ -55,6 +58,14 @@ now_ns = time.perf_counter_ns
 
 _BIG_ENDIAN = sys.byteorder != "little"
 _epochs = itertools.count(1)
+
+
+def _batch_frame(head: dict[str, Any], stream: bytes) -> bytes:
+    """A BATCH frame without uploads, as one buffer (:func:`split_frame`'s layout)."""
+    h = json.dumps(head, separators=(",", ":")).encode()
+    return HEADER.pack(JSON_LEN.size + len(h) + len(stream), MsgType.BATCH) + (
+        JSON_LEN.pack(len(h)) + h + stream
+    )
 
 
 class Connection(Receiver):
@@ -292,13 +303,9 @@ class Connection(Receiver):
         if self.broken:
             raise ServerGone(self.broken)
         t_ser = now_ns()
-        frees = []
+        # Others only append (handles freed by the garbage collector): take what is there now.
         popleft = self.frees.popleft
-        while True:
-            try:
-                frees.append(popleft())
-            except IndexError:
-                break
+        frees = [popleft() for _ in range(len(self.frees))]
         self.sent_seq += 1
         seq = self.sent_seq
         span_id = self._span_id or self.trace.new_span_id()
@@ -317,10 +324,15 @@ class Connection(Receiver):
         tp = self.trace.traceparent(span_id)
         if tp:
             head["tp"] = tp
-        frames = [*self._large, *split_frame(MsgType.BATCH, head, [stream, *self._inline_data])]
+        if self._inline_data:
+            frames = split_frame(MsgType.BATCH, head, [stream, *self._inline_data])
+        else:
+            frames = [_batch_frame(head, stream)]
+        if self._large:
+            frames = [*self._large, *frames]
         batch = Batch(seq, span_id, self._records, self._first_ns or t_ser)
         batch.t_serialize = t_ser
-        batch.nbytes = sum(len(f) for f in frames)
+        batch.nbytes = sum(map(len, frames))
         self._pending, self._records, self._inline, self._inline_data, self._large = (
             [],
             [],

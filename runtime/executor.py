@@ -155,6 +155,12 @@ class Executor:
             self.current = None
 
     def run(self, session: Session, work: Work) -> None:
+        if work.kind == "batch" and not session.closed:  # most work: first
+            try:
+                self._batch(session, work)
+            except ProtocolError as exc:
+                self._fail(session, str(exc))
+            return
         if work.kind == "close":
             if self._rng_owner is session:
                 self._rng_owner = None
@@ -297,7 +303,8 @@ class Executor:
                     break
             if not parked:
                 self._end_wait(session, work, "failed")  # a retried op that failed otherwise
-                session.free_many(frees)
+                if frees:
+                    session.free_many(frees)
                 if stream is not None and (head.get("sync") or error is None and results):
                     stream.synchronize()
             if self.pager is not None:
