@@ -33,7 +33,13 @@ from gpu_trace.runtime.batch import Batch, OpRecord
 from gpu_trace.runtime.errors import ProtocolMismatch, RemoteOpError, ServerGone
 from gpu_trace.runtime.receiver import Receiver
 from gpu_trace.runtime.server import parse_address
-from gpu_trace.runtime.templates import MAX_TEMPLATES, make_template
+from gpu_trace.runtime.templates import (
+    MAX_SESSION_NODES,
+    MAX_TEMPLATE_NODES,
+    MAX_TEMPLATES,
+    make_template,
+    weight,
+)
 from gpu_trace.runtime.tracing import ClientTrace
 from gpu_trace.runtime.wire import (
     HEADER,
@@ -133,7 +139,8 @@ class Connection(Receiver):
         #: This connection among all of the process's: a plan's template is ours if its
         #: ``tepoch`` is this (templates are per session).
         self.epoch = next(_epochs)
-        self._tids = itertools.count(1)
+        self._defined = 0  # templates defined in this session, and the JSON values they hold
+        self._nodes = 0
         self._fetches: dict[int, list[Any]] = {}
         self._ping_lock = threading.Lock()
         self._rx_lock = threading.Lock()  # whoever holds it reads the socket
@@ -246,11 +253,15 @@ class Connection(Receiver):
         (the op then goes as JSON). Ops issued after this return may use the id."""
         with self._lock:
             if plan.tepoch != self.epoch:
-                tid = next(self._tids) if self.templates else 0
-                if tid > MAX_TEMPLATES or not tid:
-                    tid = 0
-                else:
-                    self._defs.append(make_template(tid, name, args, kwargs, outs))
+                tid = 0
+                if self.templates and self._defined < MAX_TEMPLATES:
+                    d = make_template(self._defined + 1, name, args, kwargs, outs)
+                    nodes = weight(d)
+                    if nodes <= MAX_TEMPLATE_NODES and self._nodes + nodes <= MAX_SESSION_NODES:
+                        self._defined += 1
+                        self._nodes += nodes
+                        self._defs.append(d)
+                        tid = self._defined
                 plan.tid = tid
                 plan.tepoch = self.epoch
             return plan.tid

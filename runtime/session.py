@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from gpu_trace.runtime.templates import Templates
 from gpu_trace.runtime.tenants import Tenant
 from gpu_trace.runtime.usage import Usage
 from gpu_trace.runtime.wire import MAX_TENSOR_BYTES, ProtocolError
@@ -311,7 +312,7 @@ class Session:
         self.graphs: dict[int, Any] = {}
         #: Op templates by id (:mod:`gpu_trace.runtime.templates`); the connection's thread
         #: adds them, in the order batches arrive.
-        self.templates: dict[int, Any] = {}
+        self.templates = Templates()
         self.rng_state: Any = None
         self.seed: int | None = random.getrandbits(63)
         self.closed = False

@@ -28,6 +28,11 @@ from gpu_trace.runtime.wire import MAX_BATCH_OPS, MAX_LIST, ProtocolError
 MAX_TEMPLATES = 1 << 18
 #: Most handle numbers in one template.
 MAX_HOLES = 4096
+#: Most JSON values (:func:`weight`) in one template, and in all of a session's: templates stay
+#: for the session's life, so what they may hold is bounded (a client sends a larger op, or any
+#: op past the session's total, as JSON).
+MAX_TEMPLATE_NODES = 4096
+MAX_SESSION_NODES = 1 << 21
 
 _SWAP = sys.byteorder != "little"
 
@@ -102,7 +107,23 @@ def numbers(args: list, kwargs: dict, outs: Any) -> list[int]:
     return out
 
 
+def weight(value: Any) -> int:
+    """The number of JSON values in ``value`` (containers and scalars alike)."""
+    t = type(value)
+    if t is list:
+        return 1 + sum(weight(v) for v in value)
+    if t is dict:
+        return 1 + sum(weight(v) for v in value.values())
+    return 1
+
+
 # ---- server --------------------------------------------------------------------------------------
+
+
+class Templates(dict):
+    """A session's templates by id, and the JSON values they hold (``nodes``)."""
+
+    nodes = 0
 
 
 class Template:
@@ -155,7 +176,7 @@ class TOp:
         return [t.name, fill(t.args), {k: fill(x) for k, x in t.kwargs.items()}, fill_outs(t.outs)]
 
 
-def define(templates: dict[int, Template], defs: Any) -> None:
+def define(templates: Templates, defs: Any) -> None:
     """Validate and add a batch's ``defs`` to a session's ``templates``."""
     if type(defs) is not list or len(defs) > MAX_BATCH_OPS:
         raise ProtocolError(f"field 'defs' must be a list of at most {MAX_BATCH_OPS} items")
@@ -177,6 +198,10 @@ def define(templates: dict[int, Template], defs: Any) -> None:
         _out_holes(outs, seen, 0)
         if sorted(seen) != list(range(holes)):
             raise ProtocolError("a template's holes must be numbered 0..holes-1, each once")
+        nodes = weight(d)
+        if nodes > MAX_TEMPLATE_NODES or templates.nodes + nodes > MAX_SESSION_NODES:
+            raise ProtocolError("template too large, or the session's templates hold too much")
+        templates.nodes += nodes
         templates[tid] = Template(name, args, kwargs, outs, holes)
 
 

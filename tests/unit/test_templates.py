@@ -7,12 +7,16 @@ from array import array
 import pytest
 
 from gpu_trace.runtime.templates import (
+    MAX_SESSION_NODES,
+    MAX_TEMPLATE_NODES,
     MAX_TEMPLATES,
+    Templates,
     TOp,
     define,
     expand,
     make_template,
     numbers,
+    weight,
 )
 from gpu_trace.runtime.wire import ProtocolError
 
@@ -31,7 +35,7 @@ OPS = [
 def test_a_template_filled_with_its_numbers_is_the_op(op: list) -> None:
     name, args, kwargs, outs = op
     d = make_template(5, name, args, kwargs, outs)
-    templates: dict = {}
+    templates = Templates()
     define(templates, [d])
     nums = numbers(args, kwargs, outs)
     assert len(nums) == d[5] == templates[5].holes
@@ -41,7 +45,7 @@ def test_a_template_filled_with_its_numbers_is_the_op(op: list) -> None:
 
 
 def test_the_op_stream_interleaves_template_calls_and_json_ops() -> None:
-    templates: dict = {}
+    templates = Templates()
     define(templates, [make_template(1, *OPS[0])])
     json_op = ["rt::fetch", [{"h": 8}, 99], {}, None]
     stream = array("q", [1, 7, 8, 0, 1, 8, 20]).tobytes()
@@ -74,11 +78,11 @@ def test_the_op_stream_interleaves_template_calls_and_json_ops() -> None:
 )
 def test_malformed_templates_are_refused(defs: object) -> None:
     with pytest.raises(ProtocolError):
-        define({}, defs)
+        define(Templates(), defs)
 
 
 def test_a_template_id_cannot_be_redefined_later() -> None:
-    templates: dict = {}
+    templates = Templates()
     define(templates, [[1, "x", [], {}, None, 0]])
     with pytest.raises(ProtocolError):
         define(templates, [[1, "y", [], {}, None, 0]])
@@ -94,7 +98,7 @@ def test_a_template_id_cannot_be_redefined_later() -> None:
     ],
 )
 def test_malformed_op_streams_are_refused(stream: list[int], json_ops: list) -> None:
-    templates: dict = {}
+    templates = Templates()
     define(templates, [make_template(1, *OPS[0])])
     with pytest.raises(ProtocolError):
         expand(templates, array("q", stream).tobytes(), json_ops)
@@ -102,4 +106,18 @@ def test_malformed_op_streams_are_refused(stream: list[int], json_ops: list) -> 
 
 def test_an_op_stream_must_be_whole_int64s() -> None:
     with pytest.raises(ProtocolError):
-        expand({}, b"\x00" * 9, [])
+        expand(Templates(), b"\x00" * 9, [])
+
+
+def test_what_templates_hold_is_bounded_per_template_and_per_session() -> None:
+    big = [1, "x", [list(range(MAX_TEMPLATE_NODES))], {}, None, 0]
+    assert weight(big) > MAX_TEMPLATE_NODES
+    with pytest.raises(ProtocolError):
+        define(Templates(), [big])
+    templates = Templates()
+    each = [list(range(MAX_TEMPLATE_NODES - 16))]
+    count = MAX_SESSION_NODES // weight([0, "x", each, {}, None, 0])
+    define(templates, [[i + 1, "x", each, {}, None, 0] for i in range(count)])
+    assert templates.nodes <= MAX_SESSION_NODES
+    with pytest.raises(ProtocolError):
+        define(templates, [[count + 1, "x", each, {}, None, 0]])
