@@ -182,6 +182,28 @@ def test_templates_are_defined_again_in_a_new_session(served: str) -> None:
             runtime.disconnect()
 
 
+def test_template_calls_of_a_paged_out_session() -> None:
+    """A paged-out session's next batch is read by the pager as JSON ops: its template calls
+    are filled in for it, and the values come back."""
+    with Server("127.0.0.1:0", token=TOKEN) as srv:
+        device = runtime.connect(srv.address, token=TOKEN)
+        try:
+            x = torch.arange(6.0)
+            r = x.to(device)
+            for _ in range(3):  # defines the templates, then calls them
+                r, x = r * 2 + 1, x * 2 + 1
+            runtime.synchronize()
+            session = srv.sessions[runtime.current().session_id]
+            assert srv.page_out(session.id, by="test")
+            assert srv.pager.is_paged(session)
+            for _ in range(3):
+                r, x = r * 2 + 1, x * 2 + 1
+            assert torch.equal(r.cpu(), x)
+            assert session.usage.restores == 1
+        finally:
+            runtime.disconnect()
+
+
 def test_async_error_surfaces_at_next_sync_with_op_and_stack(dev: torch.device) -> None:
     r = torch.ones(3, device=dev)
     index = torch.tensor([7], device=dev)
