@@ -17,7 +17,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
-import json
 import logging
 import os
 import socket
@@ -52,6 +51,7 @@ from gpu_trace.runtime.wire import (
     MsgType,
     ProtocolError,
     chunk_frames,
+    dumps,
     frame,
     json_frame,
     split_frame,
@@ -68,7 +68,7 @@ _epochs = itertools.count(1)
 
 def _batch_frame(head: dict[str, Any], stream: bytes) -> bytes:
     """A BATCH frame without uploads, as one buffer (:func:`split_frame`'s layout)."""
-    h = json.dumps(head, separators=(",", ":")).encode()
+    h = dumps(head).encode()
     return HEADER.pack(JSON_LEN.size + len(h) + len(stream), MsgType.BATCH) + (
         JSON_LEN.pack(len(h)) + h + stream
     )
@@ -332,9 +332,10 @@ class Connection(Receiver):
             head["xb"] = len(stream)
         if self._inline:
             head["blobs"] = self._inline
-        tp = self.trace.traceparent(span_id)
-        if tp:
-            head["tp"] = tp
+        if self.trace.enabled:
+            tp = self.trace.traceparent(span_id)
+            if tp:
+                head["tp"] = tp
         if self._inline_data:
             frames = split_frame(MsgType.BATCH, head, [stream, *self._inline_data])
         else:

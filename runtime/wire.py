@@ -107,19 +107,23 @@ class ConnectionClosed(ConnectionError):
 # ---- encoding ------------------------------------------------------------------------------------
 
 
+#: ``json.dumps(obj, separators=(",", ":"))`` without making an encoder per call.
+dumps = json.JSONEncoder(separators=(",", ":")).encode
+
+
 def frame(mtype: MsgType, body: bytes | bytearray | memoryview = b"") -> bytes:
     """One frame (header and body)."""
     return HEADER.pack(len(body), mtype) + bytes(body)
 
 
 def json_frame(mtype: MsgType, obj: Any) -> bytes:
-    body = json.dumps(obj, separators=(",", ":")).encode()
+    body = dumps(obj).encode()
     return HEADER.pack(len(body), mtype) + body
 
 
 def split_frame(mtype: MsgType, head: Any, payload: Sequence[bytes | memoryview]) -> list[bytes]:
     """A frame whose body is a JSON header followed by raw bytes: returned as buffers to send."""
-    h = json.dumps(head, separators=(",", ":")).encode()
+    h = dumps(head).encode()
     n = JSON_LEN.size + len(h) + sum(len(p) for p in payload)
     return [HEADER.pack(n, mtype) + JSON_LEN.pack(len(h)) + h, *payload]
 
