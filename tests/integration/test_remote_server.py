@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+from array import array
 from collections.abc import Iterator
 
 import pytest
@@ -337,6 +338,7 @@ _leaf = (
     | st.text(max_size=8)
     | st.builds(lambda h: {"h": h}, st.integers(-2, 6))
     | st.builds(lambda b: {"b": b}, st.integers(-2, 6))
+    | st.builds(lambda k, n: {k: n}, st.sampled_from(["xh", "xb"]), st.integers(-2, 6))
     | st.builds(
         lambda k, v: {k: v},
         st.sampled_from(["d", "v", "m", "l", "c", "zz"]),
@@ -357,12 +359,30 @@ _op = st.one_of(
         ),
     ).map(list),
 )
+#: A template definition ([id, name, args, kwargs, outs, holes]) or anything list-shaped.
+_def = st.one_of(
+    st.lists(_arg, max_size=6),
+    st.tuples(
+        st.integers(-1, 5),
+        _names,
+        st.lists(_arg, max_size=4),
+        st.dictionaries(st.text(max_size=6), _arg, max_size=2),
+        st.lists(st.integers(-1, 6) | st.none(), max_size=3),
+        st.integers(-1, 8),
+    ).map(list),
+)
 _batch = st.fixed_dictionaries(
     {"seq": st.integers(0, 1 << 62), "ops": st.lists(_op, max_size=6)},
     optional={
         "free": st.lists(st.integers(-5, 20) | st.text(max_size=3), max_size=5),
         "blobs": st.lists(st.lists(_leaf, max_size=4), max_size=2),
         "tp": st.text(max_size=60),
+        "defs": st.lists(_def, max_size=3),
+        # the op stream (template calls as int64s), sent as the batch's first blob
+        "_stream": st.lists(
+            st.integers(-2, 8) | st.integers(-(1 << 63), (1 << 63) - 1), max_size=12
+        ),
+        "xb": st.integers(-8, 200),
     },
 )
 _frame = st.one_of(
@@ -394,7 +414,12 @@ def test_fuzz_server_survives_thousands_of_adversarial_messages(server: Server) 
         mtype, body = msg
         try:
             if mtype == MsgType.BATCH:
-                c.writer.send(*wire.split_frame(MsgType.BATCH, body, [b"\x00" * 16]))
+                blob = b"\x00" * 16
+                if "_stream" in body:
+                    body = dict(body)
+                    blob = array("q", body.pop("_stream")).tobytes()
+                    body.setdefault("xb", len(blob))
+                c.writer.send(*wire.split_frame(MsgType.BATCH, body, [blob]))
             elif isinstance(body, dict):
                 c.writer.send(wire.json_frame(mtype, body))
             else:
