@@ -119,16 +119,19 @@ def test_module_tree_forward_and_backward_nest(record) -> None:
             assert p["start_ns"] <= r["start_ns"] <= r["end_ns"] <= p["end_ns"], r["name"]
 
 
+class TrainStep(nn.Module):
+    """Calls backward inside its forward (module level: before its hooks are placed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+
+    def forward(self, x):
+        self.net(x).sum().backward()
+        return x
+
+
 def test_backward_called_inside_a_module_has_module_backward_ranges(record) -> None:
-    class TrainStep(nn.Module):  # hooks are placed when the outermost module returns: not yet
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
-
-        def forward(self, x):
-            self.net(x).sum().backward()
-            return x
-
     run = record()
     TrainStep()(torch.randn(2, 3))
     gpu_trace.stop()
@@ -242,16 +245,6 @@ def test_op_level_module_backward_across_sessions_and_inside_a_module(record, mo
     from gpu_trace.framework_patches import torch_ops
 
     monkeypatch.setattr(torch_ops, "HARVEST_INTERVAL_S", 0.0)  # every top-level call cycles
-
-    class TrainStep(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
-
-        def forward(self, x):
-            self.net(x).sum().backward()
-            return x
-
     run = record("op")
     model, loss = CNN(), nn.CrossEntropyLoss()
     out = model(torch.randn(2, 1, 12, 12))
