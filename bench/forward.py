@@ -16,19 +16,27 @@ torch.distributed.rpc worker (TensorPipe), then measures:
 5. on loopback: a training step of an MLP with large matrices, remote (server on the CPU) vs the
    same step run locally on the CPU.
 
+The round trips (the peer's ``rpc_sync``, the bare ping, ours) are measured twice: with the
+processes wherever the kernel puts them, and with every process of the measurement pinned to
+one CPU (``--one-cpu``, the default where there are several and the OS allows pinning). On the
+2-vCPU VM this was built on, waking a process on the other, idle, vCPU costs about 40 µs each
+way (the bare ping: 13-14 µs on one vCPU, 88-98 µs across two, same minutes): a round trip
+across vCPUs measures the hypervisor's wake-up more than the software.
+
 The machine is shared and noisy: ratios within one run are what mean something.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -41,6 +49,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _pin(cpu: int | None) -> None:
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+
+
+@contextlib.contextmanager
+def pinned(cpu: int | None) -> Iterator[None]:
+    """This process on ``cpu`` (all of its threads, as they are created after), then as before."""
+    if cpu is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpu})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def _one_cpu() -> int | None:
+    """The CPU to pin round-trip measurements to; None where that can't be done."""
+    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
+        return None
+    return min(os.sched_getaffinity(0))
+
+
 def _serve(port: int, delay_ms: float) -> None:
     from gpu_trace.runtime.server import Server
 
@@ -49,10 +83,22 @@ def _serve(port: int, delay_ms: float) -> None:
     server.serve_forever()
 
 
-def _spawn_server(delay_ms: float) -> tuple[subprocess.Popen, str]:
+def _cpu_args(cpu: int | None) -> list[str]:
+    return [] if cpu is None else ["--cpu", str(cpu)]
+
+
+def _spawn_server(delay_ms: float, cpu: int | None = None) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, __file__, "--serve", str(port), "--delay-ms", str(delay_ms)],
+        [
+            sys.executable,
+            __file__,
+            "--serve",
+            str(port),
+            "--delay-ms",
+            str(delay_ms),
+            *_cpu_args(cpu),
+        ],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -75,14 +121,16 @@ def best(fn: Callable[[], float], repeat: int = 3) -> float:
 # ---- peer ----------------------------------------------------------------------------------------
 
 
-def bench_rpc(n: int) -> dict[str, float]:
+def bench_rpc(n: int, cpu: int | None = None) -> dict[str, float]:
     """The peer, in two processes of its own (its threads never share a process with ours)."""
     import json
 
     port = _free_port()
-    worker = subprocess.Popen([sys.executable, __file__, "--rpc-worker", str(port)])
+    worker = subprocess.Popen(
+        [sys.executable, __file__, "--rpc-worker", str(port), *_cpu_args(cpu)]
+    )
     out = subprocess.run(
-        [sys.executable, __file__, "--rpc-client", str(port), "--ops", str(n)],
+        [sys.executable, __file__, "--rpc-client", str(port), "--ops", str(n), *_cpu_args(cpu)],
         capture_output=True,
         text=True,
         check=True,
@@ -131,13 +179,13 @@ def _echo(port: int) -> None:
             s.sendall(data)
 
 
-def bench_ping() -> dict[str, float]:
+def bench_ping(cpu: int | None = None) -> dict[str, float]:
     """A bare Python TCP round trip between two processes: the floor for any of ours."""
     with socket.create_server(("127.0.0.1", 0)) as srv:
         port = srv.getsockname()[1]
-        echo = subprocess.Popen([sys.executable, __file__, "--echo", str(port)])
+        echo = subprocess.Popen([sys.executable, __file__, "--echo", str(port), *_cpu_args(cpu)])
         conn, _ = srv.accept()
-    with conn:
+    with conn, pinned(cpu):
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         msg = b"x" * 100
 
@@ -209,6 +257,19 @@ def bench_small_ops(address: str, n: int) -> dict[str, float]:
         rate()
         ops_s = max(rate() for _ in range(3))
 
+    finally:
+        runtime.disconnect()
+    return {"ops_s": ops_s}
+
+
+def bench_round_trips(address: str) -> dict[str, float]:
+    """A synchronous op's round trip (``sync=True``) and ``.item()``'s in asynchronous mode."""
+    from gpu_trace import runtime
+
+    dev = runtime.connect(address, token=TOKEN)
+    try:
+        x = torch.ones(16, device=dev)
+
         def item_rtt() -> float:
             s = x.sum()
             t = time.perf_counter()
@@ -216,6 +277,7 @@ def bench_small_ops(address: str, n: int) -> dict[str, float]:
                 s.item()
             return (time.perf_counter() - t) / 300
 
+        item_rtt()
         item_us = best(item_rtt) * 1e6
     finally:
         runtime.disconnect()
@@ -233,7 +295,7 @@ def bench_small_ops(address: str, n: int) -> dict[str, float]:
         sync_us = best(sync_rtt) * 1e6
     finally:
         runtime.disconnect()
-    return {"ops_s": ops_s, "sync_op_rtt_us": sync_us, "item_rtt_us": item_us}
+    return {"sync_op_rtt_us": sync_us, "item_rtt_us": item_us}
 
 
 def _mlp(width: int, depth: int) -> torch.nn.Module:
@@ -302,7 +364,12 @@ def main() -> None:
     parser.add_argument("--rpc-worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--rpc-client", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--echo", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--cpu", type=int, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--no-one-cpu", action="store_true", help="skip the round trips pinned to one CPU"
+    )
     args = parser.parse_args()
+    _pin(args.cpu)
     if args.echo:
         _echo(args.echo)
         return
@@ -325,12 +392,25 @@ def main() -> None:
     delayed, delayed_address = _spawn_server(0.5)
     try:
         results.update(bench_small_ops(address, n))
+        results.update(bench_round_trips(address))
         results.update(bench_delay(delayed_address, args.quick))
         results.update(bench_big_step(address, args.quick))
     finally:
         for proc in (plain, delayed):
             proc.terminate()
             proc.wait(timeout=20)
+    cpu = None if args.no_one_cpu else _one_cpu()
+    if cpu is not None:
+        one = {f"one_{k}": v for k, v in bench_rpc(n, cpu).items()}
+        one.update({f"one_{k}": v for k, v in bench_ping(cpu).items()})
+        pinned_server, pinned_address = _spawn_server(0.0, cpu)
+        try:
+            with pinned(cpu):
+                one.update({f"one_{k}": v for k, v in bench_round_trips(pinned_address).items()})
+        finally:
+            pinned_server.terminate()
+            pinned_server.wait(timeout=20)
+        results.update(one)
 
     r = results
     rows = [
@@ -363,6 +443,19 @@ def main() -> None:
             f"{r['big_step_remote_ms'] / r['big_step_local_ms']:.2f}x local (target <= 1.5x)",
         ),
     ]
+    if "one_sync_op_rtt_us" in r:
+        rows += [
+            ("round trips, every process pinned to one CPU:", "", ""),
+            ("  peer rpc_sync round trip", f"{r['one_rpc_sync_rtt_us']:.0f} µs", ""),
+            ("  bare Python TCP ping (floor)", f"{r['one_bare_ping_us']:.0f} µs", ""),
+            (
+                "  sync op round trip (sync=True)",
+                f"{r['one_sync_op_rtt_us']:.0f} µs",
+                f"{r['one_rpc_sync_rtt_us'] / r['one_sync_op_rtt_us']:.1f}x faster than"
+                " rpc_sync (target < 150 µs)",
+            ),
+            ("  .item() round trip (async mode)", f"{r['one_item_rtt_us']:.0f} µs", ""),
+        ]
     width = max(len(a) for a, _, _ in rows)
     for name, value, note in rows:
         print(f"{name:<{width}}  {value:>12}  {note}")
