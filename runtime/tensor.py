@@ -187,8 +187,10 @@ class _Encoder:
                 raise RemoteError("this remote tensor belongs to a closed or different session")
             self.inputs.append(x)
             return rt.sig, rt.wire
-        if cls is int or cls is float or cls is bool:
+        if cls is int or cls is bool:
             return (cls, x), x
+        if cls is float:
+            return ((cls, x) if x and x == x else (cls, str(x))), x  # as in _dispatch
         if x is None:
             return None, None
         if cls is list or cls is tuple:
@@ -283,8 +285,9 @@ def _dispatch(cls: Any, func: Any, types: Any, args: tuple = (), kwargs: Any = N
             key.append((t, a))
             wire_args.append(a)
         elif t is float:
-            # 0.0 == -0.0: a template keeps the value, so the key tells them apart.
-            key.append((t, a) if a else (t, a, str(a)))
+            # 0.0 == -0.0: a template keeps the value, so the key tells them apart; and a NaN
+            # equals nothing, so it is keyed by its text (one plan for every NaN, not one each).
+            key.append((t, a) if a and a == a else (t, str(a)))
             wire_args.append(a)
         else:
             if e is _NO_ENCODER:

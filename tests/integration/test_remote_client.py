@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import os
 import signal
 import subprocess
@@ -138,6 +139,16 @@ def test_each_signature_has_its_own_plan_and_template(dev: torch.device) -> None
     assert (1 / (ones * 0.0)).tolist() == [float("inf")] * 2
     assert (1 / (ones * -0.0)).tolist() == [float("-inf")] * 2
     assert (1 / (ones * 0.0)).tolist() == [float("inf")] * 2
+    # NaN equals nothing, itself included: still one plan for every NaN.
+    assert math.isnan((ones * float("nan")).tolist()[0])
+    plans = len(rt.cache)
+    for _ in range(5):
+        assert math.isnan((ones * float("nan")).tolist()[1])
+    assert len(rt.cache) == plans
+    # The same through the encoder (a keyword argument): alpha=-0.0 is not alpha=0.0.
+    negative_zeros = ones * -0.0
+    assert (1 / torch.add(negative_zeros, ones, alpha=0.0)).tolist() == [float("inf")] * 2
+    assert (1 / torch.add(negative_zeros, ones, alpha=-0.0)).tolist() == [float("-inf")] * 2
 
 
 def test_requires_grad_does_not_change_what_runs(dev: torch.device) -> None:
