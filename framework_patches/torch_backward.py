@@ -12,9 +12,9 @@ ends at the end of the last node of the run of nodes that belong to it (nodes cr
 any module, like a loss computed with functions, end the runs of those they are not in). Nodes
 with no forward op (``AccumulateGrad``) extend the ranges open around them; other ops don't
 (the optimizer's, the gradient sums between nodes), and a forward op made with grad on (the next
-forward's) ends them all. A module's forward
-called several times (a shared layer, a loop) gets a backward range per call; one whose backward
-interleaves with another's shows as several ranges with the same name.
+forward's) ends them all. A module's forward called several times (a shared layer, a loop) gets
+a backward range per call; one whose backward interleaves with another's shows as several
+ranges with the same name.
 
 Ranges of a ``Tensor.backward`` on the collected thread go under its range (its span id and
 depth, noted when it began); other passes' ranges are roots. A module call still running when a
