@@ -298,15 +298,18 @@ def test_patch_is_idempotent_and_symmetric() -> None:
     from torch.nn.modules import module as m
     from torch.optim import optimizer as o
 
-    hooks_before = [
-        len(d)
-        for d in (
-            m._global_forward_pre_hooks,
-            m._global_forward_hooks,
-            m._global_backward_hooks,
-            o._global_optimizer_pre_hooks,
-        )
-    ]
+    def hooks() -> list[int]:
+        return [
+            len(d)
+            for d in (
+                m._global_forward_pre_hooks,
+                m._global_forward_hooks,
+                m._global_backward_hooks,
+                o._global_optimizer_pre_hooks,
+            )
+        ]
+
+    hooks_before = hooks()
     call, backward = nn.Module.__call__, torch.Tensor.backward
     pytorch.patch(torch, "op")
     pytorch.patch(torch, "module")
@@ -315,15 +318,7 @@ def test_patch_is_idempotent_and_symmetric() -> None:
     pytorch.unpatch()
     pytorch.unpatch()
     assert nn.Module.__call__ is call and torch.Tensor.backward is backward
-    assert [
-        len(d)
-        for d in (
-            m._global_forward_pre_hooks,
-            m._global_forward_hooks,
-            m._global_backward_hooks,
-            o._global_optimizer_pre_hooks,
-        )
-    ] == hooks_before
+    assert hooks() == hooks_before
     assert not pytorch.is_patched()
 
 
