@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import random
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from gpu_trace.runtime.templates import Templates
@@ -64,17 +64,9 @@ class MemoryAccount:
         return key
 
     def release(self, key: int) -> None:
-        entry = self._storages.get(key)
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] <= 0:
-            del self._storages[key]
-            if self._paged:
-                self.paged_bytes -= self._paged.pop(key, 0)
-            self._add(-entry[0])
+        self.release_many((key,))
 
-    def release_many(self, keys: list[int]) -> None:
+    def release_many(self, keys: Iterable[int]) -> None:
         """:meth:`release` of each key, with one ``on_change`` at the end (a batch's frees)."""
         storages = self._storages
         freed = 0
@@ -174,12 +166,9 @@ class HandleTable:
         return self._keys.get(handle)
 
     def free(self, handle: Any) -> None:
-        if type(handle) is not int:
-            return
-        if self._tensors.pop(handle, None) is not None:
-            self.account.release(self._keys.pop(handle))
+        self.free_many((handle,))
 
-    def free_many(self, handles: list[Any]) -> None:
+    def free_many(self, handles: Iterable[Any]) -> None:
         """:meth:`free` of each handle, the account changed once."""
         tensors, keys = self._tensors, self._keys
         gone = []
@@ -190,8 +179,7 @@ class HandleTable:
             self.account.release_many(gone)
 
     def clear(self) -> None:
-        for handle in list(self._tensors):
-            self.free(handle)
+        self.free_many(list(self._tensors))
 
 
 class Blobs:
