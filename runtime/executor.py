@@ -32,7 +32,7 @@ from gpu_trace.runtime.pseudo_ops import rng_state, run_pseudo, seed_device, set
 from gpu_trace.runtime.scheduler import PolicyScheduler, Work
 from gpu_trace.runtime.session import OpError, Session
 from gpu_trace.runtime.sink import ReturnSink, record_batch, record_counters, record_quota_wait
-from gpu_trace.runtime.templates import Template, TOp
+from gpu_trace.runtime.templates import Template, TOp, has_hole
 from gpu_trace.runtime.values import ArgDecoder, encode_result
 from gpu_trace.runtime.wire import (
     HEADER,
@@ -206,8 +206,6 @@ class Executor:
                 refused = self._refused.get(session.id)
                 if refused is None or ident not in refused:
                     session.blobs.chunk(ident, offset, data)
-            elif work.kind == "batch":
-                self._batch(session, work)
         except ProtocolError as exc:
             self._fail(session, str(exc))
 
@@ -416,11 +414,11 @@ class Executor:
             if type(v) is dict and len(v) == 1 and "xh" in v:
                 holes.append((pos, v["xh"]))
                 args.append(None)
-            elif _has_hole(v):
+            elif has_hole(v):
                 return False
             else:
                 args.append(decoder.decode(v, 1))
-        if _has_hole(t.kwargs):
+        if has_hole(t.kwargs):
             return False
         kwargs = decoder.decode_kwargs(t.kwargs) if t.kwargs else {}
         return entry, args, holes, kwargs, t.outs
@@ -730,16 +728,6 @@ def _ints(value: Any, out: set[int], depth: int) -> None:
     elif t is dict and depth < 16:
         for v in value.values():
             _ints(v, out, depth + 1)
-
-
-def _has_hole(value: Any) -> bool:
-    """Whether a template's argument holds a hole anywhere."""
-    t = type(value)
-    if t is dict:
-        return "xh" in value or "xb" in value or any(_has_hole(v) for v in value.values())
-    if t is list:
-        return any(_has_hole(v) for v in value)
-    return False
 
 
 def _handles(outs: Any) -> list[int]:

@@ -205,6 +205,13 @@ def define(templates: Templates, defs: Any) -> None:
         templates[tid] = Template(name, args, kwargs, outs, holes)
 
 
+def has_hole(v: Any) -> bool:
+    """Whether a (defined, so valid) template argument holds a hole anywhere."""
+    seen: list[int] = []
+    _holes(v, seen, 0)
+    return bool(seen)
+
+
 def _holes(v: Any, seen: list[int], depth: int) -> None:
     if depth > 8:
         raise ProtocolError("template nested too deeply")
