@@ -314,22 +314,7 @@ def _dispatch(cls: Any, func: Any, types: Any, args: tuple = (), kwargs: Any = N
             ident = next(c.ids)
             out = _make(c, ident, plan)
             record = OpRecord(name, _stack(), t0)
-            outs = [ident]
-            tid = (
-                plan.tid
-                if plan.tepoch == c.epoch
-                else c.define(plan, name, wire_args, wire_kwargs, outs)
-            )
-            if tid:
-                if nums is None:
-                    nums = numbers(wire_args, wire_kwargs, outs)
-                else:
-                    nums.append(ident)
-                record.t1 = now_ns()
-                c.issue_t(tid, nums, record, e.blobs)
-            else:
-                record.t1 = now_ns()
-                c.issue([name, wire_args, wire_kwargs, outs], record, e.blobs)
+            _send(c, plan, record, wire_args, wire_kwargs, [ident], nums, e)
             return out
         if plan is DYNAMIC:
             return _dynamic(c, func, name, wire_args, wire_kwargs, e, t0)
@@ -461,6 +446,26 @@ def _issue_plan(
             outs.append([h for h, _ in pairs])
             results.append([t for _, t in pairs])
     record = OpRecord(name, _stack(), t0)
+    _send(c, plan, record, wire_args, wire_kwargs, outs, nums, e)
+    return tuple(results) if plan.is_tuple else results[0]
+
+
+def _send(
+    c: Connection,
+    plan: _One | _Many,
+    record: OpRecord,
+    wire_args: list,
+    wire_kwargs: dict,
+    outs: list,
+    nums: list[int] | None,
+    e: Any,
+) -> None:
+    """Issue a planned op: as a call of its template in this session (defined with the next
+    batch if it is not yet), or as JSON where the session may define no more.
+
+    ``nums``: the inputs' handle numbers when every argument was inline (else found in the
+    wire form). ``record`` is made by the caller, whose caller is the program (the stack)."""
+    name = record.name
     tid = plan.tid if plan.tepoch == c.epoch else c.define(plan, name, wire_args, wire_kwargs, outs)
     if tid:
         if nums is None:
@@ -472,7 +477,6 @@ def _issue_plan(
     else:
         record.t1 = now_ns()
         c.issue([name, wire_args, wire_kwargs, outs], record, e.blobs)
-    return tuple(results) if plan.is_tuple else results[0]
 
 
 def _call(
