@@ -143,6 +143,8 @@ def client_handshake(
     hello: dict[str, Any] = {"v": PROTOCOL_VERSION, "mac": mac(token, nonce), "client": client}
     if mode:
         hello["mode"] = mode
+    else:
+        hello["binary"] = True  # we read DONE_OK (:mod:`gpu_trace.runtime.wire`)
     FrameWriter(sock).send(json_frame(MsgType.HELLO, hello))
     reader.max_frame = MAX_FRAME
     mtype, body = reader.read()

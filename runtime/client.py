@@ -20,7 +20,6 @@ import itertools
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 from array import array
@@ -50,9 +49,11 @@ from gpu_trace.runtime.wire import (
     FrameWriter,
     MsgType,
     ProtocolError,
+    calls_frame,
     chunk_frames,
     dumps,
     frame,
+    int64_bytes,
     json_frame,
     split_frame,
     tune,
@@ -62,7 +63,6 @@ log = logging.getLogger(__name__)
 
 now_ns = time.perf_counter_ns
 
-_BIG_ENDIAN = sys.byteorder != "little"
 _epochs = itertools.count(1)
 
 
@@ -113,8 +113,9 @@ class Connection(Receiver):
         self.sock = sock
         self.writer = FrameWriter(sock)
         self._handshake(token)
-        sock.settimeout(None)  # blocking: readers poll, then select with their own timeouts
         self._reader = FrameReader(sock, MAX_FRAME, delay_ns=int(delay_ms * 1e6))
+        # Readers sleep in recv, waking this often to see whether to go on waiting.
+        self._reader.set_timeout(0.25)
 
         self._lock = threading.RLock()  # pending batch and sending
         self._cond = threading.Condition(threading.Lock())  # completion
@@ -192,6 +193,8 @@ class Connection(Receiver):
         self.tenant = str(msg.get("tenant", ""))
         #: Whether the server takes op templates and an op stream (else every op is JSON).
         self.templates = msg.get("templates") is True
+        #: Whether it takes CALLS frames (batches of template calls without JSON).
+        self.binary = self.templates and msg.get("binary") is True
 
     # ---- issuing ---------------------------------------------------------------------------------
 
@@ -225,8 +228,10 @@ class Connection(Receiver):
         nums: list[int],
         record: OpRecord,
         blobs: list[tuple[int, str, list[int], bytes]] | None = None,
+        urgent: bool = False,
     ) -> int:
-        """Append a call of template ``tid`` with its handle numbers (see :meth:`define`)."""
+        """Append a call of template ``tid`` with its handle numbers (see :meth:`define`);
+        ``urgent`` as :meth:`issue`'s."""
         with self._lock:
             if self.broken:
                 raise ServerGone(self.broken)
@@ -234,8 +239,8 @@ class Connection(Receiver):
             codes.append(tid)
             codes.extend(nums)
             records = self._records
-            if blobs or self.sync or not records:
-                seq = self._appended(record, blobs, False)
+            if blobs or self.sync or urgent or not records:
+                seq = self._appended(record, blobs, urgent)
             else:  # _appended's common case, inline (this runs for nearly every op)
                 records.append(record)
                 seq = self.sent_seq + 1
@@ -315,20 +320,41 @@ class Connection(Receiver):
             raise ServerGone(self.broken)
         t_ser = now_ns()
         # Others only append (handles freed by the garbage collector): take what is there now.
-        popleft = self.frees.popleft
-        frees = [popleft() for _ in range(len(self.frees))]
-        self.sent_seq += 1
-        seq = self.sent_seq
+        pending = self.frees
+        frees = [pending.popleft() for _ in range(len(pending))] if pending else []
+        self.sent_seq = seq = self.sent_seq + 1
         span_id = self._span_id or self.trace.new_span_id()
+        if self.binary and not (self._pending or self._defs or self._inline or self._large):
+            codes = self._codes  # template calls only: no JSON
+            frames = [calls_frame(seq, self.trace.parent(span_id), frees, int64_bytes(codes))]
+            del codes[:]
+        else:
+            frames = self._batch_frames(seq, span_id, frees)
+        batch = Batch(seq, span_id, self._records, self._first_ns or t_ser)
+        batch.t_serialize = t_ser
+        batch.nbytes = sum(map(len, frames)) if len(frames) > 1 else len(frames[0])
+        self._records = []
+        self._first_ns = self._span_id = 0
+        self._in_flight[seq] = batch
+        if not urgent and not self._rx_wanted.is_set():
+            self._rx_wanted.set()
+        batch.t_send = now_ns()
+        try:
+            self.writer.send(*frames)
+        except ConnectionClosed as exc:
+            self._break(f"the server at {self.address} went away: {exc}")
+            raise ServerGone(self.broken) from None
+        batch.t_sent = now_ns()
+        self.batches_sent += 1
+
+    def _batch_frames(self, seq: int, span_id: int, frees: list[int]) -> list[Any]:
+        """The pending batch as a BATCH frame (and the large uploads before it); resets it."""
         head: dict[str, Any] = {"seq": seq, "ops": self._pending, "free": frees}
         if self._defs:
             head["defs"] = self._defs
         stream = b""
         if self.templates:  # the op stream goes first, then the blobs' bytes
-            codes = self._codes
-            if _BIG_ENDIAN:
-                codes.byteswap()
-            stream = codes.tobytes()
+            stream = int64_bytes(self._codes)
             head["xb"] = len(stream)
         if self._inline:
             head["blobs"] = self._inline
@@ -342,31 +368,10 @@ class Connection(Receiver):
             frames = [_batch_frame(head, stream)]
         if self._large:
             frames = [*self._large, *frames]
-        batch = Batch(seq, span_id, self._records, self._first_ns or t_ser)
-        batch.t_serialize = t_ser
-        batch.nbytes = sum(map(len, frames))
-        self._pending, self._records, self._inline, self._inline_data, self._large = (
-            [],
-            [],
-            [],
-            [],
-            [],
-        )
+        self._pending, self._inline, self._inline_data, self._large = [], [], [], []
         self._codes = array("q")
         self._defs = []
-        self._first_ns = self._span_id = 0
-        with self._cond:
-            self._in_flight[seq] = batch
-        if not urgent and not self._rx_wanted.is_set():
-            self._rx_wanted.set()
-        batch.t_send = now_ns()
-        try:
-            self.writer.send(*frames)
-        except ConnectionClosed as exc:
-            self._break(f"the server at {self.address} went away: {exc}")
-            raise ServerGone(self.broken) from None
-        batch.t_sent = now_ns()
-        self.batches_sent += 1
+        return frames
 
     # ---- waiting ---------------------------------------------------------------------------------
 

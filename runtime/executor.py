@@ -35,12 +35,14 @@ from gpu_trace.runtime.sink import ReturnSink, record_batch, record_counters, re
 from gpu_trace.runtime.templates import Template, TOp, has_hole
 from gpu_trace.runtime.values import ArgDecoder, encode_result
 from gpu_trace.runtime.wire import (
+    DONE_OK_BODY,
     HEADER,
     MAX_BATCH_OPS,
     MAX_FREES,
     ConnectionClosed,
     MsgType,
     ProtocolError,
+    done_value_frame,
     frame,
     json_frame,
 )
@@ -48,6 +50,8 @@ from gpu_trace.runtime.wire import (
 log = logging.getLogger(__name__)
 
 now_ns = time.perf_counter_ns
+
+_NO_STREAM = contextlib.nullcontext()  # the CPU device's (reusable)
 
 #: Largest tensor a factory op may create, as a multiple of nothing: a plain byte bound.
 MAX_FACTORY_BYTES = 64 << 30
@@ -226,29 +230,32 @@ class Executor:
             raise ProtocolError("batch needs an integer seq and lists ops and free")
         if len(ops) > MAX_BATCH_OPS or len(frees) > MAX_FREES:
             raise ProtocolError("batch too large")
-        self._switch_rng(session)
+        if self._rng_owner is not session:
+            self._switch_rng(session)
         usage = session.usage
+        trace = session.trace
         start = now_ns()
         state = work.resume
         if state is None:  # a fresh batch (else one resumed after waiting for memory)
             first, exec_start, results, op_spans = 0, start, {}, []
-            execute_id = session.log.new_id() if session.trace else 0
+            execute_id = session.log.new_id() if trace else 0
             usage.queue_ns += max(0, start - work.recv_end_ns)
         else:
             first, exec_start = state["index"], state["exec_start"]
             results, op_spans, execute_id = state["results"], state["op_spans"], state["execute_id"]
-        decoder = ArgDecoder(session.handles.get, self._blob_taker(session), self.device)
+        decoder = None  # made for the first op that is not a prepared template's call
         error = None
         parked = False
-        stream = self._stream(session)
-        with self.torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        stream = self._stream(session) if self._cuda else None
+        with self.torch.cuda.stream(stream) if stream is not None else _NO_STREAM:
             events = self._begin_events() if stream is not None else None
             # A paged-out session comes back: each op waits for its own inputs only.
             gate = None
-            if self.pager is not None and self.pager.is_paged(session):
+            pager = self.pager
+            if pager is not None and pager.is_paged(session):
                 if any(type(op) is TOp for op in ops):  # the pager reads JSON ops
                     ops = head["ops"] = [op.materialize() if type(op) is TOp else op for op in ops]
-                gate = self.pager.begin_batch(session, ops)
+                gate = pager.begin_batch(session, ops)
             index = first - 1
             while index + 1 < len(ops):
                 index += 1
@@ -261,12 +268,23 @@ class Executor:
                     try:
                         if gate is not None:
                             gate(op)
-                        t0 = now_ns()
+                        t0 = now_ns() if trace else 0
                         if type(op) is TOp:
-                            value = self._top(session, decoder, op)
+                            prep = op.t.prep
+                            if prep is None:
+                                prep = op.t.prep = self._prepare(op.t)
+                            if prep:
+                                value = self._top(session, prep, op.vals)
+                            else:
+                                if decoder is None:
+                                    decoder = self._decoder(session)
+                                value = self._op(session, decoder, op.materialize())
                         else:
+                            if decoder is None:
+                                decoder = self._decoder(session)
                             value = self._op(session, decoder, op)
-                        t1 = now_ns()
+                        if trace:
+                            op_spans.append((name[:200], t0, now_ns()))
                     except _Refused as refused:
                         if refused.rerun and _free_early(session, work, ops, index, frees):
                             index -= 1  # the batch's own frees made room, maybe: again
@@ -286,8 +304,6 @@ class Executor:
                         raise exc from None
                     if work.resume is not None:
                         self._end_wait(session, work, "ran")
-                    if session.trace:
-                        op_spans.append((name[:200], t0, t1))
                     if value is not None:
                         results[str(index)] = value
                 except Exception as exc:  # the op's error goes back; the session goes on
@@ -300,13 +316,14 @@ class Executor:
                         self.torch.cuda.empty_cache()  # what the failed op left cached
                     break
             if not parked:
-                self._end_wait(session, work, "failed")  # a retried op that failed otherwise
+                if work.resume is not None:
+                    self._end_wait(session, work, "failed")  # a retried op that failed otherwise
                 if frees:
                     session.free_many(frees)
                 if stream is not None and (head.get("sync") or error is None and results):
                     stream.synchronize()
-            if self.pager is not None:
-                self.pager.end_batch(session)
+            if pager is not None:
+                pager.end_batch(session)
             if events is not None:
                 events[1].record(stream)
                 self._events.setdefault(session.id, []).append(events)
@@ -317,18 +334,28 @@ class Executor:
             self.scheduler.park(session)
             self.scheduler.requeue(session, work)
             return
+        n = len(ops)
         session.batches += 1
-        session.ops += len(ops)
+        session.ops += n
         usage.batches += 1
-        usage.ops += len(ops)
+        usage.ops += n
         self.batches += 1
         t = (work.recv_start_ns, work.recv_end_ns, exec_start, exec_end, now_ns())
-        if error is None and not results:  # most batches: the same JSON, formatted directly
+        reply = None
+        if error is None and session.binary and len(results) < 2:  # most batches: no JSON
+            if not results:
+                reply = _DONE_OK + DONE_OK_BODY.pack(seq, *t)
+            else:  # one number (``.item()``...)
+                ((index, value),) = results.items()
+                reply = done_value_frame(seq, t, int(index), value)
+        if reply is not None:
+            session.send(reply)
+        elif error is None and not results:  # the same JSON each time, formatted directly
             session.send(_done_frame(seq, t))
         else:
             done = {"seq": seq, "ok": error is None, "error": error, "results": results, "t": t}
             session.send(json_frame(MsgType.DONE, done))
-        if session.trace:
+        if trace:
             record_batch(
                 session,
                 head,
@@ -341,6 +368,10 @@ class Executor:
                 self.sink,
                 memory=self.memory,
             )
+
+    def _decoder(self, session: Session) -> ArgDecoder:
+        """The decoder of ``session``'s JSON ops (its handles and uploads)."""
+        return ArgDecoder(session.handles.get, self._blob_taker(session), self.device)
 
     def _op(self, session: Session, decoder: ArgDecoder, op: Any) -> Any:
         if type(op) is not list or len(op) != 4:
@@ -375,16 +406,10 @@ class Executor:
             entry = self._ops[name] = _entry(target)
         return entry
 
-    def _top(self, session: Session, decoder: ArgDecoder, op: TOp) -> Any:
-        """A template call: its tensors looked up in the template's decoded constants, or, for
-        a template that is not that simple, the call filled in and run as a JSON op."""
-        prep = op.t.prep
-        if prep is None:
-            prep = op.t.prep = self._prepare(op.t)
-        if prep is False:
-            return self._op(session, decoder, op.materialize())
+    def _top(self, session: Session, prep: tuple, vals: list[int]) -> Any:
+        """A template call (``prep``: the template's decoded form, see :meth:`_prepare`): its
+        tensors looked up by the call's handle numbers ``vals``, put in the decoded constants."""
         entry, args, holes, kwargs, outs = prep
-        vals = op.vals
         before = session.account.bytes
         taken = self._blobs_taken
         a = list(args)
@@ -392,7 +417,9 @@ class Executor:
         for pos, hole in holes:
             a[pos] = get(vals[hole])
         filled = None if outs is None else [None if h is None else vals[h] for h in outs]
-        return self._run_op(session, entry, a, dict(kwargs), filled, before, taken)
+        return self._run_op(
+            session, entry, a, dict(kwargs) if kwargs else {}, filled, before, taken
+        )
 
     def _prepare(self, t: Template) -> Any:
         """A template's decoded form, ``(entry, args, holes, kwargs, outs)`` with ``holes`` the
@@ -449,10 +476,10 @@ class Executor:
         if seeded and session.tenant.on_quota == "wait":
             rng = rng_state(self.torch, self.device)  # a re-run must draw the same numbers
         result = target(*a, **k)
-        if type(outs) is list and len(outs) == 1 and type(outs[0]) is int:
-            if not isinstance(result, self.torch.Tensor):
-                raise ProtocolError("op outs do not match the op's results")
-            session.handles.put(outs[0], result)
+        if type(outs) is list and len(outs) == 1 and isinstance(result, self.torch.Tensor):
+            h = outs[0]  # one tensor result: most ops
+            if h is not None:
+                session.handles.put(h, result)
             value = None
         else:
             value = self._assign(session, result, outs)
@@ -637,6 +664,9 @@ class Executor:
         self._rng_owner = session
 
     # ---- tracing ---------------------------------------------------------------------------------
+
+
+_DONE_OK = HEADER.pack(DONE_OK_BODY.size, MsgType.DONE_OK)
 
 
 def _done_frame(seq: int, t: tuple[int, ...]) -> bytes:

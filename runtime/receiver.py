@@ -3,8 +3,8 @@
 One lock, ``_rx_lock``, says who reads. A program thread waiting at a sync point, the heartbeat
 waiting for its PONG and :meth:`~gpu_trace.runtime.client.Connection.close` waiting for BYE each
 take it and read until they have what they wait for, handling every other message on the way
-(no hand-off between threads on the way back). They try one non-blocking read, or poll for
-:data:`SPIN_NS`, before sleeping in ``select``.
+(no hand-off between threads on the way back). They sleep in ``recv`` itself (no ``select``
+first), waking every quarter second (the socket's receive timeout) to see whether to go on.
 
 The receiver thread reads only while batches that nobody waits for are in flight
 (``_rx_wanted``): their DONEs free the in-flight window and send the next batch. It stays out of
@@ -23,12 +23,14 @@ from gpu_trace.runtime.errors import QuotaExceeded, RemoteOpError, ServerGone, u
 from gpu_trace.runtime.values import DTYPES, tensor_from_bytes
 from gpu_trace.runtime.wire import (
     CLOCK_SAMPLE,
+    DONE_OK_BODY,
     MAX_CLOCK_SAMPLES,
     PING_BODY,
     ConnectionClosed,
     MsgType,
     ProtocolError,
     decode_chunk,
+    decode_done_value,
     decode_json,
     decode_pong,
     decode_split,
@@ -41,12 +43,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 now_ns = time.perf_counter_ns
-
-#: How long a reading thread polls the socket before sleeping in select (ns); 0: one
-#: non-blocking read. Polling can save the wake-up of a thread that slept on a machine with cores
-#: to spare; on the 2-vCPU VM this was measured on it cost more than it saved (see
-#: ``gpu_trace.runtime.server.SPIN_NS``).
-SPIN_NS = 0
 
 
 class Receiver:
@@ -61,22 +57,18 @@ class Receiver:
         that means). Returns at once if another thread reads: it handles what we wait for.
         """
         reader = self._reader
-        polled = False
         while waiting() and not self.broken:
             try:
                 got = reader.next_frame()
                 if got is None:
-                    # With no spin, straight to select: a reply that is already there makes it
-                    # return at once, one that is not (most, just after sending) costs no failed
-                    # read first.
-                    if polled or not SPIN_NS or not reader.poll_adaptive(SPIN_NS):
-                        polled = True  # nothing came while polling: this one takes a while
-                        if not self._readable(0.25):
-                            if deadline and time.monotonic() > deadline:
-                                return
-                            continue
-                        reader.fill()
-                    continue
+                    reader.fill()  # sleeps in recv, up to the socket's receive timeout
+                    got = reader.next_frame()
+                    if got is None:
+                        continue
+            except TimeoutError:
+                if deadline and time.monotonic() > deadline:
+                    return
+                continue
             except (ConnectionClosed, ProtocolError, OSError, ValueError) as exc:
                 self._lost(exc)
                 return
@@ -89,7 +81,7 @@ class Receiver:
             while waiting() and not self.broken:
                 if deadline and time.monotonic() > deadline:
                     return
-                if self._rx_lock.acquire(timeout=0.002):
+                if self._rx_lock.acquire(False) or self._rx_lock.acquire(timeout=0.002):
                     try:
                         self.read_while(waiting, deadline)
                     finally:
@@ -127,7 +119,7 @@ class Receiver:
             if not self._rx_lock.acquire(timeout=0.05):
                 continue
             try:
-                if reader.next_frame_ready() or reader.poll(0):
+                if reader.next_frame_ready() or reader.poll():
                     while (got := reader.next_frame()) is not None:
                         self._handle(*got)
             except (ConnectionClosed, ProtocolError, OSError, ValueError) as exc:
@@ -154,8 +146,23 @@ class Receiver:
             log.exception("gpu-trace: remote: handling a %s message failed", mtype)
 
     def _on_message(self: Connection, mtype: int, body: bytes) -> None:
-        if mtype == MsgType.DONE:
-            self._on_done(decode_json(body), now_ns())
+        if mtype == MsgType.DONE_OK:
+            if len(body) != DONE_OK_BODY.size:
+                raise ProtocolError("malformed DONE_OK")
+            seq, *t = DONE_OK_BODY.unpack(body)
+            self._done(seq, None, None, t, self.last_recv_ns)
+        elif mtype == MsgType.DONE_VALUE:
+            seq, t, index, value = decode_done_value(body)
+            self._done(seq, {index: value}, None, t, self.last_recv_ns)
+        elif mtype == MsgType.DONE:
+            msg = decode_json(body)
+            self._done(
+                msg.get("seq"),
+                msg.get("results"),
+                msg.get("error"),
+                msg.get("t"),
+                self.last_recv_ns,
+            )
         elif mtype == MsgType.DATA:
             head, data = decode_split(body)
             fid = head["fetch"]
@@ -186,17 +193,14 @@ class Receiver:
             else:  # "session evicted by an administrator", a protocol error...
                 self._break(f"the server at {self.address} closed the session: {text}")
 
-    def _on_done(self: Connection, msg: dict[str, Any], t_done: int) -> None:
-        seq = msg.get("seq")
-        with self._cond:
-            batch = self._in_flight.pop(seq, None)
+    def _done(self: Connection, seq: Any, results: Any, error: Any, t: Any, t_done: int) -> None:
+        """Batch ``seq`` is done (a DONE's fields; ``t``: the server's times)."""
+        batch = self._in_flight.pop(seq, None)
         if batch is None:
-            raise ProtocolError(f"DONE for unknown batch {seq}")
-        results = msg.get("results")
+            raise ProtocolError(f"DONE for unknown batch {str(seq)[:20]}")
         if results:
             for index, value in results.items():
                 batch.records[int(index)].result = value
-        error = msg.get("error")
         if error and self._error is None:
             record = batch.records[int(error.get("index", 0))]
             text = f"{error.get('type', 'Error')}: {error.get('message', '')}"
@@ -213,9 +217,10 @@ class Receiver:
                 time.sleep(0)
             if not batch.t_sent:
                 batch.t_sent = max(batch.t_send, t_done)
-            self.trace.batch_done(batch, t_done, msg.get("t"), bool(error))
+            self.trace.batch_done(batch, t_done, t, bool(error))
         with self._cond:
-            self.done_seq = max(self.done_seq, seq)
+            if seq > self.done_seq:
+                self.done_seq = seq
             self._cond.notify_all()
         if not self._in_flight and self._records and self._lock.acquire(timeout=0.05):
             try:

@@ -4,9 +4,12 @@ Each connection gets a reader thread: it authenticates the client (CHALLENGE/HEL
 heartbeats at once (their timestamps are clock-sync samples, so they never wait behind work),
 validates every frame and hands uploads and batches to the scheduler, in order. One executor
 thread runs the work (:mod:`gpu_trace.runtime.executor`); a lone small batch runs on the
-connection's thread when the device is idle. Each connection tries a non-blocking read (or polls
-for :data:`SPIN_NS`) before sleeping until its client's next message. Traced sessions' spans go
-to the sink (:mod:`gpu_trace.runtime.sink`): back to the client, or into a shared store.
+connection's thread when the device is idle. Each connection sleeps in ``recv`` until its client's
+next message (no ``select`` first; a receive timeout ends idle connections). Polling instead
+measured worse on a 2-vCPU VM (sync round trip 254-286 µs polling 1 ms on both sides, 170 µs
+not polling, same minutes): the spinning thread takes the only other vCPU, and a woken peer runs
+on the waker's vCPU anyway. Traced sessions' spans go to the sink (:mod:`gpu_trace.runtime.sink`):
+back to the client, or into a shared store.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from gpu_trace.runtime.templates import define, expand
 from gpu_trace.runtime.tenants import Tenant, check_tenants, single_tenant
 from gpu_trace.runtime.values import tensor_from_bytes, tensor_meta
 from gpu_trace.runtime.wire import (
+    CALLS_SYNC,
     MAX_FRAME,
     MAX_HANDSHAKE_FRAME,
     PONG_BODY,
@@ -41,11 +45,13 @@ from gpu_trace.runtime.wire import (
     MsgType,
     ProtocolError,
     decode_admin,
+    decode_calls,
     decode_chunk,
     decode_clock,
     decode_json,
     decode_ping,
     decode_split,
+    field_bool,
     field_int,
     field_list,
     frame,
@@ -59,11 +65,6 @@ now_ns = time.perf_counter_ns
 
 #: Batches of at most this many ops may run on the connection's thread when the device is idle.
 INLINE_OPS = 16
-#: How long a connection polls for its client's next message before sleeping (ns). 0: one
-#: non-blocking read, then sleep. Polling measured worse on a 2-vCPU VM (sync round trip
-#: 254-286 µs polling 1 ms on both sides, 170 µs not polling, same minutes): the spinning thread
-#: takes the only other vCPU, and a woken peer runs on the waker's vCPU anyway.
-SPIN_NS = 0
 
 
 def parse_address(address: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
@@ -347,6 +348,7 @@ class Server:
         mode = hello.get("mode", "session")
         if mode not in ("session", "admin"):
             raise ProtocolError("HELLO mode must be session or admin")
+        binary = field_bool(hello, "binary")
         welcome = {
             "device": str(self.device),
             "host": socket.gethostname(),
@@ -355,6 +357,8 @@ class Server:
             "tenant": tenant.name,
             # Batches may carry an op stream and templates (:mod:`.templates`).
             "templates": True,
+            # CALLS frames are taken (:mod:`.wire`).
+            "binary": True,
         }
         if mode == "admin":
             writer.send(
@@ -368,6 +372,7 @@ class Server:
                 raise ProtocolError(f"server full ({self.max_sessions} sessions)")
             session = Session(client, writer.send, tenant)
             session.trace = self.sink.accepts(client)
+            session.binary = binary
             self.sessions[session.id] = session
             self.memory.attach(session)
             self._session_conns[session.id] = conn
@@ -379,8 +384,9 @@ class Server:
     def _admin_loop(self, conn: socket.socket, writer: FrameWriter, tenant: Tenant) -> None:
         """An admin client's requests (:mod:`gpu_trace.runtime.admin`); no session."""
         reader = FrameReader(conn, MAX_HANDSHAKE_FRAME)
+        reader.set_timeout(self.idle_timeout_s)
         while not self._closing.is_set():
-            mtype, body = reader.read_spin(0, self.idle_timeout_s)
+            mtype, body = reader.read()
             if mtype == MsgType.ADMIN:
                 reply = admin.handle(self, tenant, decode_admin(body))
                 writer.send(json_frame(MsgType.ADMIN_REPLY, reply))
@@ -395,45 +401,26 @@ class Server:
 
     def _read_loop(self, conn: socket.socket, writer: FrameWriter, session: Session) -> None:
         reader = FrameReader(conn, MAX_FRAME, delay_ns=self.delay_ns)
-        scheduler, executor = self.scheduler, self.executor
-
-        def submit(session: Session, work: Work) -> None:
-            # A lone small batch runs here at once: no hand-off to the executor thread.
-            ops = work.head.get("ops") if work.kind == "batch" else ()
-            small = type(ops) in (list, tuple) and len(ops) <= INLINE_OPS
-            if not (small and executor.try_inline(session, work)):
-                scheduler.submit(session, work)
-
+        reader.set_timeout(self.idle_timeout_s)
+        submit = self._submitter()
+        read = reader.read
         # Not stopped by _closing: close() tells each client why, then shuts its socket.
         while not session.closed:
-            mtype, body = reader.read_spin(SPIN_NS, self.idle_timeout_s)
-            if mtype == MsgType.PING:
+            mtype, body = read()
+            if mtype == MsgType.CALLS:
+                seq, span, flags, frees, stream = decode_calls(body)
+                head = {"seq": seq, "ops": expand(session.templates, stream, []), "free": frees}
+                if span:
+                    head["tp"] = span
+                if flags & CALLS_SYNC:
+                    head["sync"] = True
+                submit(session, Work("batch", head, None, reader.frame_started_ns, now_ns()))
+            elif mtype == MsgType.BATCH:
+                self._batch(session, reader.frame_started_ns, body, submit)
+            elif mtype == MsgType.PING:
                 t1 = now_ns()
                 t0 = decode_ping(body)
                 writer.send(frame(MsgType.PONG, PONG_BODY.pack(t0, t1, now_ns())))
-            elif mtype == MsgType.BATCH:
-                start = reader.frame_started_ns
-                head, data = decode_split(body)
-                xb = head.get("xb")
-                if xb is not None:  # the op stream (templates' calls) before the blobs
-                    if type(xb) is not int or not 0 <= xb <= len(data):
-                        raise ProtocolError("field 'xb' must be the op stream's length")
-                    if "defs" in head:
-                        define(session.templates, head["defs"])
-                    head["ops"] = expand(session.templates, data[:xb], head.get("ops"))
-                    data = data[xb:]
-                inline = field_list(head, "blobs", 1 << 16, [])
-                off = 0
-                for entry in inline:  # inline uploads: [id, dtype, shape, nbytes]
-                    if type(entry) is not list or len(entry) != 4:
-                        raise ProtocolError("an inline blob is [id, dtype, shape, nbytes]")
-                    dtype, shape, nbytes = tensor_meta(entry[1], entry[2], entry[3])
-                    if off + nbytes > len(data):
-                        raise ProtocolError("inline blobs longer than the batch")
-                    tensor = tensor_from_bytes(dtype, shape, data[off : off + nbytes])
-                    off += nbytes
-                    submit(session, Work("put-inline", entry[0], (tensor, nbytes)))
-                submit(session, Work("batch", head, None, start, now_ns()))
             elif mtype == MsgType.PUT:
                 head = decode_json(body)
                 ident = field_int(head, "blob", 1)
@@ -457,6 +444,47 @@ class Server:
                 return
             else:
                 raise ProtocolError(f"unexpected message {MsgType(mtype).name} from a client")
+
+    def _submitter(self) -> Any:
+        """``submit(session, work)``: a lone small batch runs at once on the calling thread
+        when the device is idle (no hand-off to the executor's); anything else is queued."""
+        scheduler, executor = self.scheduler, self.executor
+
+        def submit(session: Session, work: Work) -> None:
+            if not (
+                work.kind == "batch"
+                and len(work.head["ops"]) <= INLINE_OPS
+                and executor.try_inline(session, work)
+            ):
+                scheduler.submit(session, work)
+
+        return submit
+
+    def _batch(self, session: Session, start: int, body: bytes, submit: Any) -> None:
+        """A BATCH frame: its inline uploads, then its ops (templates' calls expanded)."""
+        head, data = decode_split(body)
+        xb = head.get("xb")
+        if xb is not None:  # the op stream (templates' calls) before the blobs
+            if type(xb) is not int or not 0 <= xb <= len(data):
+                raise ProtocolError("field 'xb' must be the op stream's length")
+            if "defs" in head:
+                define(session.templates, head["defs"])
+            head["ops"] = expand(session.templates, data[:xb], head.get("ops"))
+            data = data[xb:]
+        elif type(head.setdefault("ops", [])) is not list:
+            raise ProtocolError("field 'ops' must be a list")
+        if "blobs" in head:
+            off = 0
+            for entry in field_list(head, "blobs", 1 << 16):  # [id, dtype, shape, nbytes]
+                if type(entry) is not list or len(entry) != 4:
+                    raise ProtocolError("an inline blob is [id, dtype, shape, nbytes]")
+                dtype, shape, nbytes = tensor_meta(entry[1], entry[2], entry[3])
+                if off + nbytes > len(data):
+                    raise ProtocolError("inline blobs longer than the batch")
+                tensor = tensor_from_bytes(dtype, shape, data[off : off + nbytes])
+                off += nbytes
+                submit(session, Work("put-inline", entry[0], (tensor, nbytes)))
+        submit(session, Work("batch", head, None, start, now_ns()))
 
 
 def _check_device(device: str) -> str:

@@ -296,6 +296,8 @@ class Session:
         self.handles = HandleTable(self.account)
         self.blobs = Blobs(self.account)
         self.trace = bool(client.get("trace"))
+        #: The client takes the binary DONE_OK (:mod:`gpu_trace.runtime.wire`).
+        self.binary = False
         self.log = SpanLog()
         self.graphs: dict[int, Any] = {}
         #: Op templates by id (:mod:`gpu_trace.runtime.templates`); the connection's thread

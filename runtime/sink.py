@@ -199,9 +199,12 @@ def record_batch(
     slog = session.log
     span = slog.span
     new_id = slog.new_id
-    tp = head.get("tp")
-    parsed = parse_traceparent(tp) if type(tp) is str else None
-    parent = int(parsed[1], 16) if parsed else 0
+    tp = head.get("tp")  # a traceparent, or the client's span id (a CALLS frame's)
+    if type(tp) is int:
+        parent = tp if 0 < tp < 1 << 64 else 0
+    else:
+        parsed = parse_traceparent(tp) if type(tp) is str else None
+        parent = int(parsed[1], 16) if parsed else 0
     seq = {"seq": str(head.get("seq"))}
     span(new_id(), parent, "server/receive", "receive", recv[0], recv[1], seq)
     span(new_id(), parent, "server/queue", "queue", recv[1], exec_start, seq)

@@ -328,9 +328,14 @@ def _dispatch(cls: Any, func: Any, types: Any, args: tuple = (), kwargs: Any = N
         key_t = tuple(key)
         if func in _METADATA_QUERIES and key_t in _query_cache:
             return _query_cache[key_t]
-        value = _call(
-            c, name, wire_args, wire_kwargs, e.blobs, t0, "item" if "scalar" in name else name
-        )
+        plan = _plans.get(key_t)
+        if plan is None:
+            plan = _Call()
+            cache.put(key_t, plan)
+        record = OpRecord(name, _stack(), t0)
+        seq = _send(c, plan, record, wire_args, wire_kwargs, None, nums, e, True)
+        c.wait(seq, "item" if "scalar" in name else name)
+        value = decode_result(record.result)
         if func in _METADATA_QUERIES:
             _query_cache[key_t] = value
         return value
@@ -366,6 +371,17 @@ class _Many:
     def __init__(self, is_tuple: bool, described: tuple) -> None:
         self.is_tuple = is_tuple
         self.described = described
+        self.tid = 0
+        self.tepoch = 0
+
+
+class _Call:
+    """The plan of an op with a non-tensor result (``.item()``, ``bool()``...): run at once;
+    ``tid``/``tepoch`` as :class:`_One`'s."""
+
+    __slots__ = ("tid", "tepoch")
+
+    def __init__(self) -> None:
         self.tid = 0
         self.tepoch = 0
 
@@ -452,16 +468,18 @@ def _issue_plan(
 
 def _send(
     c: Connection,
-    plan: _One | _Many,
+    plan: _One | _Many | _Call,
     record: OpRecord,
     wire_args: list,
     wire_kwargs: dict,
-    outs: list,
+    outs: list | None,
     nums: list[int] | None,
     e: Any,
-) -> None:
+    urgent: bool = False,
+) -> int:
     """Issue a planned op: as a call of its template in this session (defined with the next
-    batch if it is not yet), or as JSON where the session may define no more.
+    batch if it is not yet), or as JSON where the session may define no more; returns its
+    batch's seq (``urgent``: the caller waits for it next, so the batch goes now).
 
     ``nums``: the inputs' handle numbers when every argument was inline (else found in the
     wire form). ``record`` is made by the caller, whose caller is the program (the stack)."""
@@ -470,24 +488,14 @@ def _send(
     if tid:
         if nums is None:
             nums = numbers(wire_args, wire_kwargs, outs)
-        else:
+        elif type(plan) is _One:
+            nums.append(outs[0])  # type: ignore[index]
+        elif outs is not None:
             nums.extend(numbers([], {}, outs))
         record.t1 = now_ns()
-        c.issue_t(tid, nums, record, e.blobs)
-    else:
-        record.t1 = now_ns()
-        c.issue([name, wire_args, wire_kwargs, outs], record, e.blobs)
-
-
-def _call(
-    c: Connection, name: str, args: Any, kwargs: Any, blobs: list, t0: int, reason: str
-) -> Any:
-    """Run an op now and return its non-tensor result."""
-    record = OpRecord(name, _stack(), t0)
-    seq = c.issue([name, args, kwargs, None], record, blobs, urgent=True)
+        return c.issue_t(tid, nums, record, e.blobs, urgent)
     record.t1 = now_ns()
-    c.wait(seq, reason)
-    return decode_result(record.result)
+    return c.issue([name, wire_args, wire_kwargs, outs], record, e.blobs, urgent)
 
 
 def _dynamic(

@@ -74,6 +74,11 @@ class ClientTrace:
             return ""
         return format_traceparent(self.trace_id, span_id)
 
+    def parent(self, span_id: int) -> int:
+        """:meth:`traceparent`'s span id alone (0: none), for a CALLS frame: the server knows
+        the session's trace id from its HELLO."""
+        return span_id if self.enabled and len(self.trace_id) == 32 else 0
+
     # ---- clock sync ------------------------------------------------------------------------------
 
     def start_clock(self) -> None:

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from typing import Any
 
 from gpu_trace.runtime.wire import (
+    INT64_MAX,
+    INT64_MIN,
     MAX_DEPTH,
     MAX_LIST,
     MAX_STRING,
@@ -29,8 +31,6 @@ from gpu_trace.runtime.wire import (
     ProtocolError,
 )
 
-INT64_MIN = -(1 << 63)
-INT64_MAX = (1 << 63) - 1
 MAX_DIMS = 16
 MAX_DIM = 1 << 40
 

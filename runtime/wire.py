@@ -7,12 +7,16 @@ raw tensor bytes (``BATCH``, ``DATA``), or fixed binary structs (``PING``, ``PON
 A session, from the client's side::
 
     connect          <- CHALLENGE {v, nonce, server}
-    HELLO {v, mac, client} ->             mac = HMAC-SHA256(token, "gpu-trace/1" + nonce)
-                     <- WELCOME {session, device, host, pid, sink}   (or ERROR, then close)
+    HELLO {v, mac, client, binary} ->     mac = HMAC-SHA256(token, "gpu-trace/1" + nonce)
+                     <- WELCOME {session, device, host, pid, sink, templates, binary}
+                                                          (or ERROR, then close)
     PUT {blob, dtype, shape, nbytes} + CHUNK* ->   large uploads, streamed before their BATCH
     BATCH {seq, ops, free, blobs, tp, sync} + inline blob bytes ->
+    CALLS seq span nfree flags, frees, op stream ->   (a batch of template calls only, binary)
                      <- DATA {fetch, dtype, shape, nbytes} + CHUNK*   (for rt::fetch ops)
                      <- DONE {seq, ok, error, results, t}
+                     <- DONE_OK seq t*5                 (a batch done, no error, no results)
+                     <- DONE_VALUE seq t*5 index kind value   (one number: ``.item()``...)
     PING t0 ->       <- PONG t0 t1 t2          (heartbeat and clock-sync exchange)
     CLOCK (t0 t1 t2 t3)* ->                   (finished exchanges, when the server keeps the spans)
                      <- TRACE {names, spans, counters}   (server spans, when the client traces)
@@ -24,6 +28,11 @@ in its HELLO; it gets a WELCOME with no session, then::
 
     ADMIN {op: "list"} or {op: "evict", session} ->   <- ADMIN_REPLY {ok, ...}
 
+``binary`` says the peer takes the binary forms: a client that said it in its HELLO may be sent
+DONE_OK and DONE_VALUE; a server that said it in its WELCOME may be sent CALLS. The common batch, template
+calls and frees only (:mod:`gpu_trace.runtime.templates`), and its reply then carry no JSON at
+all: a synchronous round trip spends no time formatting or parsing it.
+
 Every size is bounded before anything is allocated: a frame's length is checked against the
 limit of the connection's state (:data:`MAX_HANDSHAKE_FRAME` before authentication) as soon as its
 header is read.
@@ -34,11 +43,12 @@ from __future__ import annotations
 import contextlib
 import enum
 import json
-import select
 import socket
 import struct
+import sys
 import threading
 import time
+from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,7 +59,19 @@ PING_BODY = struct.Struct("<q")
 PONG_BODY = struct.Struct("<qqq")
 CLOCK_SAMPLE = struct.Struct("<qqqq")  # t0, t1, t2, t3 of one finished clock-sync exchange
 CHUNK_HEAD = struct.Struct("<QQ")  # blob or fetch id, byte offset
+#: CALLS: seq, the client's span id (0: none), number of frees, flags (:data:`CALLS_SYNC`).
+CALLS_HEAD = struct.Struct("<qqII")
+CALLS_SYNC = 1  # the reply waits for the device (as BATCH's ``sync``)
+#: DONE_OK: seq, then DONE's ``t``: receive start and end, execute start and end, reply.
+DONE_OK_BODY = struct.Struct("<6q")
+#: DONE_VALUE: DONE_OK's, the op's index in its batch, the value's kind; then the value (8 bytes).
+DONE_VALUE_HEAD = struct.Struct("<6qiB")
+_VALUE = (struct.Struct("<q"), struct.Struct("<d"), struct.Struct("<q"))  # int, float, bool
+_VALUE_KINDS = {int: 0, float: 1, bool: 2}
 JSON_LEN = struct.Struct("<I")  # BATCH and DATA: length of the JSON header before the raw bytes
+_TIMEVAL = struct.Struct("@ll")  # SO_RCVTIMEO: seconds, microseconds
+_BIG_ENDIAN = sys.byteorder != "little"
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 #: Frames before authentication are small: the hello and the challenge.
 MAX_HANDSHAKE_FRAME = 4096
@@ -91,9 +113,13 @@ class MsgType(enum.IntEnum):
     CLOCK = 14
     ADMIN = 15
     ADMIN_REPLY = 16
+    CALLS = 17
+    DONE_OK = 18
+    DONE_VALUE = 19
 
 
 _TYPES = frozenset(int(t) for t in MsgType)
+_DONE_VALUE = HEADER.pack(DONE_VALUE_HEAD.size + 8, MsgType.DONE_VALUE)
 
 
 class ProtocolError(ValueError):
@@ -163,6 +189,67 @@ def decode_split(body: bytes | memoryview) -> tuple[dict[str, Any], memoryview]:
         raise ProtocolError("message header longer than the message")
     head = decode_json(view[JSON_LEN.size : JSON_LEN.size + n])
     return head, view[JSON_LEN.size + n :]
+
+
+def decode_calls(body: bytes | memoryview) -> tuple[int, int, int, list[int], memoryview]:
+    """A CALLS body: ``(seq, span, flags, frees, op stream)``."""
+    view = memoryview(body)
+    if len(view) < CALLS_HEAD.size:
+        raise ProtocolError("truncated calls header")
+    seq, span, nfree, flags = CALLS_HEAD.unpack_from(view)
+    end = CALLS_HEAD.size + 8 * nfree
+    if nfree > MAX_FREES or end > len(view):
+        raise ProtocolError("calls: bad number of frees")
+    if seq < 0 or span < 0 or flags & ~CALLS_SYNC:
+        raise ProtocolError("calls: bad header")
+    frees = int64s(view[CALLS_HEAD.size : end]) if nfree else []
+    return seq, span, flags, frees, view[end:]
+
+
+def int64s(data: bytes | memoryview) -> list[int]:
+    """Little-endian int64s (a whole number of them) as a list."""
+    arr = array("q")
+    arr.frombytes(data)
+    if _BIG_ENDIAN:
+        arr.byteswap()
+    return arr.tolist()
+
+
+def int64_bytes(values: array) -> bytes:
+    """An ``array("q")`` as little-endian bytes."""
+    if _BIG_ENDIAN:
+        values = array("q", values)
+        values.byteswap()
+    return values.tobytes()
+
+
+def calls_frame(seq: int, span: int, frees: list[int], stream: bytes) -> bytes:
+    """A CALLS frame (see :func:`decode_calls`); ``stream`` is the op stream's bytes."""
+    n = len(frees)
+    head = CALLS_HEAD.pack(seq, span, n, 0)
+    if n:
+        head += int64_bytes(array("q", frees))
+    return HEADER.pack(len(head) + len(stream), MsgType.CALLS) + head + stream
+
+
+def done_value_frame(seq: int, t: Sequence[int], index: int, value: Any) -> bytes | None:
+    """A DONE_VALUE frame of a batch whose one result, op ``index``'s, is ``value``; None for a
+    value it cannot carry (the DONE's JSON then)."""
+    kind = _VALUE_KINDS.get(type(value))
+    if kind is None or kind == 0 and not INT64_MIN <= value <= INT64_MAX:
+        return None
+    return _DONE_VALUE + DONE_VALUE_HEAD.pack(seq, *t, index, kind) + _VALUE[kind].pack(value)
+
+
+def decode_done_value(body: bytes | memoryview) -> tuple[int, list[int], int, Any]:
+    """A DONE_VALUE body: ``(seq, t, index, value)``."""
+    if len(body) != DONE_VALUE_HEAD.size + 8:
+        raise ProtocolError("malformed DONE_VALUE")
+    seq, *t, index, kind = DONE_VALUE_HEAD.unpack_from(body)
+    if kind > 2:
+        raise ProtocolError("DONE_VALUE of an unknown kind")
+    (value,) = _VALUE[kind].unpack_from(body, DONE_VALUE_HEAD.size)
+    return seq, t, index, bool(value) if kind == 2 else value
 
 
 def decode_chunk(body: bytes | memoryview) -> tuple[int, int, memoryview]:
@@ -241,8 +328,11 @@ def field_bool(obj: dict[str, Any], name: str, default: bool = False) -> bool:
 class FrameReader:
     """Reads whole frames from a socket, checking each length against ``max_frame`` first.
 
-    ``delay_ns`` holds every frame back until that long after it arrived (a delay line: frames
-    stay in order and delays do not add up); benchmarks use it to simulate a longer network.
+    The socket is blocking: :meth:`read` sleeps in ``recv`` itself (no ``select`` first), up to
+    the receive timeout :meth:`set_timeout` gives the socket (``SO_RCVTIMEO``), then raises
+    ``TimeoutError``. ``delay_ns`` holds every frame back until that long after it arrived (a
+    delay line: frames stay in order and delays do not add up); benchmarks use it to simulate a
+    longer network.
     """
 
     def __init__(self, sock: socket.socket, max_frame: int, delay_ns: int = 0) -> None:
@@ -253,11 +343,17 @@ class FrameReader:
         self._pos = 0
         #: perf_counter_ns when the current frame's first bytes were available.
         self.frame_started_ns = 0
-        #: :meth:`poll_adaptive`'s current budget (ns).
-        self.spin_ns = 0
+
+    def set_timeout(self, seconds: float | None) -> None:
+        """How long one :meth:`fill` may wait (None: for ever). The socket becomes blocking."""
+        sock = self.sock
+        sock.settimeout(None)
+        us = 0 if seconds is None else max(1, int(seconds * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _TIMEVAL.pack(*divmod(us, 1000000)))
 
     def read(self) -> tuple[int, bytes]:
-        """The next frame's ``(type, body)``; raises ProtocolError or ConnectionClosed."""
+        """The next frame's ``(type, body)``; raises ProtocolError, ConnectionClosed or (past
+        the receive timeout) TimeoutError."""
         while True:
             got = self.next_frame()
             if got is not None:
@@ -267,24 +363,26 @@ class FrameReader:
     def next_frame(self) -> tuple[int, bytes] | None:
         """A whole frame already received, or None (never reads the socket)."""
         buf = self._buf
-        if len(buf) - self._pos < HEADER.size:
+        pos = self._pos
+        if len(buf) - pos < 5:  # HEADER.size
             return None
-        n, mtype = HEADER.unpack_from(buf, self._pos)
+        n, mtype = HEADER.unpack_from(buf, pos)
         if n > self.max_frame:
             raise ProtocolError(f"frame of {n} bytes exceeds the limit of {self.max_frame}")
         if mtype not in _TYPES:
             raise ProtocolError(f"unknown message type {mtype}")
-        end = self._pos + HEADER.size + n
+        end = pos + 5 + n
         if len(buf) < end:
             return None
-        body = bytes(buf[self._pos + HEADER.size : end])
-        self._pos = end
-        if self._pos == len(buf):
+        body = bytes(buf[pos + 5 : end])
+        if end == len(buf):
             buf.clear()
             self._pos = 0
-        elif self._pos > (1 << 20):
-            del buf[: self._pos]
+        elif end > (1 << 20):
+            del buf[:end]
             self._pos = 0
+        else:
+            self._pos = end
         if self.delay_ns:
             wait = self.frame_started_ns + self.delay_ns - time.perf_counter_ns()
             if wait > 0:
@@ -300,11 +398,11 @@ class FrameReader:
         return avail >= HEADER.size + n
 
     def fill(self) -> None:
-        """Receive once (blocking, or up to the socket's timeout)."""
+        """Receive once: wait up to the receive timeout (TimeoutError past it)."""
         try:
             data = self.sock.recv(1 << 18)
-        except TimeoutError:
-            raise
+        except (BlockingIOError, TimeoutError):  # SO_RCVTIMEO ran out
+            raise TimeoutError("no message in time") from None
         except OSError as exc:
             raise ConnectionClosed(f"connection broken: {exc}") from None
         self._append(data)
@@ -316,55 +414,16 @@ class FrameReader:
             self.frame_started_ns = time.perf_counter_ns()
         self._buf += data
 
-    def poll(self, spin_ns: int) -> bool:
-        """Receive what has arrived, trying for up to ``spin_ns``; False if nothing came.
-
-        Needs a blocking socket (``settimeout(None)``): on one with a timeout Python polls before
-        every ``recv`` and the non-blocking flag would wait. A reply that arrives within the spin
-        is read without the thread going to sleep and being woken, which on loopback is most of
-        a small message's round trip.
-        """
-        recv = self.sock.recv
-        end = time.perf_counter_ns() + spin_ns
-        while True:
-            try:
-                data = recv(1 << 18, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                if time.perf_counter_ns() >= end:
-                    return False
-                continue
-            except OSError as exc:
-                raise ConnectionClosed(f"connection broken: {exc}") from None
-            self._append(data)
-            return True
-
-    def poll_adaptive(self, max_spin_ns: int) -> bool:
-        """:meth:`poll` with a budget that follows the peer: it doubles (up to ``max_spin_ns``)
-        each time a message came while polling and halves each time none did, so a peer that
-        answers slowly, or a machine too busy to spare a core, costs little (a sixteenth of it)."""
-        floor = max_spin_ns >> 4
-        spin = min(max(self.spin_ns, floor), max_spin_ns) if self.spin_ns else max_spin_ns
-        if self.poll(spin):
-            self.spin_ns = min(max_spin_ns, spin * 2)
-            return True
-        self.spin_ns = max(floor, spin // 2)
-        return False
-
-    def read_spin(self, spin_ns: int, timeout: float | None) -> tuple[int, bytes]:
-        """:meth:`read` on a blocking socket: :meth:`poll_adaptive` first, then wait up to
-        ``timeout``."""
-        while True:
-            got = self.next_frame()
-            if got is not None:
-                return got
-            if not spin_ns or not self.poll_adaptive(spin_ns):
-                try:
-                    ready = select.select([self.sock], [], [], timeout)[0]
-                except (OSError, ValueError):
-                    raise ConnectionClosed("connection closed") from None
-                if not ready:
-                    raise TimeoutError("no message in time")
-                self.fill()
+    def poll(self) -> bool:
+        """Receive what has arrived without waiting; False if nothing had."""
+        try:
+            data = self.sock.recv(1 << 18, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            raise ConnectionClosed(f"connection broken: {exc}") from None
+        self._append(data)
+        return True
 
 
 class FrameWriter:
@@ -376,6 +435,15 @@ class FrameWriter:
         self.bytes_sent = 0
 
     def send(self, *buffers: bytes | memoryview) -> None:
+        if len(buffers) == 1:  # most messages: one buffer
+            data = buffers[0]
+            with self.lock:
+                try:
+                    self.sock.sendall(data)
+                except OSError as exc:
+                    raise ConnectionClosed(f"connection broken: {exc}") from None
+                self.bytes_sent += len(data)
+            return
         with self.lock:
             self._send(buffers)
 
