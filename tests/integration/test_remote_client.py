@@ -262,6 +262,58 @@ def test_sync_mode_gives_the_same_values(served: str) -> None:
         runtime.disconnect()
 
 
+def _same_number(a: object, b: object) -> bool:
+    """Equal and of one type, telling -0.0 from 0.0 and taking NaN as equal to NaN."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float) and math.isnan(a):
+        return math.isnan(b)  # type: ignore[arg-type]
+    return a == b and str(a) == str(b)
+
+
+@pytest.mark.parametrize("binary", [True, False])
+def test_item_values_are_exact_and_older_servers_get_json(
+    monkeypatch: pytest.MonkeyPatch, binary: bool
+) -> None:
+    """``.item()`` of every kind of number comes back exactly (a DONE_VALUE for ints, floats
+    and bools; a JSON DONE for complex). A server that does not say ``binary`` in its WELCOME
+    (an older one) is sent JSON batches only, and its client still gets every value."""
+    from gpu_trace.runtime import auth
+    from gpu_trace.runtime import server as server_module
+
+    calls: list[int] = []
+    decode_calls = server_module.decode_calls
+    monkeypatch.setattr(server_module, "decode_calls", lambda b: calls.append(1) or decode_calls(b))
+    if not binary:
+        handshake = auth.client_handshake
+
+        def older_server(*args: object, **kwargs: object) -> tuple:
+            reader, welcome = handshake(*args, **kwargs)
+            welcome.pop("binary", None)
+            return reader, welcome
+
+        monkeypatch.setattr(auth, "client_handshake", older_server)
+    local = [
+        torch.tensor([float("nan"), float("-inf"), -0.0, 1.5e300, 2.0**-1074]),
+        torch.tensor([-(1 << 63), (1 << 63) - 1, 0]),
+        torch.tensor([True, False]),
+        torch.tensor([1.5 - 2j]),
+    ]
+    with Server("127.0.0.1:0", token=TOKEN) as srv:
+        dev = runtime.connect(srv.address, token=TOKEN)
+        try:
+            assert runtime.current().binary is binary
+            for x in local:
+                r = x.to(dev)
+                for _ in range(2):  # the second time through the op's template
+                    for i in range(len(x)):
+                        assert _same_number(r[i].item(), x[i].item()), (x, i)
+            assert bool((r.abs() > 1).all())
+        finally:
+            runtime.disconnect()
+    assert bool(calls) is binary
+
+
 # ---- training: bitwise the same losses as on the CPU ---------------------------------------------
 
 

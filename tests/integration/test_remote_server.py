@@ -39,7 +39,9 @@ def _close_raw_clients() -> Iterator[None]:
 class Raw:
     """A protocol-level client: what a (possibly hostile) peer can send."""
 
-    def __init__(self, address: str, token: str = TOKEN, hello: dict | None = None) -> None:
+    def __init__(
+        self, address: str, token: str = TOKEN, hello: dict | None = None, binary: bool = False
+    ) -> None:
         host, port = address.rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)), timeout=5)
         _open.append(self)
@@ -49,6 +51,8 @@ class Raw:
         assert mtype == MsgType.CHALLENGE
         nonce = bytes.fromhex(json.loads(body)["nonce"])
         msg = hello or {"v": 1, "mac": auth.mac(token, nonce), "client": {"host": "test"}}
+        if binary:
+            msg["binary"] = True  # DONE_OK and DONE_VALUE are read
         self.writer.send(wire.json_frame(MsgType.HELLO, msg))
         self.welcome = self.reader.read()
         self.seq = 0
@@ -72,7 +76,11 @@ class Raw:
                 self.data.append((head, bytearray(data)))
             if mtype == MsgType.CHUNK:
                 self.data[-1][1].extend(wire.decode_chunk(body)[2])
+            if want == MsgType.DONE and mtype in (MsgType.DONE_OK, MsgType.DONE_VALUE):
+                self.kind = mtype
+                return _binary_done(mtype, body)
             if mtype == want:
+                self.kind = mtype
                 return json.loads(body) if body else {}
             if mtype == MsgType.ERROR:
                 raise wire.ProtocolError(json.loads(body)["message"])
@@ -88,6 +96,15 @@ class Raw:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def _binary_done(mtype: int, body: bytes) -> dict:
+    """A DONE_OK or DONE_VALUE as the JSON DONE it stands for."""
+    if mtype == MsgType.DONE_OK:
+        seq, *t = wire.DONE_OK_BODY.unpack(body)
+        return {"seq": seq, "ok": True, "error": None, "results": {}, "t": t}
+    seq, t, index, value = wire.decode_done_value(body)
+    return {"seq": seq, "ok": True, "error": None, "results": {str(index): value}, "t": t}
 
 
 def _wait_for(cond, timeout: float = 5.0) -> None:
@@ -199,6 +216,60 @@ def test_template_calls_run_like_json_ops(server: Server) -> None:
     assert not done["ok"] and "constants cannot name tensors" in done["error"]["message"]
     done = _stream_batch(c, [], [5, 9])
     assert not done["ok"] and "allow-list" in done["error"]["message"]
+
+
+def _calls(c: Raw, stream: list[int], free: list[int] | None = None) -> dict:
+    """A batch of template calls as a CALLS frame (no JSON)."""
+    c.seq += 1
+    c.writer.send(wire.calls_frame(c.seq, 0, free or [], array("q", stream).tobytes()))
+    return c.until(MsgType.DONE)
+
+
+def test_calls_frames_and_binary_replies(server: Server) -> None:
+    """Template calls in a CALLS frame run like a BATCH's op stream. A client that said
+    ``binary`` gets DONE_OK, or DONE_VALUE for one number, when nothing failed (a JSON DONE
+    otherwise); one that did not gets JSON DONEs, for CALLS frames too."""
+    defs = [
+        [1, "aten::mul.Tensor", [{"xh": 0}, 3.0], {}, [1], 2],
+        [2, "aten::sum.default", [{"xh": 0}], {}, [1], 2],
+        [3, "aten::_local_scalar_dense.default", [{"xh": 0}], {}, None, 1],
+    ]
+    ones = ["aten::ones.default", [[3]], {}, [1]]
+    c = Raw(server.address, binary=True)
+    assert json.loads(c.welcome[1])["binary"] is True
+    assert _stream_batch(c, defs, [0], [ones])["ok"] and c.kind == MsgType.DONE_OK
+    done = _calls(c, [1, 1, 2, 2, 2, 3, 3, 3])  # x2 = x1 * 3, x3 = x2.sum(), x3.item()
+    assert c.kind == MsgType.DONE_VALUE and done["results"] == {"2": 9.0}
+    assert _calls(c, [1, 3, 4])["ok"] and c.kind == MsgType.DONE_OK  # x4 = x3 * 3
+    done = _calls(c, [1, 1, 5, 1, 99, 6])  # an op error comes in a JSON DONE
+    assert c.kind == MsgType.DONE and not done["ok"] and done["error"]["index"] == 1
+    assert done["error"]["op"] == "aten::mul.Tensor"
+    assert _calls(c, [], free=[2])["ok"]  # a frame of frees only
+    done = _calls(c, [1, 2, 5])
+    assert not done["ok"] and "unknown tensor handle 2" in done["error"]["message"]
+    assert c.fetch(4).item() == 27.0
+
+    plain = Raw(server.address)
+    assert _stream_batch(plain, defs, [0], [ones])["ok"] and plain.kind == MsgType.DONE
+    done = _calls(plain, [1, 1, 2, 2, 2, 3, 3, 3])
+    assert plain.kind == MsgType.DONE and done["results"] == {"2": 9.0}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        wire.CALLS_HEAD.pack(1, 0, 0, 0) + array("q", [7, 1]).tobytes(),  # unknown template
+        wire.CALLS_HEAD.pack(1, 0, 0, 0) + b"\x01\x00\x00",  # not whole int64s
+        wire.CALLS_HEAD.pack(1, 0, 3, 0) + bytes(8),  # frees past the end
+        wire.CALLS_HEAD.pack(1, 0, 0, 9),  # unknown flags
+        b"\x01\x02",  # truncated header
+    ],
+)
+def test_malformed_calls_close_the_session(server: Server, body: bytes) -> None:
+    c = Raw(server.address, binary=True)
+    c.writer.send(wire.HEADER.pack(len(body), MsgType.CALLS) + body)
+    with pytest.raises(wire.ProtocolError):
+        c.until(MsgType.DONE)
 
 
 @pytest.mark.parametrize(
@@ -385,8 +456,20 @@ _batch = st.fixed_dictionaries(
         "xb": st.integers(-8, 200),
     },
 )
+#: A CALLS body: a header of any numbers, then int64s (frees and the op stream).
+_calls_body = st.builds(
+    lambda seq, span, nfree, flags, vals: (
+        wire.CALLS_HEAD.pack(seq, span, nfree, flags) + array("q", vals).tobytes()
+    ),
+    st.integers(-2, 1 << 62),
+    st.integers(-2, 1 << 62),
+    st.integers(0, 8) | st.integers(0, (1 << 32) - 1),
+    st.integers(0, 3),
+    st.lists(st.integers(-2, 8) | st.integers(-(1 << 63), (1 << 63) - 1), max_size=12),
+)
 _frame = st.one_of(
     st.tuples(st.just(MsgType.BATCH), _batch),
+    st.tuples(st.just(MsgType.CALLS), _calls_body),
     st.tuples(
         st.sampled_from(
             [MsgType.PUT, MsgType.CHUNK, MsgType.PING, MsgType.DONE, MsgType.HELLO, 0, 77]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import socket
 import threading
+from array import array
 
 import pytest
 import torch
@@ -54,6 +56,103 @@ def test_unknown_message_type_is_refused() -> None:
     with pytest.raises(ProtocolError, match="unknown message type"):
         reader.read()
     a.close()
+    b.close()
+
+
+def test_calls_frames_round_trip() -> None:
+    """A batch of template calls travels without JSON: seq, span, frees and the op stream."""
+    a, b = _pair()
+    stream = array("q", [2, 1, -9, 1 << 62]).tobytes()
+    a.sendall(wire.calls_frame(7, (1 << 63) - 1, [3, 4, -5], stream))
+    a.sendall(wire.calls_frame(8, 0, [], b""))
+    reader = wire.FrameReader(b, wire.MAX_FRAME)
+    mtype, body = reader.read()
+    seq, span, flags, frees, ops = wire.decode_calls(body)
+    assert (mtype, seq, span, flags, frees) == (MsgType.CALLS, 7, (1 << 63) - 1, 0, [3, 4, -5])
+    assert wire.int64s(ops) == [2, 1, -9, 1 << 62]
+    seq, span, flags, frees, ops = wire.decode_calls(reader.read()[1])
+    assert (seq, span, flags, frees, bytes(ops)) == (8, 0, 0, [], b"")
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        (b"", "truncated"),
+        (wire.CALLS_HEAD.pack(1, 0, 2, 0) + bytes(8), "frees"),  # 2 frees, 1 there
+        (wire.CALLS_HEAD.pack(1, 0, wire.MAX_FREES + 1, 0), "frees"),
+        (wire.CALLS_HEAD.pack(-1, 0, 0, 0), "header"),
+        (wire.CALLS_HEAD.pack(1, -5, 0, 0), "header"),
+        (wire.CALLS_HEAD.pack(1, 0, 0, 6), "header"),  # unknown flags
+    ],
+)
+def test_malformed_calls_are_protocol_errors(body: bytes, match: str) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        wire.decode_calls(body)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        0,
+        -(1 << 63),
+        (1 << 63) - 1,
+        1.5,
+        -0.0,
+        float("inf"),
+        float("-inf"),
+        float("nan"),
+        True,
+        False,
+    ],
+)
+def test_done_value_carries_a_number_exactly(value: object) -> None:
+    t = (1, 2, 3, 4, 5)
+    frame = wire.done_value_frame(9, t, 3, value)
+    assert frame is not None
+    mtype = wire.HEADER.unpack_from(frame)[1]
+    seq, times, index, got = wire.decode_done_value(frame[wire.HEADER.size :])
+    assert (mtype, seq, times, index) == (MsgType.DONE_VALUE, 9, list(t), 3)
+    assert type(got) is type(value)
+    if isinstance(value, float) and math.isnan(value):
+        assert math.isnan(got)
+    else:
+        assert got == value and str(got) == str(value)  # -0.0 stays -0.0
+
+
+@pytest.mark.parametrize("value", [1 << 63, -(1 << 63) - 1, None, "x", 1j, [1.0], {"f": "nan"}])
+def test_done_value_refuses_what_it_cannot_carry(value: object) -> None:
+    assert wire.done_value_frame(1, (0, 0, 0, 0, 0), 0, value) is None  # the JSON DONE then
+
+
+def test_malformed_done_values_and_dones_are_protocol_errors() -> None:
+    good = wire.done_value_frame(1, (0, 0, 0, 0, 0), 0, 2.5)[wire.HEADER.size :]
+    with pytest.raises(ProtocolError, match="malformed"):
+        wire.decode_done_value(good[:-1])
+    bad_kind = wire.DONE_VALUE_HEAD.pack(1, 0, 0, 0, 0, 0, 0, 3) + bytes(8)
+    with pytest.raises(ProtocolError, match="unknown kind"):
+        wire.decode_done_value(bad_kind)
+
+
+def test_receive_timeout_raises_and_keeps_a_partial_frame() -> None:
+    """A reader sleeps in recv up to the socket's receive timeout, then says so; bytes of a
+    frame that had started arriving are kept for the next read."""
+    a, b = _pair()
+    reader = wire.FrameReader(b, wire.MAX_FRAME)
+    reader.set_timeout(0.05)
+    with pytest.raises(TimeoutError):
+        reader.read()
+    ping = wire.frame(MsgType.PING, wire.PING_BODY.pack(42))
+    a.sendall(ping[:3])
+    with pytest.raises(TimeoutError):
+        reader.read()
+    a.sendall(ping[3:])
+    assert reader.read() == (MsgType.PING, wire.PING_BODY.pack(42))
+    reader.set_timeout(None)  # no timeout: blocks until the peer closes
+    a.close()
+    with pytest.raises(wire.ConnectionClosed):
+        reader.read()
     b.close()
 
 
@@ -251,6 +350,8 @@ def test_fuzz_frame_and_body_decoders(data: bytes) -> None:
         wire.decode_chunk,
         wire.decode_ping,
         wire.decode_pong,
+        wire.decode_calls,
+        wire.decode_done_value,
     ):
         with contextlib.suppress(ProtocolError):
             decode(data)
