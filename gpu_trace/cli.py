@@ -170,6 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="page a session's tensors out to host memory after it has been idle this long (a "
         "tenant's idle_s wins; 0 never; default 300); they come back on its next batch",
     )
+    p.add_argument(
+        "--spin-us",
+        metavar="US",
+        type=float,
+        default=None,
+        help="poll for a client's next message this long while the device is idle, before "
+        "sleeping (default GPU_TRACE_SPIN_US, else 200; 0 sleeps at once)",
+    )
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser(

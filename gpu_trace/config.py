@@ -25,6 +25,10 @@ ENVIRONMENT: dict[str, str] = {
     "characters). Default: the token file a server writes under GPU_TRACE_HOME.",
     "GPU_TRACE_REMOTE_TIMEOUT": "Seconds without any message from the server before a forwarding "
     "client gives up on it. Default 30.",
+    "GPU_TRACE_SPIN_US": "Microseconds a forwarding client waiting for a reply, or a server "
+    "waiting for its client's next message while the device is idle, polls the socket (giving "
+    "the CPU away between tries) before sleeping; 0 sleeps at once. Default 200: a synchronous "
+    "round trip then wakes no sleeping thread. A process that may run on one CPU only never polls.",
     "GPU_TRACE_RUN_DIR": "Set by `gpu-trace record` for the traced program and its children: the "
     "run directory the recorder spools into. When set, recording starts at interpreter start.",
     "GPU_TRACE_RUN_ID": "Set by `gpu-trace record`: the run id.",
@@ -200,6 +204,17 @@ def _float(name: str, default: float) -> float:
 
 
 DEFAULT_REMOTE_TIMEOUT_S = 30.0
+
+
+DEFAULT_SPIN_US = 200.0
+
+
+def spin_us(explicit: float | None = None) -> float:
+    """How long a forwarding peer polls before sleeping (``GPU_TRACE_SPIN_US``)."""
+    value = explicit if explicit is not None else _float("GPU_TRACE_SPIN_US", DEFAULT_SPIN_US)
+    if not 0 <= value <= 1_000_000:
+        raise ValueError(f"spin must be in [0, 1000000] microseconds, got {value}")
+    return value
 
 
 def remote_address(explicit: str | None = None) -> str | None:

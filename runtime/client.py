@@ -91,6 +91,7 @@ class Connection(Receiver):
         linger_us: float = 300.0,
         max_in_flight: int = 16,
         trace: bool | None = None,
+        spin_us: float | None = None,
     ) -> None:
         if max_batch_ops < 1 or max_in_flight < 1 or heartbeat_s <= 0:
             raise ValueError("max_batch_ops, max_in_flight and heartbeat_s must be positive")
@@ -102,6 +103,8 @@ class Connection(Receiver):
         self.min_batch_ops = max(1, min(min_batch_ops, self.max_batch_ops))
         self.linger_s = linger_us / 1e6
         self.max_in_flight = max_in_flight
+        #: How long a waiting thread polls for the reply before sleeping (ns).
+        self.spin_ns = FrameReader.spin_budget(config.spin_us(spin_us))
         host, port = parse_address(address)
         token = auth.client_token(token)
         self.trace = ClientTrace(self, trace)

@@ -3,8 +3,10 @@
 One lock, ``_rx_lock``, says who reads. A program thread waiting at a sync point, the heartbeat
 waiting for its PONG and :meth:`~gpu_trace.runtime.client.Connection.close` waiting for BYE each
 take it and read until they have what they wait for, handling every other message on the way
-(no hand-off between threads on the way back). They sleep in ``recv`` itself (no ``select``
-first), waking every quarter second (the socket's receive timeout) to see whether to go on.
+(no hand-off between threads on the way back). They poll for ``spin_ns`` (``GPU_TRACE_SPIN_US``,
+see :meth:`~gpu_trace.runtime.wire.FrameReader.spin`), then sleep in ``recv`` itself (no
+``select`` first), waking every quarter second (the socket's receive timeout) to see whether to
+go on.
 
 The receiver thread reads only while batches that nobody waits for are in flight
 (``_rx_wanted``): their DONEs free the in-flight window and send the next batch. It stays out of
@@ -57,11 +59,13 @@ class Receiver:
         that means). Returns at once if another thread reads: it handles what we wait for.
         """
         reader = self._reader
+        spin = self.spin_ns
         while waiting() and not self.broken:
             try:
                 got = reader.next_frame()
                 if got is None:
-                    reader.fill()  # sleeps in recv, up to the socket's receive timeout
+                    if not (spin and reader.spin(spin)):
+                        reader.fill()  # sleeps in recv, up to the socket's receive timeout
                     got = reader.next_frame()
                     if got is None:
                         continue

@@ -4,12 +4,11 @@ Each connection gets a reader thread: it authenticates the client (CHALLENGE/HEL
 heartbeats at once (their timestamps are clock-sync samples, so they never wait behind work),
 validates every frame and hands uploads and batches to the scheduler, in order. One executor
 thread runs the work (:mod:`gpu_trace.runtime.executor`); a lone small batch runs on the
-connection's thread when the device is idle. Each connection sleeps in ``recv`` until its client's
-next message (no ``select`` first; a receive timeout ends idle connections). Polling instead
-measured worse on a 2-vCPU VM (sync round trip 254-286 µs polling 1 ms on both sides, 170 µs
-not polling, same minutes): the spinning thread takes the only other vCPU, and a woken peer runs
-on the waker's vCPU anyway. Traced sessions' spans go to the sink (:mod:`gpu_trace.runtime.sink`):
-back to the client, or into a shared store.
+connection's thread when the device is idle. Each connection polls for its client's next message
+for :attr:`Server.spin_ns` while the device is idle (giving the CPU away between tries; see
+:meth:`~gpu_trace.runtime.wire.FrameReader.spin`), then sleeps in ``recv`` (no ``select``; a
+receive timeout ends idle connections). Traced sessions' spans go to the sink
+(:mod:`gpu_trace.runtime.sink`): back to the client, or into a shared store.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from gpu_trace import config
 from gpu_trace.runtime import admin, auth
 from gpu_trace.runtime.executor import Executor
 from gpu_trace.runtime.memory import CUDA_BLOCK_BYTES, Memory, device_capacity
@@ -106,6 +106,7 @@ class Server:
         delay_ms: float = 0.0,
         sink: Any = None,
         idle_s: float | None = DEFAULT_IDLE_S,
+        spin_us: float | None = None,
     ) -> None:
         self.host, self.port = parse_address(listen)
         if token is not None and tenants is not None:
@@ -122,6 +123,9 @@ class Server:
         self.idle_timeout_s = idle_timeout_s
         self.handshake_timeout_s = handshake_timeout_s
         self.delay_ns = int(delay_ms * 1e6)
+        #: How long a connection polls for its client's next message while the device is idle
+        #: (ns; ``GPU_TRACE_SPIN_US``), before sleeping.
+        self.spin_ns = FrameReader.spin_budget(config.spin_us(spin_us))
         self.sink = sink if sink is not None else ReturnSink()
         self.sink.server_device = self.device
         #: Device memory by tenant: quotas, capacity, waiters (:mod:`.memory`).
@@ -404,8 +408,11 @@ class Server:
         reader.set_timeout(self.idle_timeout_s)
         submit = self._submitter()
         read = reader.read
+        spin, busy = self.spin_ns, self.executor.lock
         # Not stopped by _closing: close() tells each client why, then shuts its socket.
         while not session.closed:
+            if spin:  # poll first while the device is idle (the next batch would run at once)
+                reader.spin(spin, busy)
             mtype, body = read()
             if mtype == MsgType.CALLS:
                 seq, span, flags, frees, stream = decode_calls(body)

@@ -54,6 +54,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_sessions=args.max_sessions,
             sink=sink,
             idle_s=args.idle_s,
+            spin_us=args.spin_us,
         )
         server.start()
     except (ValueError, OSError) as exc:

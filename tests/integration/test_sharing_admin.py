@@ -288,6 +288,8 @@ def test_serve_refuses_a_bad_tenants_file_naming_the_line(
     assert "not a byte size" in capsys.readouterr().err
     assert cli.main(["serve", "--tenants", str(path), "--metrics", "0.0.0.0:0"]) == 2
     assert "need an admin tenant" in capsys.readouterr().err
+    assert cli.main(["serve", "--tenants", str(path), "--spin-us", "-5"]) == 2
+    assert "spin must be in [0, 1000000] microseconds" in capsys.readouterr().err
 
 
 def test_serve_policy_choices_are_the_policies() -> None:

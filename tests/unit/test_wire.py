@@ -156,6 +156,41 @@ def test_receive_timeout_raises_and_keeps_a_partial_frame() -> None:
     b.close()
 
 
+def test_spin_polls_until_data_comes_or_gives_up() -> None:
+    """A reader polls for up to its budget: True once data came (a frame may be read at once),
+    False when the budget ran out or someone else's work holds ``busy``."""
+    a, b = _pair()
+    reader = wire.FrameReader(b, wire.MAX_FRAME)
+    ping = wire.frame(MsgType.PING, wire.PING_BODY.pack(7))
+    assert not reader.spin(200_000)  # nothing comes
+    busy = threading.Lock()
+    with busy:
+        assert not reader.spin(1 << 62, busy)  # stops at once, however long the budget
+    threading.Timer(0.05, a.sendall, (ping,)).start()
+    assert reader.spin(1 << 62)  # comes while polling
+    assert reader.next_frame() == (MsgType.PING, wire.PING_BODY.pack(7))
+    a.sendall(ping)
+    assert reader.spin(1 << 62) and reader.spin(0)  # a whole frame buffered: True at once
+    assert reader.next_frame() == (MsgType.PING, wire.PING_BODY.pack(7))
+    a.close()
+    with pytest.raises(wire.ConnectionClosed):
+        reader.spin(1 << 62)
+    b.close()
+
+
+def test_spin_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpu_trace import config
+
+    assert config.spin_us() == config.DEFAULT_SPIN_US
+    assert config.spin_us(0) == 0
+    monkeypatch.setenv("GPU_TRACE_SPIN_US", "50")
+    assert config.spin_us() == 50 and config.spin_us(0) == 0
+    for bad, message in (("soon", "must be a number"), ("-1", "spin must be in")):
+        monkeypatch.setenv("GPU_TRACE_SPIN_US", bad)
+        with pytest.raises(ValueError, match=message):
+            config.spin_us()
+
+
 def test_chunks_cover_large_payloads() -> None:
     data = memoryview(bytes(range(256)) * ((wire.CHUNK_BYTES * 2 + 100) // 256 + 1))
     frames = wire.chunk_frames(7, data)
