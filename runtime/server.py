@@ -408,11 +408,15 @@ class Server:
         reader.set_timeout(self.idle_timeout_s)
         submit = self._submitter()
         read = reader.read
-        spin, busy = self.spin_ns, self.executor.lock
+        spin, busy, queued = self.spin_ns, self.executor.lock.locked, self.scheduler.depth
+
+        def device_busy() -> bool:  # work runs or waits: the CPU is better left to it
+            return busy() or queued() > 0
+
         # Not stopped by _closing: close() tells each client why, then shuts its socket.
         while not session.closed:
-            if spin:  # poll first while the device is idle (the next batch would run at once)
-                reader.spin(spin, busy)
+            if spin and not device_busy():  # poll while the next batch would run at once
+                reader.spin(spin, device_busy)
             mtype, body = read()
             if mtype == MsgType.CALLS:
                 seq, span, flags, frees, stream = decode_calls(body)

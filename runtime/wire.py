@@ -345,6 +345,8 @@ class FrameReader:
         self._pos = 0
         #: perf_counter_ns when the current frame's first bytes were available.
         self.frame_started_ns = 0
+        self._spin = 0  # :meth:`spin`'s current budget (ns; 0: not polled yet)
+        self._missed = 0  # when the last poll that found nothing began (0: it found something)
 
     def set_timeout(self, seconds: float | None) -> None:
         """How long one :meth:`fill` may wait (None: for ever). The socket becomes blocking."""
@@ -416,26 +418,42 @@ class FrameReader:
             self.frame_started_ns = time.perf_counter_ns()
         self._buf += data
 
-    def spin(self, spin_ns: int, busy: Any = None) -> bool:
-        """Poll for up to ``spin_ns``, giving the CPU away between tries (``sched_yield``);
-        True once something arrived (or was buffered), False if nothing did. ``busy``: a lock
-        whose being held stops the polling (someone else has work for this CPU).
+    def spin(self, spin_ns: int, stop: Callable[[], Any] | None = None) -> bool:
+        """Poll for what comes next, giving the CPU away between tries (``sched_yield``); True
+        once something arrived (or a whole frame was buffered), False if nothing did in time.
+        ``stop()``: true when someone else has work for the CPU (polling then ends at once).
 
         A thread that sleeps in ``recv`` is woken by the kernel when data comes, which on a VM
         can cost more than the whole round trip (about 40 µs each way on the 2-vCPU VM this was
         measured on, when the sleeper's vCPU was idle). One that polls sees the data at once;
         yielding between tries lets the peer run first when both share one CPU.
+
+        The budget follows the peer: after a poll that found nothing, it halves (down to a
+        sixteenth of ``spin_ns``) if what came next took longer than ``spin_ns``, and is whole
+        again if it did not; so waiting for replies that take milliseconds (large ops) costs
+        little CPU, and a peer that answers within ``spin_ns`` is always caught.
         """
         if self.next_frame_ready():
             return True
+        budget = self._spin or spin_ns
+        if self._missed:  # the last poll found nothing: how long did it take after all?
+            gap = self.frame_started_ns - self._missed
+            if gap >= 0:
+                budget = spin_ns if gap <= spin_ns else max(spin_ns >> 4, budget >> 1)
+            self._missed = 0
+        budget = self._spin = min(budget, spin_ns)
         recv = self.sock.recv
         clock = time.perf_counter_ns
-        end = clock() + spin_ns
+        start = clock()
+        end = start + budget
         while True:
             try:
                 data = recv(1 << 18, socket.MSG_DONTWAIT)
             except BlockingIOError:
-                if clock() >= end or busy is not None and busy.locked():
+                if stop is not None and stop():
+                    return False
+                if clock() >= end:
+                    self._missed = start
                     return False
                 _yield()
                 continue

@@ -6,6 +6,7 @@ import contextlib
 import math
 import socket
 import threading
+import time
 from array import array
 
 import pytest
@@ -158,14 +159,14 @@ def test_receive_timeout_raises_and_keeps_a_partial_frame() -> None:
 
 def test_spin_polls_until_data_comes_or_gives_up() -> None:
     """A reader polls for up to its budget: True once data came (a frame may be read at once),
-    False when the budget ran out or someone else's work holds ``busy``."""
+    False when the budget ran out or ``stop()`` says someone else has work."""
     a, b = _pair()
-    reader = wire.FrameReader(b, wire.MAX_FRAME)
     ping = wire.frame(MsgType.PING, wire.PING_BODY.pack(7))
-    assert not reader.spin(200_000)  # nothing comes
+    assert not wire.FrameReader(b, wire.MAX_FRAME).spin(200_000)  # nothing comes
     busy = threading.Lock()
-    with busy:
-        assert not reader.spin(1 << 62, busy)  # stops at once, however long the budget
+    with busy:  # stops at once, however long the budget
+        assert not wire.FrameReader(b, wire.MAX_FRAME).spin(1 << 62, busy.locked)
+    reader = wire.FrameReader(b, wire.MAX_FRAME)
     threading.Timer(0.05, a.sendall, (ping,)).start()
     assert reader.spin(1 << 62)  # comes while polling
     assert reader.next_frame() == (MsgType.PING, wire.PING_BODY.pack(7))
@@ -175,6 +176,27 @@ def test_spin_polls_until_data_comes_or_gives_up() -> None:
     a.close()
     with pytest.raises(wire.ConnectionClosed):
         reader.spin(1 << 62)
+    b.close()
+
+
+def test_spin_budget_follows_the_peer() -> None:
+    """After a poll that found nothing, the budget halves (to a sixteenth at least) when what
+    came next took longer than the budget's cap, and is whole again when it did not."""
+    a, b = _pair()
+    reader = wire.FrameReader(b, wire.MAX_FRAME)
+    ping = wire.frame(MsgType.PING, wire.PING_BODY.pack(7))
+    cap = 1_000_000  # 1 ms
+    for expected in (cap, cap // 2, cap // 4, cap // 8, cap // 16, cap // 16):
+        assert not reader.spin(cap)  # found nothing; the ping comes 20 ms later
+        assert reader._spin == expected
+        time.sleep(0.02)
+        a.sendall(ping)
+        reader.read()
+    assert not reader.spin(cap)
+    a.sendall(ping)  # at once, well within the cap
+    reader.read()
+    assert not reader.spin(cap) and reader._spin == cap  # whole again
+    a.close()
     b.close()
 
 
