@@ -137,6 +137,7 @@ class Connection(Receiver):
         self.done_seq = 0
         self._error: RemoteOpError | None = None
         self.broken: str | None = None
+        self._told = False  # the server said why the session ended (see _break)
         self.closed = False
         #: Handle numbers (``next(c.ids)``; the hot path takes them without a method call).
         self.ids = itertools.count(1)
@@ -345,6 +346,7 @@ class Connection(Receiver):
         try:
             self.writer.send(*frames)
         except ConnectionClosed as exc:
+            self._last_words()
             self._break(f"the server at {self.address} went away: {exc}")
             raise ServerGone(self.broken) from None
         batch.t_sent = now_ns()
@@ -436,9 +438,12 @@ class Connection(Receiver):
                 return
             self.trace.flush()
 
-    def _break(self, reason: str) -> None:
-        if self.broken is None:
+    def _break(self, reason: str, told: bool = False) -> None:
+        """The session is over, for ``reason``; ``told``: the server said why (an ERROR), which
+        wins over what a failed send or read concluded in the meantime."""
+        if self.broken is None or told and not self._told:
             self.broken = reason
+            self._told = told
             log.warning("gpu-trace: %s", reason)
         with self._cond:
             self._cond.notify_all()

@@ -132,6 +132,25 @@ class Receiver:
             finally:
                 self._rx_lock.release()
 
+    def _last_words(self: Connection) -> None:
+        """A send failed: handle what the server sent before it closed (an ERROR saying why),
+        unless another thread is reading (it will)."""
+        if not self._rx_lock.acquire(False):
+            return
+        try:
+            reader = self._reader
+            while reader.poll():
+                pass
+        except (ConnectionClosed, OSError):
+            pass  # what was received before the connection broke is still in the buffer
+        finally:
+            try:
+                while (got := reader.next_frame()) is not None:
+                    self._handle(*got)
+            except (ProtocolError, ValueError):
+                pass
+            self._rx_lock.release()
+
     def _lost(self: Connection, exc: Exception) -> None:
         if not self.closed and not self._closing:
             self._break(f"the server at {self.address} went away: {exc}")
@@ -193,9 +212,9 @@ class Receiver:
             msg = decode_json(body)
             text = str(msg.get("message"))[:500]
             if msg.get("reason") == "shutdown":  # "shutting down (SIGTERM)"
-                self._break(f"the server at {self.address} is {text}")
+                self._break(f"the server at {self.address} is {text}", told=True)
             else:  # "session evicted by an administrator", a protocol error...
-                self._break(f"the server at {self.address} closed the session: {text}")
+                self._break(f"the server at {self.address} closed the session: {text}", told=True)
 
     def _done(self: Connection, seq: Any, results: Any, error: Any, t: Any, t_done: int) -> None:
         """Batch ``seq`` is done (a DONE's fields; ``t``: the server's times)."""

@@ -174,6 +174,23 @@ def test_an_evicted_session_gets_a_clear_error_and_its_memory_is_freed(
     assert ended["ops"] >= 2 and ended["sessions_opened"] == 1  # its usage outlives it
 
 
+def test_the_servers_reason_wins_over_a_failed_send(shared: Server, alice: torch.device) -> None:
+    """The server says why it ends a session, then closes it. A client whose next send fails
+    (the connection is gone) still reports what the server said, not a broken pipe."""
+    from gpu_trace.runtime.wire import PING_BODY, MsgType, frame
+
+    x = torch.ones(8, device=alice)
+    assert x.sum().item() == 8
+    (victim,) = shared.sessions.values()
+    admin.evict(shared.address, victim.id, OPS)
+    _wait_for(lambda: victim.id not in shared.sessions)
+    conn = runtime.current()
+    conn.writer.send(frame(MsgType.PING, PING_BODY.pack(1)))  # reaches a closed socket
+    time.sleep(0.2)  # its reset is back: the next send fails, with the ERROR still unread
+    with pytest.raises(runtime.ServerGone, match="session evicted by an administrator"):
+        (x * 2).sum().item()
+
+
 def test_gpu_trace_tenants_lists_and_evicts(
     shared: Server, alice: torch.device, python: str
 ) -> None:
