@@ -646,6 +646,8 @@ class Executor:
                     if h is not None:
                         session.handles.put(h, v)
                 meta.append(None)
+            elif spec is not None:  # a handle for what is not a tensor
+                raise ProtocolError("op outs do not match the op's results")
             else:
                 meta.append(encode_result(_scalar(value)))
         return None if all(m is None for m in meta) else meta

@@ -305,6 +305,21 @@ def test_ops_off_the_allow_list_or_too_big_are_refused(server: Server, op: list)
     assert c.batch([["aten::neg.default", [{"h": 1}], {}, [9]]])["ok"]
 
 
+def test_an_output_handle_for_a_number_is_an_op_error(server: Server) -> None:
+    """An op whose outs name a handle for a result that is not a tensor fails as an op (the
+    session goes on), JSON op and template call alike."""
+    c = Raw(server.address, binary=True)
+    c.batch([["aten::ones.default", [[1]], {}, [1]]])
+    done = c.batch([["aten::_local_scalar_dense.default", [{"h": 1}], {}, [2]]])
+    assert not done["ok"] and "outs do not match" in done["error"]["message"]
+    defs = [[1, "aten::_local_scalar_dense.default", [{"xh": 0}], {}, [1], 2]]
+    done = _stream_batch(c, defs, [1, 1, 3])
+    assert not done["ok"] and "outs do not match" in done["error"]["message"]
+    assert c.batch([["aten::_local_scalar_dense.default", [{"h": 1}], {}, None]])["results"] == {
+        "0": 1.0
+    }
+
+
 def test_unsafe_index_put_is_made_safe(server: Server) -> None:
     c = Raw(server.address)
     c.batch(
