@@ -427,7 +427,7 @@ class Server:
                     head["sync"] = True
                 submit(session, Work("batch", head, None, reader.frame_started_ns, now_ns()))
             elif mtype == MsgType.BATCH:
-                self._batch(session, reader.frame_started_ns, body, submit)
+                self._on_batch(session, reader.frame_started_ns, body, submit)
             elif mtype == MsgType.PING:
                 t1 = now_ns()
                 t0 = decode_ping(body)
@@ -471,7 +471,7 @@ class Server:
 
         return submit
 
-    def _batch(self, session: Session, start: int, body: bytes, submit: Any) -> None:
+    def _on_batch(self, session: Session, start: int, body: bytes, submit: Any) -> None:
         """A BATCH frame: its inline uploads, then its ops (templates' calls expanded)."""
         head, data = decode_split(body)
         xb = head.get("xb")

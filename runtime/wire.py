@@ -29,9 +29,9 @@ in its HELLO; it gets a WELCOME with no session, then::
     ADMIN {op: "list"} or {op: "evict", session} ->   <- ADMIN_REPLY {ok, ...}
 
 ``binary`` says the peer takes the binary forms: a client that said it in its HELLO may be sent
-DONE_OK and DONE_VALUE; a server that said it in its WELCOME may be sent CALLS. The common batch, template
-calls and frees only (:mod:`gpu_trace.runtime.templates`), and its reply then carry no JSON at
-all: a synchronous round trip spends no time formatting or parsing it.
+DONE_OK and DONE_VALUE; a server that said it in its WELCOME may be sent CALLS. The common
+batch, template calls and frees only (:mod:`gpu_trace.runtime.templates`), and its reply then
+carry no JSON at all: a synchronous round trip spends no time formatting or parsing it.
 
 Every size is bounded before anything is allocated: a frame's length is checked against the
 limit of the connection's state (:data:`MAX_HANDSHAKE_FRAME` before authentication) as soon as its
@@ -56,6 +56,7 @@ from typing import Any
 PROTOCOL_VERSION = 1
 
 HEADER = struct.Struct("<IB")
+_HEAD = HEADER.size
 PING_BODY = struct.Struct("<q")
 PONG_BODY = struct.Struct("<qqq")
 CLOCK_SAMPLE = struct.Struct("<qqqq")  # t0, t1, t2, t3 of one finished clock-sync exchange
@@ -368,17 +369,17 @@ class FrameReader:
         """A whole frame already received, or None (never reads the socket)."""
         buf = self._buf
         pos = self._pos
-        if len(buf) - pos < 5:  # HEADER.size
+        if len(buf) - pos < _HEAD:
             return None
         n, mtype = HEADER.unpack_from(buf, pos)
         if n > self.max_frame:
             raise ProtocolError(f"frame of {n} bytes exceeds the limit of {self.max_frame}")
         if mtype not in _TYPES:
             raise ProtocolError(f"unknown message type {mtype}")
-        end = pos + 5 + n
+        end = pos + _HEAD + n
         if len(buf) < end:
             return None
-        body = bytes(buf[pos + 5 : end])
+        body = bytes(buf[pos + _HEAD : end])
         if end == len(buf):
             buf.clear()
             self._pos = 0
