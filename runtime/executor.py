@@ -269,16 +269,15 @@ class Executor:
                         if gate is not None:
                             gate(op)
                         t0 = now_ns() if trace else 0
+                        prep = None
                         if type(op) is TOp:
                             prep = op.t.prep
                             if prep is None:
                                 prep = op.t.prep = self._prepare(op.t)
-                            if prep:
-                                value = self._top(session, prep, op.vals)
-                            else:
-                                if decoder is None:
-                                    decoder = self._decoder(session)
-                                value = self._op(session, decoder, op.materialize())
+                            if not prep:  # a template too nested to prepare: its JSON op
+                                op = op.materialize()
+                        if prep:
+                            value = self._top(session, prep, op.vals)
                         else:
                             if decoder is None:
                                 decoder = self._decoder(session)

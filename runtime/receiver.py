@@ -15,6 +15,7 @@ the way of a waiting thread, so a synchronous round trip wakes no other thread.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import select
 import time
@@ -139,16 +140,13 @@ class Receiver:
             return
         try:
             reader = self._reader
-            while reader.poll():
-                pass
-        except (ConnectionClosed, OSError):
-            pass  # what was received before the connection broke is still in the buffer
-        finally:
-            try:
+            with contextlib.suppress(ConnectionClosed, OSError):  # what came before stays
+                while reader.poll():
+                    pass
+            with contextlib.suppress(ProtocolError, ValueError):
                 while (got := reader.next_frame()) is not None:
                     self._handle(*got)
-            except (ProtocolError, ValueError):
-                pass
+        finally:
             self._rx_lock.release()
 
     def _lost(self: Connection, exc: Exception) -> None:

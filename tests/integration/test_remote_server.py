@@ -7,6 +7,7 @@ import socket
 import time
 from array import array
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -40,7 +41,11 @@ class Raw:
     """A protocol-level client: what a (possibly hostile) peer can send."""
 
     def __init__(
-        self, address: str, token: str = TOKEN, hello: dict | None = None, binary: bool = False
+        self,
+        address: str,
+        token: str = TOKEN,
+        hello: dict | None = None,
+        binary: Any = False,
     ) -> None:
         host, port = address.rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)), timeout=5)
@@ -51,8 +56,8 @@ class Raw:
         assert mtype == MsgType.CHALLENGE
         nonce = bytes.fromhex(json.loads(body)["nonce"])
         msg = hello or {"v": 1, "mac": auth.mac(token, nonce), "client": {"host": "test"}}
-        if binary:
-            msg["binary"] = True  # DONE_OK and DONE_VALUE are read
+        if binary is not False:
+            msg["binary"] = binary  # True: DONE_OK and DONE_VALUE are read
         self.writer.send(wire.json_frame(MsgType.HELLO, msg))
         self.welcome = self.reader.read()
         self.seq = 0
@@ -356,6 +361,8 @@ def test_bad_token_and_bad_hello_are_refused(server: Server) -> None:
     assert c.welcome[0] == MsgType.ERROR and b"authentication" in c.welcome[1]
     c = Raw(server.address, hello={"v": 99, "mac": "00", "client": {}})
     assert c.welcome[0] == MsgType.ERROR
+    c = Raw(server.address, binary="yes")
+    assert c.welcome[0] == MsgType.ERROR and b"'binary' must be a boolean" in c.welcome[1]
     assert not server.sessions
 
 
