@@ -7,7 +7,12 @@ else in the code base reads ``os.environ`` for a ``GPU_TRACE_*`` name.
 
 from __future__ import annotations
 
+import math
 import os
+import re
+import shlex
+import shutil
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +34,10 @@ ENVIRONMENT: dict[str, str] = {
     "waiting for its client's next message while the device is idle, polls the socket (giving "
     "the CPU away between tries) before sleeping; 0 sleeps at once. Default 200: a synchronous "
     "round trip then wakes no sleeping thread. A process that may run on one CPU only never polls.",
+    "GPU_TRACE_HANDSHAKE_TIMEOUT": "Seconds `gpu-trace serve` gives a new connection to "
+    "authenticate (from accept to WELCOME; bytes trickling in do not extend it). Default 10.",
+    "GPU_TRACE_MAX_HANDSHAKES": "Connections `gpu-trace serve` lets wait to authenticate at once, "
+    "apart from sessions; one more ends the oldest. Default 64.",
     "GPU_TRACE_RUN_DIR": "Set by `gpu-trace record` for the traced program and its children: the "
     "run directory the recorder spools into. When set, recording starts at interpreter start.",
     "GPU_TRACE_RUN_ID": "Set by `gpu-trace record`: the run id.",
@@ -61,6 +70,199 @@ ENVIRONMENT: dict[str, str] = {
 
 DEFAULT_FLUSH_INTERVAL_S = 0.5
 DEFAULT_BUFFER_EVENTS = 1 << 20
+#: Largest per-thread buffer: beyond it a buffer is gigabytes of Python tuples.
+MAX_BUFFER_EVENTS = 1 << 30
+
+
+# ---- checking values -----------------------------------------------------------------------------
+#
+# Every variable has one parser below, used by its getter and by check_environment(), so a value
+# is judged the same way before the program starts (`gpu-trace record`, `gpu_trace.start()`) and
+# where it is read. A parser returns the typed value or raises ValueError saying what it accepts;
+# the caller adds the variable and the value to make the message.
+
+
+class _Invalid(ValueError):
+    """What a value should have been (the caller names the variable and the value)."""
+
+
+def _number(
+    lo: float, hi: float, what: str, *, lo_open: bool = False, integer: bool = False
+) -> Callable[[str], float]:
+    bounds = f"{'(' if lo_open else '['}{_plain(lo)}, {_plain(hi)}]"
+    expected = f"a {'whole ' if integer else ''}number of {what} in {bounds}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise _Invalid(expected) from None
+        # NaN fails every comparison and infinity every bound: both are refused here.
+        if not math.isfinite(value) or not (lo < value if lo_open else lo <= value) or value > hi:
+            raise _Invalid(expected)
+        if integer and not value.is_integer():
+            raise _Invalid(expected)
+        return int(value) if integer else value
+
+    return parse
+
+
+def _plain(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def _choice(*options: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in options:
+            raise _Invalid(f"one of {', '.join(options)}")
+        return value
+
+    return parse
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _flag(text: str) -> bool:
+    value = text.strip().lower()
+    if value not in _TRUE + _FALSE:
+        raise _Invalid(f"one of {', '.join(_TRUE + _FALSE)}")
+    return value in _TRUE
+
+
+def _directory(text: str) -> Path:
+    path = Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        raise _Invalid("a directory (this path is something else)")
+    return path
+
+
+def _file(text: str) -> Path:
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise _Invalid("an existing file")
+    return path
+
+
+def _dsn(text: str) -> str:
+    from gpu_trace.tracer.store import parse_dsn
+
+    try:
+        parse_dsn(text)
+    except ValueError as exc:
+        raise _Invalid(f"chdb:///path or http(s)://user:password@host:port ({exc})") from None
+    return text
+
+
+_CLUSTER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+
+
+def _cluster(text: str) -> str:
+    if not _CLUSTER.match(text):
+        raise _Invalid("a cluster name (letters, digits, _ . -)")
+    return text
+
+
+def _address(text: str) -> str:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise _Invalid("HOST:PORT with a port in [1, 65535]")
+    return text
+
+
+def _token(text: str) -> str:
+    if len(text) < 16:
+        raise _Invalid("at least 16 characters")
+    return text
+
+
+def _command(text: str) -> str:
+    try:
+        words = shlex.split(text)
+    except ValueError:
+        words = []
+    if not words or shutil.which(words[0]) is None:
+        raise _Invalid("a command found on PATH")
+    return text
+
+
+_RUN_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+
+
+def _run_id(text: str) -> str:
+    if not _RUN_ID.match(text) or text in (".", ".."):
+        raise _Invalid("1 to 128 letters, digits and _ . : -")
+    return text
+
+
+def _anything(text: str) -> str:
+    return text
+
+
+#: The parser of every variable in ENVIRONMENT. TRACEPARENT is never refused: a malformed
+#: propagated context is ignored (W3C Trace Context), the run then starts a trace of its own.
+CHECKS: dict[str, Callable[[str], object]] = {
+    "GPU_TRACE_HOME": _directory,
+    "GPU_TRACE_STORE": _dsn,
+    "GPU_TRACE_CLUSTER": _cluster,
+    "GPU_TRACE_REMOTE": _address,
+    "GPU_TRACE_REMOTE_SYNC": _flag,
+    "GPU_TRACE_REMOTE_TOKEN": _token,
+    "GPU_TRACE_REMOTE_TIMEOUT": _number(0, 3600, "seconds", lo_open=True),
+    "GPU_TRACE_SPIN_US": _number(0, 1_000_000, "microseconds"),
+    "GPU_TRACE_HANDSHAKE_TIMEOUT": _number(0, 3600, "seconds", lo_open=True),
+    "GPU_TRACE_MAX_HANDSHAKES": _number(1, 100_000, "connections", integer=True),
+    "GPU_TRACE_RUN_DIR": _directory,
+    "GPU_TRACE_RUN_ID": _run_id,
+    "GPU_TRACE_FLUSH_INTERVAL": _number(0, 60, "seconds", lo_open=True),
+    "GPU_TRACE_BUFFER_EVENTS": _number(16, MAX_BUFFER_EVENTS, "events", integer=True),
+    "GPU_TRACE_NVTX": _choice("native", "python", "off"),
+    "GPU_TRACE_NVTX_CLOCK": _choice("auto", "monotonic"),
+    "GPU_TRACE_CC": _command,
+    "GPU_TRACE_TORCH": _choice("module", "op", "off"),
+    "GPU_TRACE_TORCH_SHAPES": _flag,
+    "GPU_TRACE_TF": _choice("layer", "op", "off"),
+    "GPU_TRACE_NVML_HZ": _number(0, 1000, "samples per second"),
+    "GPU_TRACE_HOST_HZ": _number(0, 1000, "samples per second"),
+    "GPU_TRACE_NVML_REPLAY": _file,
+    "TRACEPARENT": _anything,
+}
+
+
+def parse(name: str, text: str) -> object:
+    """``text`` as variable ``name`` takes it; ValueError naming both and what is accepted."""
+    try:
+        return CHECKS[name](text)
+    except _Invalid as exc:
+        raise ValueError(f"{name} must be {exc}, got {text!r}") from None
+
+
+def check_environment(environ: Mapping[str, str] | None = None) -> None:
+    """Check every ``GPU_TRACE_*`` setting that is set; one ValueError naming each bad one.
+
+    `gpu-trace record` calls this before it starts the program, ``gpu_trace.start()`` before it
+    records: a bad value stops both with its reason instead of turning recording off later.
+    """
+    environ = os.environ if environ is None else environ
+    problems = []
+    for name in CHECKS:
+        text = environ.get(name)
+        if text in (None, ""):
+            continue
+        try:
+            parse(name, text)
+        except ValueError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def _get(name: str, default: object) -> object:
+    """The typed value of ``name`` from the environment, or ``default`` when it is not set."""
+    text = _env(name)
+    return default if text is None else parse(name, text)
 
 
 def _env(name: str) -> str | None:
@@ -94,10 +296,7 @@ def c_compiler() -> str | None:
 
 def nvtx_clock() -> str:
     """``GPU_TRACE_NVTX_CLOCK``: ``auto`` (default) or ``monotonic``."""
-    value = (_env("GPU_TRACE_NVTX_CLOCK") or "auto").lower()
-    if value not in ("auto", "monotonic"):
-        raise ValueError(f"GPU_TRACE_NVTX_CLOCK must be auto or monotonic, got {value!r}")
-    return value
+    return str(_get("GPU_TRACE_NVTX_CLOCK", "auto"))
 
 
 def torch_level(explicit: str | None = None) -> str:
@@ -112,14 +311,16 @@ def tf_level(explicit: str | None = None) -> str:
 
 def torch_shapes() -> bool:
     """``GPU_TRACE_TORCH_SHAPES``: record op input shapes and dtypes."""
-    return (_env("GPU_TRACE_TORCH_SHAPES") or "0").lower() in ("1", "true", "yes", "on")
+    return bool(_get("GPU_TRACE_TORCH_SHAPES", False))
 
 
 def _level(name: str, explicit: str | None, levels: tuple[str, ...]) -> str:
-    value = (explicit or _env(name) or levels[0]).lower()
-    if value not in levels:
-        raise ValueError(f"{name} must be one of {', '.join(levels)}, got {value!r}")
-    return value
+    if explicit:
+        value = explicit.lower()
+        if value not in levels:
+            raise ValueError(f"{name} must be one of {', '.join(levels)}, got {value!r}")
+        return value
+    return str(_get(name, levels[0]))
 
 
 DEFAULT_NVML_HZ = 10.0
@@ -143,7 +344,7 @@ def nvml_replay(explicit: Path | None = None) -> Path | None:
 
 
 def _rate(name: str, explicit: float | None, default: float) -> float:
-    value = _float(name, default) if explicit is None else float(explicit)
+    value = float(_get(name, default)) if explicit is None else float(explicit)  # type: ignore[arg-type]
     if not 0 <= value <= 1000:
         flag = name.removeprefix("GPU_TRACE_").lower().replace("_", "-")
         raise ValueError(f"--{flag} must be in [0, 1000] Hz, got {value:g}")
@@ -171,9 +372,9 @@ class RecorderSettings:
         values: dict[str, object] = {
             "run_dir": Path(run_dir) if run_dir else None,
             "run_id": _env("GPU_TRACE_RUN_ID"),
-            "flush_interval_s": _float("GPU_TRACE_FLUSH_INTERVAL", DEFAULT_FLUSH_INTERVAL_S),
-            "buffer_events": int(_float("GPU_TRACE_BUFFER_EVENTS", DEFAULT_BUFFER_EVENTS)),
-            "nvtx": (_env("GPU_TRACE_NVTX") or "native").lower(),
+            "flush_interval_s": _get("GPU_TRACE_FLUSH_INTERVAL", DEFAULT_FLUSH_INTERVAL_S),
+            "buffer_events": _get("GPU_TRACE_BUFFER_EVENTS", DEFAULT_BUFFER_EVENTS),
+            "nvtx": _get("GPU_TRACE_NVTX", "native"),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         settings = cls(**values)  # type: ignore[arg-type]
@@ -181,26 +382,21 @@ class RecorderSettings:
         return settings
 
     def validate(self) -> None:
-        if self.flush_interval_s <= 0 or self.flush_interval_s > 60:
+        interval = self.flush_interval_s
+        # Written so that NaN fails too (it compares false with everything).
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)):
+            raise ValueError(f"flush interval must be a number of seconds, got {interval!r}")
+        if not 0 < interval <= 60:
+            raise ValueError(f"flush interval must be in (0, 60] seconds, got {interval}")
+        events = self.buffer_events
+        if isinstance(events, bool) or not isinstance(events, int):
+            raise ValueError(f"buffer capacity must be a whole number of events, got {events!r}")
+        if not 16 <= events <= MAX_BUFFER_EVENTS:
             raise ValueError(
-                f"flush interval must be in (0, 60] seconds, got {self.flush_interval_s}"
-            )
-        if self.buffer_events < 16:
-            raise ValueError(
-                f"buffer capacity must be at least 16 events, got {self.buffer_events}"
+                f"buffer capacity must be in [16, {MAX_BUFFER_EVENTS}] events, got {events}"
             )
         if self.nvtx not in ("native", "python", "off"):
             raise ValueError(f"GPU_TRACE_NVTX must be native, python or off, got {self.nvtx!r}")
-
-
-def _float(name: str, default: float) -> float:
-    value = _env(name)
-    if value is None:
-        return default
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(f"{name} must be a number, got {value!r}") from None
 
 
 DEFAULT_REMOTE_TIMEOUT_S = 30.0
@@ -211,10 +407,34 @@ DEFAULT_SPIN_US = 200.0
 
 def spin_us(explicit: float | None = None) -> float:
     """How long a forwarding peer polls before sleeping (``GPU_TRACE_SPIN_US``)."""
-    value = explicit if explicit is not None else _float("GPU_TRACE_SPIN_US", DEFAULT_SPIN_US)
+    value = explicit if explicit is not None else float(_get("GPU_TRACE_SPIN_US", DEFAULT_SPIN_US))  # type: ignore[arg-type]
     if not 0 <= value <= 1_000_000:
         raise ValueError(f"spin must be in [0, 1000000] microseconds, got {value}")
     return value
+
+
+DEFAULT_HANDSHAKE_TIMEOUT_S = 10.0
+DEFAULT_MAX_HANDSHAKES = 64
+
+
+def handshake_timeout(explicit: float | None = None) -> float:
+    """Seconds a server gives a connection to authenticate (``GPU_TRACE_HANDSHAKE_TIMEOUT``)."""
+    value = explicit
+    if value is None:
+        value = float(_get("GPU_TRACE_HANDSHAKE_TIMEOUT", DEFAULT_HANDSHAKE_TIMEOUT_S))  # type: ignore[arg-type]
+    if not 0 < value <= 3600:  # NaN fails this too
+        raise ValueError(f"handshake timeout must be in (0, 3600] seconds, got {value}")
+    return float(value)
+
+
+def max_handshakes(explicit: int | None = None) -> int:
+    """Connections a server lets wait to authenticate at once (``GPU_TRACE_MAX_HANDSHAKES``)."""
+    value = explicit
+    if value is None:
+        value = int(_get("GPU_TRACE_MAX_HANDSHAKES", DEFAULT_MAX_HANDSHAKES))  # type: ignore[call-overload]
+    if not (1 <= value <= 100_000 and value == int(value)):
+        raise ValueError(f"handshake limit must be a whole number in [1, 100000], got {value}")
+    return int(value)
 
 
 def remote_address(explicit: str | None = None) -> str | None:
@@ -226,7 +446,7 @@ def remote_sync(explicit: bool | None = None) -> bool:
     """Whether forwarded ops run synchronously (``GPU_TRACE_REMOTE_SYNC``)."""
     if explicit is not None:
         return explicit
-    return (_env("GPU_TRACE_REMOTE_SYNC") or "0").lower() in ("1", "true", "yes", "on")
+    return bool(_get("GPU_TRACE_REMOTE_SYNC", False))
 
 
 def remote_token(explicit: str | None = None) -> str | None:
@@ -239,7 +459,7 @@ def remote_timeout(explicit: float | None = None) -> float:
     value = (
         explicit
         if explicit is not None
-        else _float("GPU_TRACE_REMOTE_TIMEOUT", DEFAULT_REMOTE_TIMEOUT_S)
+        else float(_get("GPU_TRACE_REMOTE_TIMEOUT", DEFAULT_REMOTE_TIMEOUT_S))  # type: ignore[arg-type]
     )
     if not 0 < value <= 3600:
         raise ValueError(f"remote timeout must be in (0, 3600] seconds, got {value}")

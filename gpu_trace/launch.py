@@ -70,6 +70,10 @@ def prepare(
     if not argv:
         raise LaunchError("no command given: gpu-trace record [OPTIONS] -- COMMAND [ARGS...]", 2)
     environ = dict(os.environ if environ is None else environ)
+    try:
+        config.check_environment(environ)
+    except ValueError as exc:
+        raise LaunchError(str(exc), 2) from None
     executable = shutil.which(argv[0], path=environ.get("PATH"))
     if executable is None:
         raise LaunchError(f"command not found: {argv[0]}", 127)

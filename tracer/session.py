@@ -36,6 +36,7 @@ def start_run(run_dir: Path | None = None, **overrides: Any) -> Path:
     global _owned_run
     if recorder.active is not None:
         raise ValueError(f"already recording into {recorder.active.run_dir}")
+    config.check_environment()  # a bad setting is refused here, not by recording nothing later
     run_id = new_run_id() if run_dir is None else Path(run_dir).name
     run_dir = Path(run_dir) if run_dir is not None else config.runs_dir() / run_id
     settings = config.RecorderSettings.from_env(run_dir=run_dir, run_id=run_id, **overrides)

@@ -17,6 +17,10 @@ def cmd_record(args: argparse.Namespace) -> int:
     argv = list(args.argv)
     if argv and argv[0] == "--":
         argv = argv[1:]
+    try:  # every setting, before anything is created or the program runs
+        config.check_environment()
+    except ValueError as exc:
+        raise CLIError(str(exc), 2) from None
     dsn = config.store_dsn(args.store)
     if not args.no_ingest:
         problem = store_module().check_writable(dsn)

@@ -126,9 +126,12 @@ def test_settings_come_from_arguments_then_environment(
     "name, value, message",
     [
         ("GPU_TRACE_FLUSH_INTERVAL", "soon", "must be a number"),
-        ("GPU_TRACE_FLUSH_INTERVAL", "0", "flush interval"),
-        ("GPU_TRACE_BUFFER_EVENTS", "2", "at least 16"),
-        ("GPU_TRACE_NVTX", "maybe", "native, python or off"),
+        ("GPU_TRACE_FLUSH_INTERVAL", "0", r"seconds in \(0, 60\], got '0'"),
+        ("GPU_TRACE_FLUSH_INTERVAL", "nan", r"seconds in \(0, 60\], got 'nan'"),
+        ("GPU_TRACE_FLUSH_INTERVAL", "inf", r"seconds in \(0, 60\], got 'inf'"),
+        ("GPU_TRACE_BUFFER_EVENTS", "2", r"whole number of events in \[16, "),
+        ("GPU_TRACE_BUFFER_EVENTS", "100.5", r"whole number of events in \[16, "),
+        ("GPU_TRACE_NVTX", "maybe", "one of native, python, off"),
     ],
 )
 def test_bad_settings_are_clear_errors(
