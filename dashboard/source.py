@@ -1,9 +1,10 @@
 """Where the dashboard's data comes from: one store, opened lazily, asked one query at a time.
 
 The dashboard is read-only. Every query it sends is one of its own ``SELECT`` templates with
-``{name:Type}`` parameters (:mod:`gpu_trace.dashboard.queries`); :class:`Source` refuses any other
-statement before it reaches the engine, and with ``enforce_readonly`` (what ``gpu-trace ui`` uses)
-the engine itself is switched to ``readonly=1`` for this process once the store is open.
+``{name:Type}`` parameters (:mod:`gpu_trace.dashboard.queries`), held to the rule `gpu-trace sql`
+is (:mod:`gpu_trace.tracer.query_guard`: ClickHouse's parser, reads of the store's tables only),
+checked once per template; and with ``enforce_readonly`` (what ``gpu-trace ui`` uses) the engine
+itself is switched to ``readonly=1`` for this process once the store is open.
 
 chDB lets one process open a store directory (docs/schema.md), and the web server answers requests
 on several threads, so one connection is shared behind a lock. A store that can't be opened (a
@@ -14,7 +15,6 @@ message says why in one line, and the page shows it.
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from typing import Any
@@ -27,7 +27,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Source", "StoreError"]
 
-_READ = re.compile(r"^\s*(SELECT|WITH)\b", re.I)
 #: Seconds between attempts to open a store that failed to open.
 RETRY_S = 2.0
 
@@ -51,6 +50,7 @@ class Source:
         self._failed_at = 0.0
         self._problem = ""
         self.cache: dict[tuple, Any] = {}
+        self._checked: set[str] = set()  # templates that passed the read-only check
 
     def display(self) -> str:
         if self._store is not None:
@@ -76,22 +76,31 @@ class Source:
             self._store, self._problem = store, ""
             return store
 
-    def _check(self, template: str) -> None:
-        if not _READ.match(template):
-            raise StoreError("the dashboard is read-only: only SELECT queries are sent")
+    def _check(self, store: Store, template: str, params: dict[str, Any] | None) -> None:
+        """Refuse a template that is not a read of the store's tables (once per template: a
+        template's values are typed parameters, so its parse does not depend on them)."""
+        if template in self._checked:
+            return
+        try:
+            store.check_read(store._sql(template), params)
+        except StoreError as exc:
+            reason = str(exc).removeprefix("gpu-trace sql is read-only: ")
+            raise StoreError(f"the dashboard is read-only: {reason}") from None
+        self._checked.add(template)
 
     def rows(self, template: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         """Rows of one parameterized SELECT as dicts (``__db__`` is the database)."""
-        self._check(template)
         with self._lock:
             store = self.store()
+            self._check(store, template, params)
             return list(store._query(template, params).named_results())
 
     def arrow(self, template: str, params: dict[str, Any] | None = None) -> pa.Table:
         """One parameterized SELECT as an Arrow table (strings as str)."""
-        self._check(template)
         with self._lock:
-            return self.store()._query_arrow(template, params)
+            store = self.store()
+            self._check(store, template, params)
+            return store._query_arrow(template, params)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """A read method of :class:`Store` (``runs``, ``summary``, ``forwarding``...) under the lock."""

@@ -52,8 +52,6 @@ __all__ = [
 DEFAULT_DATABASE = "gpu_trace"
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _CLUSTER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
-#: Statements `Store.sql` lets through to the engine (which also runs them with readonly=1).
-_READ_STATEMENTS = ("SELECT", "WITH", "SHOW", "DESCRIBE", "DESC", "EXPLAIN", "EXISTS")
 
 
 class StoreError(RuntimeError):
@@ -368,6 +366,7 @@ class Store(RunQueries):
         self.database = self.target.database
         ddl = schema_ddl(self.database, self.cluster)
         self.client = _connect(self.target, lock_timeout_s=lock_timeout_s)
+        self._databases: list[str] | None = None  # other databases, for Store.sql's check
         self._insert_settings: dict[str, Any] = (
             {"insert_distributed_sync": 1} if self.cluster else {}
         )
@@ -521,26 +520,20 @@ class Store(RunQueries):
     def sql(
         self, query: str, parameters: dict[str, Any] | None = None
     ) -> tuple[list[str], list[tuple]]:
-        """Run one read-only statement (``SELECT``, ``WITH``, ``SHOW``, ``DESCRIBE``, ``EXPLAIN``).
+        """Run one read of the store's tables: ``SELECT``, ``SHOW TABLES``, ``DESCRIBE``, ``EXISTS``.
 
         The database ``gpu_trace`` is the default, so ``SELECT count() FROM spans`` works. Values go
-        in as ``{name:Type}`` parameters. Anything that writes is refused before it is sent, and the
-        engine runs the statement with ``readonly=1`` as well (which also refuses ``SETTINGS``).
+        in as ``{name:Type}`` parameters. ClickHouse's parser decides what the query does
+        (:mod:`gpu_trace.tracer.query_guard`): writes, table functions, file and URL functions,
+        ``INTO OUTFILE``, ``SETTINGS`` and most system tables are refused before it runs, and the
+        engine runs it with ``readonly=1`` as well. Refusals are :class:`StoreError` starting
+        ``gpu-trace sql is read-only: ``.
         """
-        if self.client is None:
-            raise StoreError("the store is closed")
-        text = _single_statement(query)
-        first = re.sub(r"^(\s|--[^\n]*\n?|#[^\n]*\n?|/\*.*?\*/|\()*", "", text, flags=re.S).split(
-            None, 1
-        )
-        keyword = first[0].upper() if first else ""
-        if keyword not in _READ_STATEMENTS:
-            raise StoreError(
-                f"gpu-trace sql is read-only: {keyword or 'an empty statement'} is not allowed "
-                f"(use {', '.join(_READ_STATEMENTS)})"
-            )
+        checked = self.check_read(query, parameters)
         try:
-            result = self.client.query(text, parameters=parameters or {}, settings={"readonly": 1})
+            result = self.client.query(
+                checked.text, parameters=parameters or {}, settings={"readonly": 1}
+            )
             rows = [tuple(r) for r in result.result_rows]
         except Exception as exc:
             message = _first_line(exc)
@@ -549,32 +542,27 @@ class Store(RunQueries):
             raise StoreError(f"query failed: {message}") from exc
         return list(result.column_names), rows
 
+    def check_read(self, query: str, parameters: dict[str, Any] | None = None) -> Any:
+        """The query as it will run (:class:`~gpu_trace.tracer.query_guard.Checked`), if it only
+        reads the store's tables; StoreError saying what was refused if not."""
+        from gpu_trace.tracer import query_guard
 
-def _single_statement(query: str) -> str:
-    """The query without a trailing ``;``; StoreError if it holds more than one statement.
+        if self.client is None:
+            raise StoreError("the store is closed")
+        if self._databases is None:
+            try:
+                self._databases = [
+                    str(r[0]) for r in self.client.query("SHOW DATABASES").result_rows
+                ]
+            except Exception as exc:
+                raise StoreError(f"query failed: {_first_line(exc)}") from exc
 
-    chDB would run every statement of a multi-statement text, so they are refused here, outside
-    string literals, quoted names and comments.
-    """
-    text = query.strip()
-    i, n = 0, len(text)
-    end = n
-    while i < n:
-        c = text[i]
-        if c in "'\"`":
-            i += 1
-            while i < n and text[i] != c:
-                i += 2 if text[i] == "\\" else 1
-        elif text.startswith("--", i) or c == "#":
-            nl = text.find("\n", i)
-            i = n if nl < 0 else nl
-        elif text.startswith("/*", i):
-            close = text.find("*/", i + 2)
-            i = n if close < 0 else close + 1
-        elif c == ";":
-            if text[i + 1 :].strip(" \t\r\n;"):
-                raise StoreError("gpu-trace sql is read-only and runs one statement at a time")
-            end = i
-            break
-        i += 1
-    return text[:end].strip()
+        def ask(sql: str, params: dict[str, Any]) -> list[tuple]:
+            return list(self.client.query(sql, parameters=params).result_rows)
+
+        try:
+            return query_guard.check(
+                query, parameters, ask, database=self.database, databases=self._databases
+            )
+        except query_guard.QueryRefused as exc:
+            raise StoreError(f"gpu-trace sql is read-only: {exc}") from None
