@@ -131,6 +131,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-sessions", type=int, default=64, help="most clients at once (default 64)")
     p.add_argument(
+        "--max-handshakes",
+        metavar="N",
+        type=int,
+        default=None,
+        help="most connections waiting to authenticate at once, apart from sessions; one more "
+        "ends the oldest (default GPU_TRACE_MAX_HANDSHAKES, else 64)",
+    )
+    p.add_argument(
+        "--handshake-timeout",
+        metavar="SECONDS",
+        type=float,
+        default=None,
+        help="seconds a new connection has to authenticate (default GPU_TRACE_HANDSHAKE_TIMEOUT, "
+        "else 10)",
+    )
+    p.add_argument(
         "--store",
         metavar="DSN",
         help="write the server's spans of every traced session into this ClickHouse server "

@@ -1,8 +1,9 @@
 """`gpu-trace serve`: the forwarding server. One process owns the device for every client.
 
-Each connection gets a reader thread: it authenticates the client (CHALLENGE/HELLO), answers
-heartbeats at once (their timestamps are clock-sync samples, so they never wait behind work),
-validates every frame and hands uploads and batches to the scheduler, in order. One executor
+Each connection gets a reader thread: it authenticates the client (CHALLENGE/HELLO; connections
+not authenticated yet are bounded in number and time apart from sessions, see
+:mod:`gpu_trace.runtime.handshakes`), answers heartbeats at once (their timestamps are clock-sync
+samples, so they never wait behind work), validates every frame and hands uploads and batches to the scheduler, in order. One executor
 thread runs the work (:mod:`gpu_trace.runtime.executor`); a lone small batch runs on the
 connection's thread when the device is idle. Each connection polls for its client's next message
 for :attr:`Server.spin_ns` while the device is idle (giving the CPU away between tries; see
@@ -14,6 +15,7 @@ receive timeout ends idle connections). Traced sessions' spans go to the sink
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import socket
@@ -25,6 +27,7 @@ from typing import Any
 from gpu_trace import config
 from gpu_trace.runtime import admin, auth
 from gpu_trace.runtime.executor import Executor
+from gpu_trace.runtime.handshakes import Handshakes
 from gpu_trace.runtime.memory import CUDA_BLOCK_BYTES, Memory, device_capacity
 from gpu_trace.runtime.pager import DEFAULT_IDLE_S, Pager
 from gpu_trace.runtime.scheduler import PolicyScheduler, Work
@@ -82,7 +85,8 @@ class Server:
     ``tenants`` are who may connect (:mod:`gpu_trace.runtime.tenants`): a client's token says
     which tenant it is. ``token`` alone is one tenant, ``default``, an admin (see
     :mod:`gpu_trace.runtime.auth`). ``device_memory`` is the capacity in bytes that tenants'
-    memory fractions are taken of (None: the device's own);
+    memory fractions are taken of (None: the device's own); ``max_handshakes`` connections may
+    wait to authenticate at once, for ``handshake_timeout_s`` each (:mod:`.handshakes`);
     ``scheduler`` is the scheduling policy (FIFO by default); ``delay_ms`` holds back every
     received frame (benchmarks simulate a longer network with it); ``sink`` is where traced
     sessions' spans go (:class:`~gpu_trace.runtime.sink.ReturnSink`, back to the client, by
@@ -102,7 +106,8 @@ class Server:
         scheduler: PolicyScheduler | None = None,
         max_sessions: int = 64,
         idle_timeout_s: float = 120.0,
-        handshake_timeout_s: float = 10.0,
+        handshake_timeout_s: float | None = None,
+        max_handshakes: int | None = None,
         delay_ms: float = 0.0,
         sink: Any = None,
         idle_s: float | None = DEFAULT_IDLE_S,
@@ -121,7 +126,11 @@ class Server:
         self.scheduler = scheduler if scheduler is not None else PolicyScheduler()
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
-        self.handshake_timeout_s = handshake_timeout_s
+        #: Connections not authenticated yet, bounded apart from sessions (:mod:`.handshakes`;
+        #: ``GPU_TRACE_MAX_HANDSHAKES``, ``GPU_TRACE_HANDSHAKE_TIMEOUT``).
+        self.handshakes = Handshakes(
+            config.max_handshakes(max_handshakes), config.handshake_timeout(handshake_timeout_s)
+        )
         self.delay_ns = int(delay_ms * 1e6)
         #: How long a connection polls for its client's next message while the device is idle
         #: (ns; ``GPU_TRACE_SPIN_US``), before sleeping.
@@ -219,6 +228,7 @@ class Server:
                 c.shutdown(socket.SHUT_RDWR)
         for t in list(self._threads):
             t.join(timeout=5)
+        self.handshakes.flush()
         self.sink.shutdown()
 
     def evict(self, session_id: int, by: str = "") -> bool:
@@ -278,34 +288,48 @@ class Server:
         while not self._closing.is_set():
             try:
                 conn, peer = self._sock.accept()
-            except OSError:
-                return
+            except OSError as exc:
+                if self._closing.is_set() or exc.errno in (errno.EBADF, errno.EINVAL):
+                    return
+                # Out of file descriptors or memory, or the peer gave up: not the end of the
+                # server. Counted and logged like a refusal; those that hold them time out.
+                self.handshakes.failed("accept")
+                time.sleep(0.05)
+                continue
+            deadline = self.handshakes.begin(conn)  # may end the oldest pending handshake
             with self._lock:
-                if len(self.sessions) + len(self._conns) >= 2 * self.max_sessions:
-                    conn.close()
-                    continue
                 self._conns.add(conn)
             t = threading.Thread(
-                target=self._serve_conn, args=(conn, peer), name="gpu-trace-conn", daemon=True
+                target=self._serve_conn,
+                args=(conn, peer, deadline),
+                name="gpu-trace-conn",
+                daemon=True,
             )
             t.start()
             self._threads = [x for x in self._threads if x.is_alive()] + [t]
 
-    def _serve_conn(self, conn: socket.socket, peer: Any) -> None:
-        tune(conn)
+    def _serve_conn(self, conn: socket.socket, peer: Any, deadline: float) -> None:
         writer = FrameWriter(conn)
         session: Session | None = None
         try:
-            session = self._handshake(conn, writer)
+            tune(conn)
+            session = self._handshake(conn, writer, deadline)
             if session is None:
                 return
             self._read_loop(conn, writer, session)
         except ProtocolError as exc:
             self.protocol_errors += 1
-            log.info("gpu-trace serve: %s: protocol error: %s", peer, exc)
-            with contextlib.suppress(ConnectionClosed):
+            refused = isinstance(exc, Refused)
+            if self.handshakes.done(conn) or refused:  # no session: counted, logged in bulk
+                self.handshakes.failed("refused" if refused else "protocol")
+                log.debug("gpu-trace serve: %s: handshake refused: %s", peer, exc)
+            else:
+                log.info("gpu-trace serve: %s: protocol error: %s", peer, exc)
+            with contextlib.suppress(ConnectionClosed, OSError):
                 writer.send(json_frame(MsgType.ERROR, {"message": str(exc)[:500]}))
         except (ConnectionClosed, TimeoutError, OSError) as exc:
+            if self.handshakes.done(conn) and isinstance(exc, TimeoutError):
+                self.handshakes.failed("timeout")
             log.debug("gpu-trace serve: %s: connection ended: %s", peer, exc)
         except Exception:  # a bug must cost one connection, never the server
             log.exception("gpu-trace serve: %s: connection failed", peer)
@@ -318,13 +342,17 @@ class Server:
                 session.closed = True
                 self.scheduler.drop(session)
                 self.scheduler.submit(session, Work("close"))
+            self.handshakes.done(conn)
             with self._lock:
                 self._conns.discard(conn)
             with contextlib.suppress(OSError):
                 conn.close()
 
-    def _handshake(self, conn: socket.socket, writer: FrameWriter) -> Session | None:
-        conn.settimeout(self.handshake_timeout_s)
+    def _handshake(
+        self, conn: socket.socket, writer: FrameWriter, deadline: float
+    ) -> Session | None:
+        """CHALLENGE, HELLO, WELCOME, all by ``deadline`` (:mod:`.handshakes`)."""
+        conn.settimeout(max(0.001, deadline - time.monotonic()))
         nonce = auth.new_nonce()
         writer.send(
             json_frame(
@@ -333,7 +361,7 @@ class Server:
             )
         )
         reader = FrameReader(conn, MAX_HANDSHAKE_FRAME)
-        mtype, body = reader.read()
+        mtype, body = reader.read_by(deadline)
         if mtype != MsgType.HELLO:
             raise ProtocolError("expected HELLO")
         hello = decode_json(body)
@@ -344,7 +372,7 @@ class Server:
         tenant = auth.match(self.tenants, nonce, hello.get("mac"))
         if tenant is None:
             time.sleep(0.05)  # slow down guessing
-            raise ProtocolError("authentication failed")
+            raise Refused("authentication failed")
         client = hello.get("client")
         if not isinstance(client, dict):
             raise ProtocolError("HELLO needs a client object")
@@ -364,6 +392,7 @@ class Server:
             # CALLS frames are taken (:mod:`.wire`).
             "binary": True,
         }
+        self.handshakes.done(conn)  # authenticated: out of the handshakes' bound and deadline
         if mode == "admin":
             writer.send(
                 json_frame(MsgType.WELCOME, {**welcome, "session": 0, "admin": tenant.admin})
@@ -373,7 +402,7 @@ class Server:
             return None
         with self._lock:
             if len(self.sessions) >= self.max_sessions:
-                raise ProtocolError(f"server full ({self.max_sessions} sessions)")
+                raise Refused(f"server full ({self.max_sessions} sessions)")
             session = Session(client, writer.send, tenant)
             session.trace = self.sink.accepts(client)
             session.binary = binary
@@ -496,6 +525,10 @@ class Server:
                 off += nbytes
                 submit(session, Work("put-inline", entry[0], (tensor, nbytes)))
         submit(session, Work("batch", head, None, start, now_ns()))
+
+
+class Refused(ProtocolError):
+    """A well-formed HELLO that is refused: a wrong token, a full server."""
 
 
 def _check_device(device: str) -> str:

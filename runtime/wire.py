@@ -365,6 +365,20 @@ class FrameReader:
                 return got
             self.fill()
 
+    def read_by(self, deadline: float) -> tuple[int, bytes]:
+        """The next frame, whole by ``deadline`` (``time.monotonic()`` seconds), else
+        TimeoutError. Each ``recv`` waits only for the time left: a peer trickling bytes does
+        not extend the deadline, as it would extend a receive timeout."""
+        while True:
+            got = self.next_frame()
+            if got is not None:
+                return got
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("no whole message in time")
+            self.sock.settimeout(left)
+            self.fill()
+
     def next_frame(self) -> tuple[int, bytes] | None:
         """A whole frame already received, or None (never reads the socket)."""
         buf = self._buf

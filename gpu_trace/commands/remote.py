@@ -52,6 +52,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             device_memory=device_memory,
             scheduler=scheduler,
             max_sessions=args.max_sessions,
+            max_handshakes=args.max_handshakes,
+            handshake_timeout_s=args.handshake_timeout,
             sink=sink,
             idle_s=args.idle_s,
             spin_us=args.spin_us,
