@@ -9,12 +9,16 @@ server's sink (:mod:`gpu_trace.runtime.sink`).
 Everything that touches a session's tables happens on this thread, so they need no locks. The
 random generator's state is switched with the session, so tenants never share a random stream.
 
-Memory (:mod:`gpu_trace.runtime.memory`): an op whose output size is known (factory ops,
-uploads) is checked before it runs, any other op right after (its outputs are freed at once if
-refused). A refused op fails with a :class:`~gpu_trace.runtime.memory.QuotaError`, or, for a
-tenant whose ``on_quota`` is ``wait``, its batch is parked part-way (its progress kept in
-``Work.resume``) while other sessions run, and retried when memory is freed. The executor never
-blocks on memory. On CUDA each session runs on its own stream, and its device time is read from
+Memory (:mod:`gpu_trace.runtime.memory`): every op is checked against its tenant's quota and the
+device's capacity before it runs, by the bytes it will allocate as the server works them out
+(:mod:`gpu_trace.runtime.sizing`: the op on meta tensors, cached by signature, or a bound for
+ops whose size depends on data), never by what the client claims; uploads by their size, the
+runtime's ``rt::`` ops by their own bounds. After the op its session's account is the exact
+book-keeping; an op that still grew it past a limit (by less than it was bounded by: only an
+op's own temporaries are not bounded) has its outputs freed and is refused. A refused op fails
+with a :class:`~gpu_trace.runtime.memory.QuotaError`, or, for a tenant whose ``on_quota`` is
+``wait``, its batch is parked at that op (its progress kept in ``Work.resume``) while other
+sessions run, and the op runs when memory is freed. The executor never blocks on memory. On CUDA each session runs on its own stream, and its device time is read from
 CUDA events recorded around its batches, later, without synchronizing.
 """
 
@@ -27,11 +31,12 @@ import time
 from typing import Any
 
 from gpu_trace.runtime import allowlist
-from gpu_trace.runtime.memory import Memory, QuotaError, Refusal, allocator_bytes
+from gpu_trace.runtime.memory import Memory, QuotaError, Refusal
 from gpu_trace.runtime.pseudo_ops import rng_state, run_pseudo, seed_device, set_rng_state
 from gpu_trace.runtime.scheduler import PolicyScheduler, Work
 from gpu_trace.runtime.session import OpError, Session
 from gpu_trace.runtime.sink import ReturnSink, record_batch, record_counters, record_quota_wait
+from gpu_trace.runtime.sizing import Sizing, sizer
 from gpu_trace.runtime.templates import Template, TOp, has_hole
 from gpu_trace.runtime.values import ArgDecoder, encode_result
 from gpu_trace.runtime.wire import (
@@ -53,7 +58,7 @@ now_ns = time.perf_counter_ns
 
 _NO_STREAM = contextlib.nullcontext()  # the CPU device's (reusable)
 
-#: Largest tensor a factory op may create, as a multiple of nothing: a plain byte bound.
+#: Largest tensor a size argument may ask for: a plain byte bound, checked before sizing.
 MAX_FACTORY_BYTES = 64 << 30
 
 
@@ -61,12 +66,14 @@ class _Refused(Exception):
     """An op may not allocate now; the batch fails it or waits (the tenant's ``on_quota``).
 
     ``rerun``: the op did not run, or ran without changing anything but its freed outputs, so
-    it may run again.
+    it may run again. ``blobs``: the ``(id, tensor)`` of uploads its arguments took; if it is to
+    run again they are put back (:meth:`Executor._put_back`), else they are used up.
     """
 
-    def __init__(self, refusal: Refusal, rerun: bool = True) -> None:
+    def __init__(self, refusal: Refusal, rerun: bool = True, blobs: Any = ()) -> None:
         self.refusal = refusal
         self.rerun = rerun
+        self.blobs = blobs
 
 
 class Executor:
@@ -89,7 +96,7 @@ class Executor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._rng_owner: Session | None = None
-        self._ops: dict[str, tuple[Any, Any, bool, bool, bool, bool]] = {}
+        self._ops: dict[str, tuple[Any, Any, bool, bool, bool, Any]] = {}
         self.batches = 0
         #: Pages idle sessions out to host memory and back (:mod:`gpu_trace.runtime.pager`);
         #: set by the server.
@@ -99,11 +106,14 @@ class Executor:
         #: Device memory by tenant; a server passes its own (``Server.memory``).
         self.memory = memory if memory is not None else Memory(1 << 62)
         self.memory.wake = scheduler.unpark
+        #: What ops will allocate, worked out before they run (:mod:`gpu_trace.runtime.sizing`).
+        self.sizing = Sizing(self.memory.block_bytes)
         self._cuda = self.device.type == "cuda"
         self._streams: dict[int, Any] = {}  # session id -> its CUDA stream
         self._events: dict[int, list[tuple[Any, Any]]] = {}  # session id -> unread CUDA events
         self._refused: dict[int, dict[int, QuotaError]] = {}  # session id -> refused uploads
         self._blobs_taken = 0
+        self._taken: list[tuple[int, Any]] = []  # uploads the current JSON op's arguments took
         #: Held while work runs; a connection may run work inline when it is free and nothing
         #: is queued (no hand-off between threads for a lone batch).
         self.lock = threading.Lock()
@@ -286,10 +296,12 @@ class Executor:
                             op_spans.append((name[:200], t0, now_ns()))
                     except _Refused as refused:
                         if refused.rerun and _free_early(session, work, ops, index, frees):
+                            self._put_back(session, refused.blobs)
                             index -= 1  # the batch's own frees made room, maybe: again
                             continue
                         exc = self._wait_or_fail(session, work, refused.refusal)
                         if exc is None:
+                            self._put_back(session, refused.blobs)
                             work.resume = {
                                 **(work.resume or {}),
                                 "index": index,
@@ -378,6 +390,8 @@ class Executor:
         name, args, kwargs, outs = op
         account = session.account
         before = account.bytes
+        if self._taken:
+            self._taken.clear()
         entry = self._ops.get(name)
         if entry is None:
             if type(name) is not str:
@@ -395,7 +409,7 @@ class Executor:
         k = decoder.decode_kwargs(kwargs) if kwargs else {}
         return self._run_op(session, entry, a, k, outs, before, taken)
 
-    def _resolve(self, name: str) -> tuple[Any, Any, bool, Any, bool, bool]:
+    def _resolve(self, name: str) -> tuple[Any, Any, bool, bool, bool, Any]:
         """An allow-listed ATen op's entry (see :func:`_entry`), made once per name."""
         entry = self._ops.get(name)
         if entry is None:
@@ -452,7 +466,7 @@ class Executor:
     def _run_op(
         self,
         session: Session,
-        entry: tuple[Any, Any, bool, Any, bool, bool],
+        entry: tuple[Any, Any, bool, bool, bool, Any],
         a: list[Any],
         k: dict[str, Any],
         outs: Any,
@@ -460,17 +474,16 @@ class Executor:
         taken: int,
     ) -> Any:
         """Run a decoded op: its rules and memory checks, the op, its outputs' handles."""
-        target, rule, sized, factory, rerunnable, seeded = entry
+        target, rule, sized, rerunnable, seeded, size = entry
         account = session.account
         if rule is not None:
             rule(a, k)
         if sized:
             _check_sizes(a, k)
-            if factory is not None:  # the size is known: check before allocating
-                asked = allocator_bytes(_factory_bytes(factory, a, k), self.memory.block_bytes)
-                refusal = self.memory.refusal(session, asked)
-                if refusal is not None:
-                    raise _Refused(refusal)
+        if size is not None:  # what it will allocate, checked before it does
+            asked = self.sizing.op_bytes(size, target, a, k)
+            if asked:
+                self.admit(session, asked, taken)
         rng = None
         if seeded and session.tenant.on_quota == "wait":
             rng = rng_state(self.torch, self.device)  # a re-run must draw the same numbers
@@ -509,6 +522,24 @@ class Executor:
 
     # ---- memory ----------------------------------------------------------------------------------
 
+    def admit(self, session: Session, nbytes: int, taken: int | None = None) -> None:
+        """May an op of ``session`` allocate ``nbytes`` now? If not it does not run: it is
+        refused (it fails, or its batch waits and it runs later; see :meth:`_batch`).
+
+        ``taken``: the count of uploads taken when the op's arguments began to be decoded (None:
+        when its JSON op began); those taken since go back if it is to run later.
+        """
+        refusal = self.memory.refusal(session, nbytes)
+        if refusal is not None:
+            blobs = self._taken
+            n = len(blobs) if taken is None else min(self._blobs_taken - taken, len(blobs))
+            raise _Refused(refusal, blobs=blobs[len(blobs) - n :] if n > 0 else ())
+
+    def _put_back(self, session: Session, blobs: Any) -> None:
+        """Uploads a refused op took, back in place for when it runs again (counted again)."""
+        for ident, tensor in blobs:
+            session.blobs.add(ident, tensor, tensor.untyped_storage().nbytes())
+
     def _blob_taker(self, session: Session) -> Any:
         take = session.blobs.take
         refused = self._refused.get(session.id)
@@ -517,7 +548,9 @@ class Executor:
             self._blobs_taken += 1
             if refused is not None and ident in refused:
                 raise refused.pop(ident)
-            return take(ident)
+            tensor = take(ident)
+            self._taken.append((ident, tensor))
+            return tensor
 
         return taker
 
@@ -683,51 +716,27 @@ def _scalar(value: Any) -> Any:
     return value
 
 
-def _entry(target: Any) -> tuple[Any, Any, bool, Any, bool, bool]:
+def _entry(target: Any) -> tuple[Any, Any, bool, bool, bool, Any]:
     """What the executor needs to know of an ATen op, worked out once per op name.
 
-    ``factory``: ``(position, name)`` of the size argument of an op that makes a new tensor of
-    that size (the size is known before it runs), else None. ``rerunnable``: it changes none of
-    its inputs, so it may run again after its outputs were refused. ``seeded``: it draws random
-    numbers (a re-run restores the generator first).
+    ``sized``: it takes a size argument (checked against a plain bound first). ``rerunnable``:
+    it changes none of its inputs, so it may run again after its outputs were refused.
+    ``seeded``: it draws random numbers (a re-run restores the generator first). ``size``: how
+    :class:`~gpu_trace.runtime.sizing.Sizing` works out what it allocates (None: it returns no
+    tensor).
     """
     import torch
 
     schema = target._schema
     arguments = schema.arguments
     sized = any(a.name in ("size", "sizes") for a in arguments)
-    factory = None
-    if sized and (
-        schema.name.startswith("aten::new_") or not any("Tensor" in str(a.type) for a in arguments)
-    ):
-        factory = next((i, a.name) for i, a in enumerate(arguments) if a.name in ("size", "sizes"))
     rerunnable = "batch_norm" not in schema.name and not any(  # batch norm's running stats
         a.alias_info is not None and a.alias_info.is_write for a in arguments
     )
     seeded = torch.Tag.nondeterministic_seeded in target.tags
     # The overload's own C++ callable: calling the OpOverload adds a Python frame per op.
     call = getattr(target, "_op", target)
-    return call, allowlist.RULES.get(schema.name), sized, factory, rerunnable, seeded
-
-
-def _factory_bytes(factory: tuple[int, str], args: list[Any], kwargs: dict[str, Any]) -> int:
-    """Bytes of the tensor a factory op is asked for (its dtype's, or the default dtype's)."""
-    torch = __import__("torch")
-    position, name = factory
-    size = args[position] if len(args) > position else kwargs.get(name)
-    if type(size) is not list or not all(type(v) is int for v in size):
-        return 0
-    numel = 1
-    for v in size:
-        numel *= max(v, 0)
-    dtype = kwargs.get("dtype")
-    if isinstance(dtype, torch.dtype):
-        itemsize = dtype.itemsize
-    elif args and isinstance(args[0], torch.Tensor):  # new_zeros and the like
-        itemsize = args[0].element_size()
-    else:
-        itemsize = torch.get_default_dtype().itemsize
-    return numel * itemsize
+    return call, allowlist.RULES.get(schema.name), sized, rerunnable, seeded, sizer(target)
 
 
 def _free_early(session: Session, work: Work, ops: list[Any], index: int, frees: list[Any]) -> bool:

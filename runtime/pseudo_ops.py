@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from gpu_trace.runtime.memory import allocator_bytes
 from gpu_trace.runtime.session import OpError, Session
 from gpu_trace.runtime.values import ArgDecoder, tensor_bytes
 from gpu_trace.runtime.wire import CHUNK_BYTES, MsgType, ProtocolError, chunk_frames, split_frame
@@ -104,6 +105,11 @@ def _function(ex: Executor, session: Session, decoder: ArgDecoder, args: Any, ou
             return type(x)(leaf(v) for v in x)
         return x
 
+    # Its outputs' bytes, from the function on meta (cached by signature, as an op's); what its
+    # graph saves for the backward is not counted (docs/sharing.md).
+    asked = ex.sizing.op_bytes(f"rt::fn:{name}", fn, a, k)
+    if asked:
+        ex.admit(session, asked)
     a = [leaf(x) for x in a]
     k = {key: leaf(v) for key, v in k.items()}
     with torch.set_grad_enabled(bool(leaves)):
@@ -125,6 +131,12 @@ def _backward(ex: Executor, session: Session, decoder: ArgDecoder, args: Any, ou
         raise ProtocolError("rt::backward takes [graph id, output grads]")
     if type(outs) is not list:
         raise ProtocolError("rt::backward outs must be a list")
+    graph = session.graphs.get(args[0])
+    if graph is not None:  # one gradient per leaf, of its size: checked before it is made
+        block = ex.memory.block_bytes
+        asked = sum(allocator_bytes(x.numel() * x.element_size(), block) for x in graph[0])
+        if asked:
+            ex.admit(session, asked)
     leaves, outputs = session.take_graph(args[0])
     grads = decoder.decode_args(args[1])
     pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]

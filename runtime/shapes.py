@@ -72,29 +72,8 @@ class ShapeCache:
     def plan(self, func: Any, args: tuple, kwargs: dict[str, Any], is_remote: Any) -> Any:
         """Run ``func`` on meta copies of its tensor arguments and describe the results."""
         torch = _t()
-        inputs: list[Any] = []
-
-        before: list[tuple] = []
-
-        def to_meta(x: Any) -> Any:
-            if isinstance(x, torch.Tensor):
-                if x.device.type == "cpu":  # uploads arrive contiguous
-                    m = torch.empty(x.shape, dtype=x.dtype, device="meta")
-                else:
-                    m = meta_like(x)
-                inputs.append(m)
-                before.append((tuple(m.shape), m.stride(), m.storage_offset()))
-                return m
-            if isinstance(x, torch.device):
-                return torch.device("meta")
-            if isinstance(x, (list, tuple)):
-                return type(x)(to_meta(v) for v in x)
-            return x
-
-        margs = tuple(to_meta(a) for a in args)
-        mkwargs = {k: to_meta(v) for k, v in kwargs.items()}
         try:
-            out = func(*margs, **mkwargs)
+            out, inputs, before = on_meta(func, args, kwargs, _upload_like)
         except Exception:
             return DYNAMIC
         ids = {id(m): i for i, m in enumerate(inputs)}
@@ -105,7 +84,7 @@ class ShapeCache:
             if isinstance(r, torch.Tensor):
                 i = ids.get(id(r))
                 if i is not None:
-                    if before[i] != (tuple(r.shape), r.stride(), r.storage_offset()):
+                    if before[i][:3] != (tuple(r.shape), r.stride(), r.storage_offset()):
                         return RESIZED
                     return Alias(i)
                 return NewTensor((r.dtype, tuple(r.shape), tuple(r.stride()), r.storage_offset()))
@@ -122,6 +101,47 @@ class ShapeCache:
         if any(d is DYNAMIC for d in described):
             return DYNAMIC
         return (isinstance(out, tuple), described)
+
+
+def on_meta(
+    func: Any, args: Any, kwargs: dict[str, Any], like: Any
+) -> tuple[Any, list[Any], list[tuple]]:
+    """Run ``func`` on meta copies of its tensor arguments (``like(x)`` makes each), nested in
+    lists and tuples too, with devices made ``meta``: the client's plans and the server's sizes
+    (:mod:`gpu_trace.runtime.sizing`) come from this one runner.
+
+    Returns the result, the meta inputs in argument order, and for each the ``(shape, stride,
+    offset, storage bytes)`` it had before the call (an in-place op may change them). Raises what
+    the op raises on meta (``NotImplementedError`` where it has no meta kernel).
+    """
+    torch = _t()
+    inputs: list[Any] = []
+    before: list[tuple] = []
+
+    def to_meta(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            m = like(x)
+            inputs.append(m)
+            before.append(
+                (tuple(m.shape), m.stride(), m.storage_offset(), m.untyped_storage().nbytes())
+            )
+            return m
+        if isinstance(x, torch.device):
+            return torch.device("meta")
+        if isinstance(x, (list, tuple)):
+            return type(x)(to_meta(v) for v in x)
+        return x
+
+    margs = tuple(to_meta(a) for a in args)
+    mkwargs = {k: to_meta(v) for k, v in kwargs.items()}
+    return func(*margs, **mkwargs), inputs, before
+
+
+def _upload_like(x: Any) -> Any:
+    """A client's meta copy: a CPU tensor is an upload, and uploads arrive contiguous."""
+    if x.device.type == "cpu":
+        return _t().empty(x.shape, dtype=x.dtype, device="meta")
+    return meta_like(x)
 
 
 def meta_like(x: Any) -> Any:
