@@ -84,6 +84,8 @@ class IngestReport:
     rows: dict[str, int] = field(default_factory=lambda: {kind: 0 for kind in SCHEMAS})
     files_ingested: int = 0
     files_skipped: int = 0
+    #: Spool batches left out as damaged (checksum, unreadable, impossible values); never stored.
+    batches_skipped: int = 0
     problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -97,6 +99,8 @@ class IngestReport:
         text = f"run {self.run_id}: {parts or 'no new rows'} from {self.files_ingested} files"
         if self.files_skipped:
             text += f" ({self.files_skipped} already ingested)"
+        if self.batches_skipped:
+            text += f"; {self.batches_skipped} damaged batch(es) skipped"
         if self.problems:
             text += f"; {len(self.problems)} problem(s)"
         return text
@@ -136,6 +140,8 @@ def ingest(store: Store, run_dir: Path) -> IngestReport:
         "dropped": str(sum(int(s.get("dropped", 0)) for s in stats)),
         "processes": str(len(stats)),
     }
+    if report.batches_skipped:
+        info.attrs["damaged_batches"] = str(report.batches_skipped)
     _write_threads(store, info, stats, pid_hosts)
     stored = _stored_run(store, info.run_id)
     if stored is not None:
@@ -178,9 +184,12 @@ def _ingest_files(
             table, note = map_clock(kind, table, models.get(peer), peer)
             problem = note if problem is None else f"{problem}; {note}" if note else problem
         kept = table.num_rows if table is not None else 0
+        report.batches_skipped += spool.skipped_batches
         if problem:
-            report.problems.append(f"{path.name}: kept {kept} rows, skipped the rest: {problem}")
-            log.warning("gpu-trace: %s: kept %d rows, skipped the rest: %s", path, kept, problem)
+            # Damaged batches are named in ``problem`` (index and reason); a bad tail is "the rest".
+            how = ", " if spool.skipped_batches else ", skipped the rest: "
+            report.problems.append(f"{path.name}: kept {kept} rows{how}{problem}")
+            log.warning("gpu-trace: %s: kept %d rows%s%s", path, kept, how, problem)
         if table is not None and kept and (state is not None or kind == "clock_sync"):
             # Logged but not done: an earlier ingest stopped between its insert and its log entry.
             # Clock samples may come twice (a client and a server with a shared store both

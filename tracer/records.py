@@ -165,6 +165,49 @@ def attrs_column(values: Sequence[dict[str, str] | None]) -> pa.Array:
     )
 
 
+def check_batch(kind: str, batch: pa.RecordBatch) -> str | None:
+    """Why ``batch`` of spool ``kind`` cannot be true, or None: times before the clock's zero, a
+    span ending before it starts, a category no recorder writes, a negative round trip.
+
+    A checksum proves a batch is what the writer wrote; this catches what no writer writes (a
+    spool from an older recorder without checksums, or one damaged where the checksum agreed).
+    """
+    names = batch.schema.names
+
+    def negative(column: str) -> bool:
+        return column in names and bool(np.any(_ints(batch, column) < 0))
+
+    for column in ("start_ns", "end_ns", "ts_ns", "rtt_ns", "uncertainty_ns"):
+        if negative(column):
+            return f"negative {column}"
+    if kind == "spans":
+        both = "start_ns" in names and "end_ns" in names
+        if both and np.any(_ints(batch, "end_ns") < _ints(batch, "start_ns")):
+            return "a span ends before it starts"
+        if "category" in names:
+            unknown = set(_strings(batch.column("category"))) - set(CATEGORIES)
+            if unknown:
+                return f"unknown category {sorted(unknown)[0]!r}"
+    return None
+
+
+def _ints(batch: pa.RecordBatch, column: str) -> np.ndarray:
+    col = batch.column(column)
+    if col.null_count:
+        col = col.fill_null(0)
+    return col.to_numpy(zero_copy_only=False)
+
+
+def _strings(col: pa.Array) -> list[str]:
+    """The distinct values of a string or dictionary column (nulls left out)."""
+    if pa.types.is_dictionary(col.type):
+        used = np.unique(col.indices.drop_null().to_numpy(zero_copy_only=False))
+        return [
+            v for v in col.dictionary.take(pa.array(used, pa.int64())).to_pylist() if v is not None
+        ]
+    return [v for v in col.unique().to_pylist() if v is not None]
+
+
 _NUMPY = {
     pa.int64(): np.int64,
     pa.uint64(): np.uint64,

@@ -3,8 +3,15 @@
 One file per flush and kind, written as an Arrow IPC stream to a temporary name and renamed into
 place, so a killed process leaves only whole files (and perhaps a ``.tmp`` that ingest ignores).
 Each file's schema metadata says which run, host and process it belongs to; ingest needs nothing
-else. Readers keep every batch they can read from a truncated or corrupt file and say what they
-skipped.
+else.
+
+Every record batch carries a CRC-32 of its contents in its IPC custom metadata (``crc32``; the
+schema metadata says ``checksum: crc32``), so the files stay plain Arrow streams any Arrow tool
+reads. The sum is over the batch's logical contents (values, offsets rebased to 0, dictionaries),
+not its bytes on disk, so it does not depend on how Arrow lays out or slices buffers. Readers
+keep every batch that reads, sums right and holds possible values (:func:`~gpu_trace.tracer.
+records.check_batch`); the others are skipped and named with their index and reason. Files from
+before checksums (no ``checksum`` key) are checked for values only.
 """
 
 from __future__ import annotations
@@ -12,18 +19,25 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from gpu_trace.tracer.records import SCHEMAS
+from gpu_trace.tracer.records import SCHEMAS, check_batch
 
 log = logging.getLogger(__name__)
 
 SPOOL_DIR = "spool"
 SUFFIX = ".arrow"
+#: Rows per record batch: the unit a checksum covers and a damaged file loses.
+BATCH_ROWS = 64 * 1024
+#: Schema metadata key naming the per-batch checksum, and the batches' custom metadata key.
+CHECKSUM = "checksum"
+CRC32 = b"crc32"
 
 
 def spool_dir(run_dir: Path) -> Path:
@@ -53,10 +67,53 @@ class SpoolWriter:
         )
         name = f"{kind}-{self.pid}-{self._tag}-{next(self._seq):06d}{SUFFIX}"
         tmp = self.dir / f".{name}.tmp"
-        with pa.OSFile(str(tmp), "wb") as sink, ipc.new_stream(sink, table.schema) as writer:
-            writer.write_table(table, max_chunksize=64 * 1024)
+        schema = table.schema.with_metadata({**table.schema.metadata, CHECKSUM.encode(): CRC32})
+        with pa.OSFile(str(tmp), "wb") as sink, ipc.new_stream(sink, schema) as writer:
+            for batch in table.to_batches(max_chunksize=BATCH_ROWS):
+                writer.write_batch(batch, custom_metadata={CRC32: str(checksum(batch)).encode()})
         os.replace(tmp, self.dir / name)
         return self.dir / name
+
+
+def checksum(batch: pa.RecordBatch) -> int:
+    """CRC-32 of a batch's logical contents: equal for equal values however they are laid out."""
+    crc = zlib.crc32(str(batch.num_rows).encode())
+    for column in batch.columns:
+        crc = _feed(crc, column)
+    return crc
+
+
+def _feed(crc: int, arr: pa.Array) -> int:
+    t = arr.type
+    crc = zlib.crc32(f"{t}:{len(arr)}:{arr.null_count};".encode(), crc)
+    if arr.null_count:
+        valid = arr.is_valid().to_numpy(zero_copy_only=False)
+        crc = zlib.crc32(np.packbits(valid).tobytes(), crc)
+    if pa.types.is_dictionary(t):
+        return _feed(_feed(crc, arr.indices), arr.dictionary)
+    if pa.types.is_list(t) or pa.types.is_map(t):
+        offsets = arr.offsets.to_numpy(zero_copy_only=False)
+        first, last = (int(offsets[0]), int(offsets[-1])) if len(offsets) else (0, 0)
+        crc = zlib.crc32((offsets - first).astype(np.int32).tobytes(), crc)
+        values = arr.values.slice(first, last - first)
+        children = values.flatten() if pa.types.is_struct(values.type) else [values]
+        for child in children:
+            crc = _feed(crc, child)
+        return crc
+    if pa.types.is_string(t) or pa.types.is_binary(t):
+        bufs = arr.buffers()
+        offsets = np.frombuffer(bufs[1], np.int32, len(arr) + 1, arr.offset * 4) if len(arr) else []
+        first, last = (int(offsets[0]), int(offsets[-1])) if len(arr) else (0, 0)
+        crc = zlib.crc32((np.asarray(offsets, np.int64) - first).astype(np.int32).tobytes(), crc)
+        if last > first:
+            crc = zlib.crc32(memoryview(bufs[2])[first:last], crc)
+        return crc
+    if pa.types.is_primitive(t) and t.bit_width % 8 == 0 and len(arr):
+        width = t.bit_width // 8
+        return zlib.crc32(
+            memoryview(arr.buffers()[1])[arr.offset * width : (arr.offset + len(arr)) * width], crc
+        )
+    return zlib.crc32(repr(arr.to_pylist()).encode(), crc)  # no spool column is of another type
 
 
 @dataclass
@@ -81,20 +138,55 @@ def read_spool_file(path: Path) -> SpoolFile:
     except (pa.ArrowInvalid, OSError, pa.ArrowException) as exc:
         return SpoolFile(path, kind, {}, None, problem=f"unreadable header: {exc}")
     raw = reader.schema.metadata or {}
-    meta = {k.decode(): v.decode() for k, v in raw.items()}
+    meta = {k.decode(errors="replace"): v.decode(errors="replace") for k, v in raw.items()}
     kind = meta.get("kind", kind)
+    summed = meta.get(CHECKSUM) == CRC32.decode()
     batches: list[pa.RecordBatch] = []
+    notes: list[str] = []
     problem = None
-    while True:
+    for index in itertools.count():
         try:
-            batches.append(reader.read_next_batch())
+            batch, custom = reader.read_next_batch_with_custom_metadata()
         except StopIteration:
             break
         except (pa.ArrowInvalid, OSError, pa.ArrowException) as exc:
             problem = f"truncated or corrupt after {sum(b.num_rows for b in batches)} rows: {exc}"
             break
+        reason = _bad_batch(kind, batch, custom, summed)
+        if reason:
+            notes.append(f"batch {index} ({batch.num_rows} rows): {reason}")
+        else:
+            batches.append(batch)
+    if notes:
+        skipped = "skipped " + "; ".join(notes)
+        problem = skipped if problem is None else f"{skipped}; {problem}"
     table = pa.Table.from_batches(batches, schema=reader.schema) if batches else None
-    return SpoolFile(path, kind, meta, table, problem=problem)
+    return SpoolFile(path, kind, meta, table, problem, skipped_batches=len(notes), notes=notes)
+
+
+def _bad_batch(
+    kind: str, batch: pa.RecordBatch, custom: pa.KeyValueMetadata | None, summed: bool
+) -> str | None:
+    """Why a batch read from a spool file is not kept, or None."""
+    if summed:
+        expected = (custom or {}).get(CRC32)
+        if expected is None:
+            return "no checksum"
+        try:
+            actual = checksum(batch)
+        except (pa.ArrowException, ValueError, IndexError, TypeError) as exc:
+            return f"unreadable ({exc})"
+        if str(actual).encode() != expected:
+            return "checksum mismatch"
+    else:  # an older spool: no sums, so make sure Arrow can walk every value before using them
+        try:
+            batch.validate(full=True)
+        except pa.ArrowException as exc:
+            return f"invalid ({exc})"
+    try:
+        return check_batch(kind, batch)
+    except (pa.ArrowException, ValueError) as exc:
+        return f"unreadable ({exc})"
 
 
 def list_spool(run_dir: Path) -> list[Path]:

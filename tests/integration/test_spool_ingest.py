@@ -1,0 +1,40 @@
+"""Ingest of a damaged spool: damaged batches are named (file, batch, reason) in one line per file,
+counted in the report and the run's attrs, and never stored; the rest of the file and run are."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gpu_trace.tracer.run import RunInfo
+from gpu_trace.tracer.spool import BATCH_ROWS, SpoolWriter, list_spool
+from gpu_trace.tracer.store import Store
+from tests.unit.test_spool import META, spans
+
+
+def test_damaged_batches_are_named_counted_and_not_stored(tmp_path: Path) -> None:
+    run_dir = tmp_path / "r"
+    RunInfo(run_id="r", trace_id="ab" * 16, started_ns=0, ended_ns=10, status="finished").save(
+        run_dir
+    )
+    writer = SpoolWriter(run_dir, META)
+    damaged = writer.write("spans", spans(3 * BATCH_ROWS))
+    writer.write("spans", spans(100, start=10**12))  # a second, whole file of the same run
+    data = bytearray(damaged.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 4096] = b"\xff" * 4096  # the issue's probe: 4 KiB of 0xFF mid-file
+    damaged.write_bytes(bytes(data))
+
+    with Store(f"chdb://{tmp_path / 'store'}") as store:
+        report = store.ingest(run_dir)
+        assert report.rows["spans"] == 2 * BATCH_ROWS + 100
+        assert report.batches_skipped == 1 and "1 damaged batch(es) skipped" in report.summary()
+        (line,) = report.problems
+        assert line.startswith(f"{damaged.name}: kept {2 * BATCH_ROWS} rows, skipped batch 1 (")
+        _, rows = store.sql(
+            "SELECT count(), countIf(start_ns < 0 OR end_ns < start_ns) FROM gpu_trace.spans"
+        )
+        assert rows == [(2 * BATCH_ROWS + 100, 0)]
+        assert store.run("r")["attrs"]["damaged_batches"] == "1"
+        # Logged as done with its problem: a second ingest neither repeats nor stores it.
+        again = store.ingest(run_dir)
+        assert again.files_skipped == len(list_spool(run_dir)) and again.rows_total == 0
