@@ -24,7 +24,7 @@ from typing import Any
 from gpu_trace import config
 from gpu_trace.tracer import context
 from gpu_trace.tracer.clock import anchor, now_ns
-from gpu_trace.tracer.run import RunInfo, new_run_id
+from gpu_trace.tracer.run import RunInfo, new_run_id, recorder_attrs
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,7 @@ def prepare(
         },
     )
     info.attrs["root_span_id"] = f"{root_span_id:016x}"
+    info.attrs.update(recorder_attrs())  # who closes the run; ingest marks it died if gone
     if incoming:
         info.attrs["parent_span_id"] = f"{incoming.parent_span_id:016x}"
     info.save(run_dir)

@@ -40,7 +40,7 @@ import pyarrow.compute as pc
 
 from gpu_trace.tracer.clocksync import ClockModel
 from gpu_trace.tracer.records import SCHEMAS
-from gpu_trace.tracer.run import STATS_DIR, RunInfo
+from gpu_trace.tracer.run import STATS_DIR, RunInfo, recorder_died
 from gpu_trace.tracer.spool import SpoolFile, list_spool, read_spool_file, spool_dir
 
 if TYPE_CHECKING:
@@ -128,6 +128,10 @@ def ingest(store: Store, run_dir: Path) -> IngestReport:
     report = IngestReport(info.run_id)
     if info_problem:
         report.problems.append(info_problem)
+    died = recorder_died(info)
+    if died:  # nobody is left to close the run: it is stored closed, as died, with the reason
+        info.status, info.attrs["reason"] = "died", died
+        report.problems.append(f"run.json: {died}; the run is marked died")
     logged = _logged(store, info.run_id)
     with _Inserter(store, info.run_id, report) as inserter:
         hosts, pid_hosts = _ingest_files(store, files, info, logged, inserter, report)

@@ -59,6 +59,60 @@ class RunInfo:
         return (Path(run_dir) / RUN_FILE).is_file()
 
 
+#: ``attrs`` naming the process that opened the run and will close it (`gpu-trace record`'s
+#: parent): its pid, host and start time, so that a run it left ``running`` can be told from one
+#: still being recorded (:func:`recorder_died`).
+RECORDER_ATTRS = ("recorder_pid", "recorder_host", "recorder_start")
+
+
+def recorder_attrs() -> dict[str, str]:
+    """This process as the run's recorder, for ``RunInfo.attrs``."""
+    return {
+        "recorder_pid": str(os.getpid()),
+        "recorder_host": socket.gethostname(),
+        "recorder_start": _process_start(os.getpid()) or "",
+    }
+
+
+def recorder_died(info: RunInfo) -> str | None:
+    """Why a run left ``running`` will never be closed, or None if it may still be.
+
+    A run is closed (``finished``, ``failed``, ``killed``) by the process that opened it. When that
+    process is gone (its pid is not running on this host, or runs another program since), the run
+    died with it. A run from another host, or one that does not name its recorder, stays as it is.
+    """
+    if info.status != "running":
+        return None
+    pid_text = info.attrs.get("recorder_pid", "")
+    if not pid_text.isdigit() or info.attrs.get("recorder_host") != socket.gethostname():
+        return None
+    pid = int(pid_text)
+    died = f"recorder exited before closing the run (pid {pid})"
+    started = _process_start(pid)
+    if started is not None:  # a process with this pid runs: the recorder, unless pid reused
+        recorded = info.attrs.get("recorder_start", "")
+        return None if not recorded or started == recorded else died
+    if Path("/proc").is_dir():
+        return died
+    try:  # no /proc: ask the kernel whether the pid exists
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return died
+    except OSError:
+        pass
+    return None
+
+
+def _process_start(pid: int) -> str | None:
+    """A process's start time in clock ticks since boot (Linux ``/proc``), None if unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()
+    return fields[19] if len(fields) > 19 else None
+
+
 STATS_DIR = "stats"
 
 

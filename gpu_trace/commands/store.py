@@ -190,6 +190,9 @@ def render_summary(run: dict, summary: dict) -> str:
     lines.append(
         f"run {run['run_id']}  {run.get('status', '')}  {fmt.wall_time(_wall_ns(run))}  {fmt.duration(dur) if dur > 0 else ''}"
     )
+    reason = (run.get("attrs") or {}).get("reason")
+    if reason and run.get("status") != "finished":
+        lines.append(f"status: {run.get('status', '')}: {reason}")
     lines.append(f"command: {run.get('command', '')}")
     lines.append(f"trace id: {run.get('trace_id', '')}  hosts: {','.join(run.get('hosts') or [])}")
     for lane in summary.get("lanes", []):
