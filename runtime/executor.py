@@ -67,13 +67,17 @@ class _Refused(Exception):
 
     ``rerun``: the op did not run, or ran without changing anything but its freed outputs, so
     it may run again. ``blobs``: the ``(id, tensor)`` of uploads its arguments took; if it is to
-    run again they are put back (:meth:`Executor._put_back`), else they are used up.
+    run again they are put back (:meth:`Executor._put_back`), else they are used up. ``undo``:
+    called too when it is to run again (an ``rt::backward`` puts its graph back).
     """
 
-    def __init__(self, refusal: Refusal, rerun: bool = True, blobs: Any = ()) -> None:
+    def __init__(
+        self, refusal: Refusal, rerun: bool = True, blobs: Any = (), undo: Any = None
+    ) -> None:
         self.refusal = refusal
         self.rerun = rerun
         self.blobs = blobs
+        self.undo = undo
 
 
 class Executor:
@@ -296,12 +300,12 @@ class Executor:
                             op_spans.append((name[:200], t0, now_ns()))
                     except _Refused as refused:
                         if refused.rerun and _free_early(session, work, ops, index, frees):
-                            self._put_back(session, refused.blobs)
+                            self._put_back(session, refused)
                             index -= 1  # the batch's own frees made room, maybe: again
                             continue
                         exc = self._wait_or_fail(session, work, refused.refusal)
                         if exc is None:
-                            self._put_back(session, refused.blobs)
+                            self._put_back(session, refused)
                             work.resume = {
                                 **(work.resume or {}),
                                 "index": index,
@@ -522,23 +526,28 @@ class Executor:
 
     # ---- memory ----------------------------------------------------------------------------------
 
-    def admit(self, session: Session, nbytes: int, taken: int | None = None) -> None:
+    def admit(
+        self, session: Session, nbytes: int, taken: int | None = None, undo: Any = None
+    ) -> None:
         """May an op of ``session`` allocate ``nbytes`` now? If not it does not run: it is
         refused (it fails, or its batch waits and it runs later; see :meth:`_batch`).
 
         ``taken``: the count of uploads taken when the op's arguments began to be decoded (None:
-        when its JSON op began); those taken since go back if it is to run later.
+        when its JSON op began); those taken since go back if it is to run later, and ``undo()``
+        is called then.
         """
         refusal = self.memory.refusal(session, nbytes)
         if refusal is not None:
             blobs = self._taken
             n = len(blobs) if taken is None else min(self._blobs_taken - taken, len(blobs))
-            raise _Refused(refusal, blobs=blobs[len(blobs) - n :] if n > 0 else ())
+            raise _Refused(refusal, blobs=blobs[len(blobs) - n :] if n > 0 else (), undo=undo)
 
-    def _put_back(self, session: Session, blobs: Any) -> None:
-        """Uploads a refused op took, back in place for when it runs again (counted again)."""
-        for ident, tensor in blobs:
+    def _put_back(self, session: Session, refused: _Refused) -> None:
+        """What a refused op took (uploads: counted again), back for when it runs again."""
+        for ident, tensor in refused.blobs:
             session.blobs.add(ident, tensor, tensor.untyped_storage().nbytes())
+        if refused.undo is not None:
+            refused.undo()
 
     def _blob_taker(self, session: Session) -> Any:
         take = session.blobs.take

@@ -131,13 +131,15 @@ def _backward(ex: Executor, session: Session, decoder: ArgDecoder, args: Any, ou
         raise ProtocolError("rt::backward takes [graph id, output grads]")
     if type(outs) is not list:
         raise ProtocolError("rt::backward outs must be a list")
-    graph = session.graphs.get(args[0])
-    if graph is not None:  # one gradient per leaf, of its size: checked before it is made
-        block = ex.memory.block_bytes
-        asked = sum(allocator_bytes(x.numel() * x.element_size(), block) for x in graph[0])
-        if asked:
-            ex.admit(session, asked)
-    leaves, outputs = session.take_graph(args[0])
+    ident = args[0]
+    graph = session.take_graph(ident)
+    leaves, outputs = graph
+    # One gradient per leaf, of its size: checked before any is made. If refused, the graph is
+    # used up when the op fails, put back when it waits to run again.
+    block = ex.memory.block_bytes
+    asked = sum(allocator_bytes(x.numel() * x.element_size(), block) for x in leaves)
+    if asked:
+        ex.admit(session, asked, undo=lambda: session.graphs.setdefault(ident, graph))
     grads = decoder.decode_args(args[1])
     pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
     result = torch.autograd.grad(

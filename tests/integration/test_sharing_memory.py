@@ -164,7 +164,7 @@ def test_over_quota_fails_the_op_with_used_asked_limit_and_the_session_goes_on(
         "kind": "quota",
     }
     assert f"used {LIMIT} bytes + asked {T} bytes > limit {LIMIT} bytes" in error["message"]
-    # An op whose output size is only known once it ran: refused after, its output freed.
+    # An op whose output size is not an argument: sized by the server, refused before it ran.
     out = next(c.handles)
     done = c.batch([["aten::add.Tensor", [{"h": held[0]}, {"h": held[1]}], {}, [out]]])
     assert done["error"]["type"] == "QuotaError" and done["error"]["quota"]["asked"] == T
@@ -304,8 +304,8 @@ def test_a_seeded_op_that_waited_draws_the_same_numbers(server: Server) -> None:
     held = [holder.ones() for _ in range(3)]
     x = waiter.ones()
     r = next(waiter.handles)
-    # rand_like's size is known only after it ran: refused after, its output freed, the random
-    # generator put back, and run again once there is room.
+    # rand_like is refused before it runs (sized by the server), and runs once there is room,
+    # drawing what it would have drawn.
     waiter.send(
         [
             ["rt::seed", [123], {}, None],

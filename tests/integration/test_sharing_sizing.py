@@ -238,3 +238,79 @@ def test_a_refused_op_on_an_upload_waits_and_runs_with_its_upload(
     assert torch.equal(waiter.fetch(out), torch.cat([data, data]))
     assert waiter.session.blobs.pending_bytes == 0
     assert server.memory.tenants[PATIENT.name].peak_bytes <= LIMIT
+
+
+# ---- the runtime's own ops -------------------------------------------------------------------------
+
+LONG = LIMIT // 4 // 16 + 1  # 16 rows of this many float32: just over the quota
+
+
+def test_a_whole_function_is_sized_before_it_runs(server: Server, clients: list[Client]) -> None:
+    """``rt::fn`` (here attention over an expanded view, no bytes of its own) is refused by its
+    output's size before the function runs."""
+    c = Client(server, HOSTILE)
+    clients.append(c)
+    one = _held(c, "aten::ones.default", [[1]], {"dtype": F32, "device": R})
+    q = _held(c, "aten::expand.default", [one, [1, 1, 16, LONG]])
+    out = next(c.handles)
+    done = c.batch([["rt::fn", ["sdpa", [q, q, q], {}, [False] * 3, 0], {}, [out]]])
+    assert not done["ok"] and done["error"]["type"] == "QuotaError", done
+    assert done["error"]["quota"]["asked"] == 16 * LONG * 4
+    assert server.memory.tenants[HOSTILE.name].peak_bytes <= LIMIT
+    # A function that fits runs, and its result is right.
+    small = _held(c, "aten::ones.default", [[1, 1, 4, 8]], {"dtype": F32, "device": R})
+    done = c.batch([["rt::fn", ["sdpa", [small, small, small], {}, [False] * 3, 0], {}, [out]]])
+    assert done["ok"], done
+    assert torch.equal(c.fetch(out), torch.ones(1, 1, 4, 8))
+
+
+def test_a_backward_is_sized_before_it_runs(server: Server, clients: list[Client]) -> None:
+    """``rt::backward`` makes one gradient per input of the function, of the input's size: an
+    expanded key's gradient is its full size, refused before the backward runs."""
+    c = Client(server, HOSTILE)
+    clients.append(c)
+    q = _held(c, "aten::ones.default", [[1, 1, 1, 16]], {"dtype": F32, "device": R})
+    one = _held(c, "aten::ones.default", [[1]], {"dtype": F32, "device": R})
+    k = _held(c, "aten::expand.default", [one, [1, 1, LONG, 16]])
+    v = _held(c, "aten::expand.default", [one, [1, 1, LONG, 1]])
+    out = next(c.handles)
+    fn = ["rt::fn", ["sdpa", [q, k, v], {}, [True] * 3, 77], {}, [out]]
+    assert c.batch([fn])["ok"]
+    grad = _held(c, "aten::ones.default", [[1, 1, 1, 1]], {"dtype": F32, "device": R})
+    hs = [next(c.handles) for _ in range(3)]
+    done = c.batch([["rt::backward", [77, [grad]], {}, hs]])
+    assert not done["ok"] and done["error"]["type"] == "QuotaError", done
+    assert done["error"]["quota"]["asked"] == 16 * 4 + LONG * 16 * 4 + LONG * 4
+    assert server.memory.tenants[HOSTILE.name].peak_bytes <= LIMIT
+    assert len(c.session.handles) == 6  # no gradient kept
+    assert 77 not in c.session.graphs  # the failed backward used its graph up
+
+
+def test_a_backward_that_waits_runs_on_its_graph(server: Server, clients: list[Client]) -> None:
+    holder, waiter = Client(server, PATIENT), Client(server, PATIENT)
+    clients += [holder, waiter]
+    quarter = LIMIT // 4 // 4
+    held = [
+        _held(holder, "aten::ones.default", [[quarter]], {"dtype": F32, "device": R})
+        for _ in range(3)
+    ]
+    length = quarter // 16  # the key's gradient: a quarter of the quota
+    q = _held(waiter, "aten::ones.default", [[1, 1, 1, 16]], {"dtype": F32, "device": R})
+    one = _held(waiter, "aten::ones.default", [[1]], {"dtype": F32, "device": R})
+    k = _held(waiter, "aten::expand.default", [one, [1, 1, length, 16]])
+    v = _held(waiter, "aten::expand.default", [one, [1, 1, length, 1]])
+    out = next(waiter.handles)
+    assert waiter.batch([["rt::fn", ["sdpa", [q, k, v], {}, [True] * 3, 78], {}, [out]]])["ok"]
+    grad = _held(waiter, "aten::ones.default", [[1, 1, 1, 1]], {"dtype": F32, "device": R})
+    hs = [next(waiter.handles) for _ in range(3)]
+    waiter.send([["rt::backward", [78, [grad]], {}, hs]])
+    _wait_for(lambda: _waiting(server, PATIENT) == 1)
+    assert 78 in waiter.session.graphs  # put back for the run to come
+    holder.batch([], free=[held[0]["h"]])
+    done = waiter.until(MsgType.DONE)
+    assert done["ok"], done
+    dv = waiter.fetch(hs[2])  # attention spread evenly over the key's rows
+    assert dv.shape == (1, 1, length, 1)
+    assert torch.allclose(dv, torch.full_like(dv, 1 / length))
+    assert 78 not in waiter.session.graphs
+    assert server.memory.tenants[PATIENT.name].peak_bytes <= LIMIT
