@@ -6,7 +6,9 @@ strings, int/float/tensor lists, dtypes, devices, layouts, memory formats; a gen
 ``None``), minus the names in :data:`DENIED` (reading files, unchecked indexing, sparse and
 quantized constructors, process-wide state). Nothing outside ``aten`` is ever resolved.
 
-Per-op argument rules (:data:`RULES`) pin arguments that would switch off bounds checks.
+Per-op argument rules (:data:`RULES`, and :func:`rule` per overload) pin arguments that would
+switch off bounds checks, and check the views and enum arguments ATen itself does not
+(:mod:`gpu_trace.runtime.bounds`).
 """
 
 from __future__ import annotations
@@ -72,10 +74,32 @@ def _pin_false(name: str, position: int) -> Callable[[list[Any], dict[str, Any]]
     return rule
 
 
-#: Argument rules applied before an op runs: ``rule(args, kwargs)`` may change them in place.
+#: Argument rules applied before an op runs, by op name (every overload): ``rule(args, kwargs)``
+#: may change them in place, or refuse the op (an ``OpError``).
 RULES: dict[str, Callable[[list[Any], dict[str, Any]], None]] = {
     "aten::_index_put_impl_": _pin_false("unsafe", 4),
 }
+
+
+def rule(op: Any) -> Callable[[list[Any], dict[str, Any]], None] | None:
+    """The rule an ``OpOverload`` runs under (None: none): its name's from :data:`RULES` and
+    its overload's bounds checks (:func:`gpu_trace.runtime.bounds.rules_for`), in that order."""
+    from gpu_trace.runtime import bounds
+
+    schema = op._schema
+    rules = [r for r in (RULES.get(schema.name),) if r is not None]
+    rules += bounds.rules_for(schema)
+    if not rules:
+        return None
+    if len(rules) == 1:
+        return rules[0]
+
+    def combined(args: list[Any], kwargs: dict[str, Any]) -> None:
+        for r in rules:
+            r(args, kwargs)
+
+    return combined
+
 
 _lock = threading.Lock()
 _allowed: frozenset[str] | None = None

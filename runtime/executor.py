@@ -745,7 +745,7 @@ def _entry(target: Any) -> tuple[Any, Any, bool, bool, bool, Any]:
     seeded = torch.Tag.nondeterministic_seeded in target.tags
     # The overload's own C++ callable: calling the OpOverload adds a Python frame per op.
     call = getattr(target, "_op", target)
-    return call, allowlist.RULES.get(schema.name), sized, rerunnable, seeded, sizer(target)
+    return call, allowlist.rule(target), sized, rerunnable, seeded, sizer(target)
 
 
 def _free_early(session: Session, work: Work, ops: list[Any], index: int, frees: list[Any]) -> bool:

@@ -1,0 +1,130 @@
+"""Bounds checks run before an allow-listed op: no tenant's op may reach outside its own storages.
+
+The server runs tenants' ATen ops in one process, so a view past the end of a storage reads or
+writes whatever the allocator put next: another tenant's tensors, or the heap's own bookkeeping.
+ATen checks most ops itself; the ones it does not are checked here, before they run (a check
+afterwards would be too late for an op that copies through the view it makes). Each check is a
+``rule(args, kwargs)`` in :data:`gpu_trace.runtime.allowlist.RULES` (by op name) or made per
+overload by :func:`rules_for`; a refusal is an :class:`~gpu_trace.runtime.session.OpError` naming
+the op and why, and the session goes on.
+
+Which ops need which check was found from the schemas and is held by a fuzzer that throws random
+sizes, strides, offsets, dims and indices at every allow-listed op (``tests/op_fuzz.py``);
+docs/remote.md ("Security") lists the families and what happens to each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from gpu_trace.runtime.session import OpError
+
+Rule = Callable[[list[Any], dict[str, Any]], None]
+
+#: Enum arguments: a client sends them tagged (``{"d": "float32"}``), decoded to torch objects.
+#: A bare integer would be taken as the enum's number unchecked: ScalarType 18-45 are bit and
+#: float8 types, and numbers past the table's end index static tables out of bounds.
+_ENUM_TYPES = ("ScalarType", "Layout", "MemoryFormat")
+
+
+def _arg(args: list[Any], kwargs: dict[str, Any], position: int, name: str) -> Any:
+    if len(args) > position:
+        return args[position]
+    return kwargs.get(name)
+
+
+def _ints(op: str, what: str, value: Any) -> list[int]:
+    if type(value) is not list or not all(type(v) is int for v in value):
+        raise OpError(f"{op}: {what} must be a list of integers")
+    return value
+
+
+def check_view(op: str, base: Any, size: Any, stride: Any, offset: Any) -> None:
+    """Refuse a view of ``base``'s storage with ``size``, ``stride`` and element ``offset``
+    (None: ``base``'s own) unless every element lies inside the storage. Python integers:
+    products that would overflow int64 cannot wrap round to a small extent."""
+    size = _ints(op, "size", size)
+    stride = _ints(op, "stride", stride)
+    if len(size) != len(stride):
+        raise OpError(f"{op}: size {size} and stride {stride} differ in length")
+    if not hasattr(base, "untyped_storage"):
+        return  # not a tensor: the op itself refuses it
+    if offset is None:
+        offset = base.storage_offset()
+    elif type(offset) is not int:
+        raise OpError(f"{op}: the storage offset must be an integer")
+    if offset < 0 or any(n < 0 for n in size) or any(s < 0 for s in stride):
+        raise OpError(f"{op}: negative size, stride or offset ({size}, {stride}, {offset})")
+    if 0 in size:
+        return  # no element: nothing is reached
+    last = offset
+    for n, s in zip(size, stride):
+        last += (n - 1) * s
+    need = (last + 1) * base.element_size()
+    have = base.untyped_storage().nbytes()
+    if need > have:
+        raise OpError(
+            f"{op}: a view of size {size}, stride {stride} and offset {offset} needs "
+            f"{need} bytes of a {have}-byte storage (out of bounds)"
+        )
+
+
+def _view_rule(op: str, base: int, size: int, stride: int, offset: int | None) -> Rule:
+    """A rule checking the view an op makes from its arguments at these positions (names from
+    the schema: ``self``, ``size``, ``stride``, ``storage_offset``)."""
+
+    def rule(args: list[Any], kwargs: dict[str, Any]) -> None:
+        t = _arg(args, kwargs, base, "self")
+        off = None if offset is None else _arg(args, kwargs, offset, "storage_offset")
+        check_view(
+            op, t, _arg(args, kwargs, size, "size"), _arg(args, kwargs, stride, "stride"), off
+        )
+
+    return rule
+
+
+#: Checks by op name (every overload: ``.default`` and ``.out`` share their leading arguments).
+VIEW_RULES: dict[str, Rule] = {
+    # No check in ATen: a view of any size and stride over the input's storage.
+    "aten::_reshape_alias": _view_rule("_reshape_alias", 0, 1, 2, None),
+    "aten::_reshape_alias_copy": _view_rule("_reshape_alias_copy", 0, 1, 2, None),
+    # ATen checks these (checkInBoundsForStorage); checked here too, in exact integers.
+    "aten::as_strided": _view_rule("as_strided", 0, 1, 2, 3),
+    "aten::as_strided_": _view_rule("as_strided_", 0, 1, 2, 3),
+    "aten::as_strided_copy": _view_rule("as_strided_copy", 0, 1, 2, 3),
+}
+
+
+def _enum_rule(op: str, positions: tuple[int, ...], names: tuple[str, ...]) -> Rule:
+    def rule(args: list[Any], kwargs: dict[str, Any]) -> None:
+        n = len(args)
+        for position, name in zip(positions, names):
+            value = args[position] if n > position else kwargs.get(name)
+            if type(value) is int:
+                raise OpError(
+                    f"{op}: {name} must be sent as a {name} (a tagged value), not the number "
+                    f"{value}"
+                )
+
+    return rule
+
+
+def rules_for(schema: Any) -> list[Rule]:
+    """The checks one overload needs beyond its name's (:data:`VIEW_RULES`)."""
+    op = f"{schema.name[len('aten::') :]}.{schema.overload_name or 'default'}"
+    positions, names = [], []
+    for i, a in enumerate(schema.arguments):
+        ty = str(a.real_type)
+        if ty.startswith("Optional["):
+            ty = ty[len("Optional[") : -1]
+        if ty in _ENUM_TYPES:
+            positions.append(len(schema.arguments) if a.kwarg_only else i)
+            names.append(a.name)
+    rules = []
+    if positions:
+        rules.append(_enum_rule(op, tuple(positions), tuple(names)))
+    view = VIEW_RULES.get(schema.name)
+    if view is not None:
+        rules.append(view)
+    return rules

@@ -1,0 +1,476 @@
+"""A memory-safety fuzzer for the server's allow-listed ATen ops (docs/remote.md, Security).
+
+Each op gets random arguments drawn from its schema (hypothesis): sizes, strides, offsets and
+dims that are negative, zero, small or huge (their products overflow int64), tensors of a
+"session" and index tensors holding out-of-range values. It runs the way the server runs it:
+resolved against the allow-list, the op's rule (:data:`gpu_trace.runtime.allowlist.RULES`)
+applied, then called. The session's tensors live in one byte arena between canary regions that
+stand for "another tenant's" memory; after each call nothing may have
+
+- written a canary (it is compared byte for byte),
+- read one (no output, and no session tensor, holds the canary's distinctive bytes),
+- made a tensor reaching outside its own storage (offset and extent checked against the
+  storage's size), or of a layout other than strided.
+
+Ops run in a worker process, so a crash names the op instead of taking the caller down; the
+worker is restarted after the crashed op. ``python -m tests.op_fuzz --examples 200`` runs a
+larger search than the test suite's (``--ops REGEX`` narrows it, ``--all`` takes every allowed
+op, not only those with integer arguments or aliasing results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+_INT_TYPES = ("int", "List[int]", "Optional[int]", "Optional[List[int]]")
+#: 8 distinctive bytes; any 4-aligned half of them found in an output is a read of a canary.
+CANARY = bytes.fromhex("deadbeef0badf00d")
+_CANARY_WORDS = (CANARY[:4], CANARY[4:])
+_ADDRESS_SPACE = 3 << 30  # the worker's address space limit
+_GAP = 256  # canary bytes before, between and after the session's storages
+
+
+def fuzz_targets(every: bool = False) -> list[str]:
+    """Allowed ops taking integers (sizes, strides, offsets, dims, indices) or returning an
+    alias of an input; with ``every``, all allowed ops."""
+    import torch
+
+    from gpu_trace.runtime import allowlist
+
+    allowed = allowlist.allowed()
+    out = []
+    for schema in torch._C._jit_get_all_schemas():
+        name = f"{schema.name}.{schema.overload_name or 'default'}"
+        if name not in allowed:
+            continue
+        ints = any(str(a.type) in _INT_TYPES for a in schema.arguments)
+        alias = any(r.alias_info is not None for r in schema.returns)
+        if every or ints or alias:
+            out.append(name)
+    return sorted(set(out))
+
+
+# ---- the worker: arguments, the call, the checks ---------------------------------------------------
+
+
+_EXTREME = (
+    -(1 << 63),
+    -(1 << 62),
+    -(1 << 31) - 1,
+    -(1 << 31),
+    (1 << 31) - 1,
+    1 << 31,
+    (1 << 32) + 1,
+    1 << 40,
+    1 << 62,
+    (1 << 63) - 1,
+)
+_STRINGS = ("none", "mean", "sum", "left", "right", "reflect", "floor", "max", "tanh", "", "xx")
+
+
+def _strategies() -> dict[str, Any]:
+    from hypothesis import strategies as st
+
+    small = st.integers(-4, 12)
+    ints = st.one_of(small, small, small, st.sampled_from(_EXTREME))
+    floats = st.sampled_from((0.0, 1.0, -1.0, 0.5, 3.0, float("nan"), float("inf"), 1e300))
+    return {"int": ints, "float": floats, "small": small, "st": st}
+
+
+def _arg_strategy(arg: Any, n_tensors: int, s: dict[str, Any]) -> Any:
+    """A strategy for one schema argument; tensors are ``("T", index)`` into the session's."""
+    st = s["st"]
+    ty = str(arg.real_type)
+    optional = ty.startswith("Optional[")
+    if optional:
+        ty = ty[len("Optional[") : -1]
+    tensor = st.tuples(st.just("T"), st.integers(0, n_tensors - 1))
+    if ty in ("int", "SymInt"):
+        base = s["int"]
+    elif ty in ("List[int]", "List[SymInt]") or ty.startswith("List[int]") or ty == "int[]":
+        base = st.lists(s["int"], max_size=5)
+    elif ty == "Tensor":
+        base = tensor
+    elif ty == "List[Tensor]":
+        base = st.lists(tensor, max_size=4)
+    elif ty == "List[Optional[Tensor]]":
+        base = st.lists(st.one_of(st.none(), tensor), max_size=4)
+    elif ty == "bool":
+        base = st.booleans()
+    elif ty == "List[bool]":
+        base = st.lists(st.booleans(), max_size=4)
+    elif ty == "float":
+        base = s["float"]
+    elif ty == "List[float]":
+        base = st.lists(s["float"], max_size=4)
+    elif ty in ("Scalar", "number"):
+        base = st.one_of(s["int"], s["float"], st.booleans())
+    elif ty == "List[Scalar]":
+        base = st.lists(st.one_of(s["int"], s["float"]), max_size=4)
+    elif ty == "complex":
+        base = st.just(complex(1.0, -1.0))
+    elif ty == "List[complex]":
+        base = st.lists(st.just(complex(0.5, 2.0)), max_size=3)
+    elif ty == "str":
+        base = st.sampled_from(_STRINGS)
+    elif ty == "List[str]":
+        base = st.lists(st.sampled_from(_STRINGS), max_size=3)
+    elif ty == "ScalarType":
+        # Decoded dtypes, and raw integers (what a client sending a bare int gets through).
+        base = st.one_of(st.sampled_from(("float32", "int64", "uint8")), s["small"])
+        base = base.map(lambda v: ("D", v) if type(v) is str else v)
+    elif ty in ("Layout", "MemoryFormat"):
+        base = st.one_of(st.just(("E", ty)), s["small"])
+    elif ty == "Device":
+        base = st.just(("DEV",))
+    elif ty == "Generator":
+        return st.none()
+    else:
+        base = st.none()
+    return st.one_of(st.none(), base) if optional else base
+
+
+_DTYPES = ("float32", "int64", "uint8", "bool", "float64", "int32")
+
+
+def _session_strategy(s: dict[str, Any]) -> Any:
+    """Specs of the session's tensors: (dtype, shape, values)."""
+    st = s["st"]
+    shape = st.lists(st.integers(0, 4), max_size=3)
+    spec = st.tuples(st.sampled_from(_DTYPES), shape, st.lists(s["int"], min_size=1, max_size=6))
+    return st.lists(spec, min_size=3, max_size=3)
+
+
+@dataclass
+class Arena:
+    """The session's tensors in one byte array, each storage between canary bytes."""
+
+    data: bytearray
+    tensors: list[Any]
+    canaries: list[tuple[int, int]] = field(default_factory=list)
+
+    @classmethod
+    def make(cls, torch: Any, specs: list[tuple[str, list[int], list[int]]]) -> Arena:
+        sizes = []
+        for dtype, shape, _ in specs:
+            numel = 1
+            for d in shape:
+                numel *= d
+            sizes.append(numel * getattr(torch, dtype).itemsize)
+        total = _GAP + sum(((n + 7) // 8 * 8) + _GAP for n in sizes)
+        data = bytearray(CANARY * (total // 8 + 1))[:total]
+        tensors, canaries, at = [], [(0, _GAP)], _GAP
+        for (dtype, shape, values), nbytes in zip(specs, sizes):
+            dt = getattr(torch, dtype)
+            numel = nbytes // dt.itemsize
+            if numel:
+                t = torch.frombuffer(data, dtype=dt, count=numel, offset=at).view(shape)
+                src = [v % 5 if dtype == "uint8" else v for v in values[:numel]]
+                src = (src * (numel // len(src) + 1))[:numel]
+                if dtype == "bool":
+                    t.copy_(torch.tensor([v & 1 for v in src], dtype=torch.bool).view(shape))
+                elif dtype in ("float32", "float64"):
+                    t.copy_(torch.tensor([float(v % 1000) - 3 for v in src]).view(shape))
+                else:
+                    info = torch.iinfo(dt)
+                    clipped = [min(max(v, info.min), info.max) for v in src]
+                    t.copy_(torch.tensor(clipped, dtype=torch.int64).to(dt).view(shape))
+            else:
+                t = torch.empty(shape, dtype=dt)  # nothing to place: an empty storage
+            tensors.append(t)
+            at += (nbytes + 7) // 8 * 8
+            canaries.append((at, at + _GAP))
+            at += _GAP
+        return cls(data, tensors, canaries)
+
+    def canary_intact(self) -> bool:
+        for lo, hi in self.canaries:
+            if self.data[lo:hi] != (CANARY * ((hi - lo) // 8 + 1))[: hi - lo]:
+                return False
+        return True
+
+
+def _materialize(torch: Any, value: Any, arena: Arena) -> Any:
+    if type(value) is tuple:
+        if value[0] == "T":
+            return arena.tensors[value[1]]
+        if value[0] == "D":
+            return getattr(torch, value[1])
+        if value[0] == "E":
+            return torch.strided if value[1] == "Layout" else torch.contiguous_format
+        if value[0] == "DEV":
+            return torch.device("cpu")
+    if type(value) is list:
+        return [_materialize(torch, v, arena) for v in value]
+    return value
+
+
+def _tensors_in(value: Any, torch: Any, out: list[Any]) -> None:
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _tensors_in(v, torch, out)
+
+
+def _reads_canary(torch: Any, t: Any) -> bool:
+    if t.numel() == 0:
+        return False
+    try:
+        flat = torch.empty(t.numel(), dtype=t.dtype).copy_(t.detach().reshape(-1))
+        raw = flat.view(torch.uint8).numpy().tobytes()
+    except Exception:  # a dtype numpy or copy_ cannot take: nothing to scan
+        return False
+    for word in _CANARY_WORDS:
+        at = raw.find(word)
+        while at >= 0:
+            if at % 4 == 0:
+                return True
+            at = raw.find(word, at + 1)
+    return False
+
+
+def outside_storage(t: Any) -> str | None:
+    """Why tensor ``t`` reaches outside its storage (None: it does not)."""
+    import torch
+
+    if t.layout != torch.strided:
+        return f"a {t.layout} tensor"
+    if t.is_quantized:
+        return "a quantized tensor"
+    if t.numel() == 0:
+        return None
+    offset = t.storage_offset()
+    if offset < 0 or any(s < 0 for s in t.stride()):
+        return f"offset {offset}, strides {list(t.stride())}"
+    last = offset + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    nbytes = t.untyped_storage().nbytes()
+    if (last + 1) * t.element_size() > nbytes:
+        return (
+            f"shape {list(t.shape)}, strides {list(t.stride())}, offset {offset} reach byte "
+            f"{(last + 1) * t.element_size()} of a {nbytes}-byte storage"
+        )
+    return None
+
+
+def check_call(op_name: str, specs: Any, args: list[Any], kwargs: dict[str, Any]) -> str | None:
+    """Run one op as the server would (resolve, rule, call); what went wrong, or None."""
+    import torch
+
+    from gpu_trace.runtime import allowlist
+
+    op = allowlist.resolve(op_name)
+    rule = allowlist.rule(op) if hasattr(allowlist, "rule") else None
+    if rule is None:
+        rule = allowlist.RULES.get(op._schema.name)
+    arena = Arena.make(torch, specs)
+    a = [_materialize(torch, v, arena) for v in args]
+    k = {n: _materialize(torch, v, arena) for n, v in kwargs.items()}
+    result = None
+    try:
+        if rule is not None:
+            rule(a, k)
+        result = op(*a, **k)
+    except Exception:  # an op error is the op refusing: fine
+        result = None
+    if not arena.canary_intact():
+        return "wrote a canary byte (another tenant's memory)"
+    outs: list[Any] = []
+    _tensors_in(result, torch, outs)
+    for i, t in enumerate(outs):
+        why = outside_storage(t)
+        if why is not None:
+            return f"output {i}: {why}"
+        if _reads_canary(torch, t):
+            return f"output {i} holds canary bytes (read another tenant's memory)"
+    for i, t in enumerate(arena.tensors):
+        if outside_storage(t) is None and _reads_canary(torch, t):
+            return f"session tensor {i} holds canary bytes after the op"
+    return None
+
+
+def _fuzz_one(op_name: str, examples: int) -> str | None:
+    """Hypothesis over one op's arguments; the first failure's message (shrunk), or None."""
+    import torch
+    from hypothesis import HealthCheck, Phase, given, settings
+
+    from gpu_trace.runtime import allowlist
+
+    op = allowlist.resolve(op_name)
+    schema = op._schema
+    s = _strategies()
+    st = s["st"]
+    arg_strats = []
+    for arg in schema.arguments:
+        arg_strats.append(
+            st.tuples(st.just(arg.name), st.just(arg.kwarg_only), _arg_strategy(arg, 3, s))
+        )
+    example = st.tuples(_session_strategy(s), st.tuples(*arg_strats))
+    failure: list[str] = []
+
+    @settings(
+        max_examples=examples,
+        database=None,
+        deadline=None,
+        derandomize=True,
+        phases=[Phase.generate, Phase.shrink],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(example)
+    def run(ex: Any) -> None:
+        specs, arg_values = ex
+        args, kwargs = [], {}
+        for name, kw_only, value in arg_values:
+            if kw_only:
+                kwargs[name] = value
+            else:
+                args.append(value)
+        why = check_call(op_name, specs, args, kwargs)
+        if why is not None:
+            failure[:] = [f"{why}; args {args!r} kwargs {kwargs!r} session {specs!r}"]
+            raise AssertionError(why)
+
+    del torch
+    try:
+        run()
+    except AssertionError:
+        return failure[0] if failure else "failed"
+    return None
+
+
+def worker(examples: int) -> None:
+    """Read op names from stdin; for each, print ``start`` then its ``done`` line (JSON)."""
+    import warnings
+
+    import torch
+
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    # A huge allocation fails at once instead of swapping the machine.
+    resource.setrlimit(resource.RLIMIT_AS, (_ADDRESS_SPACE, _ADDRESS_SPACE))
+    for line in sys.stdin:
+        name = line.strip()
+        if not name:
+            continue
+        print(json.dumps({"start": name}), flush=True)
+        try:
+            failure = _fuzz_one(name, examples)
+        except Exception as exc:  # the harness itself: report, go on
+            failure = f"fuzzer error {type(exc).__name__}: {exc}"[:2000]
+            failure = None if "Unsatisfiable" in failure else failure
+        print(json.dumps({"done": name, "failure": failure}), flush=True)
+
+
+# ---- the parent: workers, crashes --------------------------------------------------------------------
+
+
+@dataclass
+class Report:
+    failures: dict[str, str] = field(default_factory=dict)  # op -> what went wrong
+    crashes: dict[str, str] = field(default_factory=dict)  # op -> how the worker died
+    stuck: list[str] = field(default_factory=list)  # ops that did not finish in time
+    done: int = 0
+
+
+def fuzz(ops: list[str], examples: int, stuck_after_s: float = 60.0) -> Report:
+    """Fuzz ``ops`` in worker processes; a worker that dies is restarted after its op. An op
+    still running after ``stuck_after_s`` is listed as stuck (and its worker replaced): it says
+    nothing of memory safety either way."""
+    report = Report()
+    todo = list(ops)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    while todo:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.op_fuzz", "--worker", "--examples", str(examples)],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write("".join(f"{n}\n" for n in todo))
+        proc.stdin.close()
+        current = None
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        started = time.monotonic()
+        while True:
+            if not sel.select(timeout=1.0):
+                if current is not None and time.monotonic() - started > stuck_after_s:
+                    proc.kill()
+                    report.stuck.append(current)
+                    todo.remove(current)
+                    break
+                continue
+            line = proc.stdout.readline()
+            if not line:  # the worker ended
+                proc.wait()
+                if current is not None:
+                    err = (proc.stderr.read() if proc.stderr else "")[-1500:]
+                    report.crashes[current] = f"exit {proc.returncode}: {err.strip()}"
+                    todo.remove(current)
+                else:
+                    todo = []
+                break
+            msg = json.loads(line)
+            if "start" in msg:
+                current = msg["start"]
+                started = time.monotonic()
+            else:
+                todo.remove(msg["done"])
+                report.done += 1
+                if msg["failure"]:
+                    report.failures[msg["done"]] = msg["failure"]
+                current = None
+        sel.close()
+        proc.wait()
+        if proc.stderr:
+            proc.stderr.close()
+        proc.stdout.close()
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tests.op_fuzz", description=__doc__.split("\n")[0])
+    p.add_argument("--examples", type=int, default=50, help="examples per op (default 50)")
+    p.add_argument("--ops", default="", help="only ops whose name matches this regex")
+    p.add_argument("--all", action="store_true", help="every allowed op")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ns = p.parse_args(argv)
+    if ns.worker:
+        worker(ns.examples)
+        return 0
+    ops = [n for n in fuzz_targets(ns.all) if re.search(ns.ops, n)]
+    t0 = time.monotonic()
+    report = fuzz(ops, ns.examples)
+    for name, why in sorted(report.failures.items()):
+        print(f"UNSAFE  {name}: {why}")
+    for name, why in sorted(report.crashes.items()):
+        print(f"CRASH   {name}: {why}")
+    for name in report.stuck:
+        print(f"STUCK   {name}")
+    print(
+        f"{len(ops)} ops x {ns.examples} examples in {time.monotonic() - t0:.0f} s: "
+        f"{len(report.failures)} unsafe, {len(report.crashes)} crashed, {len(report.stuck)} stuck"
+    )
+    return 1 if report.failures or report.crashes else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
