@@ -68,7 +68,9 @@ class RunSamplers:
             settings = config.RecorderSettings(run_dir=run_dir, run_id=run_id)
         interval = max(settings.flush_interval_s, FLUSH_INTERVAL_S)
         settings = dataclasses.replace(settings, flush_interval_s=interval)
-        self.recorder = Recorder(settings, trace_id=trace_id, run_id=run_id)
+        self.recorder = Recorder(
+            settings, trace_id=trace_id, run_id=run_id, warn_write_errors=False
+        )
         if nvml_hz:
             source = self._nvml_source(nvml_replay)
             sampler, note = open_sampler(self.recorder, source, nvml_hz, self.tree.labels)

@@ -24,7 +24,8 @@ from typing import Any
 from gpu_trace import config
 from gpu_trace.tracer import context
 from gpu_trace.tracer.clock import anchor, now_ns
-from gpu_trace.tracer.run import RunInfo, new_run_id, recorder_attrs
+from gpu_trace.tracer.files import disk_full
+from gpu_trace.tracer.run import RUN_FILE, RunInfo, new_run_id, recorder_attrs
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ class Launch:
     notes: list[str] = field(default_factory=list)
     #: The NVML and host samplers (a ``collectors.samplers.RunSamplers``), or None.
     samplers: Any = None
+    #: Why run.json could not be closed (a full disk), or "": `gpu-trace record` says so.
+    save_error: str = ""
 
 
 def prepare(
@@ -112,7 +115,7 @@ def prepare(
     info.attrs.update(recorder_attrs())  # who closes the run; ingest marks it died if gone
     if incoming:
         info.attrs["parent_span_id"] = f"{incoming.parent_span_id:016x}"
-    info.save(run_dir)
+    _save_or_refuse(info, run_dir)
 
     mode = (nvtx or environ.get("GPU_TRACE_NVTX") or "native").lower()
     if mode not in ("native", "python", "off"):
@@ -166,10 +169,22 @@ def prepare(
     samplers = _prepare_samplers(info, run_dir, nvml_hz, host_hz, nvml_replay, nvml_fallback)
     notes.extend(samplers.notes)
     info.attrs.update(samplers.attrs)
-    info.save(run_dir)
+    _save_or_refuse(info, run_dir)
     return Launch(
         run_dir, info, [executable, *argv[1:]], env, env["GPU_TRACE_NVTX"], notes, samplers
     )
+
+
+def _save_or_refuse(info: RunInfo, run_dir: Path) -> None:
+    """Write run.json before the program starts; a disk too full for it stops the run here."""
+    try:
+        info.save(run_dir)
+    except OSError as exc:
+        raise LaunchError(f"cannot write {run_dir / RUN_FILE}: {_reason(exc)}", 2) from None
+
+
+def _reason(exc: OSError) -> str:
+    return "the disk is full" if disk_full(exc) else str(exc.strerror or exc)
 
 
 def _prepare_samplers(
@@ -260,4 +275,7 @@ def finish(launch: Launch, exit_code: int, reason: str) -> None:
     info.attrs["exit_code"] = str(exit_code)
     if reason:
         info.attrs["reason"] = reason
-    info.save(launch.run_dir)
+    try:
+        info.save(launch.run_dir)
+    except OSError as exc:  # the program's status stands; the closing line says run.json is stale
+        launch.save_error = f"{launch.run_dir / RUN_FILE} not updated: {_reason(exc)}"

@@ -7,7 +7,9 @@ every ``flush_interval_s`` and once more at exit, on an uncaught exception, on S
 After ``fork`` the child starts with empty buffers, its own spool files and its own flusher.
 
 Nothing here raises into the traced program: failures are logged once and recording goes on or
-stops quietly.
+stops quietly. A spool write that fails (a full disk) keeps its table, up to one buffer's worth of
+rows, and is tried again first at the next flush, so recording resumes, losing nothing, when space
+comes back; rows given up on are counted as dropped (``not_written`` in the stats file).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import pyarrow as pa
 from gpu_trace.config import RecorderSettings
 from gpu_trace.tracer.buffer import ThreadBuffer
 from gpu_trace.tracer.clock import now_ns
+from gpu_trace.tracer.files import disk_full, replace_text
 from gpu_trace.tracer.records import (
     CLOCK_SYNC_SCHEMA,
     COUNTER_SCHEMA,
@@ -45,6 +48,9 @@ from gpu_trace.tracer.run import STATS_DIR
 from gpu_trace.tracer.spool import SpoolWriter
 
 log = logging.getLogger(__name__)
+
+#: A table the full disk refused is split in halves down to this many rows (a few hundred KiB).
+MIN_SPLIT_ROWS = 4096
 
 
 class Source(Protocol):
@@ -67,7 +73,16 @@ class Source(Protocol):
 class Recorder:
     """Records one process's events into one run directory."""
 
-    def __init__(self, settings: RecorderSettings, *, trace_id: str = "", run_id: str = "") -> None:
+    def __init__(
+        self,
+        settings: RecorderSettings,
+        *,
+        trace_id: str = "",
+        run_id: str = "",
+        warn_write_errors: bool = True,
+    ) -> None:
+        """``warn_write_errors=False``: spool write failures are logged at INFO only, for a
+        recorder whose parent (`gpu-trace record`) reports them from the stats file."""
         if settings.run_dir is None:
             raise ValueError("a recorder needs a run directory")
         self.settings = settings
@@ -84,6 +99,12 @@ class Recorder:
         self._step_number = -1
         self._events = 0
         self._write_errors = 0
+        # Tables the spool could not take yet, oldest first: written before anything newer.
+        self._unwritten: list[tuple[str, pa.Table]] = []
+        self._not_written = 0  # rows given up on (counted as dropped)
+        self._write_failures = 0
+        self._write_error = ""  # why the spool is not being written now; "" when it is
+        self._io_level = logging.WARNING if warn_write_errors else logging.INFO
         self._warned_drop = False
         self._stop = threading.Event()
         self._flusher: threading.Thread | None = None
@@ -225,9 +246,53 @@ class Recorder:
 
     def _write(self, kind: str, table: pa.Table) -> None:
         if table.num_rows:
-            self.writer.write(kind, table)
+            self._unwritten.append((kind, table))
+            self._write_unwritten()
+
+    def _write_unwritten(self) -> None:
+        """Write the waiting tables in order; stop at the first that fails (to retry it next)."""
+        while self._unwritten:
+            kind, table = self._unwritten[0]
+            try:
+                self.writer.write(kind, table)
+            except OSError as exc:
+                if disk_full(exc) and table.num_rows >= 2 * MIN_SPLIT_ROWS:
+                    # Less may fit: write halves, so a nearly full disk takes all it has room for.
+                    half = table.num_rows // 2
+                    self._unwritten[0:1] = [(kind, table.slice(0, half)), (kind, table.slice(half))]
+                    continue
+                self._write_failed(exc)
+                return
+            except Exception:
+                self._unwritten.pop(0)  # it would fail again: give it up, then the boundary logs
+                self._not_written += table.num_rows
+                raise
+            self._unwritten.pop(0)
             if kind in ("spans", "counters"):
                 self._events += table.num_rows
+        if self._write_error:
+            self._write_error = ""
+            log.log(self._io_level, "gpu-trace: writing the spool in %s again", self.run_dir)
+
+    def _write_failed(self, exc: OSError) -> None:
+        self._write_failures += 1
+        reason = "the disk is full" if disk_full(exc) else (exc.strerror or str(exc))
+        waiting = sum(t.num_rows for _, t in self._unwritten)
+        limit = self.settings.buffer_events
+        while waiting > limit and len(self._unwritten) > 1:
+            _, oldest = self._unwritten.pop(0)
+            waiting -= oldest.num_rows
+            self._not_written += oldest.num_rows
+        if not self._write_error:
+            log.log(
+                self._io_level,
+                "gpu-trace: cannot write the spool in %s (%s); up to %d events wait in memory "
+                "and are written when it can be, the rest are dropped and counted",
+                self.run_dir,
+                reason,
+                limit,
+            )
+        self._write_error = reason
 
     def _write_spans(self, spans: list[tuple], tids: list[np.ndarray]) -> None:
         if not spans:
@@ -273,7 +338,7 @@ class Recorder:
         with self._lock:
             total = sum(b.dropped for _, b in self._buffers)
             sources = list(self._sources)
-        return total + sum(s.dropped() for s in sources)
+        return total + sum(s.dropped() for s in sources) + self._not_written
 
     def _write_stats(
         self, buffers: list[tuple[weakref.ref, ThreadBuffer]], sources: list[Source]
@@ -284,14 +349,22 @@ class Recorder:
             "pid": self.pid,
             "process_name": _process_name(),
             "events": self._events,
-            "dropped": sum(b.dropped for _, b in buffers) + sum(s.dropped() for s in sources),
+            "dropped": sum(b.dropped for _, b in buffers)
+            + sum(s.dropped() for s in sources)
+            + self._not_written,
             "threads": threads,
         }
+        if self._write_failures:
+            stats["not_written"] = self._not_written
+            stats["write_failures"] = self._write_failures
+            stats["write_error"] = self._write_error
         d = self.run_dir / STATS_DIR
-        d.mkdir(exist_ok=True)
-        tmp = d / f".{self.pid}.json.tmp"
-        tmp.write_text(json.dumps(stats))
-        os.replace(tmp, d / f"{self.pid}.json")
+        try:
+            d.mkdir(exist_ok=True)
+            replace_text(d / f"{self.pid}.json", json.dumps(stats))
+        except OSError as exc:  # the spool's failure is the one reported; this one is retried
+            if not self._write_failures:
+                self._write_failed(exc)
 
     # ---- lifetime -----------------------------------------------------------------------------
 
@@ -307,6 +380,18 @@ class Recorder:
         with self._lock:
             self._close_step(now_ns())
         self.flush()
+        if self._unwritten:  # the disk is still full: what waits is lost, and counted
+            lost = sum(t.num_rows for _, t in self._unwritten)
+            self._unwritten = []
+            self._not_written += lost
+            log.log(
+                self._io_level,
+                "gpu-trace: %d events could not be written to %s (%s) and are dropped",
+                lost,
+                self.run_dir,
+                self._write_error,
+            )
+            self.flush()  # the stats file, with the count (it fits where it was)
         for source in list(self._sources):
             try:
                 source.close()
@@ -322,6 +407,9 @@ class Recorder:
         self._clock_samples = []
         self._step = None
         self._events = 0
+        self._unwritten = []
+        self._not_written = self._write_failures = 0
+        self._write_error = ""
         self._closed = False
         self._stop = threading.Event()
         self._open_writer()
@@ -345,12 +433,18 @@ active: Recorder | None = None
 _hooks_installed = False
 
 
-def start(settings: RecorderSettings, *, trace_id: str = "", run_id: str = "") -> Recorder:
+def start(
+    settings: RecorderSettings,
+    *,
+    trace_id: str = "",
+    run_id: str = "",
+    warn_write_errors: bool = True,
+) -> Recorder:
     """Make a recorder active for this process (replacing none: it is an error if one is)."""
     global active
     if active is not None:
         raise ValueError(f"a recorder is already active for {active.run_dir}")
-    rec = Recorder(settings, trace_id=trace_id, run_id=run_id)
+    rec = Recorder(settings, trace_id=trace_id, run_id=run_id, warn_write_errors=warn_write_errors)
     rec.start()
     active = rec
     _install_hooks()

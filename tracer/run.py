@@ -14,6 +14,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from gpu_trace.tracer.files import replace_text
+
 RUN_FILE = "run.json"
 
 
@@ -44,9 +46,8 @@ class RunInfo:
     def save(self, run_dir: Path) -> None:
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = run_dir / f".{RUN_FILE}.tmp"
-        tmp.write_text(json.dumps(asdict(self), indent=2, sort_keys=True))
-        os.replace(tmp, run_dir / RUN_FILE)
+        # Replaced whole, or in place on a full disk (files.py); no temporary is left behind.
+        replace_text(run_dir / RUN_FILE, json.dumps(asdict(self), indent=2, sort_keys=True))
 
     @classmethod
     def load(cls, run_dir: Path) -> RunInfo:

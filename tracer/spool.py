@@ -16,10 +16,12 @@ before checksums (no ``checksum`` key) are checked for values only.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,10 +46,25 @@ def spool_dir(run_dir: Path) -> Path:
     return Path(run_dir) / SPOOL_DIR
 
 
-class SpoolWriter:
-    """Writes the tables of one process into ``<run_dir>/spool``."""
+def _open_file(path: str) -> pa.NativeFile:
+    return pa.OSFile(path, "wb")
 
-    def __init__(self, run_dir: Path, meta: dict[str, str]) -> None:
+
+class SpoolWriter:
+    """Writes the tables of one process into ``<run_dir>/spool``.
+
+    A write that fails (a full disk) raises and leaves nothing behind: no file, no temporary.
+    ``open_file`` opens the temporary for writing (a seam: tests give one whose disk fills).
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        meta: dict[str, str],
+        *,
+        open_file: Callable[[str], pa.NativeFile] = _open_file,
+    ) -> None:
+        self._open_file = open_file
         self.dir = spool_dir(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.meta = dict(meta)
@@ -68,10 +85,16 @@ class SpoolWriter:
         name = f"{kind}-{self.pid}-{self._tag}-{next(self._seq):06d}{SUFFIX}"
         tmp = self.dir / f".{name}.tmp"
         schema = table.schema.with_metadata({**table.schema.metadata, CHECKSUM.encode(): CRC32})
-        with pa.OSFile(str(tmp), "wb") as sink, ipc.new_stream(sink, schema) as writer:
-            for batch in table.to_batches(max_chunksize=BATCH_ROWS):
-                writer.write_batch(batch, custom_metadata={CRC32: str(checksum(batch)).encode()})
-        os.replace(tmp, self.dir / name)
+        try:
+            with self._open_file(str(tmp)) as sink, ipc.new_stream(sink, schema) as writer:
+                for batch in table.to_batches(max_chunksize=BATCH_ROWS):
+                    sums = {CRC32: str(checksum(batch)).encode()}
+                    writer.write_batch(batch, custom_metadata=sums)
+            os.replace(tmp, self.dir / name)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
         return self.dir / name
 
 

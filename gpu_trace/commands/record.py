@@ -47,20 +47,22 @@ def cmd_record(args: argparse.Namespace) -> int:
         code = launch.run(prepared)
     except launch.LaunchError as exc:
         raise CLIError(str(exc), exc.exit_code) from None
-    finish_run(prepared.run_dir, dsn, ingest=not args.no_ingest)
+    finish_run(prepared.run_dir, dsn, ingest=not args.no_ingest, save_error=prepared.save_error)
     return code
 
 
-def finish_run(run_dir: Path, dsn: str, *, ingest: bool) -> None:
+def finish_run(run_dir: Path, dsn: str, *, ingest: bool, save_error: str = "") -> None:
+    """Ingest the run and print the closing line (the program's exit status is not changed)."""
     from gpu_trace.tracer.run import RunInfo, read_stats
 
     info = RunInfo.load(run_dir)
     stats = read_stats(run_dir)
     events = sum(int(s.get("events", 0)) for s in stats)
     dropped = sum(int(s.get("dropped", 0)) for s in stats)
+    disk = _write_trouble(run_dir, stats, save_error)
     if not ingest:
         err(
-            f"run {info.run_id}: {fmt.count(events)} events, {fmt.count(dropped)} dropped, spooled in {run_dir} (not ingested: gpu-trace ingest {run_dir})"
+            f"run {info.run_id}: {fmt.count(events)} events, {fmt.count(dropped)} dropped, spooled in {run_dir} (not ingested: gpu-trace ingest {run_dir}){disk}"
         )
         return
     store_mod = store_module()
@@ -69,12 +71,33 @@ def finish_run(run_dir: Path, dsn: str, *, ingest: bool) -> None:
             report = store.ingest(run_dir)
     except store_mod.StoreError as exc:
         err(
-            f"run {info.run_id}: {fmt.count(events)} events, {fmt.count(dropped)} dropped, NOT stored: {exc}"
+            f"run {info.run_id}: {fmt.count(events)} events, {fmt.count(dropped)} dropped, NOT stored: {exc}{disk}; the spool is kept: load it later with gpu-trace ingest {run_dir}"
         )
-        err(f"the spool is kept in {run_dir}; load it later with: gpu-trace ingest {run_dir}")
         return
     for problem in report.problems:
         err(problem)
     err(
-        f"run {info.run_id}: {fmt.count(report.rows_total)} events, {fmt.count(dropped)} dropped, stored in {dsn}"
+        f"run {info.run_id}: {fmt.count(report.rows_total)} events, {fmt.count(dropped)} dropped, stored in {dsn}{disk}"
     )
+
+
+def _write_trouble(run_dir: Path, stats: list[dict], save_error: str) -> str:
+    """The closing line's clause on spool writes that failed (a full disk), or ""."""
+    failures = sum(int(s.get("write_failures", 0)) for s in stats)
+    if not failures and not save_error:
+        return ""
+    lost = sum(int(s.get("not_written", 0)) for s in stats)
+    errors = {str(s.get("write_error") or "") for s in stats} - {""}
+    full = save_error.endswith("the disk is full") or "the disk is full" in errors
+    text = f"; the disk under {run_dir} filled up" if full else f"; writing to {run_dir} failed"
+    if errors and not full:
+        text += f" ({', '.join(sorted(errors))})"
+    if failures:
+        text += (
+            f": {fmt.count(lost)} events not written (counted as dropped)"
+            if lost
+            else ": every event was written once there was room"
+        )
+    if save_error:
+        text += f"; {save_error}"
+    return text
