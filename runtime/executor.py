@@ -58,6 +58,9 @@ now_ns = time.perf_counter_ns
 
 _NO_STREAM = contextlib.nullcontext()  # the CPU device's (reusable)
 
+#: Most sizes one template keeps (by its tensors' signatures); past it, it starts over.
+MAX_TEMPLATE_SIZES = 64
+
 #: Largest tensor a size argument may ask for: a plain byte bound, checked before sizing.
 MAX_FACTORY_BYTES = 64 << 30
 
@@ -426,21 +429,32 @@ class Executor:
     def _top(self, session: Session, prep: tuple, vals: list[int]) -> Any:
         """A template call (``prep``: the template's decoded form, see :meth:`_prepare`): its
         tensors looked up by the call's handle numbers ``vals``, put in the decoded constants."""
-        entry, args, holes, kwargs, outs = prep
+        entry, args, holes, kwargs, outs, sizes = prep
         before = session.account.bytes
         taken = self._blobs_taken
         a = list(args)
         get = session.handles.get
+        key = []
         for pos, hole in holes:
-            a[pos] = get(vals[hole])
+            x = a[pos] = get(vals[hole])
+            key.append((x.dtype, x.shape, x.stride(), x.storage_offset()))
         filled = None if outs is None else [None if h is None else vals[h] for h in outs]
         return self._run_op(
-            session, entry, a, dict(kwargs) if kwargs else {}, filled, before, taken
+            session,
+            entry,
+            a,
+            dict(kwargs) if kwargs else {},
+            filled,
+            before,
+            taken,
+            sizes,
+            tuple(key),
         )
 
     def _prepare(self, t: Template) -> Any:
-        """A template's decoded form, ``(entry, args, holes, kwargs, outs)`` with ``holes`` the
-        ``(position, hole)`` of each top-level tensor; False where tensors are nested in
+        """A template's decoded form, ``(entry, args, holes, kwargs, outs, sizes)`` with ``holes``
+        the ``(position, hole)`` of each top-level tensor and ``sizes`` its own cache of what it
+        allocates (None where that depends on data); False where tensors are nested in
         arguments, or it names a runtime op (such templates are filled in per call)."""
         if t.name.startswith("rt::") or type(t.outs) not in (list, type(None)):
             return False
@@ -465,7 +479,9 @@ class Executor:
         if has_hole(t.kwargs):
             return False
         kwargs = decoder.decode_kwargs(t.kwargs) if t.kwargs else {}
-        return entry, args, holes, kwargs, t.outs
+        # Its sizes by its tensors' signatures (its constants are its own): no key of them all.
+        sizes = {} if type(entry[5]) is str else None
+        return entry, args, holes, kwargs, t.outs, sizes
 
     def _run_op(
         self,
@@ -476,8 +492,13 @@ class Executor:
         outs: Any,
         before: int,
         taken: int,
+        sizes: dict[Any, int] | None = None,
+        key: Any = None,
     ) -> Any:
-        """Run a decoded op: its rules and memory checks, the op, its outputs' handles."""
+        """Run a decoded op: its rules and memory checks, the op, its outputs' handles.
+
+        ``sizes``: a template's own sizes by ``key``, its tensors' signatures (see :meth:`_top`).
+        """
         target, rule, sized, rerunnable, seeded, size = entry
         account = session.account
         if rule is not None:
@@ -485,7 +506,15 @@ class Executor:
         if sized:
             _check_sizes(a, k)
         if size is not None:  # what it will allocate, checked before it does
-            asked = self.sizing.op_bytes(size, target, a, k)
+            if sizes is None:
+                asked = self.sizing.op_bytes(size, target, a, k)
+            else:
+                asked = sizes.get(key)
+                if asked is None:
+                    asked = self.sizing.op_bytes(size, target, a, k)
+                    if len(sizes) >= MAX_TEMPLATE_SIZES:
+                        sizes.clear()
+                    sizes[key] = asked
             if asked:
                 self.admit(session, asked, taken)
         rng = None

@@ -118,8 +118,17 @@ def signature(value: Any) -> Any:
     t = type(value)
     if t is _Tensor:
         return (value.dtype, value.shape, value.stride(), value.storage_offset())
-    if t is list or t is tuple:
-        return (t, *[signature(v) for v in value])
+    if t is list or t is tuple:  # most ops' arguments: tensors and numbers, keyed in line
+        key: list[Any] = [t]
+        for v in value:
+            tv = type(v)
+            if tv is _Tensor:
+                key.append((v.dtype, v.shape, v.stride(), v.storage_offset()))
+            elif tv is int or tv is bool:
+                key.append((tv, v))
+            else:
+                key.append(signature(v))
+        return tuple(key)
     if t is float:  # NaN equals nothing: keyed by its text, or every call would miss
         return (t, value) if value == value else (t, str(value))
     if t is dict:

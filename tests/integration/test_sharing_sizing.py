@@ -10,12 +10,14 @@ protocol-level one, so nothing is sized or checked on the client's side.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from gpu_trace.runtime import wire
 from gpu_trace.runtime.server import Server
 from gpu_trace.runtime.tenants import Tenant
 from gpu_trace.runtime.wire import MsgType
@@ -175,6 +177,36 @@ def test_an_op_over_the_quota_is_refused_before_it_allocates(
     assert torch.equal(other.fetch(out), torch.full((1024,), 3.0))
     small = _held(hostile, "aten::ones.default", [[4]], {"dtype": F32, "device": R})
     assert torch.equal(hostile.fetch(small["h"]), torch.ones(4))
+
+
+def _calls(c: Client, stream: list[int], defs: list | None = None) -> dict:
+    """A batch of template calls (the op stream of ``(template id, numbers...)``)."""
+    data = array("q", stream).tobytes()
+    c.seq += 1
+    head: dict = {"seq": c.seq, "ops": [], "free": [], "xb": len(data)}
+    if defs:
+        head["defs"] = defs
+    c.writer.send(*wire.split_frame(MsgType.BATCH, head, [data]))
+    return c.until(MsgType.DONE)
+
+
+def test_a_template_call_is_sized_by_its_own_tensors(server: Server, clients: list[Client]) -> None:
+    """A template is sized per signature of the tensors each call names: reused with a small
+    tensor, then with a huge view, the second call is refused before it allocates."""
+    c = Client(server, HOSTILE)
+    clients.append(c)
+    small = _held(c, "aten::ones.default", [[4]], {"dtype": F32, "device": R})["h"]
+    one = _held(c, "aten::ones.default", [[1]], {"dtype": F32, "device": R})
+    wide = _held(c, "aten::expand.default", [one, [100_000_000]])["h"]
+    clone = [1, "aten::clone.default", [{"xh": 0}], {}, [1], 2]
+    done = _calls(c, [1, small, 100], defs=[clone])
+    assert done["ok"], done
+    assert torch.equal(c.fetch(100), torch.ones(4))
+    done = _calls(c, [1, wide, 101])
+    assert not done["ok"] and done["error"]["type"] == "QuotaError", done
+    assert done["error"]["quota"]["asked"] == 400_000_000
+    assert server.memory.tenants[HOSTILE.name].peak_bytes <= LIMIT
+    assert _calls(c, [1, small, 102])["ok"]  # and the small one still runs
 
 
 def test_an_op_sized_by_its_data_runs_when_it_fits(server: Server, clients: list[Client]) -> None:
