@@ -82,6 +82,7 @@ def prepare(
         raise LaunchError(f"command not found: {argv[0]}", 127)
     run_id = new_run_id() if run_dir is None else Path(run_dir).name
     run_dir = Path(run_dir) if run_dir is not None else config.runs_dir() / run_id
+    created = not run_dir.exists()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / ".write-test"
@@ -115,7 +116,7 @@ def prepare(
     info.attrs.update(recorder_attrs())  # who closes the run; ingest marks it died if gone
     if incoming:
         info.attrs["parent_span_id"] = f"{incoming.parent_span_id:016x}"
-    _save_or_refuse(info, run_dir)
+    _save_or_refuse(info, run_dir, remove=created)
 
     mode = (nvtx or environ.get("GPU_TRACE_NVTX") or "native").lower()
     if mode not in ("native", "python", "off"):
@@ -175,11 +176,15 @@ def prepare(
     )
 
 
-def _save_or_refuse(info: RunInfo, run_dir: Path) -> None:
-    """Write run.json before the program starts; a disk too full for it stops the run here."""
+def _save_or_refuse(info: RunInfo, run_dir: Path, *, remove: bool = False) -> None:
+    """Write run.json before the program starts; a disk too full for it stops the run here
+    (``remove``: and the run directory this run made goes, if nothing is in it)."""
     try:
         info.save(run_dir)
     except OSError as exc:
+        if remove:
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()
         raise LaunchError(f"cannot write {run_dir / RUN_FILE}: {_reason(exc)}", 2) from None
 
 

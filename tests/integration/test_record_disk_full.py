@@ -43,11 +43,11 @@ def small_disk(size: str) -> Iterator[Path]:
         where.rmdir()
 
 
-def record(home: Path, program: str, tmp_path: Path) -> subprocess.CompletedProcess:
+def record(home: Path, program: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     prog = tmp_path / "prog.py"
     prog.write_text(textwrap.dedent(program))
     return subprocess.run(
-        [sys.executable, "-m", "gpu_trace", "record", "--nvtx", "off", "--no-nvml"]
+        [sys.executable, "-m", "gpu_trace", "record", "--nvtx", "off", "--no-nvml", *args]
         + ["--host-hz", "0", "--", sys.executable, str(prog)],
         capture_output=True,
         text=True,
@@ -136,3 +136,19 @@ def test_recording_resumes_when_space_comes_back(tmp_path: Path) -> None:
         with Store(f"chdb://{home / 'store'}") as store:
             _, rows = store.sql("SELECT name, count() FROM gpu_trace.spans GROUP BY name")
     assert dict(rows) == {"before": 20_000, "while full": 20_000, "after": 20_000}
+
+
+def test_a_disk_full_before_the_start_is_one_line_and_runs_nothing(tmp_path: Path) -> None:
+    with small_disk("1m") as home:
+        with open(home / "filler", "wb") as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"x" * 65536)
+                f.flush()
+        marker = tmp_path / "ran"
+        program = f"open({str(marker)!r}, 'w').close()"
+        out = record(home, program, tmp_path, "--store", f"chdb://{tmp_path / 'store'}")
+        assert out.returncode == 2, out.stderr
+        (line,) = out.stderr.splitlines()
+        assert line.startswith("gpu-trace: cannot write ") and line.endswith(": the disk is full")
+        assert not marker.exists()
+        assert list((home / "runs").iterdir()) == [] and temporaries(home) == []
