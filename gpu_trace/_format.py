@@ -1,8 +1,30 @@
-"""Human-readable numbers for the CLI: durations, counts, byte sizes, timestamps."""
+"""Human-readable output for the CLI: durations, counts, byte sizes, timestamps, safe text."""
 
 from __future__ import annotations
 
+import re
 import time
+
+#: Characters a terminal acts on instead of showing: C0 and C1 controls (ESC starts the escape
+#: sequences that retitle or clear a terminal), DEL, and the invisible bidirectional and
+#: zero-width marks that make text read other than it is.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
+
+
+def text(value: object, keep: str = "") -> str:
+    """``value`` as text that is safe to print: every control character (but those in ``keep``)
+    is shown as its escape (``\\x1b``, ``\\n``, ``\\u202e``) instead of acting on the terminal.
+
+    Names, commands, hosts and messages come from recorded programs and the store; one of them
+    must not retitle, clear or rewrite the terminal of whoever runs ``gpu-trace show``.
+    """
+    s = str(value)
+
+    def escape(m: re.Match[str]) -> str:
+        c = m.group()
+        return c if c in keep else c.encode("unicode_escape").decode("ascii")
+
+    return _CONTROL.sub(escape, s)
 
 
 def duration(ns: float) -> str:
@@ -37,8 +59,10 @@ def wall_time(ns: int | None) -> str:
 
 
 def table(headers: list[str], rows: list[list[str]], right: set[int] | None = None) -> str:
-    """A plain aligned text table."""
+    """A plain aligned text table; every cell is :func:`text` (one line, nothing a terminal runs)."""
     right = right or set()
+    headers = [text(h) for h in headers]
+    rows = [[text(c) for c in row] for row in rows]
     widths = [len(h) for h in headers]
     for row in rows:
         for i, cell in enumerate(row):

@@ -11,7 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
-from gpu_trace import __version__
+from gpu_trace import __version__, _format
 from gpu_trace.commands import CLIError, err
 from gpu_trace.commands.record import cmd_record
 from gpu_trace.commands.remote import cmd_serve, cmd_tenants
@@ -318,13 +318,27 @@ def build_parser() -> argparse.ArgumentParser:
 # ---- commands ---------------------------------------------------------------------------------
 
 
+class _Prefixed(logging.Formatter):
+    """``gpu-trace: message``, once: library messages that already start so keep one prefix, and
+    control characters from recorded names are shown escaped (like every line the CLI prints)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = _format.text(super().format(record), keep="\n")
+        return text if text.startswith("gpu-trace: ") else f"gpu-trace: {text}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    handler = logging.StreamHandler()
+    handler.setFormatter(_Prefixed())
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="gpu-trace: %(message)s",
+        level=logging.DEBUG if args.verbose else logging.WARNING, handlers=[handler]
     )
+    if not args.verbose:
+        # The HTTP client's retries and driver notes repeat what the command's one line says (a
+        # filter on the handler: clickhouse-connect sets urllib3's level when it is imported).
+        handler.addFilter(lambda r: not r.name.startswith(("urllib3", "clickhouse_connect")))
     if args.command is None:
         parser.print_help()
         return 2

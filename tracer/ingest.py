@@ -193,7 +193,8 @@ def _ingest_files(
             # Damaged batches are named in ``problem`` (index and reason); a bad tail is "the rest".
             how = ", " if spool.skipped_batches else ", skipped the rest: "
             report.problems.append(f"{path.name}: kept {kept} rows{how}{problem}")
-            log.warning("gpu-trace: %s: kept %d rows%s%s", path, kept, how, problem)
+            # Info, not a warning: the report carries it, and the CLI prints the report once.
+            log.info("gpu-trace: %s: kept %d rows%s%s", path, kept, how, problem)
         if table is not None and kept and (state is not None or kind == "clock_sync"):
             # Logged but not done: an earlier ingest stopped between its insert and its log entry.
             # Clock samples may come twice (a client and a server with a shared store both

@@ -22,7 +22,7 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -97,6 +97,13 @@ def parse_dsn(dsn: str) -> Target:
             rest = os.path.expanduser(rest)
         return Target("chdb", path=os.path.abspath(os.path.expanduser(unquote(rest))))
     if "://" not in dsn:
+        if not dsn.startswith(("/", "./", "../", "~")):
+            # A bare word is more likely a mistyped option than a store to create here.
+            raise ValueError(
+                f"not a store DSN: {dsn!r}; give chdb:///path or a path (/dir, ./dir, ~/dir) "
+                "for an embedded store, or http(s)://user:password@host:port for a ClickHouse "
+                "server"
+            )
         return Target("chdb", path=os.path.abspath(os.path.expanduser(dsn)))
     url = urlparse(dsn)
     if url.scheme not in ("http", "https"):
@@ -300,6 +307,47 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0][:300] if text else type(exc).__name__
 
 
+def _http_reason(exc: BaseException) -> str:
+    """The cause of a failed HTTP request, without the connection pool's wrapping
+    (``Connection refused``, ``Name or service not known``, ``timed out``)."""
+    text = str(exc)
+    m = re.search(r"\[Errno -?\d+\] ([^'\"()]+)", text)
+    if m:
+        return m.group(1).strip().rstrip(".")
+    for cause in ("timed out", "Name or service not known", "Connection refused"):
+        if cause in text:
+            return cause
+    return _first_line(exc)
+
+
+@contextlib.contextmanager
+def _opening(path: str, timeout_s: float) -> Iterator[None]:
+    """Only one gpu-trace process at a time tries to open the chDB directory ``path``.
+
+    chDB prints ``Cannot lock file .../status`` to stderr itself when its lock is taken while it
+    opens; a process that finds the store in use waits instead (:func:`_connect`), but two that
+    both find it free, or one that probes the lock while another opens, would race. A lock file
+    of our own beside chDB's (``.gpu-trace-open.lock``), held for the open only, orders them.
+    """
+    Path(path).mkdir(parents=True, exist_ok=True)
+    fd = os.open(Path(path) / ".gpu-trace-open.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + max(timeout_s, 5.0)  # an open takes well under a second
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() >= deadline:
+                    raise StoreError(
+                        f"the store {path} is being opened by another process"
+                    ) from None
+                time.sleep(0.02)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def _connect(target: Target, *, lock_timeout_s: float) -> Any:
     import clickhouse_connect
 
@@ -316,7 +364,7 @@ def _connect(target: Target, *, lock_timeout_s: float) -> Any:
             )
         except Exception as exc:
             raise StoreError(
-                f"cannot reach the store {target.display()}: {_first_line(exc)}"
+                f"cannot reach the store {target.display()}: {_http_reason(exc)}"
             ) from exc
     if target.path:
         problem = _check_dir_writable(target.path)
@@ -324,16 +372,17 @@ def _connect(target: Target, *, lock_timeout_s: float) -> Any:
             raise StoreError(problem)
     deadline = time.monotonic() + lock_timeout_s
     while True:
-        holder = lock_holder(target.path) if target.path else None
-        if holder is None:
-            try:
-                return clickhouse_connect.get_client(interface="chdb", path=target.path or None)
-            except Exception as exc:
-                holder = lock_holder(target.path) if target.path else None
-                if holder is None:
-                    raise StoreError(
-                        f"cannot open the store {target.display()}: {_first_line(exc)}"
-                    ) from exc
+        with _opening(target.path, lock_timeout_s) if target.path else contextlib.nullcontext():
+            holder = lock_holder(target.path) if target.path else None
+            if holder is None:
+                try:
+                    return clickhouse_connect.get_client(interface="chdb", path=target.path or None)
+                except Exception as exc:
+                    holder = lock_holder(target.path) if target.path else None
+                    if holder is None:
+                        raise StoreError(
+                            f"cannot open the store {target.display()}: {_first_line(exc)}"
+                        ) from exc
         if time.monotonic() >= deadline:
             raise StoreError(
                 f"the store {target.path} is in use by {holder}; chDB lets one process open a store "

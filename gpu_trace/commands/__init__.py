@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import sys
 
+from gpu_trace import _format
+
 
 class CLIError(Exception):
     def __init__(self, message: str, exit_code: int = 1) -> None:
@@ -16,8 +18,10 @@ class CLIError(Exception):
 
 
 def echo(text: str) -> None:
-    print(text)
+    """Print to stdout; control characters from stored names are shown escaped (lines kept)."""
+    print(_format.text(text, keep="\n"))
 
 
 def err(text: str) -> None:
-    print(f"gpu-trace: {text}", file=sys.stderr)
+    """One line on stderr, ``gpu-trace: ...``, with control characters shown escaped."""
+    print(f"gpu-trace: {_format.text(text)}", file=sys.stderr)

@@ -19,13 +19,24 @@ def store_module() -> Any:
     return store
 
 
+def checked_dsn(explicit: str | None) -> str:
+    """The store DSN to use (--store, GPU_TRACE_STORE or the default); a malformed one is a
+    usage error (exit 2) naming the accepted forms, before anything is opened or created."""
+    dsn = config.store_dsn(explicit)
+    try:
+        store_module().parse_dsn(dsn)
+    except ValueError as exc:
+        raise CLIError(f"--store {dsn!r}: {exc}", 2) from None
+    return dsn
+
+
 def _open_store(args: argparse.Namespace) -> Any:
     store_mod = store_module()
-    dsn = config.store_dsn(getattr(args, "store", None))
+    dsn = checked_dsn(getattr(args, "store", None))
     try:
         return store_mod.Store(dsn)
     except store_mod.StoreError as exc:
-        raise CLIError(f"cannot open store {dsn}: {exc}") from None
+        raise CLIError(str(exc)) from None
 
 
 def _resolve(store: Any, ref: str) -> str:
@@ -42,7 +53,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     run_dir: Path = args.run_dir
     if not RunInfo.exists(run_dir):
         raise CLIError(f"{run_dir} is not a run directory (no run.json)", 2)
-    dsn = config.store_dsn(args.store)
+    dsn = checked_dsn(args.store)
     store_mod = store_module()
     try:
         with store_mod.Store(dsn) as store:
@@ -136,21 +147,28 @@ def cmd_export(args: argparse.Namespace) -> int:
     out: Path = args.output
     if out.suffix not in (".json", ".gz"):
         raise CLIError(f"output must end in .json or .json.gz, got {out}", 2)
+    if not out.parent.is_dir():
+        raise CLIError(f"cannot write {out}: there is no directory {out.parent}", 2)
+    if out.is_dir():
+        raise CLIError(f"cannot write {out}: it is a directory", 2)
     with _open_store(args) as store:
         run_id = _resolve(store, args.run)
         run = store.run(run_id)
         counts = store.counts(run_id)
         progress = TerminalProgress(sys.stderr)
-        stats = chrome.write_chrome_trace(
-            out,
-            run,
-            store.threads(run_id),
-            store.iter_spans(run_id),
-            store.iter_counters(run_id),
-            total_spans=counts.get("spans"),
-            progress=progress,
-            rank=args.rank,
-        )
+        try:
+            stats = chrome.write_chrome_trace(
+                out,
+                run,
+                store.threads(run_id),
+                store.iter_spans(run_id),
+                store.iter_counters(run_id),
+                total_spans=counts.get("spans"),
+                progress=progress,
+                rank=args.rank,
+            )
+        except OSError as exc:
+            raise CLIError(f"cannot write {out}: {exc.strerror or exc}") from None
     err(f"wrote {out}: {fmt.count(stats.get('events', 0))} events")
     return 0
 

@@ -6,10 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from gpu_trace import config
 from gpu_trace.commands import CLIError, echo, err
 from gpu_trace.commands.record import finish_run
-from gpu_trace.commands.store import render_summary, store_module
+from gpu_trace.commands.store import checked_dsn, render_summary, store_module
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -17,7 +16,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from gpu_trace.tracer import chrome
 
     workload = Path(__file__).resolve().parents[1] / "_demo_workload.py"
-    dsn = config.store_dsn(args.store)
+    dsn = checked_dsn(args.store)
+    _check_port(args.port)
     problem = store_module().check_writable(dsn)
     if problem:
         raise CLIError(f"store {dsn} is not usable: {problem}", 2)
@@ -71,7 +71,15 @@ def _load_samples(dsn: str) -> None:
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
-    return _serve_ui(config.store_dsn(args.store), args.host, args.port, args.run)
+    _check_port(args.port)
+    return _serve_ui(checked_dsn(args.store), args.host, args.port, args.run)
+
+
+def _check_port(port: int) -> None:
+    """A TCP port is 0-65535 (0 picks a free one); anything else would be wrapped or refused
+    by the socket layer, serving somewhere the user did not ask for."""
+    if not 0 <= port <= 65535:
+        raise CLIError(f"--port must be 0-65535 (0 picks a free port), got {port}", 2)
 
 
 def _serve_ui(dsn: str, host: str, port: int, run: str | None, browser: bool = False) -> int:
