@@ -1,6 +1,8 @@
 """Per-range recording cost: gpu-trace vs NVTX tools and peers, side by side in one run.
 
     python bench/range_overhead.py [--n 100000] [--repeat 5] [--rounds 3]
+    python bench/range_overhead.py --flood 10 [--rounds 3]
+
 
 Each variant runs in its own process (the NVTX injection differs between them) and reports the best
 of ``--repeat`` timings of ``--n`` ranges, in ns per range with the empty loop's cost subtracted.
@@ -12,6 +14,12 @@ that does nothing, the floor for any NVTX-based capture. It runs in a process th
 captured variant does (recorder, flusher thread, numpy and Arrow loaded; NVTX capture off), so the
 ratio is the capture's own cost; the same calls in a bare process are shown too. This machine is
 shared and noisy: read ratios, not absolute numbers.
+
+``--flood SECONDS``: one thread emits ranges as fast as ``gpu_trace.range`` allows, for that long,
+at the default settings (buffer capacity, flush interval), with the C type and with the Python
+twin, each in its own process, ``--rounds`` times; it reports the ranges emitted, stored (rows in
+the spool) and dropped, and ranges per second. Nothing may be lost: emitted = stored + dropped,
+and dropped should be 0.
 """
 
 from __future__ import annotations
@@ -193,6 +201,66 @@ def _domain_push_pop(n: int, repeat: int, between=None) -> float:
     return _best(body, n, repeat, between)
 
 
+def run_flood(which: str, seconds: float) -> dict:
+    """Ranges emitted, stored and dropped by one thread flooding ``gpu_trace.range`` (``c``: the C
+    type, ``py``: the Python twin) for ``seconds`` at the default settings, in this process."""
+    import gpu_trace
+    from gpu_trace import _api
+    from gpu_trace.tracer import recorder
+    from gpu_trace.tracer.spool import list_spool, read_spool_file
+
+    rng = _api.PyRange if which == "py" else gpu_trace.range
+    if which == "c" and rng is _api.PyRange:
+        raise RuntimeError("the C range is unavailable here")
+    run_dir = Path(tempfile.mkdtemp(prefix="gpu-trace-flood-")) / "run"
+    gpu_trace.start(run_dir)
+    rec = recorder.active
+    emitted = 0
+    t0 = time.perf_counter()
+    end = t0 + seconds
+    while time.perf_counter() < end:
+        for _ in range(10_000):
+            with rng("step"):
+                pass
+        emitted += 10_000
+    elapsed = time.perf_counter() - t0
+    dropped = rec.dropped()
+    gpu_trace.stop()
+    stored = 0
+    for path in list_spool(run_dir):
+        f = read_spool_file(path)
+        if f.kind == "spans" and f.table is not None:
+            stored += f.table.num_rows
+    shutil.rmtree(run_dir.parent, ignore_errors=True)
+    return {"emitted": emitted, "stored": stored, "dropped": dropped, "seconds": elapsed}
+
+
+def flood(args: argparse.Namespace) -> None:
+    """``--flood``: each variant in its own process, ``--rounds`` times, interleaved."""
+    rows = []
+    for round_ in range(max(args.rounds, 1)):
+        for which, label in (("c", "C"), ("py", "Python twin")):
+            cmd = [sys.executable, __file__, "--flood", str(args.flood), "--flood-variant", which]
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            try:
+                r = json.loads(proc.stdout.strip().splitlines()[-1])
+            except (IndexError, ValueError):
+                print(f"{label}: failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+                continue
+            rows.append((round_ + 1, label, r))
+    print(
+        f"{'round':>5} {'range':<12} {'emitted':>11} {'stored':>11} {'dropped':>9} {'ranges/s':>10}"
+    )
+    for round_, label, r in rows:
+        rate = r["emitted"] / r["seconds"]
+        lost = r["emitted"] - r["stored"] - r["dropped"]
+        note = "" if lost == 0 else f"  {lost} unaccounted for"
+        print(
+            f"{round_:>5} {label:<12} {r['emitted']:>11,} {r['stored']:>11,} {r['dropped']:>9,} "
+            f"{rate:>10,.0f}{note}"
+        )
+
+
 def _build_noop_tool(workdir: Path) -> Path | None:
     from gpu_trace.collectors import nvtx_build
 
@@ -238,7 +306,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved runs of every variant")
     parser.add_argument("--only", help="comma-separated variant names (default: all)")
     parser.add_argument("--variant", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--flood", type=float, metavar="SECONDS", help="emit ranges as fast as possible this long"
+    )
+    parser.add_argument("--flood-variant", choices=("c", "py"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.flood is not None:
+        if args.flood_variant:
+            print(json.dumps(run_flood(args.flood_variant, args.flood)))
+        else:
+            flood(args)
+        return
     if args.variant:
         print(json.dumps({"ns": run_variant(args.variant, args.n, args.repeat)}))
         return

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,6 +26,15 @@ F = TypeVar("F", bound=Callable[..., Any])
 _LANE = nvtx_lane(API_DOMAIN)
 #: Shared with the C range, which calls it as ``warn(what, exc)`` with the exception it caught.
 _warn_once = WarnOnce(log, "gpu-trace: %s failed; the program goes on without this event")
+
+
+#: A thread whose buffer is over half full is outrunning the flusher: every GIVE_WAY_MASK + 1
+#: spans from then on it releases the GIL and yields the CPU (``sched_yield``), so a flusher
+#: waiting for the GIL gets it at once rather than after the switch interval (5 ms, in which such
+#: a thread appends thousands of spans). Below half full (any program but a flood of ranges) this
+#: never runs. The C range does the same.
+GIVE_WAY_MASK = 1023
+_give_way = getattr(os, "sched_yield", lambda: time.sleep(0))
 
 
 def _attrs(attrs: dict[str, Any]) -> dict[str, str] | None:
@@ -82,7 +93,8 @@ class PyRange:
                 elif sid in stack:
                     stack.remove(sid)
                 spans = buf.spans
-                if len(spans) < buf.capacity:
+                n = len(spans)
+                if n < buf.capacity:
                     spans.append(
                         (
                             sid,
@@ -96,6 +108,8 @@ class PyRange:
                             self.attrs,
                         )
                     )
+                    if n > buf.capacity >> 1 and not n & GIVE_WAY_MASK:
+                        _give_way()
                 else:
                     buf.dropped += 1
             except Exception:
@@ -121,13 +135,14 @@ def _native_range() -> type | None:
     """The C ``range`` type: prebuilt, cached, or compiled now; None (the twin is used) if not."""
     try:
         from gpu_trace import config
-        from gpu_trace.tracer import buffer, fastpath_build
+        from gpu_trace.tracer import buffer, columns, fastpath_build
 
         path = fastpath_build.find_or_build(config.home() / "lib", cc=config.c_compiler())
         native = fastpath_build.load(path)
         native.configure(
             _recorder, buffer.ThreadBuffer, _LANE, NVTX, _warn_once, functools.update_wrapper
         )
+        columns.use_native(native.span_columns)  # the flusher's side: one pass, in C
         return native.range
     except Exception as exc:  # not an error: the Python twin records the same spans
         log.debug("gpu-trace: using the Python range (the C one is unavailable: %s)", exc)

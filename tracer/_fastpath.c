@@ -21,6 +21,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <sched.h>
 #include <time.h>
 
 #ifndef Py_T_OBJECT_EX
@@ -268,6 +269,20 @@ static int stack_remove(PyObject* stack, PyObject* sid) {
     return 0;
 }
 
+/*
+ * A buffer over half full means its thread is outrunning the flusher, which needs the GIL to
+ * empty it: every GIVE_WAY_MASK + 1 spans from then on, the thread releases the GIL and yields
+ * the CPU, so a flusher waiting for the GIL gets it at once instead of after the interpreter's
+ * switch interval (5 ms, in which such a thread appends some 10,000 spans). Below half full (any
+ * program but a flood of ranges) this never runs. The Python twin does the same.
+ */
+#define GIVE_WAY_MASK 1023
+static void give_way(void) {
+    Py_BEGIN_ALLOW_THREADS
+    sched_yield();
+    Py_END_ALLOW_THREADS
+}
+
 /* `__exit__`'s bookkeeping: consumes the state. 0, or -1 when an exception must propagate. */
 static int state_exit(span_state* s, PyObject* name, PyObject* attrs) {
     int64_t end = now_ns();
@@ -283,11 +298,13 @@ static int state_exit(span_state* s, PyObject* name, PyObject* attrs) {
     cap = field_get(buf, F_CAPACITY);
     if (!cap) goto fail;
     int room;
+    long long half = LLONG_MAX;
     if (PyLong_CheckExact(cap)) {
         int overflow = 0;
         long long c = PyLong_AsLongLongAndOverflow(cap, &overflow);
         if (c == -1 && PyErr_Occurred()) goto fail;
         room = overflow > 0 || (!overflow && (long long)len < c);
+        if (!overflow) half = c / 2;
     } else {
         PyObject* l = PyLong_FromSsize_t(len);
         if (!l) goto fail;
@@ -318,6 +335,7 @@ static int state_exit(span_state* s, PyObject* name, PyObject* attrs) {
          * Buffers hold up to millions of these between flushes. */
         if (!attrs || attrs == Py_None || !PyObject_GC_IsTracked(attrs)) PyObject_GC_UnTrack(ev);
         if (append(spans, ev) < 0) goto fail;
+        if ((long long)len > half && (len & GIVE_WAY_MASK) == 0) give_way();
     } else {
         PyObject* d = field_get(buf, F_DROPPED);
         PyObject* d1 = d ? PyNumber_Add(d, g_one) : NULL;
@@ -644,6 +662,106 @@ static PyTypeObject WrapperType = {
     .tp_repr = (reprfunc)wrapper_repr,
 };
 
+/* ---- span columns (the flusher's side) ------------------------------------------------------ */
+
+/* Codes of one string column: `index` maps each distinct value to its code (first seen, first). */
+static inline int encode(PyObject* index, PyObject* value, int32_t* code) {
+    PyObject* c = PyDict_GetItemWithError(index, value); /* borrowed */
+    if (c) {
+        *code = (int32_t)PyLong_AsLong(c);
+        return 0;
+    }
+    if (PyErr_Occurred()) return -1;
+    Py_ssize_t n = PyDict_GET_SIZE(index);
+    c = PyLong_FromSsize_t(n);
+    if (!c) return -1;
+    int rc = PyDict_SetItem(index, value, c);
+    Py_DECREF(c);
+    *code = (int32_t)n;
+    return rc;
+}
+
+/*
+ * span_columns(spans) -> (ints, lane_codes, lanes, category_codes, categories, name_codes, names, attrs)
+ *
+ * The flusher's transposition of span tuples into columns, in one pass: `ints` is bytes holding
+ * five int64 columns of n values each (span_id, parent_span_id, start_ns, end_ns, depth; the ids
+ * as their 64-bit patterns), each *_codes is bytes holding n int32 dictionary codes into the list
+ * after it (values in order of first appearance), and `attrs` a list of the attrs values. It does
+ * what gpu_trace.tracer.columns does in Python (a parity test holds them together), several
+ * times faster: a thread emitting ranges as fast as it can must not outrun its flusher.
+ */
+static PyObject* span_columns(PyObject* module, PyObject* spans) {
+    (void)module;
+    if (!PyList_Check(spans)) {
+        PyErr_SetString(PyExc_TypeError, "span_columns takes a list of span tuples");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(spans);
+    PyObject* ints = PyBytes_FromStringAndSize(NULL, n * 5 * (Py_ssize_t)sizeof(int64_t));
+    PyObject* codes[3] = {NULL, NULL, NULL};
+    PyObject* index[3] = {NULL, NULL, NULL};
+    PyObject* attrs = PyList_New(n);
+    PyObject* result = NULL;
+    if (!ints || !attrs) goto done;
+    for (int k = 0; k < 3; k++) {
+        codes[k] = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int32_t));
+        index[k] = PyDict_New();
+        if (!codes[k] || !index[k]) goto done;
+    }
+    int64_t* col = (int64_t*)PyBytes_AS_STRING(ints);
+    int32_t* code[3];
+    for (int k = 0; k < 3; k++) code[k] = (int32_t*)PyBytes_AS_STRING(codes[k]);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject* t = PyList_GET_ITEM(spans, i);
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 9) {
+            PyErr_Format(PyExc_ValueError, "span %zd is not a 9-tuple", i);
+            goto done;
+        }
+        /* 0 span_id, 1 parent, 2 lane, 3 category, 4 name, 5 start, 6 end, 7 depth, 8 attrs */
+        static const int int_fields[5] = {0, 1, 5, 6, 7};
+        for (int c = 0; c < 5; c++) {
+            PyObject* v = PyTuple_GET_ITEM(t, int_fields[c]);
+            int64_t x;
+            if (c < 2) {
+                unsigned long long u = PyLong_AsUnsignedLongLong(v);
+                if (u == (unsigned long long)-1 && PyErr_Occurred()) goto done;
+                x = (int64_t)u;
+            } else {
+                x = PyLong_AsLongLong(v);
+                if (x == -1 && PyErr_Occurred()) goto done;
+                if (c == 4 && (x < 0 || x > 65535)) {
+                    PyErr_Format(PyExc_OverflowError, "span %zd: depth %lld out of range", i, (long long)x);
+                    goto done;
+                }
+            }
+            col[(Py_ssize_t)c * n + i] = x;
+        }
+        for (int k = 0; k < 3; k++)
+            if (encode(index[k], PyTuple_GET_ITEM(t, 2 + k), &code[k][i]) < 0) goto done;
+        PyList_SET_ITEM(attrs, i, Py_NewRef(PyTuple_GET_ITEM(t, 8)));
+    }
+    PyObject* values[3] = {NULL, NULL, NULL};
+    for (int k = 0; k < 3; k++) {
+        values[k] = PyDict_Keys(index[k]); /* insertion order: the codes' order */
+        if (!values[k]) {
+            for (int j = 0; j < k; j++) Py_DECREF(values[j]);
+            goto done;
+        }
+    }
+    result = Py_BuildValue("(OOOOOOOO)", ints, codes[0], values[0], codes[1], values[1], codes[2], values[2],
+                           attrs);
+    for (int k = 0; k < 3; k++) Py_DECREF(values[k]);
+done:
+    Py_XDECREF(ints);
+    Py_XDECREF(attrs);
+    for (int k = 0; k < 3; k++) {
+        Py_XDECREF(codes[k]);
+        Py_XDECREF(index[k]);
+    }
+    return result;
+}
+
 /* ---- module --------------------------------------------------------------------------------- */
 
 static PyObject* configure(PyObject* module, PyObject* args) {
@@ -689,6 +807,7 @@ static PyMethodDef module_methods[] = {
     {"configure", configure, METH_VARARGS,
      PyDoc_STR("configure(recorder_module, ThreadBuffer, lane, category, warn, update_wrapper)")},
     {"slot_offsets", slot_offsets, METH_NOARGS, PyDoc_STR("ThreadBuffer fields read by offset (0: by name)")},
+    {"span_columns", span_columns, METH_O, PyDoc_STR("span tuples as columns (see gpu_trace.tracer.columns)")},
     {NULL},
 };
 

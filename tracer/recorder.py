@@ -22,6 +22,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Iterable
 from pathlib import Path
@@ -33,6 +34,7 @@ import pyarrow as pa
 from gpu_trace.config import RecorderSettings
 from gpu_trace.tracer.buffer import ThreadBuffer
 from gpu_trace.tracer.clock import now_ns
+from gpu_trace.tracer.columns import span_columns
 from gpu_trace.tracer.files import disk_full, replace_text
 from gpu_trace.tracer.records import (
     CLOCK_SYNC_SCHEMA,
@@ -51,6 +53,12 @@ log = logging.getLogger(__name__)
 
 #: A table the full disk refused is split in halves down to this many rows (a few hundred KiB).
 MIN_SPLIT_ROWS = 4096
+
+#: Seconds between two looks at how full the threads' buffers are: the flusher flushes early when
+#: one is a quarter full and holds at least FILL_MIN_EVENTS (so an early flush never writes a
+#: small file; smaller buffers wait for the interval).
+FILL_CHECK_S = 0.05
+FILL_MIN_EVENTS = 1 << 16
 
 
 class Source(Protocol):
@@ -186,8 +194,27 @@ class Recorder:
     # ---- flushing -----------------------------------------------------------------------------
 
     def _flush_loop(self) -> None:
-        while not self._stop.wait(self.settings.flush_interval_s):
-            self.flush()
+        # Every flush_interval_s, and as soon as a buffer is a quarter full (see _filling): a
+        # thread emitting ranges as fast as it can fills the default buffer in under a second,
+        # and what is flushed before the buffer is full is never dropped. Looking costs a len()
+        # per buffer.
+        interval = self.settings.flush_interval_s
+        look = min(interval, FILL_CHECK_S)
+        due = time.monotonic() + interval
+        while not self._stop.wait(look):
+            if time.monotonic() >= due or self._filling():
+                self.flush()
+                due = time.monotonic() + interval
+
+    def _filling(self) -> bool:
+        """Whether a thread's buffer is a quarter full and holds FILL_MIN_EVENTS or more."""
+        with self._lock:
+            buffers = [b for _, b in self._buffers]
+        for b in buffers:
+            n = max(len(b.spans), len(b.counters))
+            if n >= FILL_MIN_EVENTS and 4 * n >= b.capacity:
+                return True
+        return False
 
     def flush(self) -> None:
         """Write everything recorded so far to the spool. Never raises."""
@@ -297,21 +324,12 @@ class Recorder:
     def _write_spans(self, spans: list[tuple], tids: list[np.ndarray]) -> None:
         if not spans:
             return
-        sid, parent, lane, cat, name, start, end, depth, attrs = zip(*spans)
-        tid = np.concatenate(tids)
+        n = len(spans)
         table = pa.table(
             {
-                "span_id": numeric_column(sid, pa.uint64()),
-                "parent_span_id": numeric_column(parent, pa.uint64()),
-                "pid": numeric_column(np.full(len(sid), self.pid), pa.uint32()),
-                "tid": numeric_column(tid, pa.uint64()),
-                "lane": dict_column(lane),
-                "category": dict_column(cat),
-                "name": dict_column(name),
-                "start_ns": numeric_column(start, pa.int64()),
-                "end_ns": numeric_column(end, pa.int64()),
-                "depth": numeric_column(depth, pa.uint16()),
-                "attrs": attrs_column(list(attrs)),
+                **span_columns(spans),
+                "pid": numeric_column(np.full(n, self.pid), pa.uint32()),
+                "tid": numeric_column(np.concatenate(tids), pa.uint64()),
             },
             schema=SPAN_SCHEMA,
         )

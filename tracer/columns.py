@@ -1,0 +1,97 @@
+"""Span tuples to Arrow columns: the flusher's transposition, in C where it can be.
+
+Threads append spans as tuples (:mod:`gpu_trace.tracer.buffer`); the flusher turns each batch
+into columns. That costs about as much per span as emitting it did, and both need the GIL: a
+thread emitting ranges as fast as it can (about 2-3 M/s with the C ``gpu_trace.range``) outran a
+flusher that transposed with ``zip(*spans)`` and dropped up to 70% of its ranges. The C twin in
+``tracer/_fastpath.c`` (``span_columns``) makes the transposition one pass, several times faster;
+:func:`span_columns_py` is its pure-Python twin (a parity test holds them together), used where
+the extension is not loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from operator import itemgetter
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from gpu_trace.tracer.records import attrs_column, numeric_column, string_column
+
+#: ``span_columns(spans)`` of the C extension, once ``gpu_trace._api`` has loaded it.
+_native: Callable[[list], tuple] | None = None
+
+
+def use_native(fn: Callable[[list], tuple] | None) -> None:
+    """Transpose with ``fn`` (the C ``span_columns``; None: the Python twin)."""
+    global _native
+    _native = fn
+
+
+def span_columns(spans: list[tuple]) -> dict[str, pa.Array]:
+    """The columns of ``spans`` (span tuples, see :mod:`.buffer`) but ``pid`` and ``tid``."""
+    raw = _native(spans) if _native is not None else span_columns_py(spans)
+    return _arrays(len(spans), *raw)
+
+
+def span_columns_py(spans: list[tuple]) -> tuple:
+    """The Python twin of the C ``span_columns``: the same tuple of buffers and lists."""
+    n = len(spans)
+
+    def ints(k: int, dtype: Any) -> np.ndarray:
+        return np.fromiter(map(itemgetter(k), spans), dtype=dtype, count=n)
+
+    ids = [ints(k, np.uint64).view(np.int64) for k in (0, 1)]
+    depth = ints(7, np.uint16).astype(np.int64)
+    block = np.concatenate([*ids, ints(5, np.int64), ints(6, np.int64), depth]).tobytes()
+    out: list[Any] = [block]
+    for k in (2, 3, 4):
+        codes, values = _encode(list(map(itemgetter(k), spans)))
+        out += [codes.tobytes(), values]
+    out.append(list(map(itemgetter(8), spans)))
+    return tuple(out)
+
+
+def _encode(values: list) -> tuple[np.ndarray, list]:
+    """Dictionary codes of ``values`` and the distinct values, in order of first appearance."""
+    index = dict.fromkeys(values)
+    for code, key in enumerate(index):
+        index[key] = code
+    codes = np.fromiter(map(index.__getitem__, values), dtype=np.int32, count=len(values))
+    return codes, list(index)
+
+
+def _arrays(
+    n: int,
+    ints: bytes,
+    lane_codes: bytes,
+    lanes: list,
+    category_codes: bytes,
+    categories: list,
+    name_codes: bytes,
+    names: list,
+    attrs: list,
+) -> dict[str, pa.Array]:
+    block = np.frombuffer(ints, dtype=np.int64).reshape(5, n) if n else np.zeros((5, 0), np.int64)
+
+    def dictionary(codes: bytes, values: list) -> pa.Array:
+        return pa.DictionaryArray.from_arrays(
+            numeric_column(np.frombuffer(codes, dtype=np.int32), pa.int32()), string_column(values)
+        )
+
+    return {
+        "span_id": numeric_column(block[0].view(np.uint64), pa.uint64()),
+        "parent_span_id": numeric_column(block[1].view(np.uint64), pa.uint64()),
+        "lane": dictionary(lane_codes, lanes),
+        "category": dictionary(category_codes, categories),
+        "name": dictionary(name_codes, names),
+        "start_ns": numeric_column(block[2], pa.int64()),
+        "end_ns": numeric_column(block[3], pa.int64()),
+        "depth": numeric_column(block[4].astype(np.uint16), pa.uint16()),
+        "attrs": attrs_column(attrs),
+    }
+
+
+__all__ = ["span_columns", "span_columns_py", "use_native"]
