@@ -36,11 +36,9 @@ def _words(text: str) -> list[str]:
 
 
 #: System tables a query may read: harmless metadata of the store (names, columns, parts) and
-#: the row sources ``one`` and ``numbers``. Others (``users``, ``processes``, ``query_log``...)
-#: can show other users' queries and settings.
-SYSTEM_TABLES = frozenset(
-    {"one", "numbers", "tables", "columns", "databases", "parts", "functions"}
-)
+#: the one-row ``one``. Others can show other users' queries and settings (``users``,
+#: ``processes``, ``query_log``...) or never end (``numbers``).
+SYSTEM_TABLES = frozenset({"one", "tables", "columns", "databases", "parts", "functions"})
 
 #: Databases whose tables are reached only through :data:`SYSTEM_TABLES`, whatever the store lists.
 _FOREIGN_DATABASES = frozenset({"system", "information_schema", "INFORMATION_SCHEMA"})

@@ -107,6 +107,7 @@ def test_table_functions_are_refused(store: Store, query: str) -> None:
         ("SELECT * FROM system.users", "table system.users"),
         ("SELECT query FROM system.processes", "table system.processes"),
         ("SELECT query FROM system.query_log", "table system.query_log"),
+        ("SELECT sum(number) FROM system.numbers", "table system.numbers"),
         ("SELECT 1 WHERE 'default' IN system.users", "table system.users"),
         ("SELECT system.users.name FROM runs", "table system.users"),
         ("SELECT dictGet('d', 'a', toUInt64(1))", "function dictGet()"),
