@@ -3,8 +3,9 @@
 An op travels by its schema name, ``aten::add.Tensor``. The allow-list is every ``aten`` overload
 whose arguments and results are all of kinds the wire can carry (tensors, numbers, booleans,
 strings, int/float/tensor lists, dtypes, devices, layouts, memory formats; a generator only as
-``None``), minus the names in :data:`DENIED` (reading files, unchecked indexing, sparse and
-quantized constructors, process-wide state). Nothing outside ``aten`` is ever resolved.
+``None``) and that take or return a tensor, minus the names in :data:`DENIED` (reading files,
+unchecked indexing, sparse and quantized constructors, process-wide state, internals that trust
+their arguments). Nothing outside ``aten`` is ever resolved.
 
 Per-op argument rules (:data:`RULES`, and :func:`rule` per overload) pin arguments that would
 switch off bounds checks, and check the views and enum arguments ATen itself does not
@@ -60,6 +61,11 @@ DENIED = re.compile(
     r"|.*_nested.*|nested_.*|_pin_memory|pin_memory|is_pinned|record_stream|_print"
     r"|.*_cache.*|_test_.*|_foobar|_fused_moving_avg_obs_fq_helper.*|.*fake_quant.*"
     r"|_set_.*|set_|.*cudnn.*|.*miopen.*|_cufft.*|.*_mps.*|_async_error|_nnz|_indices|_values"
+    # Internals that trust their arguments (found by tests/op_fuzz.py: they crash the server or
+    # reach outside their storages on arguments their public ops would have refused). Clients
+    # send the public ops (``__torch_dispatch__`` sees those, not what a kernel calls inside).
+    r"|_add_batch_dim|_remove_batch_dim|_nnpack_.*|_slow_conv2d_.*|_stack"
+    r"|_transform_bias_rescale_qkv"
     r")$"
 )
 
@@ -119,6 +125,11 @@ def allowed() -> frozenset[str]:
             if not all(str(a.type) in _ARG_TYPES for a in schema.arguments):
                 continue
             if not all(str(r.type) in _RETURN_TYPES for r in schema.returns):
+                continue
+            if not any("Tensor" in str(v.type) for v in (*schema.arguments, *schema.returns)):
+                # TorchScript's builtins on numbers, strings and lists, and its global switches
+                # (manual_seed, set_grad_enabled): no client sends them (it forwards tensor
+                # ops), and integer division by zero in them kills the process (SIGFPE).
                 continue
             names.add(f"{schema.name}.{schema.overload_name or 'default'}")
         with _lock:

@@ -84,16 +84,34 @@ def _view_rule(op: str, base: int, size: int, stride: int, offset: int | None) -
     return rule
 
 
-#: Checks by op name (every overload: ``.default`` and ``.out`` share their leading arguments).
-VIEW_RULES: dict[str, Rule] = {
-    # No check in ATen: a view of any size and stride over the input's storage.
-    "aten::_reshape_alias": _view_rule("_reshape_alias", 0, 1, 2, None),
-    "aten::_reshape_alias_copy": _view_rule("_reshape_alias_copy", 0, 1, 2, None),
-    # ATen checks these (checkInBoundsForStorage); checked here too, in exact integers.
-    "aten::as_strided": _view_rule("as_strided", 0, 1, 2, 3),
-    "aten::as_strided_": _view_rule("as_strided_", 0, 1, 2, 3),
-    "aten::as_strided_copy": _view_rule("as_strided_copy", 0, 1, 2, 3),
-}
+def check_dims(op: str, t: Any, dims: Any, lowest: int = 0) -> None:
+    """Refuse a dimension list that is empty, repeats a dimension or names one ``t`` lacks
+    (from ``lowest``: ``-t.dim()`` where negative dims count from the end)."""
+    dims = _ints(op, "dim", dims)
+    ndim = t.dim() if hasattr(t, "dim") else 0
+    if not dims or any(not lowest <= d < ndim for d in dims):
+        raise OpError(f"{op}: dims {dims} out of range for a {ndim}-dimensional tensor")
+    if len({d % ndim for d in dims}) != len(dims):
+        raise OpError(f"{op}: dims {dims} repeat a dimension")
+
+
+def _fft_rule(op: str) -> Rule:
+    """``_fft_r2c``/``_fft_c2r``/``_fft_c2c`` (what ``torch.fft`` calls, with dims already
+    wrapped): ATen indexes the input's sizes by ``dim`` unchecked (a dim of -2**31-1 crashed
+    the server; dim 3 of a 1-d tensor read a size from past the end; -1 is not wrapped);
+    ``c2r``'s output size must be positive."""
+
+    def rule(args: list[Any], kwargs: dict[str, Any]) -> None:
+        t = _arg(args, kwargs, 0, "self")
+        check_dims(op, t, _arg(args, kwargs, 1, "dim"))
+        if type(_arg(args, kwargs, 2, "normalization")) is not int:
+            raise OpError(f"{op}: normalization must be an integer")
+        if op.startswith("_fft_c2r"):
+            size = _arg(args, kwargs, 3, "last_dim_size")
+            if type(size) is not int or size < 1:
+                raise OpError(f"{op}: last_dim_size must be a positive integer")
+
+    return rule
 
 
 def _enum_rule(op: str, positions: tuple[int, ...], names: tuple[str, ...]) -> Rule:
@@ -110,8 +128,24 @@ def _enum_rule(op: str, positions: tuple[int, ...], names: tuple[str, ...]) -> R
     return rule
 
 
+#: Checks by op name (every overload: ``.default`` and ``.out`` share their leading arguments);
+#: views first, then the ops that take dims ATen does not check.
+BY_NAME: dict[str, Rule] = {
+    # No check in ATen: a view of any size and stride over the input's storage.
+    "aten::_reshape_alias": _view_rule("_reshape_alias", 0, 1, 2, None),
+    "aten::_reshape_alias_copy": _view_rule("_reshape_alias_copy", 0, 1, 2, None),
+    # ATen checks these (checkInBoundsForStorage); checked here too, in exact integers.
+    "aten::as_strided": _view_rule("as_strided", 0, 1, 2, 3),
+    "aten::as_strided_": _view_rule("as_strided_", 0, 1, 2, 3),
+    "aten::as_strided_copy": _view_rule("as_strided_copy", 0, 1, 2, 3),
+    "aten::_fft_r2c": _fft_rule("_fft_r2c"),
+    "aten::_fft_c2r": _fft_rule("_fft_c2r"),
+    "aten::_fft_c2c": _fft_rule("_fft_c2c"),
+}
+
+
 def rules_for(schema: Any) -> list[Rule]:
-    """The checks one overload needs beyond its name's (:data:`VIEW_RULES`)."""
+    """The checks one overload needs beyond its name's (:data:`BY_NAME`)."""
     op = f"{schema.name[len('aten::') :]}.{schema.overload_name or 'default'}"
     positions, names = [], []
     for i, a in enumerate(schema.arguments):
@@ -124,7 +158,7 @@ def rules_for(schema: Any) -> list[Rule]:
     rules = []
     if positions:
         rules.append(_enum_rule(op, tuple(positions), tuple(names)))
-    view = VIEW_RULES.get(schema.name)
+    view = BY_NAME.get(schema.name)
     if view is not None:
         rules.append(view)
     return rules

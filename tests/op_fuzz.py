@@ -38,6 +38,7 @@ _INT_TYPES = ("int", "List[int]", "Optional[int]", "Optional[List[int]]")
 #: 8 distinctive bytes; any 4-aligned half of them found in an output is a read of a canary.
 CANARY = bytes.fromhex("deadbeef0badf00d")
 _CANARY_WORDS = (CANARY[:4], CANARY[4:])
+_EXAMPLE_FILE = ""
 _ADDRESS_SPACE = 3 << 30  # the worker's address space limit
 _GAP = 256  # canary bytes before, between and after the session's storages
 
@@ -337,6 +338,9 @@ def _fuzz_one(op_name: str, examples: int) -> str | None:
                 kwargs[name] = value
             else:
                 args.append(value)
+        if _EXAMPLE_FILE:
+            with open(_EXAMPLE_FILE, "w") as f:
+                f.write(f"args {args!r} kwargs {kwargs!r} session {specs!r}")
         why = check_call(op_name, specs, args, kwargs)
         if why is not None:
             failure[:] = [f"{why}; args {args!r} kwargs {kwargs!r} session {specs!r}"]
@@ -350,8 +354,11 @@ def _fuzz_one(op_name: str, examples: int) -> str | None:
     return None
 
 
-def worker(examples: int) -> None:
-    """Read op names from stdin; for each, print ``start`` then its ``done`` line (JSON)."""
+def worker(examples: int, example_file: str = "") -> None:
+    """Read op names from stdin; for each, print ``start`` then its ``done`` line (JSON). Each
+    example is written to ``example_file`` before it runs (what a crash leaves behind)."""
+    global _EXAMPLE_FILE
+    _EXAMPLE_FILE = example_file
     import warnings
 
     import torch
@@ -384,65 +391,102 @@ class Report:
     done: int = 0
 
 
-def fuzz(ops: list[str], examples: int, stuck_after_s: float = 60.0) -> Report:
-    """Fuzz ``ops`` in worker processes; a worker that dies is restarted after its op. An op
-    still running after ``stuck_after_s`` is listed as stuck (and its worker replaced): it says
-    nothing of memory safety either way."""
-    report = Report()
+def _worker_run(
+    ops: list[str], examples: int, stuck_after_s: float, events: list[tuple[str, str, str]]
+) -> list[str]:
+    """One worker over ``ops`` until it ends or dies; appends ``(kind, op, detail)`` events
+    (``done``, ``failure``, ``crash``, ``stuck``) and returns the ops it did not get to."""
+    import selectors
+    import tempfile
+
     todo = list(ops)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    while todo:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.op_fuzz", "--worker", "--examples", str(examples)],
-            cwd=REPO,
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write("".join(f"{n}\n" for n in todo))
-        proc.stdin.close()
-        current = None
-        import selectors
-
-        sel = selectors.DefaultSelector()
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        started = time.monotonic()
-        while True:
-            if not sel.select(timeout=1.0):
-                if current is not None and time.monotonic() - started > stuck_after_s:
-                    proc.kill()
-                    report.stuck.append(current)
-                    todo.remove(current)
+    env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    with tempfile.TemporaryDirectory() as tmp:
+        example_file = Path(tmp) / "example"
+        with open(Path(tmp) / "stderr", "w+") as err:
+            argv = [sys.executable, "-m", "tests.op_fuzz", "--worker"]
+            argv += ["--examples", str(examples), "--example-file", str(example_file)]
+            proc = subprocess.Popen(
+                argv,
+                cwd=REPO,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+            )
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write("".join(f"{n}\n" for n in todo))
+            proc.stdin.close()
+            current = None
+            sel = selectors.DefaultSelector()
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            started = time.monotonic()
+            while True:
+                if not sel.select(timeout=1.0):
+                    if current is not None and time.monotonic() - started > stuck_after_s:
+                        proc.kill()
+                        events.append(("stuck", current, ""))
+                        todo.remove(current)
+                        break
+                    continue
+                line = proc.stdout.readline()
+                if not line:  # the worker ended
+                    proc.wait()
+                    if current is not None:
+                        err.seek(0)
+                        tail = err.read()[-600:].strip()
+                        example = example_file.read_text() if example_file.exists() else ""
+                        why = f"exit {proc.returncode}; last example {example}; stderr: {tail}"
+                        events.append(("crash", current, why))
+                        todo.remove(current)
+                    else:
+                        todo = []
                     break
-                continue
-            line = proc.stdout.readline()
-            if not line:  # the worker ended
-                proc.wait()
-                if current is not None:
-                    err = (proc.stderr.read() if proc.stderr else "")[-1500:]
-                    report.crashes[current] = f"exit {proc.returncode}: {err.strip()}"
-                    todo.remove(current)
+                msg = json.loads(line)
+                if "start" in msg:
+                    current = msg["start"]
+                    started = time.monotonic()
                 else:
-                    todo = []
-                break
-            msg = json.loads(line)
-            if "start" in msg:
-                current = msg["start"]
-                started = time.monotonic()
-            else:
-                todo.remove(msg["done"])
-                report.done += 1
-                if msg["failure"]:
-                    report.failures[msg["done"]] = msg["failure"]
-                current = None
-        sel.close()
-        proc.wait()
-        if proc.stderr:
-            proc.stderr.close()
-        proc.stdout.close()
+                    todo.remove(msg["done"])
+                    kind = "failure" if msg["failure"] else "done"
+                    events.append((kind, msg["done"], msg["failure"] or ""))
+                    current = None
+            sel.close()
+            proc.wait()
+            proc.stdout.close()
+    return todo
+
+
+def fuzz(ops: list[str], examples: int, stuck_after_s: float = 60.0, say: Any = None) -> Report:
+    """Fuzz ``ops`` in worker processes; a worker that dies is restarted after its op, and the
+    op run again alone (a crash it does not repeat alone is put down to the ops before it). An
+    op still running after ``stuck_after_s`` is listed as stuck (its worker replaced): that
+    says nothing of memory safety either way."""
+    report = Report()
+    todo = list(ops)
+    while todo:
+        events: list[tuple[str, str, str]] = []
+        todo = _worker_run(todo, examples, stuck_after_s, events)
+        for kind, op, detail in events:
+            if kind == "crash":
+                alone: list[tuple[str, str, str]] = []
+                _worker_run([op], examples, stuck_after_s, alone)
+                if not any(k == "crash" for k, _, _ in alone):
+                    detail = (
+                        f"only after other ops (alone: {alone[0][0] if alone else '?'}); {detail}"
+                    )
+                report.crashes[op] = detail
+            elif kind == "failure":
+                report.failures[op] = detail
+            elif kind == "stuck":
+                report.stuck.append(op)
+            if kind != "done" and say:
+                say(f"{kind.upper():8}{op}: {report.crashes.get(op) or detail}")
+            report.done += kind != "stuck"
+            if say and kind == "done" and report.done % 200 == 0:
+                say(f"...     {report.done} of {len(ops)}")
     return report
 
 
@@ -451,20 +495,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--examples", type=int, default=50, help="examples per op (default 50)")
     p.add_argument("--ops", default="", help="only ops whose name matches this regex")
     p.add_argument("--all", action="store_true", help="every allowed op")
+    p.add_argument("--start", default="", help="only ops from this name on (sorted)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--example-file", default="", help=argparse.SUPPRESS)
     ns = p.parse_args(argv)
     if ns.worker:
-        worker(ns.examples)
+        worker(ns.examples, ns.example_file)
         return 0
-    ops = [n for n in fuzz_targets(ns.all) if re.search(ns.ops, n)]
+    ops = [n for n in fuzz_targets(ns.all) if re.search(ns.ops, n) and n >= ns.start]
     t0 = time.monotonic()
-    report = fuzz(ops, ns.examples)
-    for name, why in sorted(report.failures.items()):
-        print(f"UNSAFE  {name}: {why}")
-    for name, why in sorted(report.crashes.items()):
-        print(f"CRASH   {name}: {why}")
-    for name in report.stuck:
-        print(f"STUCK   {name}")
+    report = fuzz(ops, ns.examples, say=lambda line: print(line, flush=True))
     print(
         f"{len(ops)} ops x {ns.examples} examples in {time.monotonic() - t0:.0f} s: "
         f"{len(report.failures)} unsafe, {len(report.crashes)} crashed, {len(report.stuck)} stuck"

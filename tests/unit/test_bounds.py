@@ -1,0 +1,194 @@
+"""The server's bounds checks (runtime/bounds.py) and the allow-list they guard, held by a fuzzer
+that throws random sizes, strides, offsets, dims and indices at every allow-listed op that takes
+integers or returns an alias (tests/op_fuzz.py; ``python -m tests.op_fuzz`` for a longer run)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_trace.runtime import allowlist, bounds
+from gpu_trace.runtime.session import OpError
+from tests import op_fuzz
+
+
+def _run(name: str, args: list, kwargs: dict | None = None) -> torch.Tensor:
+    """``name`` as the executor runs it: resolved, its rule applied, called."""
+    op = allowlist.resolve(name)
+    assert op is not None, f"{name} is not allowed"
+    kwargs = kwargs or {}
+    rule = allowlist.rule(op)
+    if rule is not None:
+        rule(args, kwargs)
+    return op(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("size", "stride", "offset", "why"),
+    [
+        ([131072], [1], None, "needs 524288 bytes of a 16-byte storage"),
+        ([5], [1], None, "needs 20 bytes of a 16-byte storage"),
+        ([2], [1], 3, "needs 20 bytes"),
+        ([2, 2], [1 << 62, 1], None, "out of bounds"),  # exact: no int64 wrap-around
+        ([3], [(1 << 63) - 1], 0, "out of bounds"),
+        ([-1], [1], None, "negative"),
+        ([2], [-1], None, "negative"),
+        ([1], [1], -1, "negative"),
+        ([2, 2], [1], None, "differ in length"),
+        ([2.0], [1], None, "list of integers"),
+        ([True], [1], None, "list of integers"),
+        (None, [1], None, "list of integers"),
+        ([1], [1], 1.5, "offset must be an integer"),
+    ],
+)
+def test_views_out_of_bounds_or_malformed_are_refused(
+    size: list, stride: list, offset: int | None, why: str
+) -> None:
+    base = torch.ones(4)
+    with pytest.raises(OpError, match="as_strided") as info:
+        bounds.check_view("as_strided", base, size, stride, offset)
+    assert why in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("size", "stride", "offset"),
+    [([4], [1], None), ([2, 2], [2, 1], 0), ([2], [1], 2), ([0], [1 << 62], 0), ([], [], 3)],
+)
+def test_views_inside_the_storage_pass(size: list, stride: list, offset: int | None) -> None:
+    bounds.check_view("as_strided", torch.ones(4), size, stride, offset)
+
+
+def test_a_view_is_measured_against_its_whole_storage_from_its_offset() -> None:
+    base = torch.arange(8.0)[4:]  # storage of 8, offset 4
+    bounds.check_view("_reshape_alias", base, [4], [1], None)
+    with pytest.raises(OpError, match="needs 36 bytes of a 32-byte storage"):
+        bounds.check_view("_reshape_alias", base, [5], [1], None)
+
+
+@pytest.mark.parametrize(
+    "name", ["aten::_reshape_alias.default", "aten::_reshape_alias_copy.default"]
+)
+def test_reshape_alias_past_its_storage_is_refused_before_it_runs(name: str) -> None:
+    """The original finding: a [131072] view of a 4-element tensor (1 MiB of the server's heap
+    cloned and fetched); the copy variant reads before any check afterwards could run."""
+    x = torch.ones(4)
+    with pytest.raises(OpError, match="out of bounds"):
+        _run(name, [x, [131072], [1]])
+    with pytest.raises(OpError, match="out of bounds"):
+        _run(name, [torch.ones(0), [], []])  # one element of an empty storage
+    assert torch.equal(_run(name, [x, [2, 2], [2, 1]]), torch.ones(2, 2))
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "kwargs"),
+    [
+        ("aten::view.dtype", [torch.ones(4), -1], {}),
+        ("aten::view_copy.dtype", [torch.ones(4), -3], {}),
+        ("aten::empty.memory_format", [[2, 2]], {"layout": 1}),
+        ("aten::empty.memory_format", [[2]], {"dtype": 12}),
+        ("aten::empty.memory_format", [[2]], {"memory_format": 7}),
+        ("aten::to.dtype", [torch.ones(2), 7], {}),
+        ("aten::sum.default", [torch.ones(2)], {"dtype": 4}),
+    ],
+)
+def test_enum_arguments_as_bare_numbers_are_refused(name: str, args: list, kwargs: dict) -> None:
+    """ATen takes any number for a dtype, layout or memory format: past its tables' end (view
+    as dtype -1 read a divisor of 579019358875533311 from beyond one), sparse layouts and
+    quantized dtypes the allow-list otherwise keeps out."""
+    with pytest.raises(OpError, match="tagged value"):
+        _run(name, args, kwargs)
+
+
+def test_enum_arguments_as_torch_objects_pass() -> None:
+    assert _run("aten::to.dtype", [torch.ones(2), torch.float64]).dtype == torch.float64
+    out = _run("aten::empty.memory_format", [[2]], {"dtype": torch.int64, "layout": torch.strided})
+    assert out.dtype == torch.int64
+    assert _run("aten::sum.default", [torch.ones(2)], {"dtype": None}).item() == 2.0
+
+
+def test_rules_by_name_and_overload_compose() -> None:
+    """``_index_put_impl_``'s ``unsafe`` is still pinned to False (its name's rule)."""
+    x = torch.zeros(3)
+    with pytest.raises(IndexError, match="out of bounds"):
+        _run(
+            "aten::_index_put_impl_.default", [x, [torch.tensor([10])], torch.ones(1), False, True]
+        )
+    assert allowlist.rule(allowlist.resolve("aten::add.Tensor")) is None
+
+
+def test_the_fuzzer_catches_what_it_is_for() -> None:
+    """The fuzzer's own checks see a view past its storage, a canary written and one read."""
+    specs = [("float32", [4], [1]), ("int64", [2], [3]), ("uint8", [], [0])]
+    arena = op_fuzz.Arena.make(torch, specs)
+    assert arena.canary_intact()
+    wide = torch.ops.aten._reshape_alias.default(arena.tensors[0], [8], [1])
+    assert "reach byte 32 of a 16-byte storage" in op_fuzz.outside_storage(wide)
+    leaked = wide.clone()  # reads past the session tensor: the canary's bytes
+    assert op_fuzz.outside_storage(leaked) is None and op_fuzz._reads_canary(torch, leaked)
+    wide.fill_(0.0)
+    assert not arena.canary_intact()
+
+
+def test_no_allowed_op_reaches_outside_its_storages() -> None:
+    """Every allow-listed op taking integers or returning an alias, a few random examples each,
+    in worker processes (a crash names the op)."""
+    ops = op_fuzz.fuzz_targets()
+    assert len(ops) > 1000
+    report = op_fuzz.fuzz(ops, examples=3)
+    problems = {**report.failures, **report.crashes}
+    assert not problems, "\n".join(f"{op}: {why}" for op, why in sorted(problems.items()))
+    assert report.done >= len(ops) - len(report.stuck)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "aten::__round_to_zero_floordiv.int",  # 0 // 0: SIGFPE, the whole server gone
+        "aten::floordiv.int",
+        "aten::manual_seed.default",  # process-wide switches
+        "aten::set_grad_enabled.default",
+        "aten::center.default",
+    ],
+)
+def test_builtins_without_tensors_are_not_allowed(name: str) -> None:
+    assert allowlist.resolve(name) is None
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "aten::_add_batch_dim.default",  # functorch's BatchedTensorImpl: storage-less
+        "aten::_remove_batch_dim.default",  # corrupted the heap (munmap_chunk)
+        "aten::_nnpack_spatial_convolution.default",  # 0-d inputs: SIGSEGV
+        "aten::_slow_conv2d_backward.output_mask",  # 0-d inputs: SIGSEGV
+        "aten::_stack.default",  # an empty list: SIGSEGV
+        "aten::_transform_bias_rescale_qkv.default",  # 0 heads: SIGFPE
+    ],
+)
+def test_internals_that_trust_their_arguments_are_denied(name: str) -> None:
+    assert allowlist.resolve(name) is None
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "why"),
+    [
+        ("aten::_fft_r2c.default", [torch.ones(3), [-(1 << 31) - 1], 0, False], "out of range"),
+        ("aten::_fft_r2c.default", [torch.ones(3), [], 0, False], "out of range"),
+        ("aten::_fft_r2c.default", [torch.ones(3), [-1], 0, True], "out of range"),
+        ("aten::_fft_r2c.default", [torch.ones(3, 2), [1, 1], 0, False], "repeat"),
+        ("aten::_fft_c2c.default", [torch.ones(3, dtype=torch.cfloat), [3], 0, True], "range"),
+        ("aten::_fft_c2r.default", [torch.ones(3, dtype=torch.cfloat), [0], 0, 0], "positive"),
+    ],
+)
+def test_fft_dims_are_checked(name: str, args: list, why: str) -> None:
+    """What ``torch.fft`` calls: the dims index the input's sizes unchecked (SIGSEGV, or a
+    size read from past the end)."""
+    with pytest.raises(OpError, match=why):
+        _run(name, args)
+
+
+def test_fft_within_range_runs() -> None:
+    x = torch.arange(4.0)
+    assert torch.allclose(_run("aten::_fft_r2c.default", [x, [0], 0, True]), torch.fft.rfft(x))
+    c = torch.fft.fft(x)
+    assert torch.allclose(_run("aten::_fft_c2c.default", [c, [0], 2, False]), torch.fft.ifft(c))
