@@ -7,8 +7,9 @@ query:
 1. ``formatQuerySingleLine`` parses the text (one statement; a second one, or a syntax error, is
    the parser's message) and gives it back canonical: no comments, every name that needs quoting
    in backquotes. That canonical text is what is checked and what runs.
-2. A name holding a control character is refused: ``EXPLAIN AST`` prints names raw, one node a
-   line, so a newline in an alias could fake nodes.
+2. A name holding a control character is refused (in the canonical text it is an escape inside
+   a backquoted name): ``EXPLAIN AST`` prints names raw, one node a line, so a newline in an alias
+   could fake nodes. So is a ``{name:Identifier}`` parameter, whose value would become a name.
 3. ``EXPLAIN AST`` of the canonical text is walked node by node against allow-lists: statement
    kinds (``SELECT``, ``SHOW TABLES``, ``DESCRIBE``, ``EXISTS``, ``EXPLAIN`` of those), node kinds,
    functions (:data:`FUNCTIONS` and the families in :data:`FUNCTION_PREFIXES`; anything unknown is
