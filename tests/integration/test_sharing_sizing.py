@@ -31,6 +31,7 @@ SLACK = 64 * MiB
 
 HOSTILE = Tenant("hostile", "hostile-token-0123456789", memory_bytes=LIMIT)
 OTHER = Tenant("other", "other-token-0123456789", memory_bytes=LIMIT)
+UNLIMITED = Tenant("unlimited", "unlimited-token-0123456789")
 PATIENT = Tenant("patient", "patient-token-0123456789", memory_bytes=LIMIT, on_quota="wait")
 
 R = {"v": "r"}  # the server's device
@@ -40,7 +41,9 @@ BIG_N = 16384  # [N, 1] and [1, N] float32: 64 KiB each, 1 GiB when combined
 
 @pytest.fixture
 def server() -> Iterator[Server]:
-    with Server("127.0.0.1:0", tenants=[HOSTILE, OTHER, PATIENT], device_memory=1 << 30) as srv:
+    with Server(
+        "127.0.0.1:0", tenants=[HOSTILE, OTHER, PATIENT, UNLIMITED], device_memory=1 << 30
+    ) as srv:
         yield srv
 
 
@@ -177,6 +180,19 @@ def test_an_op_over_the_quota_is_refused_before_it_allocates(
     assert torch.equal(other.fetch(out), torch.full((1024,), 3.0))
     small = _held(hostile, "aten::ones.default", [[4]], {"dtype": F32, "device": R})
     assert torch.equal(hostile.fetch(small["h"]), torch.ones(4))
+
+
+def test_an_op_over_the_device_is_refused_before_it_allocates(server: Server) -> None:
+    """A tenant without a quota is still held to the device's capacity (1 GiB here), before."""
+    c = Client(server, UNLIMITED)
+    try:
+        h, op = _op(c, "aten::eye.default", [17000], {"device": R})  # 1.16 GB of float32
+        done = c.batch([op])
+        assert not done["ok"] and done["error"]["quota"]["kind"] == "capacity", done
+        assert server.memory.peak_bytes <= server.memory.capacity_bytes
+        assert c.session.account.peak_bytes == 0
+    finally:
+        c.close()
 
 
 def _calls(c: Client, stream: list[int], defs: list | None = None) -> dict:
