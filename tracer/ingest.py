@@ -190,8 +190,9 @@ def _ingest_files(
         kept = table.num_rows if table is not None else 0
         report.batches_skipped += spool.skipped_batches
         if problem:
-            # Damaged batches are named in ``problem`` (index and reason); a bad tail is "the rest".
-            how = ", " if spool.skipped_batches else ", skipped the rest: "
+            # Damaged batches and impossible rows are named in ``problem`` (batch index and reason);
+            # a bad tail is "the rest".
+            how = ", " if spool.notes else ", skipped the rest: "
             report.problems.append(f"{path.name}: kept {kept} rows{how}{problem}")
             # Info, not a warning: the report carries it, and the CLI prints the report once.
             log.info("gpu-trace: %s: kept %d rows%s%s", path, kept, how, problem)

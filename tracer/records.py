@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 # Categories of spans (DESIGN.md, data model).
 NVTX = "nvtx"
@@ -165,30 +166,42 @@ def attrs_column(values: Sequence[dict[str, str] | None]) -> pa.Array:
     )
 
 
-def check_batch(kind: str, batch: pa.RecordBatch) -> str | None:
-    """Why ``batch`` of spool ``kind`` cannot be true, or None: times before the clock's zero, a
-    span ending before it starts, a category no recorder writes, a negative round trip.
+def impossible_rows(kind: str, batch: pa.RecordBatch) -> tuple[np.ndarray, str] | None:
+    """Rows of ``batch`` (spool ``kind``) that cannot be true, as a mask, with the first reason;
+    None when there are none. Impossible: a time before the clock's zero, a span ending before it
+    starts, a category no recorder writes, a negative round trip or uncertainty.
 
-    A checksum proves a batch is what the writer wrote; this catches what no writer writes (a
-    spool from an older recorder without checksums, or one damaged where the checksum agreed).
+    A checksum proves a batch is what the writer wrote; this catches what no writer should write,
+    and damage in a spool from before checksums.
     """
     names = batch.schema.names
+    bad = np.zeros(batch.num_rows, dtype=bool)
+    reasons: list[str] = []
 
-    def negative(column: str) -> bool:
-        return column in names and bool(np.any(_ints(batch, column) < 0))
+    def mark(mask: np.ndarray, reason: str) -> None:
+        if mask.any():
+            bad[:] |= mask
+            reasons.append(reason)
 
     for column in ("start_ns", "end_ns", "ts_ns", "rtt_ns", "uncertainty_ns"):
-        if negative(column):
-            return f"negative {column}"
+        if column in names:
+            mark(_ints(batch, column) < 0, f"negative {column}")
     if kind == "spans":
-        both = "start_ns" in names and "end_ns" in names
-        if both and np.any(_ints(batch, "end_ns") < _ints(batch, "start_ns")):
-            return "a span ends before it starts"
+        if "start_ns" in names and "end_ns" in names:
+            ends_first = _ints(batch, "end_ns") < _ints(batch, "start_ns")
+            mark(ends_first, "a span ends before it starts")
         if "category" in names:
-            unknown = set(_strings(batch.column("category"))) - set(CATEGORIES)
-            if unknown:
-                return f"unknown category {sorted(unknown)[0]!r}"
-    return None
+            category = batch.column("category")
+            if pa.types.is_dictionary(category.type):
+                known = pc.is_in(category.dictionary, value_set=pa.array(CATEGORIES))
+                ok = pc.fill_null(pc.take(known, category.indices), True)
+            else:
+                ok = pc.fill_null(pc.is_in(category, value_set=pa.array(CATEGORIES)), True)
+            unknown = ~ok.to_numpy(zero_copy_only=False)
+            if unknown.any():
+                first = category[int(np.argmax(unknown))].as_py()
+                mark(unknown, f"unknown category {first!r}")
+    return (bad, reasons[0]) if reasons else None
 
 
 def _ints(batch: pa.RecordBatch, column: str) -> np.ndarray:
@@ -196,16 +209,6 @@ def _ints(batch: pa.RecordBatch, column: str) -> np.ndarray:
     if col.null_count:
         col = col.fill_null(0)
     return col.to_numpy(zero_copy_only=False)
-
-
-def _strings(col: pa.Array) -> list[str]:
-    """The distinct values of a string or dictionary column (nulls left out)."""
-    if pa.types.is_dictionary(col.type):
-        used = np.unique(col.indices.drop_null().to_numpy(zero_copy_only=False))
-        return [
-            v for v in col.dictionary.take(pa.array(used, pa.int64())).to_pylist() if v is not None
-        ]
-    return [v for v in col.unique().to_pylist() if v is not None]
 
 
 _NUMPY = {

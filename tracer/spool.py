@@ -9,9 +9,10 @@ Every record batch carries a CRC-32 of its contents in its IPC custom metadata (
 schema metadata says ``checksum: crc32``), so the files stay plain Arrow streams any Arrow tool
 reads. The sum is over the batch's logical contents (values, offsets rebased to 0, dictionaries),
 not its bytes on disk, so it does not depend on how Arrow lays out or slices buffers. Readers
-keep every batch that reads, sums right and holds possible values (:func:`~gpu_trace.tracer.
-records.check_batch`); the others are skipped and named with their index and reason. Files from
-before checksums (no ``checksum`` key) are checked for values only.
+keep every batch that reads and sums right, less its impossible rows (:func:`~gpu_trace.tracer.
+records.impossible_rows`); the others are skipped and named with their index and reason. Files
+from before checksums (no ``checksum`` key) are checked for values only, and a batch of theirs
+with an impossible row is skipped whole (without a sum, damage and truth look alike).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from gpu_trace.tracer.records import SCHEMAS, check_batch
+from gpu_trace.tracer.records import SCHEMAS, impossible_rows
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +167,7 @@ def read_spool_file(path: Path) -> SpoolFile:
     summed = meta.get(CHECKSUM) == CRC32.decode()
     batches: list[pa.RecordBatch] = []
     notes: list[str] = []
+    skipped = 0
     problem = None
     for index in itertools.count():
         try:
@@ -175,22 +177,34 @@ def read_spool_file(path: Path) -> SpoolFile:
         except (pa.ArrowInvalid, OSError, pa.ArrowException) as exc:
             problem = f"truncated or corrupt after {sum(b.num_rows for b in batches)} rows: {exc}"
             break
-        reason = _bad_batch(kind, batch, custom, summed)
+        reason = _damaged(batch, custom, summed)
+        impossible = None
+        if reason is None:
+            try:
+                impossible = impossible_rows(kind, batch)
+            except (pa.ArrowException, ValueError) as exc:
+                reason = f"unreadable ({exc})"
+        if impossible is not None:
+            bad, why = impossible
+            if not summed or bad.all():  # without a sum, damage and truth look alike
+                reason = why
+            else:  # the batch is as written: only its impossible rows go
+                notes.append(f"batch {index}: {int(bad.sum())} of {batch.num_rows} rows: {why}")
+                batch = batch.filter(pa.array(~bad))
         if reason:
+            skipped += 1
             notes.append(f"batch {index} ({batch.num_rows} rows): {reason}")
         else:
             batches.append(batch)
     if notes:
-        skipped = "skipped " + "; ".join(notes)
-        problem = skipped if problem is None else f"{skipped}; {problem}"
+        what = "skipped " + "; ".join(notes)
+        problem = what if problem is None else f"{what}; {problem}"
     table = pa.Table.from_batches(batches, schema=reader.schema) if batches else None
-    return SpoolFile(path, kind, meta, table, problem, skipped_batches=len(notes), notes=notes)
+    return SpoolFile(path, kind, meta, table, problem, skipped_batches=skipped, notes=notes)
 
 
-def _bad_batch(
-    kind: str, batch: pa.RecordBatch, custom: pa.KeyValueMetadata | None, summed: bool
-) -> str | None:
-    """Why a batch read from a spool file is not kept, or None."""
+def _damaged(batch: pa.RecordBatch, custom: pa.KeyValueMetadata | None, summed: bool) -> str | None:
+    """Why a batch read from a spool file is not what was written, or None."""
     if summed:
         expected = (custom or {}).get(CRC32)
         if expected is None:
@@ -206,10 +220,7 @@ def _bad_batch(
             batch.validate(full=True)
         except pa.ArrowException as exc:
             return f"invalid ({exc})"
-    try:
-        return check_batch(kind, batch)
-    except (pa.ArrowException, ValueError) as exc:
-        return f"unreadable ({exc})"
+    return None
 
 
 def list_spool(run_dir: Path) -> list[Path]:

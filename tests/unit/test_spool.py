@@ -161,6 +161,19 @@ def test_a_valid_but_impossible_batch_is_skipped(
     assert f.notes == [f"batch 1 (10 rows): {reason}"]
 
 
+def test_only_the_impossible_rows_of_a_summed_batch_go(tmp_path: Path) -> None:
+    # A batch as its writer wrote it (its sum is right) loses only the rows that cannot be.
+    table = spans(1000)
+    ends = np.arange(1000) * 10 + 1_005
+    ends[[3, 500]] = 0
+    table = table.set_column(8, "end_ns", pa.array(ends, pa.int64()))
+    f = read_spool_file(write(tmp_path, "spans", table))
+    assert f.skipped_batches == 0 and f.table.num_rows == 998
+    assert {4, 501}.isdisjoint(f.table.column("span_id").to_pylist())  # ids are row + 1
+    assert f.notes == ["batch 0: 2 of 1000 rows: a span ends before it starts"]
+    assert f.problem == "skipped batch 0: 2 of 1000 rows: a span ends before it starts"
+
+
 def test_counters_and_clock_samples_before_time_zero_are_skipped(tmp_path: Path) -> None:
     clock = pa.table(
         [dict_column(["p"])] + [numeric_column([v], pa.int64()) for v in (5, 0, -1, 0)],
