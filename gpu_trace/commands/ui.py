@@ -23,13 +23,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise CLIError(f"store {dsn} is not usable: {problem}", 2)
     # Without NVML the demo plays back the repository's (synthetic) NVML sample file, if present.
     sample = Path(__file__).resolve().parents[2] / "sample_traces" / "nvml-synthetic-h100.jsonl"
-    prepared = launch.prepare(
-        [sys.executable, str(workload)], nvml_fallback=sample if sample.is_file() else None
-    )
-    for note in prepared.notes:
-        err(note)
-    code = launch.run(prepared)
-    finish_run(prepared.run_dir, dsn, ingest=True)
+    try:  # a bad setting, a full disk: one line, as `record` says it
+        prepared = launch.prepare(
+            [sys.executable, str(workload)], nvml_fallback=sample if sample.is_file() else None
+        )
+        for note in prepared.notes:
+            err(note)
+        code = launch.run(prepared)
+    except launch.LaunchError as exc:
+        raise CLIError(str(exc), exc.exit_code) from None
+    finish_run(prepared.run_dir, dsn, ingest=True, save_error=prepared.save_error)
     if code != 0:
         raise CLIError(f"the demo workload failed with status {code}")
     out = args.output or prepared.run_dir / "trace.json.gz"

@@ -157,3 +157,19 @@ def test_start_refuses_a_bad_setting(
 def test_start_refuses_bad_arguments(tmp_path: Path, overrides: dict) -> None:
     with pytest.raises(ValueError, match="flush interval|buffer capacity"):
         gpu_trace.start(tmp_path / "run", **overrides)
+
+
+def test_demo_refuses_a_bad_setting_in_one_line(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "gpu_trace", "demo", "--no-ui"]
+        + ["--store", f"chdb://{tmp_path / 'store'}"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "GPU_TRACE_BUFFER_EVENTS": "-5"},
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.splitlines() == [
+        "gpu-trace: GPU_TRACE_BUFFER_EVENTS must be a whole number of events in [16, 1073741824],"
+        " got '-5'"
+    ]
