@@ -42,9 +42,10 @@ ENVIRONMENT: dict[str, str] = {
     "GPU_TRACE_RUN_DIR": "Set by `gpu-trace record` for the traced program and its children: the "
     "run directory the recorder spools into. When set, recording starts at interpreter start.",
     "GPU_TRACE_RUN_ID": "Set by `gpu-trace record`: the run id.",
-    "GPU_TRACE_FLUSH_INTERVAL": "Seconds between background flushes to the spool. Default 0.5.",
+    "GPU_TRACE_FLUSH_INTERVAL": "Seconds between background flushes to the spool; a thread's "
+    "buffer a quarter full (and of 65536 events or more) is flushed at once. Default 0.5.",
     "GPU_TRACE_BUFFER_EVENTS": "Per-thread buffer capacity in events; beyond it events are dropped "
-    "and counted. Default 1048576.",
+    "and counted. Default 1048576 (about 220 MiB for a thread that fills it with ranges).",
     "GPU_TRACE_NVTX": "NVTX capture: native (the C injection library, default), python (patch the "
     "Python nvtx package only) or off.",
     "GPU_TRACE_NVTX_CLOCK": "Clock the NVTX injection library stamps events with: auto (the TSC "
