@@ -69,14 +69,21 @@ class Sizing:
             raise OpError(n)
         return n
 
-    def _measure(self, name: str, call: Any, args: Any, kwargs: dict[str, Any]) -> int | str:
+    def _measure(
+        self, name: str, call: Any, args: Any, kwargs: dict[str, Any], parts: bool = False
+    ) -> int | str:
         """New bytes of ``call`` (named ``name``) on meta; or, where it cannot run there, why (a
-        string, cached so that a repeated refusal costs a lookup too)."""
+        string, cached so that a repeated refusal costs a lookup too). ``parts``: it decomposes
+        into other ops at the dispatcher, whose results count too (its temporaries)."""
         torch = _t()
+        made: dict[int, Any] = {}
         try:
             with warnings.catch_warnings(), torch.no_grad():
                 warnings.simplefilter("ignore")  # the real op warns, if it does
-                out, inputs, before = on_meta(call, args, kwargs, meta_like)
+                if parts:
+                    out, inputs, before = _on_meta_counted(call, args, kwargs, made)
+                else:
+                    out, inputs, before = on_meta(call, args, kwargs, meta_like)
         except NotImplementedError:
             return (
                 f"{name}: the server cannot tell what this op would allocate before it runs "
@@ -85,7 +92,7 @@ class Sizing:
             )
         except Exception as exc:  # what the op itself would say of these arguments
             return f"{type(exc).__name__}: {str(exc)[:2000]}"
-        return self.new_bytes(out, inputs, before)
+        return self.new_bytes([out, *made.values()], inputs, before)
 
     def new_bytes(self, out: Any, inputs: list[Any], before: list[tuple]) -> int:
         """Bytes of the storages in ``out`` that are not its inputs', plus what inputs' storages
@@ -140,15 +147,64 @@ def signature(value: Any) -> Any:
 
 def sizer(target: Any) -> Any:
     """How the executor sizes ``target`` (an ``OpOverload``) before running it: None when it
-    returns no tensor (it keeps nothing), its bound in :data:`BOUNDS`, or else its name (sized
-    on meta)."""
+    returns no tensor (it keeps nothing), its bound in :data:`BOUNDS`, a :func:`_composite`
+    bound for an op that decomposes into others, or else its name (sized on meta)."""
     global _Tensor
-    _Tensor = _t().Tensor
+    torch = _t()
+    _Tensor = torch.Tensor
     schema = target._schema
     if not any("Tensor" in str(r.type) for r in schema.returns):
         return None
     name = f"{schema.name}.{schema.overload_name or 'default'}"
-    return BOUNDS.get(name) or BOUNDS.get(schema.name) or name
+    bound = BOUNDS.get(name) or BOUNDS.get(schema.name)
+    if bound is not None:
+        return bound
+    qualified = schema.name if not schema.overload_name else name
+    if torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "CompositeImplicitAutograd"):
+        return _composite(name)
+    return name
+
+
+def _composite(name: str) -> Callable[[Sizing, Any, list[Any], dict[str, Any]], int]:
+    """The bound of an op that decomposes into others at the dispatcher (``matmul``,
+    ``einsum``...): every storage its parts make, temporaries included (an honest client never
+    sends one: its own dispatcher decomposes them; a hostile one could make a small result from
+    a huge temporary, as ``matmul`` of broadcast operands does)."""
+
+    def sized(sizing: Sizing, call: Any, a: list[Any], k: dict[str, Any]) -> int:
+        key = (name, signature(a), signature(k) if k else None)
+        n = sizing.cache.plans.get(key)
+        if n is None:
+            n = sizing._measure(name, call, a, k, parts=True)
+            sizing.cache.put(key, n)
+        if type(n) is not int:
+            raise OpError(n)
+        return n
+
+    return sized
+
+
+def _on_meta_counted(
+    call: Any, args: Any, kwargs: dict[str, Any], made: dict[int, Any]
+) -> tuple[Any, list[Any], list[tuple]]:
+    """:func:`~gpu_trace.runtime.shapes.on_meta` with every tensor the op's parts return kept
+    in ``made`` (by storage), through a dispatch mode pushed for the call only."""
+    torch = _t()
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Parts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+            result = func(*args, **(kwargs or {}))
+            for t in _flat(result, torch.Tensor):
+                made.setdefault(t.untyped_storage()._cdata, t)
+            return result
+
+    mode = Parts()
+    torch._C._push_on_torch_dispatch_stack(mode)
+    try:
+        return on_meta(call, args, kwargs, meta_like)
+    finally:
+        torch._C._pop_torch_dispatch_stack(None)
 
 
 # ---- bounds of data-dependent ops ------------------------------------------------------------------

@@ -117,6 +117,11 @@ def _setup(c: Client, case: str) -> list:
         col = _held(c, "aten::ones.default", [[BIG_N, 1]], {"dtype": F32, "device": R})
         row = _held(c, "aten::ones.default", [[1, BIG_N]], {"dtype": F32, "device": R})
         return ["aten::add.Tensor" if case == "broadcast_add" else "aten::mm.default", [col, row]]
+    if case == "composite_matmul":  # a small result from huge temporaries: the operands
+        # broadcast to [100, 100, 1, 4096] and [100, 100, 4096, 1], each copied (164 MB)
+        a = _held(c, "aten::ones.default", [[100, 1, 1, 4096]], {"dtype": F32, "device": R})
+        b = _held(c, "aten::ones.default", [[1, 100, 4096, 1]], {"dtype": F32, "device": R})
+        return ["aten::matmul.default", [a, b]]
     if case == "repeat":
         one = _held(c, "aten::ones.default", [[1]], {"dtype": F32, "device": R})
         return ["aten::repeat.default", [one, [100_000_000]]]
@@ -143,6 +148,7 @@ CASES = [
     "expand_clone",
     "broadcast_add",
     "outer_matmul",
+    "composite_matmul",
     "repeat",
     "repeat_interleave",
     "bincount",

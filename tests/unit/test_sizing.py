@@ -182,3 +182,12 @@ def test_a_boolean_index_is_bounded_by_its_masks_size() -> None:
     assert _size(aten.index.Tensor, [x, [torch.tensor([1, 2])]]) == 2 * 3 * 4
     grid = torch.zeros(10, 100, dtype=torch.bool)
     assert _size(aten.index.Tensor, [torch.ones(10, 100, 7), [grid]]) == math.prod((1000, 7)) * 4
+
+
+def test_an_op_that_decomposes_counts_its_parts_temporaries() -> None:
+    """``matmul`` of broadcast operands copies each, expanded, before a ``bmm``: a 40 KB result
+    from 2 x 6.5 MB of temporaries. Ops with kernels of their own are sized by their results."""
+    a, b = torch.ones(20, 1, 1, 4096), torch.ones(1, 20, 4096, 1)
+    assert _size(aten.matmul.default, [a, b]) >= 2 * 20 * 20 * 4096 * 4
+    assert _size(aten.bmm.default, [torch.ones(4, 2, 3), torch.ones(4, 3, 5)]) == 4 * 2 * 5 * 4
+    assert _size(aten.to.dtype, [torch.ones(8), torch.float64]) == 64
