@@ -11,15 +11,17 @@ random generator's state is switched with the session, so tenants never share a 
 
 Memory (:mod:`gpu_trace.runtime.memory`): every op is checked against its tenant's quota and the
 device's capacity before it runs, by the bytes it will allocate as the server works them out
-(:mod:`gpu_trace.runtime.sizing`: the op on meta tensors, cached by signature, or a bound for
-ops whose size depends on data), never by what the client claims; uploads by their size, the
-runtime's ``rt::`` ops by their own bounds. After the op its session's account is the exact
-book-keeping; an op that still grew it past a limit (by less than it was bounded by: only an
-op's own temporaries are not bounded) has its outputs freed and is refused. A refused op fails
-with a :class:`~gpu_trace.runtime.memory.QuotaError`, or, for a tenant whose ``on_quota`` is
-``wait``, its batch is parked at that op (its progress kept in ``Work.resume``) while other
-sessions run, and the op runs when memory is freed. The executor never blocks on memory. On CUDA each session runs on its own stream, and its device time is read from
-CUDA events recorded around its batches, later, without synchronizing.
+(:mod:`gpu_trace.runtime.sizing`: the op on meta tensors, cached by signature, with its parts'
+temporaries for an op that decomposes into others; or a bound for ops whose size depends on
+data), never by what the client claims; uploads by their size, the runtime's ``rt::`` ops by
+their own bounds. After the op its session's account is the exact book-keeping; an op that still
+grew it past a limit (by what a kernel allocates inside itself, the one thing not bounded) has
+its outputs freed and is refused. A refused op fails with a
+:class:`~gpu_trace.runtime.memory.QuotaError`, or, for a tenant whose ``on_quota`` is ``wait``,
+its batch is parked at that op (its progress kept in ``Work.resume``) while other sessions run,
+and the op runs when memory is freed. The executor never blocks on memory. On CUDA each session
+runs on its own stream, and its device time is read from CUDA events recorded around its
+batches, later, without synchronizing.
 """
 
 from __future__ import annotations

@@ -15,8 +15,10 @@ upper bound before they run, from their inputs' sizes (``nonzero``, ``masked_sel
 ``repeat_interleave``, ``input.max()`` for ``bincount``). Any other op that cannot run on meta is
 refused with a message saying so: no allocation of unknown size goes through.
 
-What is not bounded: an op's temporaries (freed before it returns; the quota is on what sessions
-hold, see docs/sharing.md).
+An op that decomposes into others at the dispatcher (``matmul``, ``einsum``: an honest client's
+own dispatcher decomposes them, so only a hostile one sends them) counts every storage its parts
+make, temporaries included. What is not bounded: temporaries a kernel makes inside itself, freed
+before it returns (docs/sharing.md, "Memory quotas").
 """
 
 from __future__ import annotations
