@@ -65,9 +65,12 @@ DENIED = re.compile(
     # reach outside their storages on arguments their public ops would have refused). Clients
     # send the public ops (``__torch_dispatch__`` sees those, not what a kernel calls inside).
     r"|_add_batch_dim|_remove_batch_dim|_nnpack_.*|_slow_conv2d_.*|_stack"
-    r"|_transform_bias_rescale_qkv"
+    r"|_transform_bias_rescale_qkv|fractional_max_pool[23]d_backward"
     r")$"
 )
+#: Overloads never resolved: TorchScript's ``to`` variants (``to.prim_Device(t, None, None,
+#: False, True)`` is a SIGSEGV); clients send ``to.dtype``, ``to.device`` or ``_to_copy``.
+DENIED_OVERLOADS = re.compile(r"^aten::to\.prim_.*$")
 
 
 def _pin_false(name: str, position: int) -> Callable[[list[Any], dict[str, Any]], None]:
@@ -131,7 +134,9 @@ def allowed() -> frozenset[str]:
                 # (manual_seed, set_grad_enabled): no client sends them (it forwards tensor
                 # ops), and integer division by zero in them kills the process (SIGFPE).
                 continue
-            names.add(f"{schema.name}.{schema.overload_name or 'default'}")
+            name = f"{schema.name}.{schema.overload_name or 'default'}"
+            if not DENIED_OVERLOADS.match(name):
+                names.add(name)
         with _lock:
             _allowed = frozenset(names)
     return _allowed

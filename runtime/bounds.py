@@ -35,9 +35,13 @@ def _arg(args: list[Any], kwargs: dict[str, Any], position: int, name: str) -> A
 
 
 def _ints(op: str, what: str, value: Any) -> list[int]:
-    if type(value) is not list or not all(type(v) is int for v in value):
-        raise OpError(f"{op}: {what} must be a list of integers")
-    return value
+    if type(value) is list:
+        for v in value:
+            if type(v) is not int:
+                break
+        else:
+            return value
+    raise OpError(f"{op}: {what} must be a list of integers")
 
 
 def check_view(op: str, base: Any, size: Any, stride: Any, offset: Any) -> None:
@@ -54,13 +58,18 @@ def check_view(op: str, base: Any, size: Any, stride: Any, offset: Any) -> None:
         offset = base.storage_offset()
     elif type(offset) is not int:
         raise OpError(f"{op}: the storage offset must be an integer")
-    if offset < 0 or any(n < 0 for n in size) or any(s < 0 for s in stride):
-        raise OpError(f"{op}: negative size, stride or offset ({size}, {stride}, {offset})")
-    if 0 in size:
-        return  # no element: nothing is reached
     last = offset
+    empty = False
     for n, s in zip(size, stride):
+        if n < 0 or s < 0:
+            raise OpError(f"{op}: negative size, stride or offset ({size}, {stride}, {offset})")
+        if n == 0:
+            empty = True
         last += (n - 1) * s
+    if offset < 0:
+        raise OpError(f"{op}: negative size, stride or offset ({size}, {stride}, {offset})")
+    if empty:
+        return  # no element: nothing is reached
     need = (last + 1) * base.element_size()
     have = base.untyped_storage().nbytes()
     if need > have:
@@ -114,18 +123,55 @@ def _fft_rule(op: str) -> Rule:
     return rule
 
 
-def _enum_rule(op: str, positions: tuple[int, ...], names: tuple[str, ...]) -> Rule:
+def _pad_backward_rule(op: str, n: int) -> Rule:
+    """``reflection_pad{n}d_backward`` and ``replication_pad{n}d_backward`` (what autograd of
+    the pads sends): ATen reads ``2n`` paddings and the input's last ``n + 1`` sizes unchecked
+    (a 0-d input with no padding was a SIGSEGV)."""
+
     def rule(args: list[Any], kwargs: dict[str, Any]) -> None:
-        n = len(args)
-        for position, name in zip(positions, names):
-            value = args[position] if n > position else kwargs.get(name)
-            if type(value) is int:
-                raise OpError(
-                    f"{op}: {name} must be sent as a {name} (a tagged value), not the number "
-                    f"{value}"
-                )
+        grad = _arg(args, kwargs, 0, "grad_output")
+        t = _arg(args, kwargs, 1, "self")
+        padding = _ints(op, "padding", _arg(args, kwargs, 2, "padding"))
+        if len(padding) != 2 * n:
+            raise OpError(f"{op}: padding needs {2 * n} integers, got {len(padding)}")
+        for name, v in (("self", t), ("grad_output", grad)):
+            if hasattr(v, "dim") and v.dim() not in (n + 1, n + 2):
+                raise OpError(f"{op}: {name} must have {n + 1} or {n + 2} dimensions")
 
     return rule
+
+
+def _dense_rule(op: str, positional: tuple[tuple[int, str], ...]) -> Rule:
+    """``sparse``/``sparse_grad`` flags (embedding, embedding_bag, gather and their
+    backwards): True makes a sparse tensor, which the server keeps out (no bounds checks on
+    its indices; the wire cannot carry it)."""
+
+    def rule(args: list[Any], kwargs: dict[str, Any]) -> None:
+        n = len(args)
+        for position, name in positional:
+            value = args[position] if n > position else kwargs.get(name)
+            if value is True:
+                raise OpError(f"{op}: {name}=True (sparse results) is not supported")
+
+    return rule
+
+
+def _enum_rule(op: str, positional: tuple[tuple[int, str], ...], names: tuple[str, ...]) -> Rule:
+    def rule(args: list[Any], kwargs: dict[str, Any]) -> None:
+        if kwargs:
+            for name in names:
+                if type(kwargs.get(name)) is int:
+                    _bare(op, name, kwargs[name])
+        n = len(args)
+        for position, name in positional:
+            if n > position and type(args[position]) is int:
+                _bare(op, name, args[position])
+
+    return rule
+
+
+def _bare(op: str, name: str, value: int) -> None:
+    raise OpError(f"{op}: {name} must be sent as a {name} (a tagged value), not the number {value}")
 
 
 #: Checks by op name (every overload: ``.default`` and ``.out`` share their leading arguments);
@@ -141,23 +187,33 @@ BY_NAME: dict[str, Rule] = {
     "aten::_fft_r2c": _fft_rule("_fft_r2c"),
     "aten::_fft_c2r": _fft_rule("_fft_c2r"),
     "aten::_fft_c2c": _fft_rule("_fft_c2c"),
+    **{
+        f"aten::{kind}_pad{n}d_backward": _pad_backward_rule(f"{kind}_pad{n}d_backward", n)
+        for kind in ("reflection", "replication")
+        for n in (1, 2, 3)
+    },
 }
 
 
 def rules_for(schema: Any) -> list[Rule]:
     """The checks one overload needs beyond its name's (:data:`BY_NAME`)."""
     op = f"{schema.name[len('aten::') :]}.{schema.overload_name or 'default'}"
-    positions, names = [], []
+    positional, names, flags = [], [], []
     for i, a in enumerate(schema.arguments):
+        if a.name in ("sparse", "sparse_grad") and str(a.type) == "bool":
+            flags.append((i, a.name))
         ty = str(a.real_type)
         if ty.startswith("Optional["):
             ty = ty[len("Optional[") : -1]
         if ty in _ENUM_TYPES:
-            positions.append(len(schema.arguments) if a.kwarg_only else i)
             names.append(a.name)
+            if not a.kwarg_only:
+                positional.append((i, a.name))
     rules = []
-    if positions:
-        rules.append(_enum_rule(op, tuple(positions), tuple(names)))
+    if flags:
+        rules.append(_dense_rule(op, tuple(flags)))
+    if names:
+        rules.append(_enum_rule(op, tuple(positional), tuple(names)))
     view = BY_NAME.get(schema.name)
     if view is not None:
         rules.append(view)

@@ -36,10 +36,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 _INT_TYPES = ("int", "List[int]", "Optional[int]", "Optional[List[int]]")
 #: 8 distinctive bytes; any 4-aligned half of them found in an output is a read of a canary.
+#: Each example has its own (:meth:`Arena.make`): uninitialized memory an op returns (``empty``,
+#: an ``out=`` resized) may hold an earlier example's canary, freed, never this one's.
 CANARY = bytes.fromhex("deadbeef0badf00d")
-_CANARY_WORDS = (CANARY[:4], CANARY[4:])
 _EXAMPLE_FILE = ""
-_ADDRESS_SPACE = 3 << 30  # the worker's address space limit
+_ADDRESS_SPACE = 3 << 29  # the worker's address space limit
 _GAP = 256  # canary bytes before, between and after the session's storages
 
 
@@ -161,6 +162,7 @@ class Arena:
     data: bytearray
     tensors: list[Any]
     canaries: list[tuple[int, int]] = field(default_factory=list)
+    canary: bytes = CANARY
 
     @classmethod
     def make(cls, torch: Any, specs: list[tuple[str, list[int], list[int]]]) -> Arena:
@@ -171,7 +173,8 @@ class Arena:
                 numel *= d
             sizes.append(numel * getattr(torch, dtype).itemsize)
         total = _GAP + sum(((n + 7) // 8 * 8) + _GAP for n in sizes)
-        data = bytearray(CANARY * (total // 8 + 1))[:total]
+        canary = CANARY[:2] + os.urandom(2) + CANARY[4:6] + os.urandom(2)
+        data = bytearray(canary * (total // 8 + 1))[:total]
         tensors, canaries, at = [], [(0, _GAP)], _GAP
         for (dtype, shape, values), nbytes in zip(specs, sizes):
             dt = getattr(torch, dtype)
@@ -194,11 +197,11 @@ class Arena:
             at += (nbytes + 7) // 8 * 8
             canaries.append((at, at + _GAP))
             at += _GAP
-        return cls(data, tensors, canaries)
+        return cls(data, tensors, canaries, canary)
 
     def canary_intact(self) -> bool:
         for lo, hi in self.canaries:
-            if self.data[lo:hi] != (CANARY * ((hi - lo) // 8 + 1))[: hi - lo]:
+            if self.data[lo:hi] != (self.canary * ((hi - lo) // 8 + 1))[: hi - lo]:
                 return False
         return True
 
@@ -226,7 +229,7 @@ def _tensors_in(value: Any, torch: Any, out: list[Any]) -> None:
             _tensors_in(v, torch, out)
 
 
-def _reads_canary(torch: Any, t: Any) -> bool:
+def _reads_canary(torch: Any, t: Any, canary: bytes) -> bool:
     if t.numel() == 0:
         return False
     try:
@@ -234,7 +237,7 @@ def _reads_canary(torch: Any, t: Any) -> bool:
         raw = flat.view(torch.uint8).numpy().tobytes()
     except Exception:  # a dtype numpy or copy_ cannot take: nothing to scan
         return False
-    for word in _CANARY_WORDS:
+    for word in (canary[:4], canary[4:]):
         at = raw.find(word)
         while at >= 0:
             if at % 4 == 0:
@@ -294,10 +297,10 @@ def check_call(op_name: str, specs: Any, args: list[Any], kwargs: dict[str, Any]
         why = outside_storage(t)
         if why is not None:
             return f"output {i}: {why}"
-        if _reads_canary(torch, t):
+        if _reads_canary(torch, t, arena.canary):
             return f"output {i} holds canary bytes (read another tenant's memory)"
     for i, t in enumerate(arena.tensors):
-        if outside_storage(t) is None and _reads_canary(torch, t):
+        if outside_storage(t) is None and _reads_canary(torch, t, arena.canary):
             return f"session tensor {i} holds canary bytes after the op"
     return None
 
@@ -340,7 +343,7 @@ def _fuzz_one(op_name: str, examples: int) -> str | None:
                 args.append(value)
         if _EXAMPLE_FILE:
             with open(_EXAMPLE_FILE, "w") as f:
-                f.write(f"args {args!r} kwargs {kwargs!r} session {specs!r}")
+                f.write(f"{op_name} args {args!r} kwargs {kwargs!r} session {specs!r}")
         why = check_call(op_name, specs, args, kwargs)
         if why is not None:
             failure[:] = [f"{why}; args {args!r} kwargs {kwargs!r} session {specs!r}"]
@@ -420,9 +423,11 @@ def _worker_run(
             proc.stdin.write("".join(f"{n}\n" for n in todo))
             proc.stdin.close()
             current = None
+            fd = proc.stdout.fileno()
             sel = selectors.DefaultSelector()
-            sel.register(proc.stdout, selectors.EVENT_READ)
+            sel.register(fd, selectors.EVENT_READ)
             started = time.monotonic()
+            pending = b""
             while True:
                 if not sel.select(timeout=1.0):
                     if current is not None and time.monotonic() - started > stuck_after_s:
@@ -431,8 +436,8 @@ def _worker_run(
                         todo.remove(current)
                         break
                     continue
-                line = proc.stdout.readline()
-                if not line:  # the worker ended
+                chunk = os.read(fd, 65536)
+                if not chunk:  # the worker ended
                     proc.wait()
                     if current is not None:
                         err.seek(0)
@@ -444,15 +449,18 @@ def _worker_run(
                     else:
                         todo = []
                     break
-                msg = json.loads(line)
-                if "start" in msg:
-                    current = msg["start"]
-                    started = time.monotonic()
-                else:
-                    todo.remove(msg["done"])
-                    kind = "failure" if msg["failure"] else "done"
-                    events.append((kind, msg["done"], msg["failure"] or ""))
-                    current = None
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    msg = json.loads(line)
+                    if "start" in msg:
+                        current = msg["start"]
+                        started = time.monotonic()
+                    else:
+                        todo.remove(msg["done"])
+                        kind = "failure" if msg["failure"] else "done"
+                        events.append((kind, msg["done"], msg["failure"] or ""))
+                        current = None
             sel.close()
             proc.wait()
             proc.stdout.close()

@@ -124,7 +124,9 @@ def test_the_fuzzer_catches_what_it_is_for() -> None:
     wide = torch.ops.aten._reshape_alias.default(arena.tensors[0], [8], [1])
     assert "reach byte 32 of a 16-byte storage" in op_fuzz.outside_storage(wide)
     leaked = wide.clone()  # reads past the session tensor: the canary's bytes
-    assert op_fuzz.outside_storage(leaked) is None and op_fuzz._reads_canary(torch, leaked)
+    assert op_fuzz.outside_storage(leaked) is None and op_fuzz._reads_canary(
+        torch, leaked, arena.canary
+    )
     wide.fill_(0.0)
     assert not arena.canary_intact()
 
@@ -163,6 +165,10 @@ def test_builtins_without_tensors_are_not_allowed(name: str) -> None:
         "aten::_slow_conv2d_backward.output_mask",  # 0-d inputs: SIGSEGV
         "aten::_stack.default",  # an empty list: SIGSEGV
         "aten::_transform_bias_rescale_qkv.default",  # 0 heads: SIGFPE
+        "aten::fractional_max_pool2d_backward.default",  # 0-d inputs: SIGSEGV
+        "aten::fractional_max_pool3d_backward.grad_input",
+        "aten::to.prim_Device",  # to.prim_Device(t, None, None, False, True): SIGSEGV
+        "aten::to.prim_dtype",
     ],
 )
 def test_internals_that_trust_their_arguments_are_denied(name: str) -> None:
@@ -192,3 +198,43 @@ def test_fft_within_range_runs() -> None:
     assert torch.allclose(_run("aten::_fft_r2c.default", [x, [0], 0, True]), torch.fft.rfft(x))
     c = torch.fft.fft(x)
     assert torch.allclose(_run("aten::_fft_c2c.default", [c, [0], 2, False]), torch.fft.ifft(c))
+
+
+@pytest.mark.parametrize(
+    ("name", "args"),
+    [
+        ("aten::reflection_pad1d_backward.default", [torch.ones(()), torch.ones(()), []]),
+        ("aten::reflection_pad2d_backward.default", [torch.ones(()), torch.ones(()), []]),
+        ("aten::reflection_pad2d_backward.default", [torch.ones(2, 2), torch.ones(2, 2), [1]]),
+        ("aten::replication_pad3d_backward.default", [torch.ones(3), torch.ones(3), [0] * 6]),
+    ],
+)
+def test_pad_backwards_check_their_padding_and_dims(name: str, args: list) -> None:
+    """What autograd of the pads sends; ATen reads the paddings and sizes unchecked (a 0-d
+    input with no padding was a SIGSEGV)."""
+    with pytest.raises(OpError, match="padding needs|dimensions"):
+        _run(name, args)
+
+
+def test_pad_backward_within_range_runs() -> None:
+    x = torch.arange(6.0).view(1, 6).requires_grad_()
+    y = torch.nn.functional.pad(x, (2, 1), mode="reflect")
+    (expected,) = torch.autograd.grad(y.sum(), x)
+    got = _run("aten::reflection_pad1d_backward.default", [torch.ones(1, 9), x.detach(), [2, 1]])
+    assert torch.equal(got, expected)
+
+
+def test_sparse_results_are_refused() -> None:
+    """``sparse=True`` made sparse tensors, which the server keeps out."""
+    idx = torch.tensor([0, 1])
+    args = [torch.ones(2, 3), idx, 4, -1, False, True]
+    with pytest.raises(OpError, match="sparse=True"):
+        _run("aten::embedding_backward.default", args)
+    args = [torch.ones(2), torch.ones(2), 0, idx, True]
+    with pytest.raises(OpError, match="sparse_grad=True"):
+        _run("aten::gather_backward.default", args)
+    with pytest.raises(OpError, match="sparse_grad=True"):
+        _run("aten::gather.default", [torch.ones(2), 0, idx], {"sparse_grad": True})
+    args[-1] = False
+    assert _run("aten::gather_backward.default", args).layout == torch.strided
+    assert _run("aten::gather.default", [torch.ones(2), 0, idx], {"sparse_grad": False}).sum() == 2
