@@ -162,9 +162,13 @@ def sizer(target: Any) -> Any:
     if bound is not None:
         return bound
     qualified = schema.name if not schema.overload_name else name
-    if torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "CompositeImplicitAutograd"):
-        return _composite(name)
-    return name
+    try:
+        composite = torch._C._dispatch_has_kernel_for_dispatch_key(
+            qualified, "CompositeImplicitAutograd"
+        )
+    except RuntimeError:  # a TorchScript builtin, not in the dispatcher
+        composite = False
+    return _composite(name) if composite else name
 
 
 def _composite(name: str) -> Callable[[Sizing, Any, list[Any], dict[str, Any]], int]:
@@ -355,6 +359,18 @@ def _index(sizing: Sizing, call: Any, a: list[Any], k: dict[str, Any]) -> int:
     return n
 
 
+def _like(position: int, name: str) -> Callable[[Sizing, Any, list[Any], dict[str, Any]], int]:
+    """An op without a meta kernel whose one result has the shape and dtype of its argument
+    ``position`` (``binomial``, gamma and Dirichlet sampling's helpers, masked softmax...)."""
+
+    def bound(sizing: Sizing, call: Any, a: list[Any], k: dict[str, Any]) -> int:
+        x = _tensor(_arg(a, k, position, name, None), f"argument {name!r}")
+        return _rounded(x.numel() * x.element_size(), sizing.block)
+
+    bound.__doc__ = _like.__doc__
+    return bound
+
+
 _INDEX = "aten::index.Tensor"
 
 
@@ -392,6 +408,14 @@ BOUNDS: dict[str, Callable[[Sizing, Any, list[Any], dict[str, Any]], int]] = {
     "aten::histogram.bins_tensor": _cached(_histogram_bins_tensor),
     "aten::_pack_padded_sequence": _cached(_pack_padded_sequence),
     "aten::index.Tensor": _index,
+    "aten::binomial.default": _cached(_like(0, "count")),
+    "aten::_sample_dirichlet.default": _cached(_like(0, "self")),
+    "aten::_standard_gamma_grad.default": _cached(_like(0, "self")),
+    "aten::_dirichlet_grad.default": _cached(_like(0, "x")),
+    "aten::_masked_softmax.default": _cached(_like(0, "self")),
+    "aten::_masked_softmax_backward.default": _cached(_like(0, "grad_output")),
+    "aten::max_pool2d_backward.default": _cached(_like(1, "self")),
+    "aten::batch_norm_elemt.default": _cached(_like(0, "input")),
 }
 
 

@@ -157,6 +157,10 @@ def _data_cases(values: list[int]) -> list[tuple]:
         (aten.index.Tensor, [f, [mask]], {}),
         (aten.index.Tensor, [f.reshape(1, -1), [None, mask]], {}),
         (aten.histogram.bin_ct, [f], {"bins": 7}),
+        (aten.binomial.default, [f.abs(), torch.full_like(f, 0.5)], {}),
+        (aten._standard_gamma_grad.default, [f.abs() + 1, f.abs() + 1], {}),
+        (aten._sample_dirichlet.default, [f.abs().reshape(1, -1) + 1], {}),
+        (aten._masked_softmax.default, [f.reshape(1, -1), mask.reshape(1, -1), -1, None], {}),
     ]
 
 
@@ -191,3 +195,14 @@ def test_an_op_that_decomposes_counts_its_parts_temporaries() -> None:
     assert _size(aten.matmul.default, [a, b]) >= 2 * 20 * 20 * 4096 * 4
     assert _size(aten.bmm.default, [torch.ones(4, 2, 3), torch.ones(4, 3, 5)]) == 4 * 2 * 5 * 4
     assert _size(aten.to.dtype, [torch.ones(8), torch.float64]) == 64
+
+
+def test_every_allowed_op_has_a_way_to_be_sized() -> None:
+    """Working out how to size an op never fails, TorchScript-only builtins included (they are
+    not in the dispatcher, so asking it whether they decompose raises)."""
+    from gpu_trace.runtime import allowlist
+
+    ops = [op for op in map(allowlist.resolve, sorted(allowlist.allowed())) if op is not None]
+    assert len(ops) > 1000
+    kinds = {type(sizer(op)).__name__ for op in ops}
+    assert kinds == {"NoneType", "str", "function"}
