@@ -122,9 +122,9 @@ def _setup(c: Client, case: str) -> list:
         a = _held(c, "aten::ones.default", [[100, 1, 1, 4096]], {"dtype": F32, "device": R})
         b = _held(c, "aten::ones.default", [[1, 100, 4096, 1]], {"dtype": F32, "device": R})
         return ["aten::matmul.default", [a, b]]
-    if case == "repeat":
+    if case in ("repeat", "tile"):  # tile decomposes into repeat (sized by its parts)
         one = _held(c, "aten::ones.default", [[1]], {"dtype": F32, "device": R})
-        return ["aten::repeat.default", [one, [100_000_000]]]
+        return [f"aten::{case}.default", [one, [100_000_000]]]
     if case == "repeat_interleave":  # the output's size is the sum of the repeats' values
         repeats = _held(c, "aten::full.default", [[4], 50_000_000], {"dtype": I64, "device": R})
         return ["aten::repeat_interleave.Tensor", [repeats]]
@@ -150,6 +150,7 @@ CASES = [
     "outer_matmul",
     "composite_matmul",
     "repeat",
+    "tile",
     "repeat_interleave",
     "bincount",
     "nonzero",
