@@ -165,6 +165,9 @@ def test_an_op_over_the_quota_is_refused_before_it_allocates(
     hostile, other = Client(server, HOSTILE), Client(server, OTHER)
     clients += [hostile, other]
     a = _held(other, "aten::ones.default", [[1024]], {"dtype": F32, "device": R})
+    # Sizing an op that decomposes loads torch's dispatch-mode machinery once per process (tens
+    # of MiB): loaded here, by the other tenant's small one, not inside the measured window.
+    _held(other, "aten::tile.default", [a, [2]])
     name, args, *kwargs = _setup(hostile, case)
     h, op = _op(hostile, name, args, kwargs[0] if kwargs else None)
     tm = server.memory.tenants[HOSTILE.name]
