@@ -141,6 +141,18 @@ def _pad_backward_rule(op: str, n: int) -> Rule:
     return rule
 
 
+def _weight_norm_rule(op: str, position: int, name: str) -> Rule:
+    """``_weight_norm``, ``_weight_norm_interface`` (what ``weight_norm`` sends) and its
+    backward: an empty weight divides by zero inside the CPU kernel (SIGFPE)."""
+
+    def rule(args: list[Any], kwargs: dict[str, Any]) -> None:
+        v = _arg(args, kwargs, position, name)
+        if hasattr(v, "numel") and (v.numel() == 0 or v.dim() == 0):
+            raise OpError(f"{op}: {name} must have at least one dimension and one element")
+
+    return rule
+
+
 def _dense_rule(op: str, positional: tuple[tuple[int, str], ...]) -> Rule:
     """``sparse``/``sparse_grad`` flags (embedding, embedding_bag, gather and their
     backwards): True makes a sparse tensor, which the server keeps out (no bounds checks on
@@ -187,6 +199,11 @@ BY_NAME: dict[str, Rule] = {
     "aten::_fft_r2c": _fft_rule("_fft_r2c"),
     "aten::_fft_c2r": _fft_rule("_fft_c2r"),
     "aten::_fft_c2c": _fft_rule("_fft_c2c"),
+    "aten::_weight_norm": _weight_norm_rule("_weight_norm", 0, "v"),
+    "aten::_weight_norm_interface": _weight_norm_rule("_weight_norm_interface", 0, "v"),
+    "aten::_weight_norm_interface_backward": _weight_norm_rule(
+        "_weight_norm_interface_backward", 1, "saved_v"
+    ),
     **{
         f"aten::{kind}_pad{n}d_backward": _pad_backward_rule(f"{kind}_pad{n}d_backward", n)
         for kind in ("reflection", "replication")

@@ -169,6 +169,15 @@ def test_builtins_without_tensors_are_not_allowed(name: str) -> None:
         "aten::fractional_max_pool3d_backward.grad_input",
         "aten::to.prim_Device",  # to.prim_Device(t, None, None, False, True): SIGSEGV
         "aten::to.prim_dtype",
+        "aten::_cholesky_solve_helper.out",  # SIGSEGV on mismatched shapes
+        "aten::_convert_indices_from_coo_to_csr.default",  # indices used unchecked
+        "aten::_new_zeros_with_same_feature_meta.default",  # negative batch dims
+        "aten::_sobol_engine_initialize_state_.default",  # dimension past the state
+        "aten::_chunk_cat.out",
+        "aten::_dyn_quant_matmul_4bit.default",  # SIGFPE
+        "aten::_batch_norm_no_update.out",  # out= forms of internals: SIGSEGV
+        "aten::_pdist_backward.out",
+        "aten::_fft_r2c.out",
     ],
 )
 def test_internals_that_trust_their_arguments_are_denied(name: str) -> None:
@@ -238,3 +247,26 @@ def test_sparse_results_are_refused() -> None:
     args[-1] = False
     assert _run("aten::gather_backward.default", args).layout == torch.strided
     assert _run("aten::gather.default", [torch.ones(2), 0, idx], {"sparse_grad": False}).sum() == 2
+
+
+@pytest.mark.parametrize(
+    ("name", "args"),
+    [
+        ("aten::_weight_norm_interface.default", [torch.ones(0), torch.ones(0), 0]),
+        ("aten::_weight_norm.default", [torch.ones(0), torch.ones(0), 0]),
+        (
+            "aten::_weight_norm_interface_backward.default",
+            [torch.ones(0), torch.ones(0), torch.ones(0), torch.ones(0), 0],
+        ),
+    ],
+)
+def test_weight_norm_of_an_empty_weight_is_refused(name: str, args: list) -> None:
+    """An empty weight divided by zero in the CPU kernel: SIGFPE, the server gone."""
+    with pytest.raises(OpError, match="at least one dimension and one element"):
+        _run(name, args)
+
+
+def test_weight_norm_runs() -> None:
+    v, g = torch.ones(2, 3), torch.full((2, 1), 2.0)
+    w, _ = _run("aten::_weight_norm_interface.default", [v, g, 0])
+    assert torch.allclose(w, torch._weight_norm(v, g, 0))
