@@ -153,6 +153,33 @@ def _weight_norm_rule(op: str, position: int, name: str) -> Rule:
     return rule
 
 
+def check_indices(op: str, indices: Any, size: Any) -> None:
+    """Refuse index values outside ``[0, size)``: one pass over ``indices`` (on CUDA, a wait
+    for the device)."""
+    if type(size) is not int:
+        raise OpError(f"{op}: num_weights must be an integer")
+    if not hasattr(indices, "numel") or indices.numel() == 0:
+        return
+    if indices.is_floating_point() or indices.is_complex() or indices.dtype.is_signed is None:
+        return  # not an index tensor: the op refuses it
+    lo, hi = indices.aminmax()
+    lo, hi = int(lo), int(hi)
+    if lo < 0 or hi >= size:
+        raise OpError(f"{op}: indices from {lo} to {hi} out of range for {size} rows")
+
+
+def _embedding_backward_rule(op: str) -> Rule:
+    """``embedding_dense_backward`` (what autograd of ``embedding`` sends) and
+    ``embedding_backward``: the CPU kernel writes the gradient's rows at ``indices`` unchecked
+    (an index of 2**40 was a SIGSEGV, -5 wrote before the result's storage, silently)."""
+
+    def rule(args: list[Any], kwargs: dict[str, Any]) -> None:
+        indices = _arg(args, kwargs, 1, "indices")
+        check_indices(op, indices, _arg(args, kwargs, 2, "num_weights"))
+
+    return rule
+
+
 def _dense_rule(op: str, positional: tuple[tuple[int, str], ...]) -> Rule:
     """``sparse``/``sparse_grad`` flags (embedding, embedding_bag, gather and their
     backwards): True makes a sparse tensor, which the server keeps out (no bounds checks on
@@ -200,6 +227,8 @@ BY_NAME: dict[str, Rule] = {
     "aten::_fft_c2r": _fft_rule("_fft_c2r"),
     "aten::_fft_c2c": _fft_rule("_fft_c2c"),
     "aten::_weight_norm": _weight_norm_rule("_weight_norm", 0, "v"),
+    "aten::embedding_dense_backward": _embedding_backward_rule("embedding_dense_backward"),
+    "aten::embedding_backward": _embedding_backward_rule("embedding_backward"),
     "aten::_weight_norm_interface": _weight_norm_rule("_weight_norm_interface", 0, "v"),
     "aten::_weight_norm_interface_backward": _weight_norm_rule(
         "_weight_norm_interface_backward", 1, "saved_v"

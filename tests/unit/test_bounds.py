@@ -270,3 +270,21 @@ def test_weight_norm_runs() -> None:
     v, g = torch.ones(2, 3), torch.full((2, 1), 2.0)
     w, _ = _run("aten::_weight_norm_interface.default", [v, g, 0])
     assert torch.allclose(w, torch._weight_norm(v, g, 0))
+
+
+@pytest.mark.parametrize("scale", [True, False])
+@pytest.mark.parametrize(
+    "name", ["aten::embedding_dense_backward.default", "aten::embedding_backward.default"]
+)
+@pytest.mark.parametrize("bad", [1 << 40, -5, 8])
+def test_embedding_backward_indices_are_checked(name: str, scale: bool, bad: int) -> None:
+    """The CPU kernel writes rows at the indices unchecked: 2**40 was a SIGSEGV, -5 wrote
+    before the result's storage without a word."""
+    args = [torch.ones(3, 4), torch.tensor([0, bad, 1]), 8, -1, scale]
+    if "dense" not in name:
+        args.append(False)  # sparse
+    with pytest.raises(OpError, match="out of range for 8 rows"):
+        _run(name, args)
+    args[1] = torch.tensor([0, 7, 1])
+    grad = _run(name, args)
+    assert grad.shape == (8, 4) and grad[7].sum() == 4.0 and grad[2].sum() == 0.0
