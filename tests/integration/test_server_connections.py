@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import logging
 import re
+import select
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -31,8 +34,10 @@ def _close_sockets() -> Iterator[None]:
         _sockets.pop().close()
 
 
-def _connect(server: Server) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+def _connect(server: Server | int) -> socket.socket:
+    """A connection to ``server`` (or to the server on that loopback port)."""
+    port = server if isinstance(server, int) else server.port
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
     _sockets.append(sock)
     return sock
 
@@ -44,10 +49,10 @@ def _wait_for(cond: Callable[[], bool], timeout: float = 20.0) -> None:
         time.sleep(0.02)
 
 
-def _run_op(server: Server) -> float:
+def _run_op(server: Server | int) -> float:
     """A real client's handshake (the client library's own), then one batch: the op's value."""
     sock = _connect(server)
-    reader, welcome = auth.client_handshake(sock, server.address, TOKEN, {"host": "test"})
+    reader, welcome = auth.client_handshake(sock, "the server", TOKEN, {"host": "test"})
     assert welcome["session"] > 0
     ops = [
         ["aten::ones.default", [[3]], {"dtype": {"d": "float32"}, "device": {"v": "r"}}, [1]],
@@ -220,3 +225,47 @@ def test_bad_connection_flags_are_refused(capsys: pytest.CaptureFixture[str]) ->
     assert cli.main([*flags, "--handshake-timeout", "nan"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and "got 0" in err[0] and "got nan" in err[1], err
+
+
+SERVER_OUT_OF_FDS = """
+import logging, os, resource, sys, time
+from gpu_trace.runtime.server import Server
+logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+server = Server("127.0.0.1:0", token=sys.argv[1], handshake_timeout_s=600).start()
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 4, hard))
+print(server.port, flush=True)
+sys.stdin.read()  # until the test closes it
+server.close()
+"""
+
+
+def test_running_out_of_file_descriptors_does_not_stop_accepting() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVER_OUT_OF_FDS, TOKEN],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    try:
+        port = int(proc.stdout.readline())
+        # Far more than the 4 descriptors left: accept() fails with EMFILE for the rest.
+        flood = [_connect(port) for _ in range(12)]
+        ready, _, _ = select.select([proc.stderr], [], [], 30)
+        first = proc.stderr.readline() if ready else ""
+        assert "not accepted" in first, first  # the first failure is logged at once
+        for sock in flood:
+            sock.close()
+        assert _run_op(port) == 3.0
+        proc.stdin.close()
+        assert proc.wait(timeout=30) == 0
+        rest = proc.stderr.read().splitlines()
+        assert len(rest) <= 1, rest  # the rest in one line at close, not one per failed accept
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            pipe.close()
