@@ -277,7 +277,9 @@ static int stack_remove(PyObject* stack, PyObject* sid) {
  * program but a flood of ranges) this never runs. The Python twin does the same.
  */
 #define GIVE_WAY_MASK 1023
+static unsigned long long g_gave_way; /* times, for tests (gave_way()) */
 static void give_way(void) {
+    g_gave_way++;
     Py_BEGIN_ALLOW_THREADS
     sched_yield();
     Py_END_ALLOW_THREADS
@@ -803,10 +805,17 @@ static PyObject* slot_offsets(PyObject* module, PyObject* unused) {
     return d;
 }
 
+static PyObject* gave_way(PyObject* module, PyObject* unused) {
+    (void)module;
+    (void)unused;
+    return PyLong_FromUnsignedLongLong(g_gave_way);
+}
+
 static PyMethodDef module_methods[] = {
     {"configure", configure, METH_VARARGS,
      PyDoc_STR("configure(recorder_module, ThreadBuffer, lane, category, warn, update_wrapper)")},
     {"slot_offsets", slot_offsets, METH_NOARGS, PyDoc_STR("ThreadBuffer fields read by offset (0: by name)")},
+    {"gave_way", gave_way, METH_NOARGS, PyDoc_STR("how many times a range has given the GIL way")},
     {"span_columns", span_columns, METH_O, PyDoc_STR("span tuples as columns (see gpu_trace.tracer.columns)")},
     {NULL},
 };

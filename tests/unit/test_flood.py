@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 
 import gpu_trace
 from gpu_trace import _api
-from gpu_trace.tracer import columns, recorder
+from gpu_trace.tracer import columns, fastpath_build, recorder
 from gpu_trace.tracer.run import STATS_DIR
 from gpu_trace.tracer.spool import list_spool
 from tests.conftest import recorded
@@ -132,18 +133,23 @@ def test_a_small_buffer_waits_for_the_interval(tmp_path: Path) -> None:
     assert len(recorded(run)) == 1024
 
 
+@pytest.mark.parametrize("impl", ["c", "python"])
 def test_a_thread_over_half_its_buffer_gives_way(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, impl: str
 ) -> None:
+    rng = _impl(impl)
     calls: list[int] = []
     monkeypatch.setattr(_api, "_give_way", lambda: calls.append(1))
+    native = sys.modules.get(fastpath_build.MODULE)
+    before = native.gave_way() if native is not None else 0
     gpu_trace.start(tmp_path / "run", nvtx="off", buffer_events=8192, flush_interval_s=60)
     try:
-        _flood(_api.PyRange, 10_000)  # below FILL_MIN_EVENTS: nothing is flushed meanwhile
+        _flood(rng, 10_000)  # below FILL_MIN_EVENTS: nothing is flushed meanwhile
     finally:
         gpu_trace.stop()
+    gave_way = len(calls) if impl == "python" else native.gave_way() - before
     # past half (4096), every 1024 appended: at 5120, 6144, 7168; none once full
-    assert len(calls) == 3
+    assert gave_way == 3
 
 
 # ---- what is dropped is counted -----------------------------------------------------------------
