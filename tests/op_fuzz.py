@@ -98,7 +98,10 @@ def _arg_strategy(arg: Any, n_tensors: int, s: dict[str, Any]) -> Any:
     optional = ty.startswith("Optional[")
     if optional:
         ty = ty[len("Optional[") : -1]
-    tensor = st.tuples(st.just("T"), st.integers(0, n_tensors - 1))
+    # An out= tensor is a resizable copy: the arena's storages cannot grow, and a server's can
+    # (a storage that cannot grow takes other paths in ATen).
+    tag = "O" if arg.is_out else "T"
+    tensor = st.tuples(st.just(tag), st.integers(0, n_tensors - 1))
     if ty in ("int", "SymInt"):
         base = s["int"]
     elif ty in ("List[int]", "List[SymInt]") or ty.startswith("List[int]") or ty == "int[]":
@@ -210,6 +213,8 @@ def _materialize(torch: Any, value: Any, arena: Arena) -> Any:
     if type(value) is tuple:
         if value[0] == "T":
             return arena.tensors[value[1]]
+        if value[0] == "O":
+            return arena.tensors[value[1]].clone()
         if value[0] == "D":
             return getattr(torch, value[1])
         if value[0] == "E":
@@ -504,13 +509,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ops", default="", help="only ops whose name matches this regex")
     p.add_argument("--all", action="store_true", help="every allowed op")
     p.add_argument("--start", default="", help="only ops from this name on (sorted)")
+    p.add_argument("--stop", default="\uffff", help="only ops up to this name (sorted)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--example-file", default="", help=argparse.SUPPRESS)
     ns = p.parse_args(argv)
     if ns.worker:
         worker(ns.examples, ns.example_file)
         return 0
-    ops = [n for n in fuzz_targets(ns.all) if re.search(ns.ops, n) and n >= ns.start]
+    ops = [n for n in fuzz_targets(ns.all) if re.search(ns.ops, n) and ns.start <= n <= ns.stop]
     t0 = time.monotonic()
     report = fuzz(ops, ns.examples, say=lambda line: print(line, flush=True))
     print(
