@@ -291,8 +291,10 @@ class Server:
             except OSError as exc:
                 if self._closing.is_set() or exc.errno in (errno.EBADF, errno.EINVAL):
                     return
-                # Out of file descriptors or memory, or the peer gave up: not the end of the
-                # server. Counted and logged like a refusal; those that hold them time out.
+                if exc.errno == errno.ECONNABORTED:  # the peer gave up before we took it
+                    continue
+                # Out of file descriptors or memory: not the end of the server. Counted and
+                # logged like a refusal; the connections holding them end or time out.
                 self.handshakes.failed("accept")
                 time.sleep(0.05)
                 continue
