@@ -5,10 +5,12 @@ from the moment it is accepted. Left unbounded, peers that connect and say nothi
 byte now and then (slowloris), hold those until the server has room for no one else. So:
 
 - At most :attr:`Handshakes.limit` connections are in their handshake (accepted, no WELCOME yet)
-  at once. A connection accepted at the limit ends the *oldest* pending handshake rather than
-  being refused itself: a real client authenticates in one round trip, so a peer holding every
-  slot cannot keep it out (it would have to open ``limit`` connections within that round trip),
-  while refusing new connections would keep everyone out until the squatters' deadlines passed.
+  at once. A connection accepted at the limit ends the oldest pending handshake of the peer
+  address that has the most of them, rather than being refused itself: a real client
+  authenticates in one round trip, so a peer holding every slot cannot keep it out (from another
+  address, never; from its own, only by opening more connections within that round trip than
+  the client has), while refusing new connections would keep everyone out until the squatters'
+  deadlines passed.
 - Each handshake has a deadline, :attr:`Handshakes.timeout_s` after its accept. It is absolute:
   bytes trickling in do not extend it (:meth:`~gpu_trace.runtime.wire.FrameReader.read_by`).
 - Sessions are bounded separately (``max_sessions``); an authenticated connection is out of
@@ -48,7 +50,7 @@ class Handshakes:
         self.log_every_s = log_every_s
         #: Handshakes ended early since the server started, by why (``room``, ``timeout``...).
         self.ended: Counter[str] = Counter()
-        self._pending: dict[socket.socket, float] = {}  # insertion order: oldest first
+        self._pending: dict[socket.socket, str] = {}  # peer host; insertion order: oldest first
         self._lock = threading.Lock()
         self._unlogged: Counter[str] = Counter()
         self._logged_at = -math.inf
@@ -57,18 +59,21 @@ class Handshakes:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def begin(self, conn: socket.socket) -> float:
-        """Count ``conn`` in (ending the oldest handshake if at the limit); its deadline."""
+    def begin(self, conn: socket.socket, host: str = "") -> float:
+        """Count ``conn`` from ``host`` in (at the limit, ending the oldest handshake of the host
+        with the most); its deadline."""
         with self._lock:
             if len(self._pending) >= self.limit:
-                oldest = next(iter(self._pending))
+                by_host = Counter(self._pending.values())
+                most = max(by_host.values())
+                # The oldest connection of a host with the most (dicts keep insertion order).
+                oldest = next(c for c, h in self._pending.items() if by_host[h] == most)
                 del self._pending[oldest]
                 with contextlib.suppress(OSError):  # its thread sees the socket shut and ends
                     oldest.shutdown(socket.SHUT_RDWR)
                 self._count("room")
-            deadline = time.monotonic() + self.timeout_s
-            self._pending[conn] = deadline
-        return deadline
+            self._pending[conn] = host
+        return time.monotonic() + self.timeout_s
 
     def done(self, conn: socket.socket) -> bool:
         """``conn`` is out of its handshake (authenticated, or gone); whether it was in it."""

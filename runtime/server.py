@@ -298,7 +298,8 @@ class Server:
                 self.handshakes.failed("accept")
                 time.sleep(0.05)
                 continue
-            deadline = self.handshakes.begin(conn)  # may end the oldest pending handshake
+            host = peer[0] if isinstance(peer, tuple) and peer else str(peer)
+            deadline = self.handshakes.begin(conn, host)  # may end a pending handshake
             with self._lock:
                 self._conns.add(conn)
             t = threading.Thread(
