@@ -38,7 +38,7 @@ ENVIRONMENT: dict[str, str] = {
     "GPU_TRACE_HANDSHAKE_TIMEOUT": "Seconds `gpu-trace serve` gives a new connection to "
     "authenticate (from accept to WELCOME; bytes trickling in do not extend it). Default 10.",
     "GPU_TRACE_MAX_HANDSHAKES": "Connections `gpu-trace serve` lets wait to authenticate at once, "
-    "apart from sessions; one more ends the oldest. Default 64.",
+    "apart from sessions; one more ends the oldest of the busiest peer address. Default 64.",
     "GPU_TRACE_RUN_DIR": "Set by `gpu-trace record` for the traced program and its children: the "
     "run directory the recorder spools into. When set, recording starts at interpreter start.",
     "GPU_TRACE_RUN_ID": "Set by `gpu-trace record`: the run id.",
