@@ -180,6 +180,56 @@ def _embedding_backward_rule(op: str) -> Rule:
     return rule
 
 
+def _lists_rule(op: str, lists: tuple[tuple[int, str], ...]) -> Rule:
+    """``_foreach_*``: every tensor and number list as long as the first (``_foreach_copy``
+    with an empty and a one-tensor list was a SIGSEGV)."""
+
+    def rule(args: list[Any], kwargs: dict[str, Any]) -> None:
+        n = len(args)
+        lengths = []
+        for position, name in lists:
+            value = args[position] if n > position else kwargs.get(name)
+            if type(value) is list:
+                lengths.append(len(value))
+        if len(set(lengths)) > 1:
+            raise OpError(f"{op}: its lists differ in length ({lengths})")
+
+    return rule
+
+
+def _fused_optimizer_rule(op: str, lists: tuple[tuple[int, str], ...]) -> Rule:
+    """``_fused_adam_`` and the other fused optimizers (what ``fused=True`` sends): the CPU
+    kernels walk every list's tensor ``i`` as ``params[i].numel()`` contiguous elements (a
+    2-element grad for a 1000-element param was a SIGSEGV). So: lists as long as the params'
+    (or empty), each tensor contiguous and as large as its param; ``state_steps`` one element
+    each."""
+
+    def rule(args: list[Any], kwargs: dict[str, Any]) -> None:
+        n = len(args)
+        params = None
+        for position, name in lists:
+            value = args[position] if n > position else kwargs.get(name)
+            if type(value) is not list:
+                continue
+            if params is None:
+                params = value
+            elif value and len(value) != len(params):
+                raise OpError(f"{op}: {name} has {len(value)} tensors for {len(params)} params")
+            for i, t in enumerate(value):
+                if not hasattr(t, "numel"):
+                    continue  # not a tensor: the op refuses it
+                if name == "state_steps":
+                    if t.numel() != 1:
+                        raise OpError(f"{op}: state_steps[{i}] must have one element")
+                elif not t.is_contiguous() or t.numel() != params[i].numel():
+                    raise OpError(
+                        f"{op}: {name}[{i}] must be contiguous with {params[i].numel()} "
+                        "elements, like its param"
+                    )
+
+    return rule
+
+
 def _dense_rule(op: str, positional: tuple[tuple[int, str], ...]) -> Rule:
     """``sparse``/``sparse_grad`` flags (embedding, embedding_bag, gather and their
     backwards): True makes a sparse tensor, which the server keeps out (no bounds checks on
@@ -255,7 +305,16 @@ def rules_for(schema: Any) -> list[Rule]:
             names.append(a.name)
             if not a.kwarg_only:
                 positional.append((i, a.name))
+    lists = tuple(
+        (i, a.name)
+        for i, a in enumerate(schema.arguments)
+        if str(a.type) in ("List[Tensor]", "List[number]", "List[float]", "List[complex]")
+    )
     rules = []
+    if schema.name.startswith("aten::_foreach_") and len(lists) > 1:
+        rules.append(_lists_rule(op, lists))
+    if schema.name.startswith("aten::_fused_") and len(lists) > 1:
+        rules.append(_fused_optimizer_rule(op, lists))
     if flags:
         rules.append(_dense_rule(op, tuple(flags)))
     if names:

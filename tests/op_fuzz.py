@@ -508,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--examples", type=int, default=50, help="examples per op (default 50)")
     p.add_argument("--ops", default="", help="only ops whose name matches this regex")
     p.add_argument("--all", action="store_true", help="every allowed op")
+    p.add_argument("--others", action="store_true", help="allowed ops the default leaves out")
     p.add_argument("--start", default="", help="only ops from this name on (sorted)")
     p.add_argument("--stop", default="\uffff", help="only ops up to this name (sorted)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -516,7 +517,10 @@ def main(argv: list[str] | None = None) -> int:
     if ns.worker:
         worker(ns.examples, ns.example_file)
         return 0
-    ops = [n for n in fuzz_targets(ns.all) if re.search(ns.ops, n) and ns.start <= n <= ns.stop]
+    ops = fuzz_targets(ns.all or ns.others)
+    if ns.others:
+        ops = sorted(set(ops) - set(fuzz_targets()))
+    ops = [n for n in ops if re.search(ns.ops, n) and ns.start <= n <= ns.stop]
     t0 = time.monotonic()
     report = fuzz(ops, ns.examples, say=lambda line: print(line, flush=True))
     print(

@@ -178,6 +178,9 @@ def test_builtins_without_tensors_are_not_allowed(name: str) -> None:
         "aten::_batch_norm_no_update.out",  # out= forms of internals: SIGSEGV
         "aten::_pdist_backward.out",
         "aten::_fft_r2c.out",
+        "aten::fbgemm_pack_gemm_matrix_fp16.default",  # SIGSEGV on an empty weight
+        "aten::_saturate_weight_to_fp16.default",
+        "aten::_thnn_differentiable_lstm_cell_backward.default",  # SIGSEGV on odd shapes
     ],
 )
 def test_internals_that_trust_their_arguments_are_denied(name: str) -> None:
@@ -288,3 +291,42 @@ def test_embedding_backward_indices_are_checked(name: str, scale: bool, bad: int
     args[1] = torch.tensor([0, 7, 1])
     grad = _run(name, args)
     assert grad.shape == (8, 4) and grad[7].sum() == 4.0 and grad[2].sum() == 0.0
+
+
+def _adam(params: list, grads: list, state: list, steps: list, maxes: list | None = None) -> None:
+    args = [params, grads, state, [torch.zeros_like(p) for p in params], maxes or [], steps]
+    kwargs = {"lr": 0.1, "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.0, "eps": 1e-8}
+    _run("aten::_fused_adam_.default", args, {**kwargs, "amsgrad": False, "maximize": False})
+
+
+@pytest.mark.parametrize(
+    ("grads", "why"),
+    [
+        ([torch.ones(2)], "grads\\[0\\] must be contiguous with 1000 elements"),  # SIGSEGV
+        ([torch.ones(1).expand(1000)], "must be contiguous"),  # 1000 elements, 1 stored
+        ([torch.ones(1000), torch.ones(1000)], "2 tensors for 1 params"),
+    ],
+)
+def test_fused_optimizers_check_their_tensors_against_the_params(grads: list, why: str) -> None:
+    """``fused=True`` optimizers: the CPU kernel walks every tensor as its param's number of
+    contiguous elements (a 2-element grad of a 1000-element param was a SIGSEGV)."""
+    params = [torch.ones(1000)]
+    with pytest.raises(OpError, match=why):
+        _adam(params, grads, [torch.zeros(1000)], [torch.zeros(())])
+    assert torch.equal(params[0], torch.ones(1000))
+
+
+def test_fused_optimizers_run_when_consistent() -> None:
+    params, grads = [torch.ones(10), torch.ones(3)], [torch.ones(10), torch.ones(3)]
+    with pytest.raises(OpError, match="state_steps\\[1\\] must have one element"):
+        _adam(params, grads, [torch.zeros(10), torch.zeros(3)], [torch.zeros(()), torch.zeros(2)])
+    _adam(params, grads, [torch.zeros(10), torch.zeros(3)], [torch.ones(()), torch.ones(())])
+    assert (params[0] < 1).all() and (params[1] < 1).all()
+
+
+def test_foreach_lists_must_match_in_length() -> None:
+    """``_foreach_copy`` of an empty list from a one-tensor list was a SIGSEGV."""
+    with pytest.raises(OpError, match="differ in length"):
+        _run("aten::_foreach_copy.default", [[], [torch.ones(2)], True])
+    out = _run("aten::_foreach_copy.default", [[torch.zeros(2)], [torch.ones(2)], False])
+    assert torch.equal(out[0], torch.ones(2))
