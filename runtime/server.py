@@ -3,8 +3,8 @@
 Each connection gets a reader thread: it authenticates the client (CHALLENGE/HELLO; connections
 not authenticated yet are bounded in number and time apart from sessions, see
 :mod:`gpu_trace.runtime.handshakes`), answers heartbeats at once (their timestamps are clock-sync
-samples, so they never wait behind work), validates every frame and hands uploads and batches to the scheduler, in order. One executor
-thread runs the work (:mod:`gpu_trace.runtime.executor`); a lone small batch runs on the
+samples, so they never wait behind work), validates every frame and hands uploads and batches to
+the scheduler, in order. One executor thread runs the work (:mod:`gpu_trace.runtime.executor`); a lone small batch runs on the
 connection's thread when the device is idle. Each connection polls for its client's next message
 for :attr:`Server.spin_ns` while the device is idle (giving the CPU away between tries; see
 :meth:`~gpu_trace.runtime.wire.FrameReader.spin`), then sleeps in ``recv`` (no ``select``; a
@@ -325,7 +325,7 @@ class Server:
             refused = isinstance(exc, Refused)
             if self.handshakes.done(conn) or refused:  # no session: counted, logged in bulk
                 self.handshakes.failed("refused" if refused else "protocol")
-                log.debug("gpu-trace serve: %s: handshake refused: %s", peer, exc)
+                log.debug("gpu-trace serve: %s: handshake failed: %s", peer, exc)
             else:
                 log.info("gpu-trace serve: %s: protocol error: %s", peer, exc)
             with contextlib.suppress(ConnectionClosed, OSError):
