@@ -1,14 +1,14 @@
 """`gpu-trace serve`: the forwarding server. One process owns the device for every client.
 
-Each connection gets a reader thread: it authenticates the client (CHALLENGE/HELLO; connections
-not authenticated yet are bounded in number and time apart from sessions, see
+Each connection gets a reader thread: it authenticates the client (CHALLENGE/HELLO; connections not
+authenticated yet are bounded in number and time apart from sessions, see
 :mod:`gpu_trace.runtime.handshakes`), answers heartbeats at once (their timestamps are clock-sync
 samples, so they never wait behind work), validates every frame and hands uploads and batches to
-the scheduler, in order. One executor thread runs the work (:mod:`gpu_trace.runtime.executor`); a lone small batch runs on the
-connection's thread when the device is idle. Each connection polls for its client's next message
-for :attr:`Server.spin_ns` while the device is idle (giving the CPU away between tries; see
-:meth:`~gpu_trace.runtime.wire.FrameReader.spin`), then sleeps in ``recv`` (no ``select``; a
-receive timeout ends idle connections). Traced sessions' spans go to the sink
+the scheduler, in order. One executor thread runs the work (:mod:`gpu_trace.runtime.executor`); a
+lone small batch runs on the connection's thread when the device is idle. Each connection polls for
+its client's next message for :attr:`Server.spin_ns` while the device is idle (giving the CPU away
+between tries; see :meth:`~gpu_trace.runtime.wire.FrameReader.spin`), then sleeps in ``recv`` (no
+``select``; a receive timeout ends idle connections). Traced sessions' spans go to the sink
 (:mod:`gpu_trace.runtime.sink`): back to the client, or into a shared store.
 """
 
