@@ -17,6 +17,11 @@
  * Speed: the ThreadBuffer's __slots__ are read at their offsets when the buffer is exactly a
  * ThreadBuffer (offsets taken from its member descriptors by configure()); anything else goes
  * through ordinary attribute access.
+ *
+ * Floods: a thread whose buffer is over half full gives the GIL way every 1024 spans (give_way),
+ * and the flusher turns the spans into columns in one pass (span_columns, the C twin of
+ * gpu_trace.tracer.columns), so one thread emitting ranges as fast as it can does not outrun
+ * the flusher (docs/api.md, "Floods of ranges").
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
