@@ -68,7 +68,7 @@ DENIED = re.compile(
     r"|_transform_bias_rescale_qkv|fractional_max_pool[23]d_backward|_cholesky_solve_helper"
     r"|_convert_indices_from_.*|_new_zeros_with_same_feature_meta|_sobol_engine_.*|_chunk_cat"
     r"|_dyn_quant_.*|_weight_int[48]pack_mm.*|_convert_weight_to_int4pack.*"
-    r"|fbgemm_.*|_saturate_weight_to_fp16|_thnn_differentiable_.*"
+    r"|fbgemm_.*|_saturate_weight_to_fp16|_thnn_differentiable_.*|_masked_softmax.*"
     r")$"
 )
 #: Overloads never resolved: TorchScript's ``to`` variants (``to.prim_Device(t, None, None,

@@ -230,6 +230,43 @@ def _fused_optimizer_rule(op: str, lists: tuple[tuple[int, str], ...]) -> Rule:
     return rule
 
 
+_PER_CHANNEL = ("weight", "bias", "running_mean", "running_var", "save_mean", "save_invstd")
+
+
+def _batch_norm_rule(op: str, at: dict[str, int], backward: bool) -> Rule:
+    """Batch norms (``native_batch_norm`` and kin, and their backwards): the CPU kernels take
+    every per-channel tensor as ``input.size(1)`` elements and, when not training, the running
+    statistics as given (eval mode with none was a SIGSEGV; a backward of an empty input a
+    SIGFPE). ``save_*`` may be empty (what eval mode's forward returns)."""
+
+    def get(args: list[Any], kwargs: dict[str, Any], name: str) -> Any:
+        position = at.get(name)
+        if position is None:
+            return None
+        return args[position] if len(args) > position else kwargs.get(name)
+
+    def rule(args: list[Any], kwargs: dict[str, Any]) -> None:
+        x = get(args, kwargs, "input")
+        if not hasattr(x, "dim"):
+            return  # not a tensor: the op refuses it
+        if x.dim() < 2:
+            raise OpError(f"{op}: input must have at least 2 dimensions")
+        if backward and x.numel() == 0:
+            raise OpError(f"{op}: input has no elements")
+        channels = x.shape[1]
+        for name in _PER_CHANNEL:
+            t = get(args, kwargs, name)
+            n = t.numel() if hasattr(t, "numel") else channels
+            if n != channels and not (name.startswith("save_") and n == 0):
+                raise OpError(f"{op}: {name} must have {channels} elements (input channels)")
+        training = get(args, kwargs, "training" if "training" in at else "train")
+        stats = (get(args, kwargs, "running_mean"), get(args, kwargs, "running_var"))
+        if training is False and "running_mean" in at and any(s is None for s in stats):
+            raise OpError(f"{op}: running_mean and running_var are needed when not training")
+
+    return rule
+
+
 def _dense_rule(op: str, positional: tuple[tuple[int, str], ...]) -> Rule:
     """``sparse``/``sparse_grad`` flags (embedding, embedding_bag, gather and their
     backwards): True makes a sparse tensor, which the server keeps out (no bounds checks on
@@ -311,6 +348,9 @@ def rules_for(schema: Any) -> list[Rule]:
         if str(a.type) in ("List[Tensor]", "List[number]", "List[float]", "List[complex]")
     )
     rules = []
+    at = {a.name: i for i, a in enumerate(schema.arguments)}
+    if "batch_norm" in schema.name and "input" in at:
+        rules.append(_batch_norm_rule(op, at, "backward" in schema.name))
     if schema.name.startswith("aten::_foreach_") and len(lists) > 1:
         rules.append(_lists_rule(op, lists))
     if schema.name.startswith("aten::_fused_") and len(lists) > 1:

@@ -181,6 +181,7 @@ def test_builtins_without_tensors_are_not_allowed(name: str) -> None:
         "aten::fbgemm_pack_gemm_matrix_fp16.default",  # SIGSEGV on an empty weight
         "aten::_saturate_weight_to_fp16.default",
         "aten::_thnn_differentiable_lstm_cell_backward.default",  # SIGSEGV on odd shapes
+        "aten::_masked_softmax.default",  # mask_type unchecked: SIGSEGV
     ],
 )
 def test_internals_that_trust_their_arguments_are_denied(name: str) -> None:
@@ -330,3 +331,37 @@ def test_foreach_lists_must_match_in_length() -> None:
         _run("aten::_foreach_copy.default", [[], [torch.ones(2)], True])
     out = _run("aten::_foreach_copy.default", [[torch.zeros(2)], [torch.ones(2)], False])
     assert torch.equal(out[0], torch.ones(2))
+
+
+def test_batch_norm_checks_its_per_channel_tensors_and_running_stats() -> None:
+    """Eval-mode ``native_batch_norm`` without running statistics was a SIGSEGV, a backward of
+    an empty input a SIGFPE; per-channel tensors are read as ``input.size(1)`` elements."""
+    x = torch.randn(4, 3)
+    with pytest.raises(OpError, match="running_mean and running_var are needed"):
+        _run(
+            "aten::native_batch_norm.default",
+            [torch.ones(1, 1), None, None, None, None, False, 0.0, 0.0],
+        )
+    with pytest.raises(OpError, match="weight must have 3 elements"):
+        _run(
+            "aten::native_batch_norm.default", [x, torch.ones(2), None, None, None, True, 0.1, 1e-5]
+        )
+    with pytest.raises(OpError, match="running_var must have 3 elements"):
+        _run(
+            "aten::_native_batch_norm_legit_no_training.default",
+            [x, None, None, torch.zeros(3), torch.ones(1), 0.1, 1e-5],
+        )
+    empty = torch.ones(3, 0, 4)
+    args = [empty, empty, None, None, None, torch.ones(0), torch.ones(0), False, 0.5, [True] * 3]
+    with pytest.raises(OpError, match="no elements"):
+        _run("aten::native_batch_norm_backward.default", args)
+    mean, var = torch.zeros(3), torch.ones(3)
+    out, save_mean, save_invstd = _run(
+        "aten::native_batch_norm.default", [x, None, None, mean, var, False, 0.1, 1e-5]
+    )
+    assert torch.allclose(out, x, atol=1e-4) and save_mean.numel() == 0
+    grad = _run(
+        "aten::native_batch_norm_backward.default",
+        [torch.ones(4, 3), x, None, mean, var, save_mean, save_invstd, False, 1e-5, [True] * 3],
+    )
+    assert grad[0].shape == (4, 3)
