@@ -29,10 +29,10 @@ _warn_once = WarnOnce(log, "gpu-trace: %s failed; the program goes on without th
 
 
 #: A thread whose buffer is over half full is outrunning the flusher: every GIVE_WAY_MASK + 1
-#: spans from then on it releases the GIL and yields the CPU (``sched_yield``), so a flusher
-#: waiting for the GIL gets it at once rather than after the switch interval (5 ms, in which such
-#: a thread appends thousands of spans). Below half full (any program but a flood of ranges) this
-#: never runs. The C range does the same.
+#: spans from then on (appended, or dropped once it is full) it releases the GIL and yields the
+#: CPU (``sched_yield``), so a flusher waiting for the GIL gets it at once rather than after the
+#: switch interval (5 ms, in which such a thread appends thousands of spans). Below half full (any
+#: program but a flood of ranges) this never runs. The C range does the same.
 GIVE_WAY_MASK = 1023
 _give_way = getattr(os, "sched_yield", lambda: time.sleep(0))
 
@@ -111,7 +111,9 @@ class PyRange:
                     if n > buf.capacity >> 1 and not n & GIVE_WAY_MASK:
                         _give_way()
                 else:
-                    buf.dropped += 1
+                    buf.dropped = dropped = buf.dropped + 1
+                    if not dropped & GIVE_WAY_MASK:  # full: the more so
+                        _give_way()
             except Exception:
                 _warn_once("range exit")
 

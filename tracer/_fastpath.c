@@ -276,7 +276,8 @@ static int stack_remove(PyObject* stack, PyObject* sid) {
 
 /*
  * A buffer over half full means its thread is outrunning the flusher, which needs the GIL to
- * empty it: every GIVE_WAY_MASK + 1 spans from then on, the thread releases the GIL and yields
+ * empty it: every GIVE_WAY_MASK + 1 spans from then on (appended, or dropped once it is full: a
+ * full buffer must not let the thread run faster still), the thread releases the GIL and yields
  * the CPU, so a flusher waiting for the GIL gets it at once instead of after the interpreter's
  * switch interval (5 ms, in which such a thread appends some 10,000 spans). Below half full (any
  * program but a flood of ranges) this never runs. The Python twin does the same.
@@ -348,9 +349,11 @@ static int state_exit(span_state* s, PyObject* name, PyObject* attrs) {
         PyObject* d1 = d ? PyNumber_Add(d, g_one) : NULL;
         Py_XDECREF(d);
         if (!d1) goto fail;
+        long long dropped = PyLong_CheckExact(d1) ? PyLong_AsLongLong(d1) : -1;
         int r = field_set(buf, F_DROPPED, d1);
         Py_DECREF(d1);
         if (r < 0) goto fail;
+        if (dropped > 0 && (dropped & GIVE_WAY_MASK) == 0) give_way(); /* full: the more so */
     }
     Py_DECREF(stack);
     Py_DECREF(spans);
