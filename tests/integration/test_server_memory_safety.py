@@ -174,3 +174,30 @@ def test_views_inside_the_storage_still_work(server: Served) -> None:
     assert torch.equal(attacker.fetch(2), torch.ones(2, 2))
     assert torch.equal(attacker.fetch(3), torch.ones(2))
     assert torch.equal(attacker.fetch(4), torch.ones(4))
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        ["aten::__round_to_zero_floordiv.int", [0, 0], {}, None],  # SIGFPE
+        ["aten::to.prim_Device", [{"h": 1}, None, None, False, True], {}, [2]],  # SIGSEGV
+        [
+            "aten::_fused_adam_.default",
+            [[{"h": 1}], [{"h": 3}], [{"h": 1}], [{"h": 1}], [], [{"h": 3}]],
+            {"lr": 0.1, "beta1": 0.9, "beta2": 0.9, "weight_decay": 0.0, "eps": 1e-8},
+            [None],
+        ],  # a 1-element grad for a 4-element param: SIGSEGV
+    ],
+    ids=["int_floordiv", "to_prim_device", "fused_adam"],
+)
+def test_ops_that_crashed_the_server_are_refused(server: Served, op: list) -> None:
+    """Each of these ended the server, and every tenant's session with it."""
+    attacker, victim = _two_tenants(server)
+    assert attacker.batch([["aten::ones.default", [[1]], {}, [3]]])["ok"]
+    if op[0] == "aten::_fused_adam_.default":
+        op[2].update({"amsgrad": False, "maximize": False})
+    message = _refused(attacker.batch([op]), op[0])
+    assert "allow-list" in message or "must" in message or "needed" in message, message
+    assert server.alive()
+    assert torch.equal(victim.fetch(1), SECRET)
+    assert torch.equal(attacker.fetch(1), torch.ones(4))
