@@ -17,6 +17,17 @@ class CLIError(Exception):
         self.exit_code = exit_code
 
 
+def check_settings() -> None:
+    """Every ``GPU_TRACE_*`` setting that is set, checked before a command starts its work (a
+    program, a server): a bad one is one line and exit 2 instead of a feature quietly off."""
+    from gpu_trace import config
+
+    try:
+        config.check_environment()
+    except ValueError as exc:
+        raise CLIError(str(exc), 2) from None
+
+
 def echo(text: str) -> None:
     """Print to stdout; control characters from stored names are shown escaped (lines kept)."""
     print(_format.text(text, keep="\n"))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from gpu_trace import _format as fmt
 from gpu_trace import config
-from gpu_trace.commands import CLIError, err
+from gpu_trace.commands import CLIError, check_settings, err
 from gpu_trace.commands.store import store_module
 
 
@@ -17,10 +17,7 @@ def cmd_record(args: argparse.Namespace) -> int:
     argv = list(args.argv)
     if argv and argv[0] == "--":
         argv = argv[1:]
-    try:  # every setting, before anything is created or the program runs
-        config.check_environment()
-    except ValueError as exc:
-        raise CLIError(str(exc), 2) from None
+    check_settings()  # every setting, before anything is created or the program runs
     dsn = config.store_dsn(args.store)
     if not args.no_ingest:
         problem = store_module().check_writable(dsn)

@@ -8,7 +8,7 @@ from typing import Any
 
 from gpu_trace import _format as fmt
 from gpu_trace import config
-from gpu_trace.commands import CLIError, echo, err
+from gpu_trace.commands import CLIError, check_settings, echo, err
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -20,6 +20,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from gpu_trace.runtime.server import Server
     from gpu_trace.runtime.tenants import load_tenants, parse_size
 
+    check_settings()  # every setting, before the server listens
     if args.tenants is not None and args.token:
         raise CLIError("give --tenants or --token, not both (tenants' tokens are in the file)", 2)
     try:

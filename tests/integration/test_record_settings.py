@@ -173,3 +173,20 @@ def test_demo_refuses_a_bad_setting_in_one_line(tmp_path: Path) -> None:
         "gpu-trace: GPU_TRACE_BUFFER_EVENTS must be a whole number of events in [16, 1073741824],"
         " got '-5'"
     ]
+
+
+def test_serve_refuses_a_bad_setting_before_it_listens(tmp_path: Path) -> None:
+    # Checked like record's: every setting, also one the server reads only later (the buffer of
+    # its spool's recorder), before it binds a port (without the check it served on; the
+    # subprocess timeout then fails the test).
+    out = subprocess.run(
+        [sys.executable, "-m", "gpu_trace", "serve", "--listen", "127.0.0.1:0", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "GPU_TRACE_BUFFER_EVENTS": "-5", "GPU_TRACE_HOME": str(tmp_path)},
+        timeout=30,
+    )
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("gpu-trace: GPU_TRACE_BUFFER_EVENTS must be "), lines
