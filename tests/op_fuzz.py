@@ -3,19 +3,21 @@
 Each op gets random arguments drawn from its schema (hypothesis): sizes, strides, offsets and
 dims that are negative, zero, small or huge (their products overflow int64), tensors of a
 "session" and index tensors holding out-of-range values. It runs the way the server runs it:
-resolved against the allow-list, the op's rule (:data:`gpu_trace.runtime.allowlist.RULES`)
-applied, then called. The session's tensors live in one byte arena between canary regions that
+resolved against the allow-list, its rule (:func:`gpu_trace.runtime.allowlist.rule`) applied,
+then called. The session's tensors live in one byte arena between canary regions that
 stand for "another tenant's" memory; after each call nothing may have
 
 - written a canary (it is compared byte for byte),
 - read one (no output, and no session tensor, holds the canary's distinctive bytes),
 - made a tensor reaching outside its own storage (offset and extent checked against the
-  storage's size), or of a layout other than strided.
+  storage's size), or a sparse or quantized one.
 
-Ops run in a worker process, so a crash names the op instead of taking the caller down; the
-worker is restarted after the crashed op. ``python -m tests.op_fuzz --examples 200`` runs a
-larger search than the test suite's (``--ops REGEX`` narrows it, ``--all`` takes every allowed
-op, not only those with integer arguments or aliasing results).
+Ops run in a worker process, so a crash names the op and its last example instead of taking the
+caller down; the worker is restarted after the crashed op, which is run again alone (a crash it
+does not repeat alone is marked so). ``python -m tests.op_fuzz --examples 200`` runs a larger
+search than the test suite's over the ops taking integers or returning an alias (``--ops REGEX``
+narrows it, ``--start``/``--stop`` bound it by name, ``--others`` takes the other allowed ops,
+``--all`` every one).
 """
 
 from __future__ import annotations
