@@ -233,11 +233,12 @@ def _fused_optimizer_rule(op: str, lists: tuple[tuple[int, str], ...]) -> Rule:
 _PER_CHANNEL = ("weight", "bias", "running_mean", "running_var", "save_mean", "save_invstd")
 
 
-def _batch_norm_rule(op: str, at: dict[str, int], backward: bool) -> Rule:
+def _batch_norm_rule(op: str, at: dict[str, int], backward: bool, eval_only: bool) -> Rule:
     """Batch norms (``native_batch_norm`` and kin, and their backwards): the CPU kernels take
     every per-channel tensor as ``input.size(1)`` elements and, when not training, the running
     statistics as given (eval mode with none was a SIGSEGV; a backward of an empty input a
-    SIGFPE). ``save_*`` may be empty (what eval mode's forward returns)."""
+    SIGFPE; ``_native_batch_norm_legit.no_stats`` told not to train a SIGSEGV). ``save_*``
+    may be empty (what eval mode's forward returns)."""
 
     def get(args: list[Any], kwargs: dict[str, Any], name: str) -> Any:
         position = at.get(name)
@@ -260,9 +261,31 @@ def _batch_norm_rule(op: str, at: dict[str, int], backward: bool) -> Rule:
             if n != channels and not (name.startswith("save_") and n == 0):
                 raise OpError(f"{op}: {name} must have {channels} elements (input channels)")
         training = get(args, kwargs, "training" if "training" in at else "train")
+        if eval_only:
+            training = False
         stats = (get(args, kwargs, "running_mean"), get(args, kwargs, "running_var"))
-        if training is False and "running_mean" in at and any(s is None for s in stats):
+        if training is False and any(s is None for s in stats):
             raise OpError(f"{op}: running_mean and running_var are needed when not training")
+
+    return rule
+
+
+def _gqa_rule(op: str) -> Rule:
+    """``_scaled_dot_product_attention_math`` with ``enable_gqa`` divides the query's heads by
+    the key's and value's unchecked (none: a SIGFPE)."""
+
+    def rule(args: list[Any], kwargs: dict[str, Any]) -> None:
+        if kwargs.get("enable_gqa") is not True:
+            return
+        q, k, v = (_arg(args, kwargs, i, n) for i, n in enumerate(("query", "key", "value")))
+        if not all(hasattr(t, "dim") for t in (q, k, v)):
+            return  # not tensors: the op refuses them
+        if min(q.dim(), k.dim(), v.dim()) < 3:
+            raise OpError(f"{op}: query, key and value need at least 3 dimensions")
+        heads = q.shape[-3]
+        for name, t in (("key", k), ("value", v)):
+            if t.shape[-3] == 0 or heads % t.shape[-3]:
+                raise OpError(f"{op}: {name} heads ({t.shape[-3]}) must divide query heads")
 
     return rule
 
@@ -315,6 +338,7 @@ BY_NAME: dict[str, Rule] = {
     "aten::_fft_c2c": _fft_rule("_fft_c2c"),
     "aten::_weight_norm": _weight_norm_rule("_weight_norm", 0, "v"),
     "aten::embedding_dense_backward": _embedding_backward_rule("embedding_dense_backward"),
+    "aten::_scaled_dot_product_attention_math": _gqa_rule("_scaled_dot_product_attention_math"),
     "aten::embedding_backward": _embedding_backward_rule("embedding_backward"),
     "aten::_weight_norm_interface": _weight_norm_rule("_weight_norm_interface", 0, "v"),
     "aten::_weight_norm_interface_backward": _weight_norm_rule(
@@ -350,7 +374,8 @@ def rules_for(schema: Any) -> list[Rule]:
     rules = []
     at = {a.name: i for i, a in enumerate(schema.arguments)}
     if "batch_norm" in schema.name and "input" in at:
-        rules.append(_batch_norm_rule(op, at, "backward" in schema.name))
+        eval_only = "no_update" in schema.name or "no_training" in schema.name
+        rules.append(_batch_norm_rule(op, at, "backward" in schema.name, eval_only))
     if schema.name.startswith("aten::_foreach_") and len(lists) > 1:
         rules.append(_lists_rule(op, lists))
     if schema.name.startswith("aten::_fused_") and len(lists) > 1:

@@ -351,6 +351,11 @@ def test_batch_norm_checks_its_per_channel_tensors_and_running_stats() -> None:
             "aten::_native_batch_norm_legit_no_training.default",
             [x, None, None, torch.zeros(3), torch.ones(1), 0.1, 1e-5],
         )
+    no_stats = [x, None, None, None, None, 0.1, 1e-5]
+    with pytest.raises(OpError, match="running_mean and running_var are needed"):
+        _run("aten::_batch_norm_no_update.default", no_stats)  # SIGSEGV
+    with pytest.raises(OpError, match="running_mean and running_var are needed"):
+        _run("aten::_native_batch_norm_legit.no_stats", [x, None, None, False, 0.1, 1e-5])
     empty = torch.ones(3, 0, 4)
     args = [empty, empty, None, None, None, torch.ones(0), torch.ones(0), False, 0.5, [True] * 3]
     with pytest.raises(OpError, match="no elements"):
@@ -365,3 +370,14 @@ def test_batch_norm_checks_its_per_channel_tensors_and_running_stats() -> None:
         [torch.ones(4, 3), x, None, mean, var, save_mean, save_invstd, False, 1e-5, [True] * 3],
     )
     assert grad[0].shape == (4, 3)
+
+
+def test_grouped_query_attention_heads_are_checked() -> None:
+    """``enable_gqa`` with a key of no heads divided by zero (SIGFPE)."""
+    q, k = torch.ones(2, 3, 5, 4), torch.ones(2, 0, 3, 4)
+    name = "aten::_scaled_dot_product_attention_math.default"
+    with pytest.raises(OpError, match="key heads \\(0\\) must divide query heads"):
+        _run(name, [q, k, k, None, 0.0, False, None], {"enable_gqa": True})
+    k = torch.ones(2, 1, 3, 4)
+    out, _ = _run(name, [q, k, k, None, 0.0, False, None], {"enable_gqa": True})
+    assert out.shape == (2, 3, 5, 4)
