@@ -250,8 +250,12 @@ def test_compare_two_runs(page, app: Server) -> None:
     page.locator("#runs-table a").first.wait_for(state="attached")  # the run list is in
     for box, text in (("#compare-a", "local-training"), ("#compare-b", "forwarded-two")):
         page.click(box)
+        # The dropdown focuses its search box after it opens: a key typed before that is lost.
+        page.wait_for_function(
+            "document.activeElement && document.activeElement.tagName == 'INPUT'"
+        )
         page.keyboard.type(text)
-        page.keyboard.press("Enter")
+        page.get_by_role("option").filter(has_text=text).first.click()
     page.locator("#compare-body table").first.wait_for()
     assert "B - A" in page.inner_text("#compare-body")
     page.screenshot(path=str(ARTIFACTS / "compare.png"), full_page=True)
