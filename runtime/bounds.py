@@ -319,6 +319,36 @@ def _enum_rule(op: str, positional: tuple[tuple[int, str], ...], names: tuple[st
     return rule
 
 
+#: Highest degree of the orthogonal polynomials (``special_*_polynomial_*``): their CPU and CUDA
+#: kernels loop ``n`` times per element, so a huge ``n`` held the executor (every tenant's work)
+#: for minutes. Degrees past this have no use in floating point.
+MAX_POLYNOMIAL_DEGREE = 4096
+
+
+def _degree_rule(op: str) -> Rule:
+    """``n`` of ``special_*_polynomial_*`` (a tensor or a number) within
+    :data:`MAX_POLYNOMIAL_DEGREE` and finite (one pass over a tensor ``n``)."""
+
+    def rule(args: list[Any], kwargs: dict[str, Any]) -> None:
+        n = _arg(args, kwargs, 1, "n")
+        if hasattr(n, "numel"):
+            if n.numel() == 0 or n.is_complex():
+                return  # nothing to loop over; complex: the op refuses it
+            top = n.detach().abs().amax().item()
+        else:
+            try:
+                top = abs(n)
+            except TypeError:
+                return  # not a number: the op refuses it
+        if not top <= MAX_POLYNOMIAL_DEGREE:  # NaN too
+            raise OpError(
+                f"{op}: degree n up to {top} is past the server's limit of "
+                f"{MAX_POLYNOMIAL_DEGREE} (the kernel loops n times per element)"
+            )
+
+    return rule
+
+
 def _bare(op: str, name: str, value: int) -> None:
     raise OpError(f"{op}: {name} must be sent as a {name} (a tagged value), not the number {value}")
 
@@ -344,6 +374,19 @@ BY_NAME: dict[str, Rule] = {
     "aten::_weight_norm_interface_backward": _weight_norm_rule(
         "_weight_norm_interface_backward", 1, "saved_v"
     ),
+    **{
+        f"aten::special_{family}_polynomial_{kind}": _degree_rule(
+            f"special_{family}_polynomial_{kind}"
+        )
+        for family, kinds in (
+            ("chebyshev", "tuvw"),
+            ("shifted_chebyshev", "tuvw"),
+            ("hermite", ("h", "he")),
+            ("laguerre", "l"),
+            ("legendre", "p"),
+        )
+        for kind in kinds
+    },
     **{
         f"aten::{kind}_pad{n}d_backward": _pad_backward_rule(f"{kind}_pad{n}d_backward", n)
         for kind in ("reflection", "replication")

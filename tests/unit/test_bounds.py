@@ -381,3 +381,28 @@ def test_grouped_query_attention_heads_are_checked() -> None:
     k = torch.ones(2, 1, 3, 4)
     out, _ = _run(name, [q, k, k, None, 0.0, False, None], {"enable_gqa": True})
     assert out.shape == (2, 3, 5, 4)
+
+
+@pytest.mark.parametrize(
+    "name, args",
+    [
+        ("aten::special_laguerre_polynomial_l.default", [torch.ones(2), torch.tensor([3, 2**40])]),
+        ("aten::special_legendre_polynomial_p.n_scalar", [torch.ones(2), 2**40]),
+        ("aten::special_hermite_polynomial_h.x_scalar", [2.0, torch.tensor([float("nan")])]),
+        ("aten::special_chebyshev_polynomial_t.n_scalar", [torch.ones(2), -(2**62)]),
+    ],
+)
+def test_polynomial_degrees_past_the_limit_are_refused(name: str, args: list) -> None:
+    """Their kernels loop n times per element: one op with n = 2**40 held the executor, and so
+    every tenant, for minutes."""
+    with pytest.raises(OpError, match="degree n"):
+        _run(name, args)
+
+
+def test_polynomials_of_usual_degrees_run() -> None:
+    x = torch.linspace(-0.9, 0.9, 5)
+    n = torch.tensor([0, 3, bounds.MAX_POLYNOMIAL_DEGREE])
+    got = _run("aten::special_legendre_polynomial_p.default", [x[:3], n])
+    assert torch.equal(got, torch.special.legendre_polynomial_p(x[:3], n))
+    got = _run("aten::special_hermite_polynomial_he.n_scalar", [x, 4])
+    assert torch.equal(got, torch.special.hermite_polynomial_he(x, 4))
