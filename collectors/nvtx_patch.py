@@ -439,3 +439,11 @@ def unpatch() -> None:
 
 def is_patched() -> bool:
     return bool(_originals)
+
+
+def original_get_domain(name: str | None) -> Any:
+    """The ``nvtx`` package's own domain ``name``, patched or not: a mirror of gpu-trace's ranges
+    into NVTX (``framework_patches/spans.py``) must not be recorded a second time by this twin."""
+    import nvtx
+
+    return _originals.get("get_domain", nvtx.get_domain)(name)

@@ -31,7 +31,7 @@ from gpu_trace.tracer.records import nvtx_lane
 
 log = logging.getLogger(__name__)
 
-_warn_once = WarnOnce(log, "gpu-trace: recording a framework %s failed; the program goes on")
+warn_once = WarnOnce(log, "gpu-trace: recording a framework %s failed; the program goes on")
 #: The ``nvtx`` domains to mirror ranges into (name -> real domain); empty unless a tool watches.
 _mirrors: dict[str, Any] = {}
 _attributes: dict[tuple[str, str, str], Any] = {}
@@ -63,12 +63,9 @@ def mirror(domain: Domain, on: bool) -> None:
         _mirrors.pop(domain.name, None)
         return
     try:
-        import nvtx
-
         from gpu_trace.collectors import nvtx_patch
 
-        get_domain = nvtx_patch._originals.get("get_domain", nvtx.get_domain)
-        _mirrors[domain.name] = get_domain(domain.name)
+        _mirrors[domain.name] = nvtx_patch.original_get_domain(domain.name)
     except Exception:
         log.debug("gpu-trace: no NVTX mirror for domain %s", domain.name, exc_info=True)
 
@@ -91,7 +88,7 @@ def _mirror_push(domain: str, name: str, category: str) -> None:
                 _attributes[key] = attrs
         real.push_range(attrs)
     except Exception:
-        _warn_once("NVTX push")
+        warn_once("NVTX push")
 
 
 def _mirror_pop(domain: str) -> None:
@@ -100,7 +97,7 @@ def _mirror_pop(domain: str) -> None:
         try:
             real.pop_range()
         except Exception:
-            _warn_once("NVTX pop")
+            warn_once("NVTX pop")
 
 
 def begin(
@@ -125,7 +122,7 @@ def begin(
         token[8] = now_ns()
         return token
     except Exception:
-        _warn_once("range start")
+        warn_once("range start")
         return None
 
 
@@ -152,7 +149,7 @@ def end(token: list | None, end_ns: int | None = None) -> None:
         else:
             buf.dropped += 1
     except Exception:
-        _warn_once("range end")
+        warn_once("range end")
 
 
 def add(
@@ -184,4 +181,4 @@ def add(
             )
         )
     except Exception:
-        _warn_once("range")
+        warn_once("range")

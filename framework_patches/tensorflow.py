@@ -187,7 +187,7 @@ def _patch_modules(tf: Any) -> None:
             if "__call__" in cls.__dict__ and _level != "off":
                 _wrap(cls, "__call__", _ranged(_module_name))
         except Exception:
-            spans._warn_once("tf.Module patch")
+            spans.warn_once("tf.Module patch")
 
     _originals[(base, "__init_subclass__")] = previous
     base.__init_subclass__ = __init_subclass__

@@ -258,7 +258,7 @@ def _wrap_call(original: Any) -> Any:
                 else:
                     _mark_nodes(args, m, 1, t.marks)
         except Exception:
-            spans._warn_once("module forward")
+            spans.warn_once("module forward")
         stack.append(self)
         try:
             result = original(self, *args, **kwargs)
@@ -285,7 +285,7 @@ def _wrap_call(original: Any) -> Any:
             if not stack and t.marks:
                 _place_hooks(t.marks)
         except Exception:
-            spans._warn_once("module forward end")
+            spans.warn_once("module forward end")
         return result
 
     __call__.__wrapped__ = original  # type: ignore[attr-defined]
@@ -306,7 +306,7 @@ def backward_begins() -> None:
         try:
             _place_hooks(t.marks)
         except Exception:
-            spans._warn_once("module backward hooks")
+            spans.warn_once("module backward hooks")
 
 
 def backward_ends() -> None:
@@ -335,7 +335,7 @@ def _note_pass(sink: Any) -> None:
         running = {_modules.get(id(m)) for m in t.stack} if t is not None else set()
         sink.passes.append([now_ns(), 0, stack[-1] if stack else 0, len(stack), running])
     except Exception:
-        spans._warn_once("backward pass")
+        spans.warn_once("backward pass")
 
 
 # ---- backward -----------------------------------------------------------------------------------
@@ -445,7 +445,7 @@ class _NodeHook:
                         else:
                             tokens.append(token)
         except Exception:
-            spans._warn_once("module backward")
+            spans.warn_once("module backward")
         return None
 
 
@@ -457,4 +457,4 @@ def _close_all() -> None:
         for token in sorted(tokens, key=lambda t: t[3], reverse=True):
             spans.end(token)
     except Exception:
-        spans._warn_once("module backward end")
+        spans.warn_once("module backward end")

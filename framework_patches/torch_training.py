@@ -87,7 +87,7 @@ def _opt_pre(opt: Any, args: Any, kwargs: Any) -> None:
             name = _names[cls] = f"Optimizer.step#{cls.__name__}.step"
         _optimizer_token = spans.begin(DOMAIN, MODULE, name)
     except Exception:
-        spans._warn_once("optimizer step")
+        spans.warn_once("optimizer step")
 
 
 def _opt_post(opt: Any, args: Any, kwargs: Any) -> None:
@@ -97,7 +97,7 @@ def _opt_post(opt: Any, args: Any, kwargs: Any) -> None:
     try:
         _steps.end()
     except Exception:
-        spans._warn_once("step")
+        spans.warn_once("step")
 
 
 def _backward(original: Any) -> Any:

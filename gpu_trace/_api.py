@@ -232,13 +232,16 @@ def start(run_dir: str | Path | None = None, **settings: Any) -> Path:
     `gpu-trace record` does this for you before the program's first line; call it to record a
     part of a program yourself, then ``stop()`` and ``gpu-trace ingest RUN_DIR``.
     """
+    from gpu_trace import _capture
     from gpu_trace.tracer.session import start_run
 
-    return start_run(run_dir=Path(run_dir) if run_dir is not None else None, **settings)
+    run = Path(run_dir) if run_dir is not None else None
+    return start_run(run_dir=run, attach=_capture.attach, **settings)
 
 
 def stop() -> Path | None:
     """Stop recording and flush; returns the run directory (None if nothing was recording)."""
+    from gpu_trace import _capture
     from gpu_trace.tracer.session import stop_run
 
-    return stop_run()
+    return stop_run(detach=_capture.detach)

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-# Categories of spans (DESIGN.md, data model).
+# Categories of spans (docs/schema.md, the `spans` table's `category`).
 NVTX = "nvtx"
 OP = "op"
 MODULE = "module"

@@ -1,10 +1,17 @@
-"""Starting and stopping recording in a process: from `gpu-trace record`'s environment or by hand."""
+"""Starting and stopping recording in a process: from `gpu-trace record`'s environment or by hand.
+
+tracer/ is the bottom layer (capture -> record -> store -> views) and imports nothing above it:
+what else a run records (framework ranges, NVTX) is handed in as ``attach``/``detach`` by the layer
+that starts the session (``gpu_trace/_capture.py``). Only the program's OpenTelemetry spans, which
+``tracer/otel.py`` turns into records, are attached here.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +23,15 @@ from gpu_trace.tracer.run import RunInfo, new_run_id
 
 log = logging.getLogger(__name__)
 
+#: Attaches a run's further sources to its recorder; never raises (see ``gpu_trace/_capture.py``).
+Attach = Callable[[recorder.Recorder, config.RecorderSettings], None]
+#: Undoes what an :data:`Attach` patched.
+Detach = Callable[[], None]
+
 _owned_run: Path | None = None  # set when this process created the run (programmatic start)
 
 
-def start_from_env() -> recorder.Recorder | None:
+def start_from_env(attach: Attach | None = None) -> recorder.Recorder | None:
     """Start recording if `gpu-trace record` asked for it (``GPU_TRACE_RUN_DIR``)."""
     settings = config.RecorderSettings.from_env()
     if settings.run_dir is None or recorder.active is not None:
@@ -28,11 +40,13 @@ def start_from_env() -> recorder.Recorder | None:
     trace_id = context.trace_id_from_env() or ""
     # `gpu-trace record` reports a full disk in its closing line, from the stats file.
     rec = recorder.start(settings, trace_id=trace_id, run_id=run_id, warn_write_errors=False)
-    _attach_collectors(rec, settings)
+    _attach(rec, attach)
     return rec
 
 
-def start_run(run_dir: Path | None = None, **overrides: Any) -> Path:
+def start_run(
+    run_dir: Path | None = None, *, attach: Attach | None = None, **overrides: Any
+) -> Path:
     """Start a run in this process (see :func:`gpu_trace.start`)."""
     global _owned_run
     if recorder.active is not None:
@@ -60,15 +74,15 @@ def start_run(run_dir: Path | None = None, **overrides: Any) -> Path:
     else:
         trace_id = RunInfo.load(run_dir).trace_id
     rec = recorder.start(settings, trace_id=trace_id, run_id=run_id)
-    _attach_collectors(rec, settings)
+    _attach(rec, attach)
     return run_dir
 
 
-def stop_run() -> Path | None:
+def stop_run(detach: Detach | None = None) -> Path | None:
     """Stop recording, flush, and close the run if this process started it."""
     global _owned_run
     rec = recorder.stop()
-    _detach_collectors()
+    _detach(detach)
     if rec is None:
         return None
     if _owned_run is not None and _owned_run == rec.run_dir:
@@ -80,32 +94,25 @@ def stop_run() -> Path | None:
     return rec.run_dir
 
 
-def _attach_collectors(rec: recorder.Recorder, settings: config.RecorderSettings) -> None:
+def _attach(rec: recorder.Recorder, attach: Attach | None) -> None:
     # The program's OpenTelemetry spans, if it uses the SDK (not imported otherwise).
     when_imported("opentelemetry.sdk.trace", _install_otel)
-    # PyTorch and TensorFlow ranges, patched in when (and if) the program imports them.
-    try:
-        from gpu_trace.framework_patches import hooks
-
-        hooks.install(rec)
-    except Exception:
-        log.exception("gpu-trace: framework ranges are off")
-    if settings.nvtx == "off":
+    if attach is None:
         return
     try:
-        from gpu_trace.collectors import nvtx
-
-        nvtx.attach(rec, settings.nvtx)
-    except Exception:
-        log.exception("gpu-trace: NVTX capture is off")
+        attach(rec, rec.settings)
+    except Exception:  # never break the traced program
+        log.exception("gpu-trace: attaching collectors failed")
 
 
-def _detach_collectors() -> None:
-    """Undo what _attach_collectors patched (NVTX patches are undone by their source's close)."""
+def _detach(detach: Detach | None) -> None:
+    """Undo what _attach patched (NVTX patches are undone by their source's close)."""
     discard("opentelemetry.sdk.trace", _install_otel)
-    hooks = sys.modules.get("gpu_trace.framework_patches.hooks")
-    if hooks is not None:
-        hooks.uninstall()
+    if detach is not None:
+        try:
+            detach()
+        except Exception:
+            log.exception("gpu-trace: detaching collectors failed")
     otel = sys.modules.get("gpu_trace.tracer.otel")
     if otel is not None:
         otel.uninstall()

@@ -13,9 +13,10 @@ def _start() -> None:
     if not os.environ.get("GPU_TRACE_RUN_DIR"):
         return
     try:
+        from gpu_trace import _capture
         from gpu_trace.tracer.session import start_from_env
 
-        start_from_env()
+        start_from_env(attach=_capture.attach)
     except Exception as exc:  # never break the traced program
         sys.stderr.write(f"gpu-trace: recording is off in this process: {exc}\n")
 
