@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plotly.io.json import to_json_plotly as to_json  # noqa: E402
 
-from gpu_trace.dashboard import figures, queries  # noqa: E402
-from gpu_trace.dashboard.source import Source  # noqa: E402
+from gpu_trace.dashboard import figures, timeline  # noqa: E402
+from gpu_trace.dashboard.source import ReadOnlyStore  # noqa: E402
 from gpu_trace.tracer.run import RunInfo  # noqa: E402
 from gpu_trace.tracer.store import Store  # noqa: E402
 
@@ -69,7 +69,7 @@ def make_run(store: Store, run_id: str, spans: int, lanes: int, seed: int = 0) -
     def flush() -> None:
         nonlocal batch, rows
         if batch:
-            store._insert_arrow("spans", pa.concat_tables(batch))
+            store.insert_arrow("spans", pa.concat_tables(batch))
         batch, rows = [], 0
 
     for host, pid, tid, lane in tracks:
@@ -112,7 +112,7 @@ def make_run(store: Store, run_id: str, spans: int, lanes: int, seed: int = 0) -
     flush()
     ts = np.arange(0, RUN_NS, 100_000_000, dtype=np.int64)
     k = len(ts)
-    store._insert_arrow(
+    store.insert_arrow(
         "counters",
         pa.table(
             {
@@ -135,13 +135,13 @@ def make_run(store: Store, run_id: str, spans: int, lanes: int, seed: int = 0) -
     return time.perf_counter() - t0
 
 
-def bench_queries(source: Source, run_id: str, width: int = 1270) -> None:
+def bench_queries(source: ReadOnlyStore, run_id: str, width: int = 1270) -> None:
     t = time.perf_counter()
-    tr = queries.prepare(source, run_id)
+    tr = timeline.prepare(source, run_id)
     print(f"  first open (one scan: overview grid, long spans, tracks, grid rows; kept in memory): "
           f"{1e3 * (time.perf_counter() - t):.0f} ms, {len(tr['tracks'])} tracks, "
           f"{tr['rows']} rows")  # fmt: skip
-    run = source.call("run", run_id)
+    run = source.run(run_id)
     print(f"  {'window':>12} {'query':>8} {'flows+ctr':>9} {'figure':>8} {'total':>8}"
           f" {'bars':>6} {'density spans':>14} {'cells':>7}")  # fmt: skip
     for frac in (1, 10, 100, 1_000, 10_000, 100_000):
@@ -149,10 +149,10 @@ def bench_queries(source: Source, run_id: str, width: int = 1270) -> None:
         t0 = RUN_NS // 3
         t1 = t0 + span
         a = time.perf_counter()
-        w = queries.window(source, run_id, t0, t1, width)
+        w = timeline.window(source, run_id, t0, t1, width)
         b = time.perf_counter()
-        fl = queries.flows(source, run_id, t0, t1)
-        cs = queries.counters(source, run_id, ["nvml/gpu_util_pct"], t0, t1, width)
+        fl = timeline.flows(source, run_id, t0, t1)
+        cs = timeline.counters(source, run_id, ["nvml/gpu_util_pct"], t0, t1, width)
         c = time.perf_counter()
         fig = figures.timeline(run, tr, w, fl, cs, [], width)
         to_json(fig)
@@ -162,7 +162,7 @@ def bench_queries(source: Source, run_id: str, width: int = 1270) -> None:
               f" {w.density_spans:14,} {w.density_cells:7,}")  # fmt: skip
 
 
-def bench_browser(source: Source, runs: list[str], loads: int = 1) -> None:
+def bench_browser(source: ReadOnlyStore, runs: list[str], loads: int = 1) -> None:
     from gpu_trace.dashboard.app import Server
 
     try:
@@ -228,7 +228,7 @@ def bench_browser(source: Source, runs: list[str], loads: int = 1) -> None:
                 )
                 page.wait_for_timeout(500)
                 zoomed = heap()
-                spans = source.call("run", run_id)["spans"]
+                spans = source.run(run_id)["spans"]
                 print(f"  {run_id:>12}: {spans:>11,} spans: first page load {load:5.2f} s (scripts"
                       f" run by {nav[1] / 1e3:.2f} s, layout in by {nav[2] / 1e3:.2f} s);"
                       f" JS heap {loaded:6.1f} MiB loaded, {zoomed:6.1f} MiB after a zoom")  # fmt: skip
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
         big = make_run(store, "bench", args.spans, args.lanes)
         print(f"generated {args.spans // 10:,} + {args.spans:,} spans over {args.lanes} tracks "
               f"in {small:.1f} + {big:.1f} s (Arrow straight into chDB)")  # fmt: skip
-        source = Source(store=store)
+        source = ReadOnlyStore(store=store)
         print(f"run 'bench' ({args.spans:,} spans), plot width 1270 px:")
         bench_queries(source, "bench")
         if not args.no_browser:

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from gpu_trace.tracer.ingest import ingest
 from gpu_trace.tracer.records import SPAN_SCHEMA, numeric_column
 from gpu_trace.tracer.run import RunInfo, new_trace_id
 from gpu_trace.tracer.spool import SpoolWriter
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
         files = len(list((run_dir / "spool").iterdir()))
         with Store(f"chdb://{tmp / 'store'}") as store:
             t0 = time.perf_counter()
-            report = store.ingest(run_dir)
+            report = ingest(store, run_dir)
             ours = time.perf_counter() - t0
             assert report.rows["spans"] == args.spans, report
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
-from gpu_trace.dashboard.source import Source
+from gpu_trace.dashboard.source import ReadOnlyStore
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def _dash() -> Any:
     return dash
 
 
-def create_app(source: Source) -> Any:
+def create_app(source: ReadOnlyStore) -> Any:
     """A Dash app on ``source`` (nothing is asked of the store until a page loads)."""
     dash = _dash()
     from gpu_trace.dashboard import callbacks, layout
@@ -276,16 +276,16 @@ def _asked(cookie: str | None) -> tuple[str, int | None] | None:
         return None
 
 
-def warm(source: Source, run: str | None = None) -> None:
+def warm(source: ReadOnlyStore, run: str | None = None) -> None:
     """Read a run's overview and tracks ahead of its first page (the newest run by default).
 
     Runs on a background thread of ``gpu-trace ui``; a failure here is the page's to report.
     """
-    from gpu_trace.dashboard import queries
+    from gpu_trace.dashboard import timeline
 
     try:
-        run_id = source.call("resolve_run", run or "last")
-        queries.prepare(source, run_id)
+        run_id = source.resolve_run(run or "last")
+        timeline.prepare(source, run_id)
     except Exception as exc:  # the page shows store errors; nothing to do here
         log.debug("gpu-trace: warming the dashboard failed: %s", exc)
 
@@ -293,7 +293,9 @@ def warm(source: Source, run: str | None = None) -> None:
 class Server:
     """The app behind a threaded WSGI server; ``port=0`` picks a free port (tests)."""
 
-    def __init__(self, source: Source, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> None:
+    def __init__(
+        self, source: ReadOnlyStore, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT
+    ) -> None:
         from werkzeug.serving import WSGIRequestHandler, make_server
 
         class QuietHandler(WSGIRequestHandler):

@@ -16,10 +16,10 @@ from urllib.parse import parse_qs
 
 from dash import ALL, Dash, Input, Output, State, ctx, no_update
 
-from gpu_trace.dashboard import figures, panels, queries, reports
+from gpu_trace.dashboard import figures, panels, reports, timeline
 from gpu_trace.dashboard.layout import TABS
-from gpu_trace.dashboard.source import Source
-from gpu_trace.tracer.queries import UnknownRunError
+from gpu_trace.dashboard.source import ReadOnlyStore
+from gpu_trace.tracer.reads import UnknownRunError
 from gpu_trace.tracer.store import StoreError
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def _url_params(search: str | None) -> tuple[str, str | None]:
 
 
 def open_run(
-    source: Source, ref: str | None, viewport: int | None, search: str | None = None
+    source: ReadOnlyStore, ref: str | None, viewport: int | None, search: str | None = None
 ) -> dict[tuple[str, str], Any]:
     """Everything the timeline shows for a run opened on its whole duration: the run picker,
     the counters offered and picked, the window and its figure. ``ref`` is a run id, a prefix
@@ -98,12 +98,12 @@ def open_run(
     out: dict[tuple[str, str], Any] = {k: no_update for k in TIMELINE_OUTPUTS}
     out[("selected", "data")] = None
     try:
-        run_id = source.call("resolve_run", ref or "last")
-        run = queries.run(source, run_id)
+        run_id = source.resolve_run(ref or "last")
+        run = timeline.run(source, run_id)
     except Exception as exc:
         return {**out, **_cleared(), ("message", "children"): _fail(exc)}
     try:
-        found = [f"{c['source']}/{c['metric']}" for c in queries.counter_series(source, run_id)]
+        found = [f"{c['source']}/{c['metric']}" for c in timeline.counter_series(source, run_id)]
     except Exception:
         found = []
     picked = [m for m in DEFAULT_COUNTERS if m in found][:3]
@@ -138,18 +138,18 @@ def _cleared() -> dict[tuple[str, str], Any]:
     }
 
 
-def draw(source: Source, win: dict, picked: list | None) -> dict[tuple[str, str], Any]:
+def draw(source: ReadOnlyStore, win: dict, picked: list | None) -> dict[tuple[str, str], Any]:
     """The figure of the window ``win`` and the lines around it."""
     width = int(win.get("width") or plot_width(None))
     out: dict[tuple[str, str], Any] = {}
     try:
         run_id, t0, t1 = win["run"], int(win["t0"]), int(win["t1"])
-        run = queries.run(source, run_id)
-        tr = queries.tracks(source, run_id)
-        w = queries.window(source, run_id, t0, t1, width)
-        fl = queries.flows(source, run_id, t0, t1)
-        cs = queries.counters(source, run_id, list(picked or []), t0, t1, width)
-        clock = [c for c in queries.clock_sync(source, run_id) if t0 <= c["ts_ns"] < t1]
+        run = timeline.run(source, run_id)
+        tr = timeline.tracks(source, run_id)
+        w = timeline.window(source, run_id, t0, t1, width)
+        fl = timeline.flows(source, run_id, t0, t1)
+        cs = timeline.counters(source, run_id, list(picked or []), t0, t1, width)
+        clock = [c for c in timeline.clock_sync(source, run_id) if t0 <= c["ts_ns"] < t1]
         fig = figures.timeline(run, tr, w, fl, cs, clock, width, _synthetic(run))
     except Exception as exc:
         out[("timeline", "figure")] = figures.empty("could not draw this window")
@@ -182,26 +182,26 @@ def draw(source: Source, win: dict, picked: list | None) -> dict[tuple[str, str]
     return out
 
 
-def first_view(source: Source, search: str | None, viewport: int | None) -> dict:
+def first_view(source: ReadOnlyStore, search: str | None, viewport: int | None) -> dict:
     """The page's first view for the address ``?search`` (app.py puts it in the page)."""
     ref, tab = _url_params(search)
     first = {("tabs", "value"): tab or "timeline", ("viewport", "data"): viewport}
     try:
-        run_id = source.call("resolve_run", ref or "last")
+        run_id = source.resolve_run(ref or "last")
     except Exception:
         run_id = None  # open_run says why, in the page
-    if run_id and not queries.prepared(source, run_id):
+    if run_id and not timeline.prepared(source, run_id):
         # A run opened for the first time costs a scan of it (seconds for tens of millions of
         # spans): the page goes out at once and the timeline callback draws it. The picker gets
         # the run and its option together (Dash's Dropdown drops a value it has no option for).
         try:
-            option = _run_option(queries.run(source, run_id))
+            option = _run_option(timeline.run(source, run_id))
         except Exception:
             return first
         return {**first, ("run", "value"): run_id, ("run", "options"): [option]}
     view = {**open_run(source, ref, viewport, search), **first}
     run_id = view[("run", "value")]
-    view[("run", "options")] = [_run_option(queries.run(source, run_id))] if run_id else []
+    view[("run", "options")] = [_run_option(timeline.run(source, run_id))] if run_id else []
     return view
 
 
@@ -224,7 +224,7 @@ def _moved(win: dict, relayout: dict | None) -> dict | None:
     return None
 
 
-def register(app: Dash, source: Source) -> None:
+def register(app: Dash, source: ReadOnlyStore) -> None:
     """Attach every callback of the page to ``app``."""
 
     app.clientside_callback(
@@ -245,7 +245,7 @@ def register(app: Dash, source: Source) -> None:
     )
     def list_runs(search: str | None, status: str | None, current: str | None) -> tuple:
         try:
-            runs = source.call("runs", limit=500, search=search or None)
+            runs = source.runs(limit=500, search=search or None)
         except Exception as exc:
             return [], [], [], [], _fail(exc)
         shown = [r for r in runs if not status or r.get("status") == status]
@@ -259,7 +259,7 @@ def register(app: Dash, source: Source) -> None:
         if current and current not in {r["run_id"] for r in runs}:
             # The run on screen stays in the picker (an old one, or one a search left out).
             with contextlib.suppress(Exception):
-                picker = [_run_option(queries.run(source, current)), *opts]
+                picker = [_run_option(timeline.run(source, current)), *opts]
         return panels.runs_table(shown), picker, opts, opts, note
 
     @app.callback(
@@ -359,10 +359,10 @@ def register(app: Dash, source: Source) -> None:
         if not sel or not win:
             return panels.details(None, [], 0)
         try:
-            s = queries.span(source, win["run"], sel["span_id"], sel.get("start_ns"))
+            s = timeline.span(source, win["run"], sel["span_id"], sel.get("start_ns"))
             if s is None:
                 return panels.message(f"span {sel['span_id']} is not in run {win['run']}")
-            steps = queries.same_range_in_steps(source, win["run"], s)
+            steps = timeline.same_range_in_steps(source, win["run"], s)
             return panels.details(s, steps, win["base"])
         except Exception as exc:
             return _fail(exc)
@@ -422,7 +422,7 @@ def _ordered(out: dict[tuple[str, str], Any]) -> tuple:
     return tuple(out[k] for k in TIMELINE_OUTPUTS)
 
 
-def export_window(source: Source, run_id: str, t0: int, t1: int) -> tuple[str, int]:
+def export_window(source: ReadOnlyStore, run_id: str, t0: int, t1: int) -> tuple[str, int]:
     """Chrome trace JSON of the spans and counters in ``[t0, t1)``, and how many spans it holds."""
     from gpu_trace.tracer import chrome
 
@@ -438,13 +438,13 @@ def export_window(source: Source, run_id: str, t0: int, t1: int) -> tuple[str, i
         )
     with tempfile.TemporaryDirectory(prefix="gpu-trace-export-") as tmp:
         path = Path(tmp) / "window.json"
-        run = source.call("run", run_id)
+        run = source.run(run_id)
         chrome.write_chrome_trace(
             path,
             run,
-            source.call("threads", run_id),
-            source.call("iter_spans", run_id, start_ns=t0, end_ns=t1),
-            source.call("iter_counters", run_id, start_ns=t0, end_ns=t1),
+            source.threads(run_id),
+            source.spans(run_id, start_ns=t0, end_ns=t1),
+            source.counters(run_id, start_ns=t0, end_ns=t1),
             total_spans=int(n),
         )
         return path.read_text(), int(n)

@@ -1,6 +1,6 @@
 """The timeline figure: tracks of bars and density cells, flow lines, counters under it.
 
-Plain functions from what :mod:`gpu_trace.dashboard.queries` returns to a plotly figure; no
+Plain functions from what :mod:`gpu_trace.dashboard.timeline` returns to a plotly figure; no
 store, no Dash. The x axis is nanoseconds since the run started (ticks are labelled with
 durations); every name plotly draws is HTML-escaped, so a span called ``<script>`` is shown as
 text. The names on bars go raw in ``layout.meta.labels`` to ``static/labels.js``, which sets each
@@ -18,7 +18,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from gpu_trace import _format as fmt
-from gpu_trace.dashboard.queries import TrackInfo, Window
+from gpu_trace.dashboard.timeline import TrackInfo, Window
 
 #: Bar colour per span category.
 COLORS = {

@@ -11,7 +11,7 @@ A window at least one cell per bucket wide is then answered from memory: long sp
 density, short cells are re-binned into the window's buckets (a cell lies in the bucket its start
 falls in, so positions are good to one bucket). Every span is in exactly one cell or the long
 list, so nothing is dropped. Narrower windows go to the store, which then reads a small part of
-the run (:func:`gpu_trace.dashboard.queries.window`).
+the run (:func:`gpu_trace.dashboard.timeline.window`).
 
 The same scan gives the tracks (spans, depths, longest span per track).
 """
@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from gpu_trace.dashboard.source import Source
+from gpu_trace.dashboard.source import ReadOnlyStore
 
 #: Cells across a run in the overview grid.
 CELLS = 4096
@@ -129,7 +129,7 @@ def bin_cells(
 _KEYS = ("host", "pid", "tid", "lane", "depth")
 
 
-def overview(source: Source, run_id: str, started_ns: int, ended_ns: int) -> Overview:
+def overview(source: ReadOnlyStore, run_id: str, started_ns: int, ended_ns: int) -> Overview:
     """The run's overview, read once per run (cached in ``source``)."""
 
     def compute() -> Overview:

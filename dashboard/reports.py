@@ -1,6 +1,6 @@
 """Whole-run reports: Summary (top ranges, module tree, forwarding, steps), Tenants and Compare.
 
-Plain functions of a :class:`~gpu_trace.dashboard.source.Source` returning dicts and lists; the
+Plain functions of a :class:`~gpu_trace.dashboard.source.ReadOnlyStore` returning dicts and lists; the
 charts are in :mod:`gpu_trace.dashboard.charts`.
 
 Tenants: the sharing runtime's counters in a client's run (``source = 'runtime'``, labelled
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpu_trace.dashboard.source import Source
+from gpu_trace.dashboard.source import ReadOnlyStore
 
 #: Runtime counters (``source = 'runtime'``) the Tenants tab reads, with what they are
 #: (docs/sharing.md, "In the client's run"). Per session (labels ``session``, ``tenant``) but for
@@ -61,7 +61,7 @@ def top_ranges(summary: dict[str, Any], top: int = 25) -> dict[str, list[dict[st
     }
 
 
-def module_tree(source: Source, run_id: str, limit: int = 300_000) -> dict[str, Any]:
+def module_tree(source: ReadOnlyStore, run_id: str, limit: int = 300_000) -> dict[str, Any]:
     """Module spans aggregated by their path of enclosing modules.
 
     Returns ``{"nodes": [{"path", "name", "parent", "depth", "count", "total_ns"}], "spans",
@@ -113,7 +113,7 @@ def module_tree(source: Source, run_id: str, limit: int = 300_000) -> dict[str, 
     return {"nodes": ordered, "spans": len(rows), "truncated": truncated}
 
 
-def step_times(source: Source, run_id: str) -> list[dict[str, Any]]:
+def step_times(source: ReadOnlyStore, run_id: str) -> list[dict[str, Any]]:
     """Steps of a run in order: ``name, pid, index, start_ns, dur_ns`` (index per process)."""
     rows = source.rows(
         """
@@ -129,14 +129,14 @@ def step_times(source: Source, run_id: str) -> list[dict[str, Any]]:
     return rows
 
 
-def summary(source: Source, run_id: str, top: int = 25) -> dict[str, Any]:
+def summary(source: ReadOnlyStore, run_id: str, top: int = 25) -> dict[str, Any]:
     """Everything the Summary tab shows."""
-    base = source.call("summary", run_id, top=top)
+    base = source.summary(run_id, top=top)
     return {
         "top": top_ranges(base, top),
         "counters": base["counters"],
         "modules": module_tree(source, run_id),
-        "forwarding": source.call("forwarding", run_id, top=top),
+        "forwarding": source.forwarding(run_id, top=top),
         "steps": step_times(source, run_id),
     }
 
@@ -158,7 +158,7 @@ def _stepwise_sum(rows: list[dict[str, Any]]) -> list[tuple[int, float]]:
     return out
 
 
-def tenants(source: Source, run_id: str, buckets: int = 60) -> dict[str, Any]:
+def tenants(source: ReadOnlyStore, run_id: str, buckets: int = 60) -> dict[str, Any]:
     """Per tenant over time: memory against quota, busy share, queue wait, page-outs; a summary.
 
     A tenant is the ``tenant`` label of the run's runtime counters. A run recorded before tenants
@@ -184,7 +184,7 @@ def tenants(source: Source, run_id: str, buckets: int = 60) -> dict[str, Any]:
     "max_ns"}], "events": [{"tenant", "session", "kind", "start_ns", "end_ns", "attrs",
     "index"}], "summary": [per tenant]}``; ``ts_ns`` of a bucket is its start.
     """
-    run = source.call("run", run_id)
+    run = source.run(run_id)
     r0, r1 = int(run["started_ns"]), int(run["ended_ns"] or run["started_ns"] + 1)
     params: dict[str, Any] = {"run": run_id}
     counter_rows = source.rows(
@@ -444,7 +444,7 @@ def _step_stats(steps: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def compare(source: Source, a: str, b: str, top: int = 15) -> dict[str, Any]:
+def compare(source: ReadOnlyStore, a: str, b: str, top: int = 15) -> dict[str, Any]:
     """Two runs side by side: step statistics, top ranges by total time, forwarding breakdown.
 
     ``ops`` rows are ``name, a_ns, b_ns, delta_ns`` for the union of each run's top names (summed
@@ -458,11 +458,11 @@ def compare(source: Source, a: str, b: str, top: int = 15) -> dict[str, Any]:
         out["steps"][key] = _step_stats(steps)
         out["step_series"][key] = steps
         per_name: dict[str, int] = {}
-        for lane in source.call("summary", run_id, top=top)["lanes"]:
+        for lane in source.summary(run_id, top=top)["lanes"]:
             for r in lane["by_total"]:
                 per_name[r["name"]] = per_name.get(r["name"], 0) + int(r["total_ns"])
         totals[key] = per_name
-        fwd[key] = source.call("forwarding", run_id, top=1)["totals"]
+        fwd[key] = source.forwarding(run_id, top=1)["totals"]
     names = sorted(
         set(totals["a"]) | set(totals["b"]),
         key=lambda n: -max(totals["a"].get(n, 0), totals["b"].get(n, 0)),

@@ -1,7 +1,7 @@
 """Where the dashboard's data comes from: one store, opened lazily, asked one query at a time.
 
 The dashboard is read-only. Every query it sends is one of its own ``SELECT`` templates with
-``{name:Type}`` parameters (:mod:`gpu_trace.dashboard.queries`), held to the rule `gpu-trace sql`
+``{name:Type}`` parameters (:mod:`gpu_trace.dashboard.timeline`), held to the rule `gpu-trace sql`
 is (:mod:`gpu_trace.tracer.query_guard`: ClickHouse's parser, reads of the store's tables only),
 checked once per template; and with ``enforce_readonly`` (what ``gpu-trace ui`` uses) the engine
 itself is switched to ``readonly=1`` for this process once the store is open.
@@ -10,6 +10,9 @@ chDB lets one process open a store directory (docs/schema.md), and the web serve
 on several threads, so one connection is shared behind a lock. A store that can't be opened (a
 server that is down, a directory another process holds) is retried on the next request; the
 message says why in one line, and the page shows it.
+
+The store's reads the dashboard needs (:class:`~gpu_trace.tracer.reads.RunQueries`) are typed
+methods here, each taken under the lock; there is no way to call a store method by name.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import pyarrow as pa
 
@@ -25,14 +29,16 @@ from gpu_trace.tracer.store import Store, StoreError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Source", "StoreError"]
+__all__ = ["ReadOnlyStore", "StoreError"]
+
+T = TypeVar("T")
 
 #: Seconds between attempts to open a store that failed to open.
 RETRY_S = 2.0
 
 
-class Source:
-    """A lazily opened, shared, read-only store. ``Source(store=...)`` wraps an open one."""
+class ReadOnlyStore:
+    """A lazily opened, shared, read-only store. ``ReadOnlyStore(store=...)`` wraps an open one."""
 
     def __init__(
         self,
@@ -72,7 +78,7 @@ class Source:
             if self._enforce:
                 # From here on the engine refuses writes from this process (chDB keeps the setting
                 # for the session; a server applies it per query below).
-                store.client.command("SET readonly = 1")
+                store.set_readonly()
             self._store, self._problem = store, ""
             return store
 
@@ -82,7 +88,7 @@ class Source:
         if template in self._checked:
             return
         try:
-            store.check_read(store._sql(template), params)
+            store.check_read(store.render(template), params)
         except StoreError as exc:
             reason = str(exc).removeprefix("gpu-trace sql is read-only: ")
             raise StoreError(f"the dashboard is read-only: {reason}") from None
@@ -93,26 +99,66 @@ class Source:
         with self._lock:
             store = self.store()
             self._check(store, template, params)
-            return list(store._query(template, params).named_results())
+            return store.dicts(template, params)
 
     def arrow(self, template: str, params: dict[str, Any] | None = None) -> pa.Table:
         """One parameterized SELECT as an Arrow table (strings as str)."""
         with self._lock:
             store = self.store()
             self._check(store, template, params)
-            return store._query_arrow(template, params)
+            return store.query_arrow(template, params)
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """A read method of :class:`Store` (``runs``, ``summary``, ``forwarding``...) under the lock."""
-        if method not in _STORE_READS:
-            raise StoreError(f"the dashboard does not call Store.{method}")
+    # ---- the store's reads, under the lock ----------------------------------------------------
+
+    def _read(self, read: Callable[[Store], T]) -> T:
         with self._lock:
-            result = getattr(self.store(), method)(*args, **kwargs)
-            if method.startswith("iter_"):
-                return list(result)
-            return result
+            return read(self.store())
 
-    def cached(self, key: tuple, compute: Any) -> Any:
+    def runs(self, limit: int = 50, search: str | None = None) -> list[dict[str, Any]]:
+        """:meth:`Store.runs <gpu_trace.tracer.reads.RunQueries.runs>`."""
+        return self._read(lambda s: s.runs(limit=limit, search=search))
+
+    def run(self, run_id: str) -> dict[str, Any]:
+        """The ``runs`` row of one run with its counts (UnknownRunError if there is none)."""
+        return self._read(lambda s: s.run(run_id))
+
+    def resolve_run(self, ref: str) -> str:
+        """A run id from an id, a unique prefix or ``last``."""
+        return self._read(lambda s: s.resolve_run(ref))
+
+    def summary(self, run_id: str, top: int = 20) -> dict[str, Any]:
+        """The per-lane summary of a run."""
+        return self._read(lambda s: s.summary(run_id, top=top))
+
+    def forwarding(self, run_id: str, top: int = 20) -> dict[str, Any]:
+        """Where forwarded ops' time went, per op name."""
+        return self._read(lambda s: s.forwarding(run_id, top=top))
+
+    def threads(self, run_id: str) -> list[dict[str, Any]]:
+        """Thread and process names of a run."""
+        return self._read(lambda s: s.threads(run_id))
+
+    def clock_sync(self, run_id: str) -> list[dict[str, Any]]:
+        """The run's clock samples."""
+        return self._read(lambda s: s.clock_sync(run_id))
+
+    def counts(self, run_id: str) -> dict[str, int]:
+        """Rows of a run per table."""
+        return self._read(lambda s: s.counts(run_id))
+
+    def spans(
+        self, run_id: str, start_ns: int | None = None, end_ns: int | None = None
+    ) -> list[pa.Table]:
+        """Span batches of a run overlapping ``[start_ns, end_ns)``, read whole under the lock."""
+        return self._read(lambda s: list(s.iter_spans(run_id, start_ns=start_ns, end_ns=end_ns)))
+
+    def counters(
+        self, run_id: str, start_ns: int | None = None, end_ns: int | None = None
+    ) -> list[pa.Table]:
+        """Counter batches of a run within ``[start_ns, end_ns)``, read whole under the lock."""
+        return self._read(lambda s: list(s.iter_counters(run_id, start_ns=start_ns, end_ns=end_ns)))
+
+    def cached(self, key: tuple, compute: Callable[[], T]) -> T:
         """``compute()`` once per key (runs don't change once ingested; bounded to 64 entries)."""
         with self._lock:
             if key in self.cache:
@@ -129,19 +175,3 @@ class Source:
             if self._store is not None:
                 self._store.close()
                 self._store = None
-
-
-_STORE_READS = frozenset(
-    {
-        "runs",
-        "run",
-        "resolve_run",
-        "summary",
-        "forwarding",
-        "threads",
-        "clock_sync",
-        "counts",
-        "iter_spans",
-        "iter_counters",
-    }
-)

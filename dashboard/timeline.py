@@ -1,6 +1,6 @@
 """Timeline queries: tracks, the visible window at a level of detail, counters, flows, one span.
 
-Everything here is a plain function of a :class:`~gpu_trace.dashboard.source.Source` and integer
+Everything here is a plain function of a :class:`~gpu_trace.dashboard.source.ReadOnlyStore` and integer
 nanoseconds on the run's clock; the figures are built from what they return
 (:mod:`gpu_trace.dashboard.figures`).
 
@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from gpu_trace.dashboard import overview
-from gpu_trace.dashboard.source import Source
+from gpu_trace.dashboard.source import ReadOnlyStore
 
 #: Bars drawn at most per window; narrower spans past this go into density cells.
 MAX_BARS = 4000
@@ -108,12 +108,12 @@ def _lane_rank(track: dict[str, Any]) -> tuple:
     return (server, track["host"], track["pid"], track["tid"], kind, lane)
 
 
-def run(source: Source, run_id: str) -> dict[str, Any]:
+def run(source: ReadOnlyStore, run_id: str) -> dict[str, Any]:
     """The run's row with its counts (cached: an ingested run does not change)."""
-    return source.cached(("run", run_id), lambda: source.call("run", run_id))
+    return source.cached(("run", run_id), lambda: source.run(run_id))
 
 
-def _overview(source: Source, run_id: str) -> overview.Overview:
+def _overview(source: ReadOnlyStore, run_id: str) -> overview.Overview:
     r = run(source, run_id)
     return overview.overview(source, run_id, int(r["started_ns"]), int(r["ended_ns"] or 0))
 
@@ -145,7 +145,7 @@ def track_rows(table: pa.Table, tracks: list[TrackInfo]) -> np.ndarray:
     return np.where(first[code] >= 0, row, -1)
 
 
-def _overview_rows(source: Source, run_id: str) -> tuple[np.ndarray, np.ndarray]:
+def _overview_rows(source: ReadOnlyStore, run_id: str) -> tuple[np.ndarray, np.ndarray]:
     """Timeline rows of the overview's grid cells and long spans (once per run)."""
 
     def compute() -> tuple[np.ndarray, np.ndarray]:
@@ -155,7 +155,7 @@ def _overview_rows(source: Source, run_id: str) -> tuple[np.ndarray, np.ndarray]
     return source.cached(("overview_rows", run_id), compute)
 
 
-def prepare(source: Source, run_id: str) -> dict[str, Any]:
+def prepare(source: ReadOnlyStore, run_id: str) -> dict[str, Any]:
     """Read what a run's zoomed-out windows are answered from, once: the overview (one scan), the
     tracks, and the timeline row of each overview cell. Returns the tracks."""
     found = tracks(source, run_id)
@@ -163,12 +163,12 @@ def prepare(source: Source, run_id: str) -> dict[str, Any]:
     return found
 
 
-def prepared(source: Source, run_id: str) -> bool:
+def prepared(source: ReadOnlyStore, run_id: str) -> bool:
     """Whether :func:`prepare` has read this run (its windows are then quick)."""
     return ("overview_rows", run_id) in source.cache
 
 
-def tracks(source: Source, run_id: str) -> dict[str, Any]:
+def tracks(source: ReadOnlyStore, run_id: str) -> dict[str, Any]:
     """Tracks of a run, grouped host > process > thread > lane (remote server tracks last).
 
     Returns ``{"tracks": [TrackInfo], "rows": N, "max_dur": ns, "unended": N, "server_tracks": N}``
@@ -183,7 +183,7 @@ def tracks(source: Source, run_id: str) -> dict[str, Any]:
             (c["host"], int(c["pid"]), int(c["tid"]), c["lane"]): int(c["clock_unc"])
             for c in source.rows(_CLOCK_UNCERTAINTY, {"run": run_id})
         }
-        names = {(t["host"], t["pid"], t["tid"]): t for t in source.call("threads", run_id)}
+        names = {(t["host"], t["pid"], t["tid"]): t for t in source.threads(run_id)}
         out: list[TrackInfo] = []
         row = 0
         for t in sorted(found, key=_lane_rank):
@@ -214,7 +214,7 @@ def tracks(source: Source, run_id: str) -> dict[str, Any]:
     return source.cached(("tracks", run_id), compute)
 
 
-def window(source: Source, run_id: str, t0: int, t1: int, width_px: int = 1600) -> Window:
+def window(source: ReadOnlyStore, run_id: str, t0: int, t1: int, width_px: int = 1600) -> Window:
     """Spans overlapping ``[t0, t1)`` as bars and density cells (see the module docstring)."""
     t0, t1 = int(t0), int(t1)
     if t1 <= t0:
@@ -294,7 +294,7 @@ def window(source: Source, run_id: str, t0: int, t1: int, width_px: int = 1600) 
     )
 
 
-def flows(source: Source, run_id: str, t0: int, t1: int) -> dict[str, Any]:
+def flows(source: ReadOnlyStore, run_id: str, t0: int, t1: int) -> dict[str, Any]:
     """Links from a span to its children in another process (forwarded calls to server spans)
     that overlap the window: ``{"links": [...], "total": N}`` (at most :data:`MAX_FLOWS` links)."""
     known = source.cache.get(("tracks", run_id))
@@ -324,7 +324,7 @@ def flows(source: Source, run_id: str, t0: int, t1: int) -> dict[str, Any]:
     return {"links": rows, "total": total}
 
 
-def counter_series(source: Source, run_id: str) -> list[dict[str, Any]]:
+def counter_series(source: ReadOnlyStore, run_id: str) -> list[dict[str, Any]]:
     """Counter metrics of a run: source, metric, samples (cached per run)."""
     return source.cached(
         ("counter_series", run_id),
@@ -339,7 +339,7 @@ def counter_series(source: Source, run_id: str) -> list[dict[str, Any]]:
 
 
 def counters(
-    source: Source, run_id: str, metrics: list[str], t0: int, t1: int, width_px: int = 1600
+    source: ReadOnlyStore, run_id: str, metrics: list[str], t0: int, t1: int, width_px: int = 1600
 ) -> dict[str, list[dict[str, Any]]]:
     """Samples of ``metrics`` (``source/metric``) in the window, averaged per bucket of two
     pixels: ``{"source/metric": [{"series", "ts_ns", "value", "max"}...]}``, ordered by time."""
@@ -377,10 +377,10 @@ def counters(
     return out
 
 
-def clock_sync(source: Source, run_id: str) -> list[dict[str, Any]]:
+def clock_sync(source: ReadOnlyStore, run_id: str) -> list[dict[str, Any]]:
     """Clock-offset measurements of a run (remote hosts): ``peer, ts_ns, offset_ns,
     uncertainty_ns`` (cached per run)."""
-    return source.cached(("clock", run_id), lambda: source.call("clock_sync", run_id))
+    return source.cached(("clock", run_id), lambda: source.clock_sync(run_id))
 
 
 _SPAN_COLUMNS = (
@@ -398,7 +398,9 @@ def _ids(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def span(source: Source, run_id: str, span_id: str, start_ns: int | None = None) -> dict | None:
+def span(
+    source: ReadOnlyStore, run_id: str, span_id: str, start_ns: int | None = None
+) -> dict | None:
     """One span with its parent (on any host) and children (first 100 and their count)."""
     where = "run_id = {run:String} AND span_id = {id:UInt64}"
     params: dict[str, Any] = {"run": run_id, "id": int(span_id)}
@@ -438,7 +440,9 @@ def span(source: Source, run_id: str, span_id: str, start_ns: int | None = None)
     return out
 
 
-def same_range_in_steps(source: Source, run_id: str, s: dict[str, Any]) -> list[dict[str, Any]]:
+def same_range_in_steps(
+    source: ReadOnlyStore, run_id: str, s: dict[str, Any]
+) -> list[dict[str, Any]]:
     """The same range (name, lane, process) at the same position in every other step.
 
     A span's position is its occurrence index within the step it starts in; each other step of

@@ -451,6 +451,7 @@ class StoreSink(SpoolSink):
             self.ingest_pending()
 
     def ingest_pending(self) -> None:
+        from gpu_trace.tracer.ingest import ingest
         from gpu_trace.tracer.store import Store, StoreError
 
         dirs = sorted(set(self.take_dirty()) | self._retry)
@@ -461,7 +462,7 @@ class StoreSink(SpoolSink):
             with Store(self.dsn) as store:
                 for d in dirs:
                     try:
-                        store.ingest(d)
+                        ingest(store, d)
                     except (StoreError, ValueError, OSError) as exc:
                         log.warning("gpu-trace serve: ingesting %s: %s", d.name, exc)
                         self._retry.add(d)

@@ -52,7 +52,7 @@ def add_run(store: Store, run_id: str, spans: list[dict[str, Any]], start: int, 
             ("attrs", pa.map_(pa.string(), pa.string())),
         ]
     )
-    store._insert_arrow("spans", pa.Table.from_pylist(rows, schema=schema))
+    store.insert_arrow("spans", pa.Table.from_pylist(rows, schema=schema))
     store.upsert_run(
         RunInfo(
             run_id=run_id,
@@ -128,7 +128,7 @@ def add_counters(store: Store, run_id: str, rows: list[dict[str, Any]]) -> None:
          "labels": list(r["labels"].items())}
         for r in rows
     ]  # fmt: skip
-    store._insert_arrow("counters", pa.Table.from_pylist(table, schema=schema))
+    store.insert_arrow("counters", pa.Table.from_pylist(table, schema=schema))
 
 
 def tenants_run(store: Store, run_id: str, tenants: tuple[str, str] | None) -> None:

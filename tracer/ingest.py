@@ -117,8 +117,11 @@ class _Pending:
     rows: int = 0
 
 
-def ingest(store: Store, run_dir: Path) -> IngestReport:
-    """Ingest ``run_dir`` into ``store``; see the module docstring. Raises StoreError on store failure."""
+def ingest(store: Store, run_dir: str | Path) -> IngestReport:
+    """Ingest ``run_dir`` into ``store``; see the module docstring. Raises StoreError on store failure.
+
+    Ingest sits above the store and uses only its public methods; the store never imports it.
+    """
     t0 = time.perf_counter()
     run_dir = Path(run_dir)
     if not RunInfo.exists(run_dir) and not spool_dir(run_dir).is_dir():
@@ -250,7 +253,7 @@ def _clock_models(
     store: Store, run_id: str, rows: dict[str, set[tuple[int, int, int]]]
 ) -> dict[str, ClockModel]:
     """A clock model per peer from the run's ``clock_sync`` rows: stored ones and this ingest's."""
-    stored = store._query(
+    stored = store.query(
         "SELECT peer, ts_ns, offset_ns, rtt_ns FROM __db__.clock_sync WHERE run_id = {run_id:String}",
         {"run_id": run_id},
     )
@@ -354,7 +357,7 @@ def _run_info(run_dir: Path, files: list[Path]) -> tuple[RunInfo, str | None]:
 
 
 def _stored_run(store: Store, run_id: str) -> RunInfo | None:
-    result = store._query(
+    result = store.query(
         "SELECT trace_id, started_ns, ended_ns, command, hosts, status, attrs"
         " FROM __db__.runs FINAL WHERE run_id = {run_id:String}",
         {"run_id": run_id},
@@ -410,7 +413,7 @@ def _write_threads(
                         now,
                     ]
                 )
-    store._insert_rows(
+    store.insert_rows(
         "threads",
         ["run_id", "host", "pid", "tid", "process_name", "thread_name", "updated_ns"],
         rows,
@@ -469,7 +472,7 @@ def _drop_present(store: Store, kind: str, table: pa.Table) -> pa.Table:
     run_id = table.column("run_id")[0].as_py()
     host = table.column("host")[0].as_py()
     lo, hi = pc.min_max(table.column(time_col)).values()
-    existing = store._query_arrow(
+    existing = store.query_arrow(
         f"SELECT {', '.join(keys)} FROM __db__.{kind} WHERE run_id = {{run_id:String}} AND host = {{host:String}}"
         f" AND {time_col} BETWEEN {{lo:Int64}} AND {{hi:Int64}}",
         {"run_id": run_id, "host": host, "lo": lo.as_py(), "hi": hi.as_py()},
@@ -494,7 +497,7 @@ def _drop_present(store: Store, kind: str, table: pa.Table) -> pa.Table:
 
 
 def _logged(store: Store, run_id: str) -> dict[tuple[str, int], str]:
-    result = store._query(
+    result = store.query(
         """
         SELECT file, size, argMax(status, ingested_ns) FROM __db__.ingest_log
         WHERE run_id = {run_id:String} GROUP BY file, size
@@ -512,7 +515,7 @@ def _log(
         [run_id, name, size, kind, kept, status, problem, now]
         for name, size, kept, problem in files
     ]
-    store._insert_rows(
+    store.insert_rows(
         "ingest_log",
         ["run_id", "file", "size", "kind", "rows", "status", "problem", "ingested_ns"],
         rows,
@@ -549,7 +552,7 @@ class _Inserter:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(INSERT_WORKERS, thread_name_prefix="gpu-trace-ingest")
         if not self._free:
-            client = self.store._worker_client()
+            client = self.store.connect_again()
             self._clients.append(client)
             self._free.append(client)
         client = self._free.pop()
@@ -587,5 +590,5 @@ class _Inserter:
 
 def _insert_batch(store: Store, kind: str, tables: list[pa.Table], client: Any) -> int:
     table = pa.concat_tables(tables).unify_dictionaries()
-    store._insert_arrow(kind, table, client=client)
+    store.insert_arrow(kind, table, connection=client)
     return table.num_rows

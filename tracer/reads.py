@@ -1,7 +1,7 @@
 """The store's read side: runs, counts, the per-lane summary and streaming iterators.
 
 :class:`RunQueries` is mixed into :class:`gpu_trace.tracer.store.Store`; it needs only the store's
-``_query`` and ``_query_arrow`` helpers. Every query is a template with ``{name:Type}`` parameters
+public ``query`` and ``query_arrow``. Every query is a template with ``{name:Type}`` parameters
 and ``__db__`` for the (validated) database name.
 """
 
@@ -100,14 +100,17 @@ class UnknownRunError(LookupError):
 class RunQueries:
     """Read methods of the store (mixed into ``Store``)."""
 
-    def _query(self, template: str, params: dict[str, Any] | None = None) -> Any:
+    def query(self, template: str, params: dict[str, Any] | None = None) -> Any:
+        """Run one query template (``Store.query``)."""
         raise NotImplementedError
 
-    def _query_arrow(self, template: str, params: dict[str, Any] | None = None) -> pa.Table:
+    def query_arrow(self, template: str, params: dict[str, Any] | None = None) -> pa.Table:
+        """One query template as an Arrow table (``Store.query_arrow``)."""
         raise NotImplementedError
 
-    def _dicts(self, template: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-        return list(self._query(template, params).named_results())
+    def dicts(self, template: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """:meth:`query`'s rows as dicts by column name."""
+        return list(self.query(template, params).named_results())
 
     # ---- runs -------------------------------------------------------------------------------------
 
@@ -116,7 +119,7 @@ class RunQueries:
 
         ``search`` keeps runs whose id, command, status or a host contains it (case-insensitive).
         """
-        rows = self._dicts(
+        rows = self.dicts(
             f"""
             SELECT {_RUN_COLUMNS} FROM __db__.runs FINAL
             WHERE {{search:String}} = ''
@@ -134,7 +137,7 @@ class RunQueries:
         ids = [r["run_id"] for r in rows]
         counts: dict[str, dict[str, int]] = {i: {"spans": 0, "counters": 0} for i in ids}
         for kind in ("spans", "counters"):
-            result = self._query(
+            result = self.query(
                 f"SELECT run_id, count() FROM __db__.{kind} WHERE run_id IN {{ids:Array(String)}} GROUP BY run_id",
                 {"ids": ids},
             )
@@ -154,7 +157,7 @@ class RunQueries:
                 raise UnknownRunError("there are no runs in the store yet")
             return recent[0]
         if ref:
-            exact = self._query(
+            exact = self.query(
                 "SELECT run_id FROM __db__.runs WHERE run_id = {ref:String} LIMIT 1", {"ref": ref}
             )
             if exact.result_rows:
@@ -162,7 +165,7 @@ class RunQueries:
             matches = sorted(
                 {
                     r[0]
-                    for r in self._query(
+                    for r in self.query(
                         "SELECT DISTINCT run_id FROM __db__.runs WHERE startsWith(run_id, {ref:String}) LIMIT 11",
                         {"ref": ref},
                     ).result_rows
@@ -179,7 +182,7 @@ class RunQueries:
 
     def run(self, run_id: str) -> dict[str, Any]:
         """The ``runs`` row of one run with its counts and duration."""
-        rows = self._dicts(
+        rows = self.dicts(
             f"SELECT {_RUN_COLUMNS} FROM __db__.runs FINAL WHERE run_id = {{run_id:String}}",
             {"run_id": run_id},
         )
@@ -196,12 +199,12 @@ class RunQueries:
         """Rows of a run per table: spans, counters, clock_sync, threads."""
         out = {}
         for table in ("spans", "counters", "clock_sync"):
-            result = self._query(
+            result = self.query(
                 f"SELECT count() FROM __db__.{table} WHERE run_id = {{run_id:String}}",
                 {"run_id": run_id},
             )
             out[table] = int(result.result_rows[0][0])
-        result = self._query(
+        result = self.query(
             "SELECT count() FROM __db__.threads FINAL WHERE run_id = {run_id:String}",
             {"run_id": run_id},
         )
@@ -210,7 +213,7 @@ class RunQueries:
 
     def threads(self, run_id: str) -> list[dict[str, Any]]:
         """Threads of a run (from the recorders' stats files): host, pid, tid, process and thread name."""
-        return self._dicts(
+        return self.dicts(
             """
             SELECT host, pid, tid, process_name, thread_name FROM __db__.threads FINAL
             WHERE run_id = {run_id:String} ORDER BY host, pid, tid
@@ -226,10 +229,10 @@ class RunQueries:
         execute_ns``; ``totals`` sums every op; ``wait_ns`` is the time the program blocked at
         sync points. Empty when the run forwarded nothing.
         """
-        rows = self._dicts(_FORWARDING, {"run_id": run_id})
+        rows = self.dicts(_FORWARDING, {"run_id": run_id})
         keys = ("count", "client_ns", "wire_ns", "queue_ns", "execute_ns")
         totals = {k: sum(int(r[k]) for r in rows) for k in keys}
-        extra = self._query(
+        extra = self.query(
             """
             SELECT countIf(lane = 'forward/batch'), sumIf(end_ns - start_ns, lane = 'forward/wait')
             FROM __db__.spans WHERE run_id = {run_id:String} AND category = 'forward'
@@ -241,7 +244,7 @@ class RunQueries:
 
     def clock_sync(self, run_id: str) -> list[dict[str, Any]]:
         """Every clock-offset measurement of a run, oldest first."""
-        return self._dicts(
+        return self.dicts(
             """
             SELECT host, peer, ts_ns, offset_ns, rtt_ns, uncertainty_ns FROM __db__.clock_sync
             WHERE run_id = {run_id:String} ORDER BY ts_ns, host, peer
@@ -260,7 +263,7 @@ class RunQueries:
         time is a span's duration minus its direct children's on the same thread (marks are left
         out). ``counters`` has one row per host/source/device/metric: ``count, min, mean, max``.
         """
-        rows = self._dicts(_SUMMARY, {"run_id": run_id, "top": max(1, int(top))})
+        rows = self.dicts(_SUMMARY, {"run_id": run_id, "top": max(1, int(top))})
         lanes: dict[str, dict[str, Any]] = {}
         for r in rows:
             lane = lanes.setdefault(
@@ -292,7 +295,7 @@ class RunQueries:
             lane["by_self"] = [e for _, e in sorted(lane["by_self"], key=lambda x: x[0])]
             lane["ranges"] = lane["by_total"]
         ordered = sorted(lanes.values(), key=lambda v: v["lane"])
-        counters = self._dicts(
+        counters = self.dicts(
             """
             SELECT host, source, device, metric, count() AS count, min(value) AS min,
                    avg(value) AS mean, max(value) AS max
@@ -381,7 +384,7 @@ class RunQueries:
             "n": int(batch_rows),
         }
         while True:
-            page = self._query_arrow(template, params)
+            page = self.query_arrow(template, params)
             if page.num_rows == 0:
                 return
             yield page

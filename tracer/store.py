@@ -2,11 +2,13 @@
 
 A :class:`Store` opens a DSN (``chdb:///path`` or ``http(s)://user:password@host:port[/db]``)
 through clickhouse-connect, creates the database and tables if they are missing (the same DDL for
-both; ``ON CLUSTER`` plus Distributed tables when a cluster is named), ingests run directories
-(:mod:`gpu_trace.tracer.ingest`) and answers the queries the CLI, the dashboard and the exporters
-ask (:mod:`gpu_trace.tracer.queries`). Every value reaches the server as a ``{name:Type}`` query
-parameter; the only names put into SQL text are the database and cluster, checked against a
-strict identifier pattern first.
+both; ``ON CLUSTER`` plus Distributed tables when a cluster is named), and answers the queries the
+CLI, the dashboard and the exporters ask (:mod:`gpu_trace.tracer.reads`). Ingest
+(:mod:`gpu_trace.tracer.ingest`) sits above it and writes through its public methods
+(:meth:`Store.query`, :meth:`Store.insert_rows`, :meth:`Store.insert_arrow`...); the store never
+imports ingest. Every value reaches the server as a ``{name:Type}`` query parameter; the only
+names put into SQL text are the database and cluster, checked against a strict identifier pattern
+first.
 
 chDB keeps one store directory to one process at a time (ClickHouse locks ``<dir>/status``); a
 second process gets :class:`StoreError` naming the process that holds it, after waiting up to
@@ -31,11 +33,12 @@ from urllib.parse import unquote, urlparse
 import pyarrow as pa
 
 from gpu_trace import config
-from gpu_trace.tracer.queries import RunQueries, UnknownRunError
+from gpu_trace.tracer.reads import RunQueries, UnknownRunError
 from gpu_trace.tracer.run import RunInfo
 
 if TYPE_CHECKING:
-    from gpu_trace.tracer.ingest import IngestReport
+    from clickhouse_connect.driver.client import Client
+    from clickhouse_connect.driver.query import QueryResult
 
 log = logging.getLogger(__name__)
 
@@ -348,7 +351,7 @@ def _opening(path: str, timeout_s: float) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def _connect(target: Target, *, lock_timeout_s: float) -> Any:
+def _connect(target: Target, *, lock_timeout_s: float) -> Client:
     import clickhouse_connect
 
     if target.kind == "http":
@@ -447,43 +450,55 @@ class Store(RunQueries):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---- low level --------------------------------------------------------------------------------
+    # ---- queries and inserts (the API ingest, the dashboard and the CLI use) ----------------------
 
-    def _table(self, name: str) -> str:
-        return f"{self.database}.{name}"
-
-    def _sql(self, template: str) -> str:
+    def render(self, template: str) -> str:
+        """A query template as SQL text: ``__db__`` becomes this store's (validated) database."""
         return template.replace("__db__", self.database)
 
-    def _query(self, template: str, params: dict[str, Any] | None = None) -> Any:
+    def query(self, template: str, params: dict[str, Any] | None = None) -> QueryResult:
+        """Run one query template (``__db__`` for the database, values as ``{name:Type}``
+        parameters); StoreError (one line) when it fails or the store is closed."""
         if self.client is None:
             raise StoreError("the store is closed")
         try:
-            return self.client.query(self._sql(template), parameters=params or {})
+            return self.client.query(self.render(template), parameters=params or {})
         except Exception as exc:
             raise StoreError(
                 f"query failed on {self.target.display()}: {_first_line(exc)}"
             ) from exc
 
-    def _query_arrow(self, template: str, params: dict[str, Any] | None = None) -> pa.Table:
+    def query_arrow(self, template: str, params: dict[str, Any] | None = None) -> pa.Table:
+        """:meth:`query` as an Arrow table, strings as ``str``."""
         if self.client is None:
             raise StoreError("the store is closed")
         try:
             return self.client.query_arrow(
-                self._sql(template), parameters=params or {}, use_strings=True
+                self.render(template), parameters=params or {}, use_strings=True
             )
         except Exception as exc:
             raise StoreError(
                 f"query failed on {self.target.display()}: {_first_line(exc)}"
             ) from exc
 
-    def _worker_client(self) -> Any:
-        """Another connection to the same store, for inserts running beside this one's queries."""
+    def connect_again(self) -> Client:
+        """Another connection to the same store, for inserts running beside this one's queries
+        (pass it to :meth:`insert_arrow`; the caller closes it)."""
         return _connect(self.target, lock_timeout_s=0)
 
-    def _insert_arrow(self, table_name: str, table: pa.Table, client: Any = None) -> None:
-        """Insert an Arrow table as one ArrowStream body (the same call for chDB and a server)."""
-        client = client or self.client
+    def set_readonly(self) -> None:
+        """Make the engine refuse writes from this connection from now on (the dashboard's
+        guard; chDB keeps the setting for the session)."""
+        if self.client is None:
+            raise StoreError("the store is closed")
+        self.client.command("SET readonly = 1")
+
+    def insert_arrow(
+        self, table_name: str, table: pa.Table, connection: Client | None = None
+    ) -> None:
+        """Insert an Arrow table into ``table_name`` as one ArrowStream body (the same call for
+        chDB and a server), on ``connection`` (from :meth:`connect_again`) or this store's own."""
+        client = connection or self.client
         if client is None:
             raise StoreError("the store is closed")
         # Sized once, written once: a growing buffer costs more than the insert's own parsing.
@@ -507,7 +522,8 @@ class Store(RunQueries):
                 f"{_first_line(exc)}"
             ) from exc
 
-    def _insert_rows(self, table_name: str, columns: list[str], rows: Iterable[list[Any]]) -> None:
+    def insert_rows(self, table_name: str, columns: list[str], rows: Iterable[list[Any]]) -> None:
+        """Insert rows (lists in ``columns`` order) into ``table_name``; nothing for no rows."""
         if self.client is None:
             raise StoreError("the store is closed")
         rows = list(rows)
@@ -522,13 +538,10 @@ class Store(RunQueries):
                 f"writing to {table_name} in {self.target.display()} failed: {_first_line(exc)}"
             ) from exc
 
+    def _table(self, name: str) -> str:
+        return f"{self.database}.{name}"
+
     # ---- writing ----------------------------------------------------------------------------------
-
-    def ingest(self, run_dir: str | Path) -> IngestReport:
-        """Ingest a run directory's spool, stats and run.json (see :mod:`gpu_trace.tracer.ingest`)."""
-        from gpu_trace.tracer.ingest import ingest
-
-        return ingest(self, Path(run_dir))
 
     def upsert_run(self, info: RunInfo) -> None:
         """Insert or replace the ``runs`` row of a run."""
@@ -562,7 +575,7 @@ class Store(RunQueries):
             "attrs",
             "updated_ns",
         ]
-        self._insert_rows("runs", columns, [row])
+        self.insert_rows("runs", columns, [row])
 
     # ---- read-only SQL ----------------------------------------------------------------------------
 

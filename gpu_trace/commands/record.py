@@ -50,6 +50,7 @@ def cmd_record(args: argparse.Namespace) -> int:
 
 def finish_run(run_dir: Path, dsn: str, *, ingest: bool, save_error: str = "") -> None:
     """Ingest the run and print the closing line (the program's exit status is not changed)."""
+    from gpu_trace.tracer.ingest import ingest as ingest_run
     from gpu_trace.tracer.run import RunInfo, read_stats
 
     info = RunInfo.load(run_dir)
@@ -65,7 +66,7 @@ def finish_run(run_dir: Path, dsn: str, *, ingest: bool, save_error: str = "") -
     store_mod = store_module()
     try:
         with store_mod.Store(dsn) as store:
-            report = store.ingest(run_dir)
+            report = ingest_run(store, run_dir)
     except store_mod.StoreError as exc:
         err(
             f"run {info.run_id}: {fmt.count(events)} events, {fmt.count(dropped)} dropped, NOT stored: {exc}{disk}; the spool is kept: load it later with gpu-trace ingest {run_dir}"

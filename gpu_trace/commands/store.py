@@ -48,6 +48,7 @@ def _resolve(store: Any, ref: str) -> str:
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
+    from gpu_trace.tracer.ingest import ingest
     from gpu_trace.tracer.run import RunInfo
 
     run_dir: Path = args.run_dir
@@ -57,7 +58,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     store_mod = store_module()
     try:
         with store_mod.Store(dsn) as store:
-            report = store.ingest(run_dir)
+            report = ingest(store, run_dir)
     except store_mod.StoreError as exc:
         raise CLIError(f"ingest failed, spool kept: {exc}") from None
     for problem in report.problems:

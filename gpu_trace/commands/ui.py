@@ -88,12 +88,12 @@ def _check_port(port: int) -> None:
 def _serve_ui(dsn: str, host: str, port: int, run: str | None, browser: bool = False) -> int:
     try:
         from gpu_trace.dashboard.app import Server
-        from gpu_trace.dashboard.source import Source
+        from gpu_trace.dashboard.source import ReadOnlyStore
     except ImportError as exc:
         raise CLIError(
             f"{exc} (the dashboard needs the ui extra: pip install 'gpu-trace[ui]')"
         ) from None
-    source = Source(dsn, enforce_readonly=True)
+    source = ReadOnlyStore(dsn, enforce_readonly=True)
     try:
         server = Server(source, host, port)
     except (OSError, OverflowError) as exc:

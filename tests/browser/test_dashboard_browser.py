@@ -16,7 +16,7 @@ pytest.importorskip("dash")
 
 from gpu_trace.dashboard import samples  # noqa: E402
 from gpu_trace.dashboard.app import Server  # noqa: E402
-from gpu_trace.dashboard.source import Source  # noqa: E402
+from gpu_trace.dashboard.source import ReadOnlyStore  # noqa: E402
 from gpu_trace.tracer.store import Store  # noqa: E402
 from tests.browser.conftest import ARTIFACTS  # noqa: E402
 from tests.dashboard_data import XSS, forwarded_run, tenants_run  # noqa: E402
@@ -30,7 +30,7 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     samples.load_samples(store)
     forwarded_run(store, "xss")
     tenants_run(store, "tenants-xss", ("alice", XSS))
-    source = Source(store=store)
+    source = ReadOnlyStore(store=store)
     server = Server(source, "127.0.0.1", 0).start()
     yield server
     server.close()
@@ -269,7 +269,7 @@ def test_unknown_run_is_a_message_not_a_traceback(page, app: Server) -> None:
 
 
 def test_unreachable_store_is_a_message(browser) -> None:
-    source = Source("http://127.0.0.1:9", lock_timeout_s=0)
+    source = ReadOnlyStore("http://127.0.0.1:9", lock_timeout_s=0)
     server = Server(source, "127.0.0.1", 0).start()
     try:
         pg = browser.new_page()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_trace.dashboard.source import Source
+from gpu_trace.dashboard.source import ReadOnlyStore
 from gpu_trace.tracer import query_guard
 from gpu_trace.tracer.store import Store, StoreError
 
@@ -181,7 +181,7 @@ def test_function_families_allow_no_reader() -> None:
 
 
 def test_the_dashboard_is_held_to_the_same_rule(store: Store, secret: Path) -> None:
-    source = Source(store=store)
+    source = ReadOnlyStore(store=store)
     assert source.rows("SELECT count() AS n FROM __db__.spans") == [{"n": 0}]
     with pytest.raises(StoreError, match="dashboard is read-only.*file"):
         source.rows(f"SELECT file('{secret}') AS f")

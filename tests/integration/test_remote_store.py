@@ -19,6 +19,7 @@ from gpu_trace import runtime
 from gpu_trace.runtime import tensor as rt
 from gpu_trace.runtime.server import Server
 from gpu_trace.runtime.sink import SpoolSink, StoreSink
+from gpu_trace.tracer.ingest import ingest
 from gpu_trace.tracer.run import RunInfo
 from gpu_trace.tracer.store import Store
 
@@ -67,15 +68,15 @@ def test_server_spans_go_to_the_shared_store_under_the_clients_run(
     info = RunInfo.load(tmp_path / "run")
     server_dir = spool / info.run_id
     assert RunInfo.load(server_dir).trace_id == info.trace_id
-    store.ingest(tmp_path / "run")
+    ingest(store, tmp_path / "run")
     client_server_spans = _rows(
         store,
         "SELECT count() FROM spans WHERE run_id = {run:String} AND category = 'server'",
         info.run_id,
     )
     assert client_server_spans == [(0,)]  # nothing came back to the client
-    store.ingest(server_dir)
-    store.ingest(server_dir)  # idempotent
+    ingest(store, server_dir)
+    ingest(store, server_dir)  # idempotent
 
     spans = _rows(
         store,
@@ -132,7 +133,7 @@ def test_server_written_run_alone_gets_a_placeholder_row(
     with Server("127.0.0.1:0", token=TOKEN, sink=SpoolSink(spool)) as server:
         _forward(server, tmp_path / "run", monkeypatch)
     info = RunInfo.load(tmp_path / "run")
-    store.ingest(spool / info.run_id)  # before the client's run: still on a clock (the copies)
+    ingest(store, spool / info.run_id)  # before the client's run: still on a clock (the copies)
     run = store.run(info.run_id)
     assert run["status"] == "server" and run["trace_id"] == info.trace_id
     offsets = _rows(
@@ -141,7 +142,7 @@ def test_server_written_run_alone_gets_a_placeholder_row(
         info.run_id,
     )
     assert offsets == [(0,)]
-    store.ingest(tmp_path / "run")
+    ingest(store, tmp_path / "run")
     run = store.run(info.run_id)
     assert run["command"] == info.command
     stats = json.loads(next((spool / info.run_id / "stats").glob("server-*.json")).read_text())

@@ -21,6 +21,7 @@ import gpu_trace
 from gpu_trace import runtime
 from gpu_trace.runtime import tensor as rt
 from gpu_trace.runtime.client import Connection
+from gpu_trace.tracer.ingest import ingest
 from gpu_trace.tracer.run import RunInfo
 from gpu_trace.tracer.store import Store
 
@@ -143,7 +144,7 @@ def test_sigterm_flushes_traced_sessions_spans_into_the_store(
     info = RunInfo.load(run_dir)
     server_dir = home / "serve-spool" / info.run_id
     with Store(f"chdb://{tmp_path / 'store'}") as store:
-        store.ingest(server_dir)
+        ingest(store, server_dir)
         (row,) = store.sql(
             "SELECT count() FROM spans WHERE run_id = {run:String} AND lane = 'server/execute'",
             {"run": info.run_id},

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gpu_trace.tracer.ingest import ingest
 from gpu_trace.tracer.run import RunInfo
 from gpu_trace.tracer.spool import BATCH_ROWS, SpoolWriter, list_spool
 from gpu_trace.tracer.store import Store
@@ -25,7 +26,7 @@ def test_damaged_batches_are_named_counted_and_not_stored(tmp_path: Path) -> Non
     damaged.write_bytes(bytes(data))
 
     with Store(f"chdb://{tmp_path / 'store'}") as store:
-        report = store.ingest(run_dir)
+        report = ingest(store, run_dir)
         assert report.rows["spans"] == 2 * BATCH_ROWS + 100
         assert report.batches_skipped == 1 and "1 damaged batch(es) skipped" in report.summary()
         (line,) = report.problems
@@ -36,5 +37,5 @@ def test_damaged_batches_are_named_counted_and_not_stored(tmp_path: Path) -> Non
         assert rows == [(2 * BATCH_ROWS + 100, 0)]
         assert store.run("r")["attrs"]["damaged_batches"] == "1"
         # Logged as done with its problem: a second ingest neither repeats nor stores it.
-        again = store.ingest(run_dir)
+        again = ingest(store, run_dir)
         assert again.files_skipped == len(list_spool(run_dir)) and again.rows_total == 0

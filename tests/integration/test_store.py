@@ -13,6 +13,7 @@ import pyarrow as pa
 import pytest
 
 import gpu_trace
+from gpu_trace.tracer.ingest import ingest
 from gpu_trace.tracer.records import SPAN_SCHEMA, attrs_column, dict_column, numeric_column
 from gpu_trace.tracer.run import RunInfo
 from gpu_trace.tracer.spool import SpoolWriter, list_spool, read_spool_file
@@ -95,7 +96,7 @@ def test_ingest_roundtrip_from_a_real_recording(
     store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run_dir = record(tmp_path / "runs" / "rt-1", monkeypatch)
-    report = store.ingest(run_dir)
+    report = ingest(store, run_dir)
     assert report.run_id == "rt-1"
     # 3 steps + 3 x (outer, inner, tick)
     assert report.rows == {"spans": 12, "counters": 3, "clock_sync": 0}
@@ -132,8 +133,8 @@ def test_ingest_twice_adds_no_rows(
     store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run_dir = record(tmp_path / "runs" / "twice", monkeypatch)
-    first = store.ingest(run_dir)
-    second = store.ingest(run_dir)
+    first = ingest(store, run_dir)
+    second = ingest(store, run_dir)
     assert second.rows_total == 0
     assert second.files_skipped == first.files_ingested and second.files_ingested == 0
     assert store.counts("twice")["spans"] == 12
@@ -144,7 +145,7 @@ def test_resumes_a_crash_between_insert_and_log(
     store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run_dir = record(tmp_path / "runs" / "crash", monkeypatch)
-    store.ingest(run_dir)
+    ingest(store, run_dir)
     # As if the last ingest had died after its inserts, before logging them done, and had only
     # stored part of the spans.
     store.client.command(
@@ -155,10 +156,10 @@ def test_resumes_a_crash_between_insert_and_log(
         "ALTER TABLE gpu_trace.spans DELETE WHERE name = 'inner' SETTINGS mutations_sync = 1"
     )
     assert store.counts("crash")["spans"] == 9
-    report = store.ingest(run_dir)
+    report = ingest(store, run_dir)
     assert report.rows == {"spans": 3, "counters": 0, "clock_sync": 0}
     assert store.counts("crash") == {"spans": 12, "counters": 3, "clock_sync": 0, "threads": 1}
-    assert store.ingest(run_dir).files_skipped == report.files_ingested
+    assert ingest(store, run_dir).files_skipped == report.files_ingested
 
 
 def test_truncated_and_corrupt_spool_keep_every_readable_row(store: Store, tmp_path: Path) -> None:
@@ -173,7 +174,7 @@ def test_truncated_and_corrupt_spool_keep_every_readable_row(store: Store, tmp_p
     assert 0 < readable < n
     (path.parent / "spans-7-zzzzzz-000009.arrow").write_bytes(b"not an arrow stream at all")
 
-    report = store.ingest(run_dir)
+    report = ingest(store, run_dir)
     assert report.rows["spans"] == readable
     assert store.counts("damaged")["spans"] == readable
     truncated = next(p for p in report.problems if p.startswith(path.name))
@@ -187,7 +188,7 @@ def test_truncated_and_corrupt_spool_keep_every_readable_row(store: Store, tmp_p
 def test_unknown_run_lists_recent_runs_and_last_resolves(store: Store, tmp_path: Path) -> None:
     for name in ("20260101-000000-aaaaaa", "20260101-000000-aabbbb", "20260102-000000-cccccc"):
         hand_made_run(tmp_path / name, spans_table([(1, 0, 1, "l", "nvtx", "x", 0, 5, 0)]))
-        store.ingest(tmp_path / name)
+        ingest(store, tmp_path / name)
     with pytest.raises(UnknownRunError) as err:
         store.resolve_run("nope")
     assert isinstance(err.value, LookupError)
@@ -207,9 +208,9 @@ def test_unknown_run_lists_recent_runs_and_last_resolves(store: Store, tmp_path:
 def test_last_is_the_newest_recording(
     store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    store.ingest(record(tmp_path / "runs" / "zz-older", monkeypatch, steps=1))
+    ingest(store, record(tmp_path / "runs" / "zz-older", monkeypatch, steps=1))
     time.sleep(0.01)
-    store.ingest(record(tmp_path / "runs" / "aa-newer", monkeypatch, steps=1))
+    ingest(store, record(tmp_path / "runs" / "aa-newer", monkeypatch, steps=1))
     assert store.resolve_run("last") == "aa-newer"
     assert [r["run_id"] for r in store.runs()] == ["aa-newer", "zz-older"]
 
@@ -227,7 +228,7 @@ def test_summary_self_time_on_a_nested_trace(store: Store, tmp_path: Path) -> No
         (7, 1, 2, "worker", "nvtx", "W", 20, 80, 0),
     ]
     hand_made_run(tmp_path / "nested", spans_table(rows))
-    store.ingest(tmp_path / "nested")
+    ingest(store, tmp_path / "nested")
     summary = store.summary("nested", top=10)
     lanes = {lane["lane"]: lane for lane in summary["lanes"]}
     assert set(lanes) == {"cpu", "worker"}
@@ -258,7 +259,7 @@ def test_iter_spans_pages_by_start_without_splitting_ties(store: Store, tmp_path
         for i in range(350)
     ]
     hand_made_run(tmp_path / "ties", spans_table(rows[::-1]))
-    store.ingest(tmp_path / "ties")
+    ingest(store, tmp_path / "ties")
     pages = list(store.iter_spans("ties", batch_rows=10))
     assert sum(p.num_rows for p in pages) == 350
     starts = [s for p in pages for s in p.column("start_ns").to_pylist()]
@@ -276,7 +277,7 @@ def test_iter_spans_pages_by_start_without_splitting_ties(store: Store, tmp_path
 
 def test_sql_is_read_only(store: Store, tmp_path: Path) -> None:
     hand_made_run(tmp_path / "q", spans_table([(1, 0, 1, "l", "nvtx", "x", 0, 5, 0)]))
-    store.ingest(tmp_path / "q")
+    ingest(store, tmp_path / "q")
     cols, rows = store.sql(
         "SELECT run_id, count() AS n FROM spans WHERE run_id = {r:String} GROUP BY run_id",
         {"r": "q"},
@@ -316,10 +317,10 @@ def test_store_down_leaves_spool_and_can_retry(
     run_dir = record(tmp_path / "runs" / "retry", monkeypatch, steps=1)
     before = sorted((p.name, p.stat().st_size) for p in list_spool(run_dir))
     with pytest.raises(StoreError):
-        Store("http://127.0.0.1:9/").ingest(run_dir)
+        ingest(Store("http://127.0.0.1:9/"), run_dir)
     assert sorted((p.name, p.stat().st_size) for p in list_spool(run_dir)) == before
     with Store(f"chdb://{tmp_path / 'store'}") as s:
-        assert s.ingest(run_dir).rows["spans"] == 4  # step, outer, inner, tick
+        assert ingest(s, run_dir).rows["spans"] == 4  # step, outer, inner, tick
 
 
 def test_a_store_in_use_by_another_process_is_a_clear_error(tmp_path: Path) -> None:

@@ -18,29 +18,29 @@ from gpu_trace.dashboard import (  # noqa: E402
     charts,
     figures,
     panels,
-    queries,
     reports,
     samples,
+    timeline,
 )
-from gpu_trace.dashboard.source import Source  # noqa: E402
+from gpu_trace.dashboard.source import ReadOnlyStore  # noqa: E402
 from gpu_trace.tracer.store import Store, StoreError  # noqa: E402
 from tests.dashboard_data import XSS, forwarded_run, lod_run, tenants_run  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Source]:
+def source(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReadOnlyStore]:
     store = Store(f"chdb://{tmp_path_factory.mktemp('dash') / 'store'}")
     lod_run(store)
     forwarded_run(store)
     tenants_run(store, "tenants-xss", ("alice", XSS))
     tenants_run(store, "sessions-only", None)
     samples.load_samples(store)
-    src = Source(store=store)
+    src = ReadOnlyStore(store=store)
     yield src
     src.close()
 
 
-def overlapping(source: Source, run: str, t0: int, t1: int) -> int:
+def overlapping(source: ReadOnlyStore, run: str, t0: int, t1: int) -> int:
     return source.rows(
         "SELECT count() AS n FROM __db__.spans WHERE run_id = {r:String}"
         " AND start_ns < {t1:Int64} AND end_ns >= {t0:Int64}",
@@ -51,52 +51,52 @@ def overlapping(source: Source, run: str, t0: int, t1: int) -> int:
 @pytest.mark.parametrize(
     "t0,t1,width", [(0, 10_000_000, 300), (0, 10_000_000, 3000), (1_000_000, 1_050_000, 1000)]
 )
-def test_window_draws_every_span_as_a_bar_or_density(source: Source, t0, t1, width) -> None:
-    w = queries.window(source, "lod", t0, t1, width)
+def test_window_draws_every_span_as_a_bar_or_density(source: ReadOnlyStore, t0, t1, width) -> None:
+    w = timeline.window(source, "lod", t0, t1, width)
     assert w.total_spans == overlapping(source, "lod", t0, t1)
     assert all(b["end_ns"] - b["start_ns"] >= w.bar_threshold_ns for b in w.bars)
 
 
-def test_zooming_in_turns_density_into_bars(source: Source) -> None:
-    wide = queries.window(source, "lod", 0, 10_000_000, 300)
+def test_zooming_in_turns_density_into_bars(source: ReadOnlyStore) -> None:
+    wide = timeline.window(source, "lod", 0, 10_000_000, 300)
     assert {b["name"] for b in wide.bars} == {f"long{i}" for i in range(5)}
     assert wide.density_spans == 1000
-    narrow = queries.window(source, "lod", 1_000_000, 1_050_000, 1000)
+    narrow = timeline.window(source, "lod", 1_000_000, 1_050_000, 1000)
     assert {b["name"] for b in narrow.bars} == {"tiny", "long0"} and narrow.density_spans == 0
 
 
-def test_bar_limit_moves_the_rest_into_density(source: Source, monkeypatch) -> None:
-    monkeypatch.setattr(queries, "MAX_BARS", 100)
-    w = queries.window(source, "lod", 0, 10_000_000, 30_000)
+def test_bar_limit_moves_the_rest_into_density(source: ReadOnlyStore, monkeypatch) -> None:
+    monkeypatch.setattr(timeline, "MAX_BARS", 100)
+    w = timeline.window(source, "lod", 0, 10_000_000, 30_000)
     assert w.capped and len(w.bars) <= 100
     assert w.total_spans == overlapping(source, "lod", 0, 10_000_000)
 
 
-def test_tracks_group_remote_lanes_last_with_clock_uncertainty(source: Source) -> None:
-    tracks = queries.tracks(source, "fwd")["tracks"]
+def test_tracks_group_remote_lanes_last_with_clock_uncertainty(source: ReadOnlyStore) -> None:
+    tracks = timeline.tracks(source, "fwd")["tracks"]
     assert tracks[-1].lane == "server/execute" and tracks[-1].clock_uncertainty_ns == 5000
     assert "clock ±5 µs" in figures.track_label(tracks[-1])
     rows = [t.row for t in tracks]
     assert rows == sorted(rows) and len(set(rows)) == len(rows)
 
 
-def test_flows_link_forwarded_calls_to_server_spans(source: Source) -> None:
-    fl = queries.flows(source, "fwd", 0, 3_000_000)
+def test_flows_link_forwarded_calls_to_server_spans(source: ReadOnlyStore) -> None:
+    fl = timeline.flows(source, "fwd", 0, 3_000_000)
     assert fl["total"] == 6
     assert {(f["p_lane"], f["c_lane"], f["c_host"]) for f in fl["links"]} == {
         ("forward/batch", "server/execute", "gpu-box")
     }
 
 
-def test_span_details_cross_hosts_and_same_range_in_other_steps(source: Source) -> None:
-    w = queries.window(source, "fwd", 0, 3_000_000, 2000)
+def test_span_details_cross_hosts_and_same_range_in_other_steps(source: ReadOnlyStore) -> None:
+    w = timeline.window(source, "fwd", 0, 3_000_000, 2000)
     batch = next(b for b in w.bars if b["name"] == "batch" and b["start_ns"] == 1_500_000)
-    s = queries.span(source, "fwd", batch["span_id"], batch["start_ns"])
+    s = timeline.span(source, "fwd", batch["span_id"], batch["start_ns"])
     assert s["attrs"] == {"k": "1"} and s["children_total"] == 1
     assert s["children"][0]["host"] == "gpu-box"
-    child = queries.span(source, "fwd", s["children"][0]["span_id"])
+    child = timeline.span(source, "fwd", s["children"][0]["span_id"])
     assert child["parent"]["span_id"] == batch["span_id"]
-    steps = queries.same_range_in_steps(source, "fwd", s)
+    steps = timeline.same_range_in_steps(source, "fwd", s)
     assert [(st["step"], st["start_ns"], st["current"]) for st in steps] == [
         ("ProfilerStep#0", 500_000, False),
         ("ProfilerStep#1", 1_500_000, True),
@@ -104,11 +104,11 @@ def test_span_details_cross_hosts_and_same_range_in_other_steps(source: Source) 
     ]
 
 
-def test_names_are_escaped_in_the_figure(source: Source) -> None:
-    run = source.call("run", "fwd")
-    tr = queries.tracks(source, "fwd")
-    w = queries.window(source, "fwd", 0, 3_000_000, 2000)
-    fig = figures.timeline(run, tr, w, queries.flows(source, "fwd", 0, 3_000_000), {}, [], 2000)
+def test_names_are_escaped_in_the_figure(source: ReadOnlyStore) -> None:
+    run = source.run("fwd")
+    tr = timeline.tracks(source, "fwd")
+    w = timeline.window(source, "fwd", 0, 3_000_000, 2000)
+    fig = figures.timeline(run, tr, w, timeline.flows(source, "fwd", 0, 3_000_000), {}, [], 2000)
     # Everything plotly draws is escaped (a JSON encoder would \u003c-escape every "<" on its
     # own); the names on bars are raw text for static/labels.js, which sets them as textContent.
     drawn = {**fig, "layout": {k: v for k, v in fig["layout"].items() if k != "meta"}}
@@ -125,15 +125,15 @@ def test_ticks_are_durations_since_the_run_started() -> None:
     assert all(label.endswith("µs") for label in labels)
 
 
-def test_counters_are_bucketed_in_the_window(source: Source) -> None:
-    run = source.call("run", "local-training")
+def test_counters_are_bucketed_in_the_window(source: ReadOnlyStore) -> None:
+    run = source.run("local-training")
     t0, t1 = run["started_ns"], run["ended_ns"]
-    found = queries.counters(source, "local-training", ["nvml/gpu_util_pct"], t0, t1, 200)
+    found = timeline.counters(source, "local-training", ["nvml/gpu_util_pct"], t0, t1, 200)
     rows = found["nvml/gpu_util_pct"]
     assert 0 < len(rows) <= 100 and all(t0 <= r["ts_ns"] < t1 for r in rows)
 
 
-def test_summary_of_the_local_sample(source: Source) -> None:
+def test_summary_of_the_local_sample(source: ReadOnlyStore) -> None:
     data = reports.summary(source, "local-training")
     assert data["top"]["by_total"] and data["top"]["by_self"]
     paths = {n["path"] for n in data["modules"]["nodes"]}
@@ -153,7 +153,7 @@ def text_of(component: object) -> str:
     return "" if children is None else text_of(children)
 
 
-def test_tenants_of_the_two_tenant_sample(source: Source) -> None:
+def test_tenants_of_the_two_tenant_sample(source: ReadOnlyStore) -> None:
     run = "forwarded-two-tenants"
     data = reports.tenants(source, run)
     assert data["labelled"] and [t["key"] for t in data["tenants"]] == ["alice", "bob"]
@@ -206,7 +206,7 @@ def test_tenants_of_the_two_tenant_sample(source: Source) -> None:
             {"r": run},
         )
     }
-    meta = source.call("run", run)
+    meta = source.run(run)
     for row in data["summary"]:
         t = row["tenant"]
         for m in ("busy_ns", "queue_wait_ns", "bytes_in", "bytes_out", "quota_waits"):
@@ -225,7 +225,7 @@ def test_tenants_of_the_two_tenant_sample(source: Source) -> None:
     assert "issue 6" not in text and "own tenants" in text
 
 
-def test_a_run_from_before_tenants_has_a_tenant_per_session(source: Source) -> None:
+def test_a_run_from_before_tenants_has_a_tenant_per_session(source: ReadOnlyStore) -> None:
     data = reports.tenants(source, "sessions-only")
     assert not data["labelled"]
     assert [(t["key"], s["session"], s["pid"], s["batches"], s["ops"])
@@ -243,7 +243,7 @@ def test_a_run_from_before_tenants_has_a_tenant_per_session(source: Source) -> N
     assert "before tenants" in text and "no quota" in text and "pid 21 on client" in text
 
 
-def test_tenant_names_are_text(source: Source) -> None:
+def test_tenant_names_are_text(source: ReadOnlyStore) -> None:
     data = reports.tenants(source, "tenants-xss")
     assert [t["key"] for t in data["tenants"]] == [XSS, "alice"]  # "<" sorts first
     xss, alice = data["summary"]
@@ -268,7 +268,7 @@ def test_tenant_names_are_text(source: Source) -> None:
     assert XSS in text_of(panels.tenants(data))
 
 
-def test_compare_two_runs(source: Source) -> None:
+def test_compare_two_runs(source: ReadOnlyStore) -> None:
     data = reports.compare(source, "local-training", "forwarded-two-tenants")
     assert data["steps"]["a"]["count"] == 12 and data["steps"]["b"]["count"] == 12
     assert data["ops"] and [r["part"] for r in data["breakdown"]] == [
@@ -276,32 +276,32 @@ def test_compare_two_runs(source: Source) -> None:
     ]  # fmt: skip
 
 
-def test_export_window_holds_only_the_window(source: Source) -> None:
+def test_export_window_holds_only_the_window(source: ReadOnlyStore) -> None:
     text, n = callbacks.export_window(source, "fwd", 0, 1_000_000)
     events = json.loads(text)["traceEvents"]
     names = [e["name"] for e in events if e.get("ph") == "X"]
     assert n == len(names) and "ProfilerStep#0" in names and XSS not in names
 
 
-def test_source_sends_only_selects(source: Source) -> None:
+def test_source_sends_only_selects(source: ReadOnlyStore) -> None:
     with pytest.raises(StoreError, match="read-only"):
         source.rows("DROP TABLE __db__.spans")
-    with pytest.raises(StoreError, match="does not call"):
-        source.call("ingest", "/tmp")
+    # Reads only: no method of the dashboard's store writes, or calls the store by name.
+    assert not any(hasattr(source, name) for name in ("call", "ingest", "insert_rows", "sql"))
 
 
 def test_unreachable_store_is_one_line(tmp_path: Path) -> None:
-    src = Source("http://127.0.0.1:9", lock_timeout_s=0)
+    src = ReadOnlyStore("http://127.0.0.1:9", lock_timeout_s=0)
     with pytest.raises(StoreError) as exc:
         src.rows("SELECT 1")
     assert "127.0.0.1:9" in str(exc.value) and "\n" not in str(exc.value)
 
 
-def test_a_steps_counterparts_are_the_other_steps(source: Source) -> None:
-    w = queries.window(source, "fwd", 0, 3_000_000, 2000)
+def test_a_steps_counterparts_are_the_other_steps(source: ReadOnlyStore) -> None:
+    w = timeline.window(source, "fwd", 0, 3_000_000, 2000)
     step = next(b for b in w.bars if b["name"] == "ProfilerStep#1")
-    s = queries.span(source, "fwd", step["span_id"], step["start_ns"])
-    found = queries.same_range_in_steps(source, "fwd", s)
+    s = timeline.span(source, "fwd", step["span_id"], step["start_ns"])
+    found = timeline.same_range_in_steps(source, "fwd", s)
     assert [(f["step"], f["current"]) for f in found] == [
         ("ProfilerStep#0", False), ("ProfilerStep#1", True), ("ProfilerStep#2", False)
     ]  # fmt: skip
@@ -313,15 +313,15 @@ def decoded(spec: dict) -> np.ndarray:
     return np.frombuffer(base64.b64decode(spec["bdata"]), dtype=spec["dtype"]).reshape(shape)
 
 
-def lod_figure(source: Source, t0: int, t1: int, width: int) -> tuple[queries.Window, dict]:
-    run = source.call("run", "lod")
-    w = queries.window(source, "lod", t0, t1, width)
-    return w, figures.timeline(run, queries.tracks(source, "lod"), w, None, {}, [], width)
+def lod_figure(source: ReadOnlyStore, t0: int, t1: int, width: int) -> tuple[timeline.Window, dict]:
+    run = source.run("lod")
+    w = timeline.window(source, "lod", t0, t1, width)
+    return w, figures.timeline(run, timeline.tracks(source, "lod"), w, None, {}, [], width)
 
 
 @pytest.mark.parametrize("t0,t1,width", [(0, 10_000_000, 300), (1_000_000, 1_050_000, 1000)])
 def test_the_figure_draws_each_span_as_one_bar_or_in_one_density_cell(
-    source: Source, t0, t1, width
+    source: ReadOnlyStore, t0, t1, width
 ) -> None:
     w, fig = lod_figure(source, t0, t1, width)
     bars = [t for t in fig["data"] if t["type"] == "bar"]
@@ -334,7 +334,7 @@ def test_the_figure_draws_each_span_as_one_bar_or_in_one_density_cell(
         assert len(t["customdata"]) == len(t["x"]) and all(len(c) == 2 for c in t["customdata"])
 
 
-def test_density_cells_say_how_busy_and_leave_empty_cells_blank(source: Source) -> None:
+def test_density_cells_say_how_busy_and_leave_empty_cells_blank(source: ReadOnlyStore) -> None:
     w, fig = lod_figure(source, 0, 10_000_000, 300)
     (cells,) = [t for t in fig["data"] if t["type"] == "heatmap"]
     count, busy = decoded(cells["customdata"]), decoded(cells["z"])
@@ -344,18 +344,18 @@ def test_density_cells_say_how_busy_and_leave_empty_cells_blank(source: Source) 
     assert np.nanmax(busy) <= 1 and 0.05 < float(np.nanmean(busy)) < 0.2
 
 
-def test_bars_are_one_trace_per_category(source: Source) -> None:
-    run = source.call("run", "fwd")
-    w = queries.window(source, "fwd", 0, 3_000_000, 2000)
-    fig = figures.timeline(run, queries.tracks(source, "fwd"), w, None, {}, [], 2000)
+def test_bars_are_one_trace_per_category(source: ReadOnlyStore) -> None:
+    run = source.run("fwd")
+    w = timeline.window(source, "fwd", 0, 3_000_000, 2000)
+    fig = figures.timeline(run, timeline.tracks(source, "fwd"), w, None, {}, [], 2000)
     names = [t["name"] for t in fig["data"] if t["type"] == "bar"]
     assert sorted(names) == sorted(set(names)) == ["forward", "nvtx", "server", "step"]
 
 
-def test_wide_bars_are_labelled_with_their_name_cut_to_fit(source: Source) -> None:
-    run = source.call("run", "fwd")
-    tr = queries.tracks(source, "fwd")
-    w = queries.window(source, "fwd", 0, 3_000_000, 2000)
+def test_wide_bars_are_labelled_with_their_name_cut_to_fit(source: ReadOnlyStore) -> None:
+    run = source.run("fwd")
+    tr = timeline.tracks(source, "fwd")
+    w = timeline.window(source, "fwd", 0, 3_000_000, 2000)
     fig = figures.timeline(run, tr, w, None, {}, [], 2000)
     # The names are not a plotly trace (plotly styles each text element one by one): they go to
     # static/labels.js in the layout's meta, as x (ns since the run started), row and text.
@@ -376,17 +376,17 @@ def test_wide_bars_are_labelled_with_their_name_cut_to_fit(source: Source) -> No
     assert cut.endswith("…") and len(cut) * figures.LABEL_FONT_PX * figures.CHAR_EM <= 60
 
 
-def test_bar_names_are_raw_text_for_the_labels_layer(source: Source) -> None:
+def test_bar_names_are_raw_text_for_the_labels_layer(source: ReadOnlyStore) -> None:
     """static/labels.js sets each name as a text node's textContent (never parsed as markup),
     so the figure carries names as they are, unlike plotly's labels and hovers."""
-    run = source.call("run", "fwd")
-    w = queries.window(source, "fwd", 2_900_000, 3_000_000, 2000)  # the script-named span, wide
-    fig = figures.timeline(run, queries.tracks(source, "fwd"), w, None, {}, [], 2000)
+    run = source.run("fwd")
+    w = timeline.window(source, "fwd", 2_900_000, 3_000_000, 2000)  # the script-named span, wide
+    fig = figures.timeline(run, timeline.tracks(source, "fwd"), w, None, {}, [], 2000)
     assert XSS in fig["layout"]["meta"]["labels"]["text"]
     assert any(figures.esc(XSS) in h for t in fig["data"] for h in t.get("hovertext", []))
 
 
-def test_axes_never_make_plotly_measure_labels_and_draw_twice(source: Source) -> None:
+def test_axes_never_make_plotly_measure_labels_and_draw_twice(source: ReadOnlyStore) -> None:
     w, fig = lod_figure(source, 0, 10_000_000, 300)
     axes = [v for k, v in fig["layout"].items() if k.startswith(("xaxis", "yaxis"))]
     assert axes and all(a["automargin"] is False for a in axes)
@@ -404,13 +404,13 @@ def test_typed_arrays_round_trip() -> None:
     assert decoded(figures.typed(np.arange(5, dtype=np.uint16)))[-1] == 4
 
 
-def test_the_first_view_is_built_for_the_address(source: Source) -> None:
-    fresh = Source(store=source.store())  # nothing read yet
+def test_the_first_view_is_built_for_the_address(source: ReadOnlyStore) -> None:
+    fresh = ReadOnlyStore(store=source.store())  # nothing read yet
     unread = callbacks.first_view(fresh, "?run=fwd&tab=summary", 1500)
     # A run not read yet: the page goes out at once (the callback draws it), with its run.
     assert ("timeline", "figure") not in unread and ("window", "data") not in unread
     assert unread[("run", "value")] == "fwd" and unread[("run", "options")][0]["value"] == "fwd"
-    queries.prepare(source, "fwd")
+    timeline.prepare(source, "fwd")
     view = callbacks.first_view(source, "?run=fwd&tab=summary", 1500)
     assert view[("run", "value")] == "fwd" and view[("tabs", "value")] == "summary"
     win = view[("window", "data")]
@@ -424,12 +424,12 @@ def test_the_first_view_is_built_for_the_address(source: Source) -> None:
     assert "no run 'nope'" in str(missing[("message", "children")])
 
 
-def test_the_page_is_sent_with_the_view_its_address_asks_for(source: Source) -> None:
+def test_the_page_is_sent_with_the_view_its_address_asks_for(source: ReadOnlyStore) -> None:
     from gpu_trace.dashboard.app import VIEW_COOKIE, create_app
 
     client = create_app(source).server.test_client()
     client.get("/")
-    queries.prepare(source, "fwd")
+    timeline.prepare(source, "fwd")
     assert VIEW_COOKIE in client.get("/").get_data(as_text=True)  # the page sets the cookie
     plain = json.loads(client.get("/_dash-layout").get_data())
     assert '"type": "bar"' not in json.dumps(plain)  # no cookie: Dash's callback draws it
@@ -440,7 +440,7 @@ def test_the_page_is_sent_with_the_view_its_address_asks_for(source: Source) -> 
     assert client.get("/_dash-layout").status_code == 200
 
 
-def test_the_page_asks_for_its_layout_before_dashs_scripts_have_run(source: Source) -> None:
+def test_the_page_asks_for_its_layout_before_dashs_scripts_have_run(source: ReadOnlyStore) -> None:
     """The head script fetches the layout and the callback list at once and hands them to Dash
     when it asks: the server builds the first view while the scripts load and run."""
     from gpu_trace.dashboard.app import create_app
@@ -453,7 +453,9 @@ def test_the_page_asks_for_its_layout_before_dashs_scripts_have_run(source: Sour
     assert page.index("</head>") < page.index("dash_renderer")
 
 
-def test_the_page_gets_regenerator_runtime_instead_of_dashs_whole_polyfill(source: Source) -> None:
+def test_the_page_gets_regenerator_runtime_instead_of_dashs_whole_polyfill(
+    source: ReadOnlyStore,
+) -> None:
     """Dash's and dcc's scripts need the regeneratorRuntime global from @babel/polyfill; the
     rest of it (core-js) only serves browsers Dash does not support. The browser tests run the
     page with it."""
@@ -467,11 +469,11 @@ def test_the_page_gets_regenerator_runtime_instead_of_dashs_whole_polyfill(sourc
     assert _regenerator_runtime() in page
 
 
-def test_runs_without_server_spans_skip_the_flow_query(source: Source) -> None:
-    assert queries.tracks(source, "lod")["server_tracks"] == 0
-    assert queries.tracks(source, "fwd")["server_tracks"] > 0
-    assert queries.flows(source, "lod", 0, 10_000_000) == {"links": [], "total": 0}
-    assert queries.flows(source, "fwd", 0, 3_000_000)["total"] > 0
+def test_runs_without_server_spans_skip_the_flow_query(source: ReadOnlyStore) -> None:
+    assert timeline.tracks(source, "lod")["server_tracks"] == 0
+    assert timeline.tracks(source, "fwd")["server_tracks"] > 0
+    assert timeline.flows(source, "lod", 0, 10_000_000) == {"links": [], "total": 0}
+    assert timeline.flows(source, "fwd", 0, 3_000_000)["total"] > 0
 
 
 def test_zoom_and_pan_move_the_window() -> None:
@@ -484,7 +486,7 @@ def test_zoom_and_pan_move_the_window() -> None:
     assert callbacks._moved(win, {"autosize": True}) is None
 
 
-def test_the_page_loads_the_dashboards_own_plotly_bundle(source: Source) -> None:
+def test_the_page_loads_the_dashboards_own_plotly_bundle(source: ReadOnlyStore) -> None:
     from plotly.offline import get_plotlyjs_version
 
     from gpu_trace.dashboard import app
@@ -512,10 +514,10 @@ def test_the_page_loads_the_dashboards_own_plotly_bundle(source: Source) -> None
         r.close()
 
 
-def test_every_trace_type_drawn_is_in_the_plotly_bundle(source: Source) -> None:
+def test_every_trace_type_drawn_is_in_the_plotly_bundle(source: ReadOnlyStore) -> None:
     from gpu_trace.dashboard.app import PLOTLY_TRACES
 
-    queries.prepare(source, "forwarded-two-tenants")
+    timeline.prepare(source, "forwarded-two-tenants")
     view = callbacks.first_view(source, "?run=forwarded-two-tenants", 1500)
     types = {t["type"] for t in view[("timeline", "figure")]["data"]}
     summary = reports.summary(source, "local-training")
@@ -571,14 +573,14 @@ def _timeline_callback(client, app, changed: str, values: dict) -> tuple[int, di
     return r.status_code, (r.get_json(silent=True) or {}).get("response", {})
 
 
-def test_a_run_picker_cleared_by_dash_leaves_the_timeline_drawn(source: Source) -> None:
+def test_a_run_picker_cleared_by_dash_leaves_the_timeline_drawn(source: ReadOnlyStore) -> None:
     # The old "blank first timeline": the run picker got its value before its options, Dash's
     # Dropdown cleared it, and the chain run -> window -> figure drew "no run selected".
     from gpu_trace.dashboard.app import create_app
 
     app = create_app(source)
     client = app.server.test_client()
-    queries.prepare(source, "fwd")
+    timeline.prepare(source, "fwd")
     view = callbacks.first_view(source, "?run=fwd", 1500)
     page = {"url.search": "?run=fwd", "window.data": view[("window", "data")],
             "tabs.value": "timeline", "viewport.data": 1500}  # fmt: skip
