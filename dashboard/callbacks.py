@@ -424,7 +424,7 @@ def _ordered(out: dict[tuple[str, str], Any]) -> tuple:
 
 def export_window(source: ReadOnlyStore, run_id: str, t0: int, t1: int) -> tuple[str, int]:
     """Chrome trace JSON of the spans and counters in ``[t0, t1)``, and how many spans it holds."""
-    from gpu_trace.tracer import chrome
+    from gpu_trace.tracer.exporter import export_run, get_exporter
 
     n = source.rows(
         "SELECT count() AS n FROM __db__.spans WHERE run_id = {run:String}"
@@ -438,13 +438,14 @@ def export_window(source: ReadOnlyStore, run_id: str, t0: int, t1: int) -> tuple
         )
     with tempfile.TemporaryDirectory(prefix="gpu-trace-export-") as tmp:
         path = Path(tmp) / "window.json"
-        run = source.run(run_id)
-        chrome.write_chrome_trace(
-            path,
-            run,
-            source.threads(run_id),
-            source.spans(run_id, start_ns=t0, end_ns=t1),
-            source.counters(run_id, start_ns=t0, end_ns=t1),
+        exporter = get_exporter(
+            "chrome",
+            path=path,
+            run=source.run(run_id),
+            threads=source.threads(run_id),
             total_spans=int(n),
         )
+        spans = source.spans(run_id, start_ns=t0, end_ns=t1)
+        if not export_run(exporter, spans, source.counters(run_id, start_ns=t0, end_ns=t1)):
+            raise ValueError(f"the export failed: {getattr(exporter, 'error', None)}")
         return path.read_text(), int(n)

@@ -181,6 +181,8 @@ class ChromeTraceExporter:
         }
         self._closed = False
         self._failed = False
+        #: Why the first failed ``export``/``export_counters`` failed, in one line; None if none did.
+        self.error: str | None = None
         self._first = True
         self._tmp = self.path.with_name(f".{self.path.name}.tmp")
         raw = open(self._tmp, "wb")  # noqa: SIM115 - closed by shutdown
@@ -200,11 +202,30 @@ class ChromeTraceExporter:
             return ExportResult.FAILURE
         try:
             self.write_spans(batch)
-        except Exception:
-            self._failed = True
+        except Exception as exc:
+            self._fail(exc)
             log.exception("gpu-trace: Chrome trace export to %s failed", self.path)
             return ExportResult.FAILURE
         return ExportResult.SUCCESS
+
+    def export_counters(self, batch: pa.Table) -> ExportResult:
+        """Write one batch of counter samples (see :meth:`write_counters`); never raises."""
+        if self._closed:
+            return ExportResult.FAILURE
+        try:
+            self.write_counters(batch)
+        except Exception as exc:
+            self._fail(exc)
+            log.exception("gpu-trace: Chrome trace export to %s failed", self.path)
+            return ExportResult.FAILURE
+        return ExportResult.SUCCESS
+
+    def _fail(self, exc: Exception) -> None:
+        self._failed = True
+        if self.error is None:
+            self.error = (
+                exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            ) or type(exc).__name__
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         if self._closed:

@@ -5,9 +5,13 @@ them somewhere (a Chrome trace file, an OTLP endpoint, a list in memory). Export
 name through the entry point group ``gpu_trace.exporters``::
 
     exporter = get_exporter("chrome", path="trace.json", run=run, threads=threads)
-    for batch in store.iter_spans(run_id, 65536):
-        exporter.export(batch)
-    exporter.shutdown()
+    ok = export_run(exporter, store.iter_spans(run_id), store.iter_counters(run_id))
+
+Every export in gpu-trace (``gpu-trace export``, ``gpu-trace demo``, the dashboard's) goes through
+:func:`get_exporter` and :func:`export_run`, the one boundary where an exporter's exception is
+logged and turned into a failed result, never raised (OpenTelemetry's
+``SimpleSpanProcessor.on_end``). An exporter that also writes counter samples implements
+:class:`CounterExporter`.
 
 A batch is a :class:`pyarrow.Table` with the columns of :data:`SPAN_BATCH_SCHEMA` (what
 ``Store.iter_spans`` yields). String columns may be plain or dictionary-encoded; ``attrs`` may be a
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Callable, Iterable
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any, Protocol, runtime_checkable
 
@@ -85,6 +90,56 @@ class Exporter(Protocol):
 
     def shutdown(self) -> None:
         """Flush and release resources; later ``export`` calls fail. Idempotent."""
+
+
+@runtime_checkable
+class CounterExporter(Exporter, Protocol):
+    """An exporter that also takes counter samples (``host, device, metric, ts_ns, value``)."""
+
+    def export_counters(self, batch: pa.Table) -> ExportResult:
+        """Write one batch of counter samples; never raises."""
+
+
+def export_run(
+    exporter: Exporter,
+    span_batches: Iterable[pa.Table],
+    counter_batches: Iterable[pa.Table] = (),
+) -> bool:
+    """Every span batch, then every counter batch (when the exporter takes counters), then
+    ``shutdown()``; True when every batch was exported.
+
+    The exporter is the boundary: an exception from it is logged and counts as a failure, and the
+    export stops there (the exporter is still shut down, so a file it writes is finished with what
+    it got). Errors of the batches' source (a store that fails mid-way) propagate after the
+    shutdown, as they are the caller's to report.
+    """
+    try:
+        ok = _feed(exporter, span_batches, counter_batches)
+    finally:
+        closed = _exported(lambda _: exporter.shutdown(), None, "shut down")
+    return ok and closed
+
+
+def _feed(
+    exporter: Exporter, span_batches: Iterable[pa.Table], counter_batches: Iterable[pa.Table]
+) -> bool:
+    for batch in span_batches:
+        if not _exported(exporter.export, batch, "export spans"):
+            return False
+    if isinstance(exporter, CounterExporter):
+        for batch in counter_batches:
+            if not _exported(exporter.export_counters, batch, "export counters"):
+                return False
+    return True
+
+
+def _exported(call: Callable[[Any], object], batch: Any, what: str) -> bool:
+    """``call(batch)`` at the boundary: True on success (``shutdown``'s None counts as one)."""
+    try:
+        return call(batch) in (ExportResult.SUCCESS, None)
+    except Exception:
+        log.exception("gpu-trace: an exporter failed to %s; the export stops", what)
+        return False
 
 
 def check_batch(batch: pa.Table) -> None:

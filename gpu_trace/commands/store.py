@@ -143,7 +143,7 @@ def _render_forwarding(fwd: dict) -> str:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from gpu_trace._progress import TerminalProgress
-    from gpu_trace.tracer import chrome
+    from gpu_trace.tracer.exporter import export_run, get_exporter
 
     out: Path = args.output
     if out.suffix not in (".json", ".gz"):
@@ -156,20 +156,23 @@ def cmd_export(args: argparse.Namespace) -> int:
         run_id = _resolve(store, args.run)
         run = store.run(run_id)
         counts = store.counts(run_id)
-        progress = TerminalProgress(sys.stderr)
         try:
-            stats = chrome.write_chrome_trace(
-                out,
-                run,
-                store.threads(run_id),
-                store.iter_spans(run_id),
-                store.iter_counters(run_id),
+            exporter = get_exporter(
+                "chrome",
+                path=out,
+                run=run,
+                threads=store.threads(run_id),
                 total_spans=counts.get("spans"),
-                progress=progress,
+                progress=TerminalProgress(sys.stderr),
                 rank=args.rank,
             )
         except OSError as exc:
             raise CLIError(f"cannot write {out}: {exc.strerror or exc}") from None
+        ok = export_run(exporter, store.iter_spans(run_id), store.iter_counters(run_id))
+    if not ok:
+        reason = getattr(exporter, "error", None) or "the exporter failed"
+        raise CLIError(f"cannot write {out}: {reason}; the file holds what was written before")
+    stats = getattr(exporter, "stats", {})
     err(f"wrote {out}: {fmt.count(stats.get('events', 0))} events")
     return 0
 

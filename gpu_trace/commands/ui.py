@@ -13,7 +13,7 @@ from gpu_trace.commands.store import checked_dsn, render_summary, store_module
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from gpu_trace import launch
-    from gpu_trace.tracer import chrome
+    from gpu_trace.tracer.exporter import export_run, get_exporter
 
     workload = Path(__file__).resolve().parents[1] / "_demo_workload.py"
     dsn = checked_dsn(args.store)
@@ -39,13 +39,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     with store_module().Store(dsn) as store:
         run_id = prepared.info.run_id
         echo(render_summary(store.run(run_id), store.summary(run_id, top=5)))
-        chrome.write_chrome_trace(
-            out,
-            store.run(run_id),
-            store.threads(run_id),
-            store.iter_spans(run_id),
-            store.iter_counters(run_id),
+        exporter = get_exporter(
+            "chrome", path=out, run=store.run(run_id), threads=store.threads(run_id)
         )
+        if not export_run(exporter, store.iter_spans(run_id), store.iter_counters(run_id)):
+            raise CLIError(f"cannot write {out}: {getattr(exporter, 'error', None)}")
     echo(f"\nChrome trace: {out}  (open it in https://ui.perfetto.dev or chrome://tracing)")
     echo(
         f'Next: gpu-trace show {run_id} · gpu-trace sql "SELECT lane, count() FROM gpu_trace.spans GROUP BY lane"'

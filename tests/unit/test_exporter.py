@@ -12,11 +12,13 @@ from gpu_trace.tracer.chrome import ChromeTraceExporter
 from gpu_trace.tracer.exporter import (
     REQUIRED_COLUMNS,
     SPAN_BATCH_SCHEMA,
+    CounterExporter,
     Exporter,
     ExportResult,
     InMemoryExporter,
     available_exporters,
     check_batch,
+    export_run,
     get_exporter,
 )
 
@@ -92,3 +94,83 @@ def test_chrome_exporter_by_name(tmp_path: Path) -> None:
         "s3",
     ] * 3
     assert trace["gpu_trace"]["complete"] is True
+
+
+class Raising(InMemoryExporter):
+    """An exporter that breaks its contract: ``export`` raises."""
+
+    def export(self, batch: pa.Table) -> ExportResult:
+        raise RuntimeError("boom")
+
+
+def test_export_run_logs_an_exporters_exception_and_still_shuts_it_down(caplog) -> None:
+    exp = Raising()
+    with caplog.at_level("ERROR", logger="gpu_trace.tracer.exporter"):
+        assert export_run(exp, [batch(), batch(3, 3)]) is False
+    assert exp.is_shutdown
+    assert "failed to export spans" in caplog.text and "boom" in caplog.text
+
+
+def test_export_run_hands_counters_only_to_exporters_that_take_them(tmp_path: Path) -> None:
+    counters = pa.table({"metric": ["m"], "ts_ns": [5], "value": [1.0], "host": ["h"]})
+    memory = InMemoryExporter()
+    assert export_run(memory, [batch()], [counters]) is True
+    assert memory.is_shutdown and memory.spans().num_rows == 3
+    chrome = get_exporter("chrome", path=tmp_path / "t.json", run={"run_id": "r"}, threads=[])
+    assert isinstance(chrome, CounterExporter) and not isinstance(memory, CounterExporter)
+    assert export_run(chrome, [batch()], [counters]) is True
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert [e["ph"] for e in events if e["ph"] in ("X", "C")] == ["X"] * 3 + ["C"]
+
+
+def test_a_failed_chrome_export_says_why_in_one_line(tmp_path: Path) -> None:
+    chrome = get_exporter("chrome", path=tmp_path / "t.json", run={"run_id": "r"}, threads=[])
+    assert export_run(chrome, [batch().drop_columns(["host"])]) is False
+    assert chrome.error == "span batch lacks columns host"
+    meta = json.loads((tmp_path / "t.json").read_text())
+    assert meta["gpu_trace"]["complete"] is False
+
+
+def test_the_cli_exports_through_the_seam(tmp_path: Path, monkeypatch) -> None:
+    """`gpu-trace export` takes its exporter from get_exporter: a failing one is one line."""
+    import argparse
+
+    from gpu_trace.commands import CLIError
+    from gpu_trace.commands import store as store_cmd
+    from gpu_trace.tracer import exporter as exporter_mod
+
+    class Store:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+        def run(self, run_id):
+            return {"run_id": run_id}
+
+        def counts(self, run_id):
+            return {"spans": 3}
+
+        def threads(self, run_id):
+            return []
+
+        def iter_spans(self, run_id):
+            yield batch()
+
+        def iter_counters(self, run_id):
+            return iter(())
+
+    made = []
+
+    def fake_get_exporter(name: str, **kwargs) -> Raising:
+        made.append(name)
+        return Raising()
+
+    monkeypatch.setattr(store_cmd, "_open_store", lambda args: Store())
+    monkeypatch.setattr(store_cmd, "_resolve", lambda store, ref: "r")
+    monkeypatch.setattr(exporter_mod, "get_exporter", fake_get_exporter)
+    args = argparse.Namespace(output=tmp_path / "t.json", run="last", rank=0)
+    with pytest.raises(CLIError, match=r"^cannot write .*t\.json: the exporter failed"):
+        store_cmd.cmd_export(args)
+    assert made == ["chrome"]
