@@ -8,8 +8,6 @@ Everything else about the package is in pyproject.toml. The prebuilds are option
 
 from __future__ import annotations
 
-import importlib
-import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -21,50 +19,46 @@ from setuptools.dist import Distribution
 
 HERE = Path(__file__).resolve().parent
 
-#: The name the package's source folders are importable under here (see :func:`_load`).
-SOURCE_PACKAGE = "_gpu_trace_src"
 
-
-def _load(module: str):
-    """Import ``gpu_trace.<module>`` from the source tree as ``_gpu_trace_src.<module>``.
+def _load(path: str):
+    """The module in the source file ``path``, loaded by path as a module of its own.
 
     gpu_trace is not importable while it is being built (and importing it would run its
-    ``__init__``), so its folders are mapped as in pyproject.toml's package-dir onto bare packages
-    that run no ``__init__.py``: the builders' relative imports (``from .. import _cbuild``) then
-    work here as in the installed package.
+    ``__init__``): the builders and :mod:`gpu_trace._cbuild` are standard library only at module
+    level and import nothing of gpu_trace there, so they load alone; ``_cbuild`` is passed to the
+    builders' ``build``.
     """
-    for name, folder in (
-        (SOURCE_PACKAGE, "gpu_trace"),
-        (f"{SOURCE_PACKAGE}.collectors", "collectors"),
-        (f"{SOURCE_PACKAGE}.tracer", "tracer"),
-    ):
-        if name not in sys.modules:
-            spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
-            spec.submodule_search_locations = [str(HERE / folder)]
-            sys.modules[name] = importlib.util.module_from_spec(spec)
-    return importlib.import_module(f"{SOURCE_PACKAGE}.{module}")
+    name = "_gpu_trace_setup_" + Path(path).with_suffix("").as_posix().replace("/", "_")
+    spec = importlib.util.spec_from_file_location(name, HERE / path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # as an import would (dataclasses look their module up there)
+    spec.loader.exec_module(module)
+    return module
 
 
-#: (builder module, package folder in the wheel, what it builds)
+#: (builder file, package folder in the wheel, what it builds)
 PREBUILDS = [
-    ("collectors.nvtx_build", "collectors", "NVTX injection library"),
-    ("tracer.fastpath_build", "tracer", "C gpu_trace.range"),
+    ("collectors/nvtx/build.py", "collectors/nvtx", "NVTX injection library"),
+    ("tracer/fastpath_build.py", "tracer", "C gpu_trace.range"),
 ]
 
 
 class BuildPyWithNvtx(build_py):
-    """build_py, then compile ``nvtx_inject.c`` and ``_fastpath.c`` next to the copied sources
-    (a failure is a warning)."""
+    """build_py, then compile ``collectors/nvtx/inject.c`` and ``tracer/_fastpath.c`` next to the
+    copied sources (a failure is a warning)."""
 
     def run(self) -> None:
         super().run()
         if self.dry_run:
             return
-        for module, folder, what in PREBUILDS:
+        for path, folder, what in PREBUILDS:
             try:
-                builder = _load(module)
+                cbuild = _load("gpu_trace/_cbuild.py")
+                builder = _load(path)
                 out = Path(self.build_lib) / "gpu_trace" / folder / builder.library_name()
-                builder.build(out, cc=os.environ.get("GPU_TRACE_CC"))
+                builder.build(out, cc=os.environ.get("GPU_TRACE_CC"), cbuild=cbuild)
             except Exception as exc:  # never fail the install over an optional prebuild
                 sys.stderr.write(
                     f"warning: gpu-trace: prebuilding the {what} failed ({exc}); "

@@ -31,9 +31,9 @@ from pathlib import Path
 
 from gpu_trace.collectors.host import HostSampler
 from gpu_trace.collectors.nvml import NvmlSampler
+from gpu_trace.collectors.periodic import Sampler
 from gpu_trace.collectors.processes import ProcessTree
-from gpu_trace.collectors.sampler import Sampler
-from gpu_trace.collectors.samplers import FLUSH_INTERVAL_S
+from gpu_trace.collectors.run_samplers import FLUSH_INTERVAL_S
 from gpu_trace.config import RecorderSettings
 from gpu_trace.tracer.recorder import Recorder
 
@@ -117,11 +117,11 @@ def main() -> None:
 
     def nvml(rec: Recorder) -> Sampler:
         if args.real_nvml:
-            from gpu_trace.collectors.nvml_device import PynvmlSource
+            from gpu_trace.collectors.nvml.device import PynvmlSource
 
             source = PynvmlSource()
         else:
-            from gpu_trace.collectors.nvml_replay import ReplaySource
+            from gpu_trace.collectors.nvml.replay import ReplaySource
 
             source = ReplaySource(args.nvml_file, root_pid=lambda: child.pid)
         return NvmlSampler(rec, source, 10, attribute=tree.labels)

@@ -50,7 +50,7 @@ def inside(models: list[str], steps: int) -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import patch_overhead as po
 
-    from gpu_trace.framework_patches import torch_ops
+    from gpu_trace.framework_patches.torch import ops as torch_ops
 
     torch_ops.HARVEST_INTERVAL_S = 1e9
     po.steady_allocator()

@@ -136,7 +136,7 @@ def torch_cases() -> dict[str, Callable[[], tuple[Step, int]]]:
 def op_with_hooks() -> Iterator[None]:
     """Op level with module backward ranges from autograd hooks, as module level makes them (as
     op level did before they were made from the collected ops): for comparison."""
-    from gpu_trace.framework_patches import torch_modules
+    from gpu_trace.framework_patches.torch import modules as torch_modules
 
     with recording("GPU_TRACE_TORCH", "op"):
         torch_modules.backward_from(None)

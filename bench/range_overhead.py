@@ -262,7 +262,7 @@ def flood(args: argparse.Namespace) -> None:
 
 
 def _build_noop_tool(workdir: Path) -> Path | None:
-    from gpu_trace.collectors import nvtx_build
+    from gpu_trace.collectors.nvtx import build as nvtx_build
 
     cc = os.environ.get("GPU_TRACE_CC") or "cc"
     inc = nvtx_build.include_dir()

@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import psutil
 
+from gpu_trace.collectors.periodic import Sampler, Sink
 from gpu_trace.collectors.processes import ProcessTree
-from gpu_trace.collectors.sampler import Sampler, Sink
 from gpu_trace.tracer.clock import now_ns
 
 log = logging.getLogger(__name__)

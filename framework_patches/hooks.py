@@ -44,7 +44,7 @@ def uninstall() -> None:
     """Forget the hooks and undo the patches. Idempotent."""
     discard("torch", _patch_torch)
     discard("tensorflow", _patch_tf)
-    for name in ("gpu_trace.framework_patches.pytorch", "gpu_trace.framework_patches.tensorflow"):
+    for name in ("gpu_trace.framework_patches.torch", "gpu_trace.framework_patches.tensorflow"):
         module = sys.modules.get(name)
         if module is not None:
             module.unpatch()
@@ -53,7 +53,7 @@ def uninstall() -> None:
 
 def is_patched() -> bool:
     """Whether any framework is patched now (the test suite's leak check asks)."""
-    for name in ("gpu_trace.framework_patches.pytorch", "gpu_trace.framework_patches.tensorflow"):
+    for name in ("gpu_trace.framework_patches.torch", "gpu_trace.framework_patches.tensorflow"):
         module = sys.modules.get(name)
         if module is not None and module.is_patched():
             return True
@@ -61,7 +61,7 @@ def is_patched() -> bool:
 
 
 def _patch_torch(torch: ModuleType) -> None:
-    from gpu_trace.framework_patches import pytorch
+    from gpu_trace.framework_patches import torch as pytorch
 
     pytorch.patch(torch, _state["torch"], shapes=_state["shapes"], rec=_state["rec"])
 

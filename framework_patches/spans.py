@@ -63,7 +63,7 @@ def mirror(domain: Domain, on: bool) -> None:
         _mirrors.pop(domain.name, None)
         return
     try:
-        from gpu_trace.collectors import nvtx_patch
+        from gpu_trace.collectors.nvtx import patch as nvtx_patch
 
         _mirrors[domain.name] = nvtx_patch.original_get_domain(domain.name)
     except Exception:

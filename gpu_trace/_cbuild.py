@@ -1,13 +1,13 @@
 """Compiling one C file into a shared object with the system C compiler, and finding it again.
 
-What the NVTX injection library (``collectors/nvtx_build.py``) and the C ``gpu_trace.range``
+What the NVTX injection library (``collectors/nvtx/build.py``) and the C ``gpu_trace.range``
 (``tracer/fastpath_build.py``) have in common: the compiler from ``GPU_TRACE_CC``, an atomic build
 (a temporary file renamed into place), and the lookup of a hash-named build next to its source
 (prebuilt into the wheel), then in a per-user cache, built there on first use under a lock.
 
-Standard library only, and imported by the builders relatively (``from .. import _cbuild``):
-``setup.py`` loads the builders, and through them this file, by path to prebuild both libraries
-into the wheel, before ``gpu_trace`` is importable.
+Standard library only: ``setup.py`` loads this file and the builders by path, each a module of its
+own, to prebuild both libraries into the wheel before ``gpu_trace`` is importable, and passes this
+one to the builders' ``build(..., cbuild=)``; in the package they import it as ``gpu_trace._cbuild``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The program gets, through its environment, the run directory, the run's W3C trac
 PYTHONPATH entry whose ``sitecustomize`` starts the recorder before the program's first line (in
 every Python process it starts, too) and the NVTX injection library. The runner itself only
 forwards signals and waits; the only thing recorded in this process is what its samplers read
-(NVML and host counters, ``collectors/samplers.py``), into the same run directory.
+(NVML and host counters, ``collectors/run_samplers.py``), into the same run directory.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class Launch:
     env: dict[str, str]
     nvtx_mode: str
     notes: list[str] = field(default_factory=list)
-    #: The NVML and host samplers (a ``collectors.samplers.RunSamplers``), or None.
+    #: The NVML and host samplers (a ``collectors.run_samplers.RunSamplers``), or None.
     samplers: Any = None
     #: Why run.json could not be closed (a full disk), or "": `gpu-trace record` says so.
     save_error: str = ""
@@ -200,7 +200,7 @@ def _prepare_samplers(
     nvml_replay: Path | None,
     nvml_fallback: Path | None = None,
 ) -> Any:
-    from gpu_trace.collectors.samplers import RunSamplers
+    from gpu_trace.collectors.run_samplers import RunSamplers
 
     try:
         return RunSamplers.prepare(

@@ -20,7 +20,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 from gpu_trace.collectors.nvml import EVENTS, PROCESSES, DeviceInfo, NvmlSampler, Reading
-from gpu_trace.collectors.nvml_replay import RecordingSource, _Discard
+from gpu_trace.collectors.nvml.replay import RecordingSource, _Discard
 
 HZ = 10.0
 SECONDS = 20.0

@@ -36,7 +36,7 @@ def _nothing_left_behind() -> object:
     if left is not None:
         recorder.stop()
         pytest.fail(f"a recorder was left active for {left.run_dir}")
-    from gpu_trace.collectors import nvtx_patch
+    from gpu_trace.collectors.nvtx import patch as nvtx_patch
 
     if nvtx_patch.is_patched():
         nvtx_patch.unpatch()

@@ -5,7 +5,7 @@ wheel, before ``gpu_trace`` is importable. At run time the extension is looked f
 source (a prebuilt copy shipped in the wheel), then in the per-user cache the NVTX library uses
 (``GPU_TRACE_HOME/lib``), and built into the cache on first use. The file name carries a hash of
 the source and of the Python ABI, so a changed source or another interpreter never loads a stale
-build. Anything that goes wrong gives :class:`BuildError`; the caller then uses the Python twin.
+build. Anything that goes wrong gives :class:`gpu_trace._cbuild.BuildError`; the caller then uses the Python twin.
 How a C file is compiled and cached is :mod:`gpu_trace._cbuild`'s; this file says what to build.
 """
 
@@ -19,12 +19,20 @@ import sysconfig
 from pathlib import Path
 from types import ModuleType
 
-# Relative, not ``gpu_trace._cbuild``: setup.py loads this file where gpu_trace is not importable.
-from .. import _cbuild
-from .._cbuild import BuildError
+# No import of gpu_trace at module level: setup.py loads this file by path, where gpu_trace is not
+# importable, and passes :mod:`gpu_trace._cbuild` (loaded by path as well) to :func:`build`.
 
 SOURCE = Path(__file__).with_name("_fastpath.c")
 MODULE = "gpu_trace.tracer._fastpath"
+
+
+def helper(cbuild: ModuleType | None = None) -> ModuleType:
+    """:mod:`gpu_trace._cbuild`, or the copy of it that setup.py loaded by path and passed in."""
+    if cbuild is not None:
+        return cbuild
+    from gpu_trace import _cbuild
+
+    return _cbuild
 
 
 def _ext_suffix() -> str:
@@ -42,12 +50,12 @@ def library_name() -> str:
     return f"_fastpath-{source_hash()}{_ext_suffix()}"
 
 
-def include_dirs() -> list[Path]:
+def include_dirs(cbuild: ModuleType | None = None) -> list[Path]:
     """Where ``Python.h`` is (``sysconfig``); raises BuildError when the headers are missing."""
     paths = sysconfig.get_paths()
     dirs = [Path(p) for p in dict.fromkeys((paths.get("include"), paths.get("platinclude"))) if p]
     if not any((d / "Python.h").is_file() for d in dirs):
-        raise BuildError(
+        raise helper(cbuild).BuildError(
             f"Python headers (Python.h) not found in {', '.join(map(str, dirs)) or '?'}; "
             "install the python3-dev package"
         )
@@ -65,21 +73,23 @@ def supported() -> str | None:
     return None
 
 
-def build(out: Path, *, cc: str | None = None) -> Path:
+def build(out: Path, *, cc: str | None = None, cbuild: ModuleType | None = None) -> Path:
     """Compile the extension to ``out`` atomically (a temporary file renamed into place)."""
+    cb = helper(cbuild)
     reason = supported()
     if reason:
-        raise BuildError(reason)
-    return _cbuild.build(SOURCE, out, include_dirs=include_dirs(), cc=cc)
+        raise cb.BuildError(reason)
+    return cb.build(SOURCE, out, include_dirs=include_dirs(cb), cc=cc)
 
 
 def find_or_build(cache_dir: Path, *, cc: str | None = None) -> Path:
     """The extension for this source and interpreter: prebuilt, cached, or built now."""
+    cb = helper()
     reason = supported()
     if reason:
-        raise BuildError(reason)
+        raise cb.BuildError(reason)
     # include_dirs: fail fast, without running the compiler, where the headers are missing
-    return _cbuild.find_or_build(
+    return cb.find_or_build(
         SOURCE, library_name(), cache_dir, lambda out: build(out, cc=cc), check=include_dirs
     )
 
@@ -92,11 +102,11 @@ def load(path: Path) -> ModuleType:
     loader = importlib.machinery.ExtensionFileLoader(MODULE, str(path))
     spec = importlib.util.spec_from_file_location(MODULE, str(path), loader=loader)
     if spec is None:
-        raise BuildError(f"cannot load {path}")
+        raise helper().BuildError(f"cannot load {path}")
     try:
         module = importlib.util.module_from_spec(spec)
         loader.exec_module(module)
     except ImportError as exc:
-        raise BuildError(f"loading {path} failed: {exc}") from None
+        raise helper().BuildError(f"loading {path} failed: {exc}") from None
     sys.modules[MODULE] = module
     return module

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from gpu_trace.collectors.nvml import NvmlUnavailable
-from gpu_trace.collectors.nvml_device import PynvmlSource
-from gpu_trace.collectors.nvml_replay import FORMAT
+from gpu_trace.collectors.nvml.device import PynvmlSource
+from gpu_trace.collectors.nvml.replay import FORMAT
 
 REPO = Path(__file__).resolve().parents[2]
 SYNTHETIC = REPO / "sample_traces" / "nvml-synthetic-h100.jsonl"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_trace.collectors import nvtx_build
+from gpu_trace.collectors.nvtx import build as nvtx_build
 from tests.conftest import recorded
 
 CC = os.environ.get("GPU_TRACE_CC") or "cc"

@@ -40,7 +40,7 @@ def test_wheel_installs_into_a_clean_venv(tmp_path: Path) -> None:
     for module in (
         "gpu_trace/cli.py",
         "gpu_trace/tracer/recorder.py",
-        "gpu_trace/collectors/nvtx_inject.c",
+        "gpu_trace/collectors/nvtx/inject.c",
         "gpu_trace/_boot/sitecustomize.py",
     ):
         assert module in names, module

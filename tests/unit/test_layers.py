@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
+
+import pytest
 
 #: What tracer/ may import from the package besides itself: configuration and standard-library-only helpers.
 TRACER_MAY_IMPORT = (
@@ -114,3 +118,35 @@ def test_collectors_and_framework_patches_use_no_private_name_of_another_module(
         for use in private_uses(module, path)
     ]
     assert found == []
+
+
+def load_by_path(path: Path) -> ModuleType:
+    """``path`` as a module of its own, as setup.py loads the builders: no package around it."""
+    name = f"_by_path_{path.parent.name}_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[name]
+    return module
+
+
+@pytest.mark.parametrize(
+    "builder", ["gpu_trace.collectors.nvtx.build", "gpu_trace.tracer.fastpath_build"]
+)
+def test_builders_load_by_path_and_build_with_the_helper_passed_in(
+    builder: str, tmp_path: Path
+) -> None:
+    # setup.py prebuilds the C libraries before gpu_trace is importable: the builders and
+    # _cbuild must load alone, with no import that works only through a mapping of the package.
+    spec = importlib.util.find_spec(builder)
+    cbuild_spec = importlib.util.find_spec("gpu_trace._cbuild")
+    assert spec and spec.origin and cbuild_spec and cbuild_spec.origin
+    cbuild = load_by_path(Path(cbuild_spec.origin))
+    module = load_by_path(Path(spec.origin))
+    assert module.library_name()
+    with pytest.raises(cbuild.BuildError):  # the helper passed in is the one used
+        module.build(tmp_path / "x.so", cc=str(tmp_path / "no-such-cc"), cbuild=cbuild)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from gpu_trace.collectors.nvml import NvmlSampler, NvmlUnavailable, Reading
-from gpu_trace.collectors.nvml_device import PynvmlSource, error_name
-from gpu_trace.collectors.nvml_replay import RecordingSource, ReplaySource, to_record
+from gpu_trace.collectors.nvml.device import PynvmlSource, error_name
+from gpu_trace.collectors.nvml.replay import RecordingSource, ReplaySource, to_record
 from tests.conftest import Sink
 
 REPO = Path(__file__).resolve().parents[2]

@@ -16,7 +16,7 @@ from gpu_trace.collectors.nvml import (
     Reading,
     open_sampler,
 )
-from gpu_trace.collectors.nvml_replay import FORMAT, ReplaySource
+from gpu_trace.collectors.nvml.replay import FORMAT, ReplaySource
 from gpu_trace.tracer.records import MARK
 from tests.conftest import Sink
 

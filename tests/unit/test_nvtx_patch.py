@@ -10,7 +10,7 @@ import pytest
 
 import gpu_trace
 from gpu_trace.collectors import nvtx as nvtx_collector
-from gpu_trace.collectors import nvtx_patch
+from gpu_trace.collectors.nvtx import patch as nvtx_patch
 from tests.conftest import recorded
 
 nvtx = pytest.importorskip("nvtx")

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import gpu_trace
-from gpu_trace import _api
+from gpu_trace import _api, _cbuild
 from gpu_trace.tracer import fastpath_build, recorder
 from gpu_trace.tracer.run import STATS_DIR
 from tests.conftest import recorded
@@ -237,5 +237,5 @@ def test_unbuildable_falls_back_to_the_python_twin(tmp_path: Path) -> None:
 
 
 def test_build_error_names_the_compiler(tmp_path: Path) -> None:
-    with pytest.raises(fastpath_build.BuildError, match="not found"):
+    with pytest.raises(_cbuild.BuildError, match="not found"):
         fastpath_build.build(tmp_path / "x.so", cc=str(tmp_path / "no-such-cc"))

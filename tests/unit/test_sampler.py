@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from gpu_trace.collectors.sampler import Sampler
+from gpu_trace.collectors.periodic import Sampler
 from gpu_trace.tracer.records import MARK
 from tests.conftest import Sink
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from gpu_trace.framework_patches.torch_backward import chain, owners, ranges
+from gpu_trace.framework_patches.torch.backward import chain, owners, ranges
 
 # Forward: Net [0, 10) holds a [0, 4) (a.x [1, 3)) and b [5, 9); seq 4 and 9 are Net's own ops.
 NET, A, AX, B = "Net", "a", "a.x", "b"

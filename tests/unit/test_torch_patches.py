@@ -15,7 +15,8 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import gpu_trace  # noqa: E402
-from gpu_trace.framework_patches import hooks, pytorch  # noqa: E402
+from gpu_trace.framework_patches import hooks  # noqa: E402
+from gpu_trace.framework_patches import torch as pytorch  # noqa: E402
 from tests.conftest import recorded  # noqa: E402
 
 
@@ -242,7 +243,7 @@ def test_op_level_makes_module_backward_ranges_from_ops_without_hooks(name: str,
 
 def test_op_level_module_backward_across_sessions_and_inside_a_module(record, monkeypatch):
     """A forward and its backward in different op sessions; backward called inside forward."""
-    from gpu_trace.framework_patches import torch_ops
+    from gpu_trace.framework_patches.torch import ops as torch_ops
 
     monkeypatch.setattr(torch_ops, "HARVEST_INTERVAL_S", 0.0)  # every top-level call cycles
     run = record("op")
@@ -387,7 +388,7 @@ def test_off_and_bad_levels(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
 
 
 def test_unpatchable_part_is_reported_once(monkeypatch, caplog) -> None:
-    from gpu_trace.framework_patches import torch_training
+    from gpu_trace.framework_patches.torch import training as torch_training
 
     def broken(torch):
         raise AttributeError("no optimizer hooks in this version")

@@ -1,6 +1,6 @@
 """Draining the NVTX injection library into the recorder: a :class:`~gpu_trace.tracer.recorder.Source`.
 
-Events arrive from C as 64-byte records (``gt_event`` in ``nvtx_inject.c``), copied in whole
+Events arrive from C as 64-byte records (``gt_event`` in ``inject.c``), copied in whole
 arrays into numpy; strings arrive as ids into a table drained incrementally. Start/end ranges come
 as two records (possibly from two threads, possibly in two drains) matched here by range id.
 Columns are built with numpy and Arrow compute, never a Python loop per event.

@@ -18,8 +18,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from gpu_trace.framework_patches import spans, torch_modules
+from gpu_trace.framework_patches import spans
 from gpu_trace.framework_patches.steps import Steps
+from gpu_trace.framework_patches.torch import modules as torch_modules
 from gpu_trace.tracer.records import MODULE
 
 log = logging.getLogger(__name__)

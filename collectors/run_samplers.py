@@ -19,8 +19,8 @@ from pathlib import Path
 from gpu_trace import config
 from gpu_trace.collectors.host import HostSampler
 from gpu_trace.collectors.nvml import NvmlSampler, NvmlSource, open_sampler
+from gpu_trace.collectors.periodic import Sampler
 from gpu_trace.collectors.processes import ProcessTree
-from gpu_trace.collectors.sampler import Sampler
 from gpu_trace.tracer.recorder import Recorder
 
 log = logging.getLogger(__name__)
@@ -95,11 +95,11 @@ class RunSamplers:
 
     def _nvml_source(self, replay: Path | None) -> NvmlSource:
         if replay is not None:
-            from gpu_trace.collectors.nvml_replay import ReplaySource
+            from gpu_trace.collectors.nvml.replay import ReplaySource
 
             tree = self.tree
             return ReplaySource(replay, root_pid=lambda: tree.root)
-        from gpu_trace.collectors.nvml_device import PynvmlSource
+        from gpu_trace.collectors.nvml.device import PynvmlSource
 
         return PynvmlSource()
 

@@ -1,7 +1,7 @@
 """The NVML sampler: GPU counters of every device, read from a source, recorded on the run's clock.
 
 The sampler reads through a seam, :class:`NvmlSource`: the real one calls NVML through pynvml
-(``nvml_device.py``), the replay one reads a recorded sample file (``nvml_replay.py``). What to do
+(``device.py``), the replay one reads a recorded sample file (``replay.py``). What to do
 with a reading lives here, once, whatever the source:
 
 - every value becomes a counter (source ``nvml``, device ``gpu<index>``), stamped with the
@@ -24,7 +24,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gpu_trace.collectors.sampler import Sampler, Sink
+from gpu_trace.collectors.periodic import Sampler, Sink
 from gpu_trace.tracer.clock import now_ns
 
 log = logging.getLogger(__name__)
@@ -263,11 +263,3 @@ def open_sampler(
         sampler.close()
         return None, "NVML sampling is off: no GPU found"
     return sampler, ""
-
-
-if __name__ == "__main__":  # python -m gpu_trace.collectors.nvml record FILE
-    import sys
-
-    from gpu_trace.collectors.nvml_replay import main
-
-    sys.exit(main(sys.argv[1:]))

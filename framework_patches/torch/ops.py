@@ -11,7 +11,7 @@ event tree into spans (``category`` ``op``, lane ``torch/ops``) on the run's clo
 session is harvested when recording stops.
 
 Module backward ranges come from the same collection at this level (no autograd hooks, see
-:mod:`.torch_backward`): the module wrapper notes each module call's range of autograd sequence
+:mod:`.backward`): the module wrapper notes each module call's range of autograd sequence
 numbers in :attr:`OpSource.calls`, and a session's backward-node events are matched to them when
 its spans are made. A graph whose backward runs more than one session after its forward (over
 :data:`HARVEST_INTERVAL_S` later, with top-level module calls in between) gets op ranges but no
@@ -34,9 +34,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from gpu_trace.framework_patches import torch_backward
-from gpu_trace.framework_patches.torch_backward import EVALUATE
-from gpu_trace.framework_patches.torch_modules import DOMAIN
+from gpu_trace.framework_patches.torch import backward as torch_backward
+from gpu_trace.framework_patches.torch.backward import EVALUATE
+from gpu_trace.framework_patches.torch.modules import DOMAIN
 from gpu_trace.tracer import recorder as _recorder
 from gpu_trace.tracer.clock import anchor, now_ns
 from gpu_trace.tracer.records import (

@@ -1,4 +1,4 @@
-"""Building the NVTX injection library (``nvtx_inject.c``) with the system C compiler.
+"""Building the NVTX injection library (``inject.c``) with the system C compiler.
 
 Standard library only: ``setup.py`` loads this file by path to prebuild the library into the wheel,
 before ``gpu_trace`` is importable. At run time the library is looked for next to the source
@@ -13,13 +13,22 @@ import hashlib
 import importlib.util
 import sys
 from pathlib import Path
+from types import ModuleType
 
-# Relative, not ``gpu_trace._cbuild``: setup.py loads this file where gpu_trace is not importable.
-from .. import _cbuild
-from .._cbuild import BuildError
+# No import of gpu_trace at module level: setup.py loads this file by path, where gpu_trace is not
+# importable, and passes :mod:`gpu_trace._cbuild` (loaded by path as well) to :func:`build`.
 
-SOURCE = Path(__file__).with_name("nvtx_inject.c")
+SOURCE = Path(__file__).with_name("inject.c")
 HEADER = Path("nvtx3") / "nvToolsExt.h"
+
+
+def helper(cbuild: ModuleType | None = None) -> ModuleType:
+    """:mod:`gpu_trace._cbuild`, or the copy of it that setup.py loaded by path and passed in."""
+    if cbuild is not None:
+        return cbuild
+    from gpu_trace import _cbuild
+
+    return _cbuild
 
 
 def include_dir() -> Path | None:
@@ -54,18 +63,19 @@ def library_name() -> str:
     return f"libgpu_trace_nvtx-{source_hash()}.so"
 
 
-def build(out: Path, *, cc: str | None = None) -> Path:
+def build(out: Path, *, cc: str | None = None, cbuild: ModuleType | None = None) -> Path:
     """Compile the library to ``out`` atomically (a temporary file renamed into place)."""
+    cb = helper(cbuild)
     if sys.platform != "linux":
-        raise BuildError(f"native NVTX capture is built for Linux only, not {sys.platform}")
+        raise cb.BuildError(f"native NVTX capture is built for Linux only, not {sys.platform}")
     inc = include_dir()
     if inc is None:
-        raise BuildError(
+        raise cb.BuildError(
             "NVTX headers (nvtx3/nvToolsExt.h) not found; install the nvidia-nvtx package"
         )
-    return _cbuild.build(SOURCE, out, include_dirs=[inc], libs=["-lpthread"], cc=cc)
+    return cb.build(SOURCE, out, include_dirs=[inc], libs=["-lpthread"], cc=cc)
 
 
 def find_or_build(cache_dir: Path, *, cc: str | None = None) -> Path:
     """The library for the current source: prebuilt next to the source, cached, or built now."""
-    return _cbuild.find_or_build(SOURCE, library_name(), cache_dir, lambda out: build(out, cc=cc))
+    return helper().find_or_build(SOURCE, library_name(), cache_dir, lambda out: build(out, cc=cc))

@@ -25,7 +25,7 @@ At op level the profiler's collection already records every backward node as it 
 sequence number of the forward op that made it, so no hooks are placed: the wrapper notes the
 range of sequence numbers each module call's forward ops took (two reads of a thread-local
 counter), and the op collection makes the backward ranges from them (see
-:mod:`.torch_ops`, "Module backward ranges").
+:mod:`.ops`, "Module backward ranges").
 
 Inside ``torch.compile`` tracing the wrapper does nothing: a compiled module is one range.
 

@@ -2,10 +2,10 @@
 
 Two paths, one result (same lanes, categories, names, nesting; a parity test holds them together):
 
-- **native** (default): the injection library ``nvtx_inject.c``, loaded by each NVTX user through
+- **native** (default): the injection library ``inject.c``, loaded by each NVTX user through
   ``NVTX_INJECTION64_PATH``, records on every thread into per-thread C buffers that
-  :class:`~gpu_trace.collectors.nvtx_source.NativeSource` drains at each flush.
-- **python**: the ``nvtx`` package's functions are patched (:mod:`.nvtx_patch`); used when native
+  :class:`~gpu_trace.collectors.nvtx.source.NativeSource` drains at each flush.
+- **python**: the ``nvtx`` package's functions are patched (:mod:`.patch`); used when native
   capture can't work here (no C compiler or headers, another NVTX tool such as Nsight Systems
   already attached, or NVTX initialized before recording started), with one warning saying why.
 
@@ -23,9 +23,10 @@ import sys
 import threading
 from pathlib import Path
 
-from gpu_trace import config
-from gpu_trace.collectors import nvtx_build, nvtx_patch
-from gpu_trace.collectors.nvtx_source import NativeSource, declare
+from gpu_trace import _cbuild, config
+from gpu_trace.collectors.nvtx import build as nvtx_build
+from gpu_trace.collectors.nvtx import patch as nvtx_patch
+from gpu_trace.collectors.nvtx.source import NativeSource, declare
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ def library_path() -> Path | None:
         if key not in _built:
             try:
                 _built[key] = (nvtx_build.find_or_build(config.home() / "lib", cc=cc or None), None)
-            except (nvtx_build.BuildError, OSError) as exc:
+            except (_cbuild.BuildError, OSError) as exc:
                 _built[key] = (None, str(exc))
         path, _last_error = _built[key]
     return path

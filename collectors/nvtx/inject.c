@@ -53,7 +53,7 @@ enum { GT_RANGE = 1, GT_MARK = 2, GT_START = 3, GT_END = 4 };
 /* flags: bit 0 color present; bits 4..7 NVTX payload type (1..6). */
 #define GT_HAS_COLOR 1u
 
-/* One record: 64 bytes, mirrored by a numpy structured dtype in collectors/nvtx.py. */
+/* One record: 64 bytes, mirrored by a numpy structured dtype in collectors/nvtx/__init__.py. */
 typedef struct gt_event {
     uint64_t span_id;
     uint64_t parent;

@@ -2,7 +2,7 @@
 
 ``module`` (the default): forward and backward of every ``nn.Module`` named by its path,
 ``optimizer.step``, ``loss.backward``, DataLoader waits and a step range per iteration. ``op``:
-all of that plus every ATen op (:mod:`.torch_ops`). ``off``: nothing.
+all of that plus every ATen op (:mod:`.ops`). ``off``: nothing.
 
 Each part is patched on its own: a PyTorch version where one can't be patched still gets the
 others, and one warning says what is not captured.
@@ -13,8 +13,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from gpu_trace.framework_patches import spans, torch_modules, torch_training
-from gpu_trace.framework_patches.torch_ops import OpSource
+from gpu_trace.framework_patches import spans
+from gpu_trace.framework_patches.torch import modules as torch_modules
+from gpu_trace.framework_patches.torch import training as torch_training
+from gpu_trace.framework_patches.torch.ops import OpSource
 
 log = logging.getLogger(__name__)
 
