@@ -117,7 +117,7 @@ def main() -> None:
 
     def nvml(rec: Recorder) -> Sampler:
         if args.real_nvml:
-            from gpu_trace.collectors.nvml.device import PynvmlSource
+            from gpu_trace.collectors.nvml.live import PynvmlSource
 
             source = PynvmlSource()
         else:

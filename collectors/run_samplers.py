@@ -99,7 +99,7 @@ class RunSamplers:
 
             tree = self.tree
             return ReplaySource(replay, root_pid=lambda: tree.root)
-        from gpu_trace.collectors.nvml.device import PynvmlSource
+        from gpu_trace.collectors.nvml.live import PynvmlSource
 
         return PynvmlSource()
 

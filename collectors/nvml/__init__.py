@@ -1,7 +1,7 @@
 """The NVML sampler: GPU counters of every device, read from a source, recorded on the run's clock.
 
 The sampler reads through a seam, :class:`NvmlSource`: the real one calls NVML through pynvml
-(``device.py``), the replay one reads a recorded sample file (``replay.py``). What to do
+(``live.py``), the replay one reads a recorded sample file (``replay.py``). What to do
 with a reading lives here, once, whatever the source:
 
 - every value becomes a counter (source ``nvml``, device ``gpu<index>``), stamped with the

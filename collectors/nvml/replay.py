@@ -218,7 +218,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seconds", type=float, default=10.0, help="how long (default 10)")
     p.add_argument("--pid", type=int, help="a process whose GPU memory is recorded as 'root'")
     args = parser.parse_args(argv)
-    from gpu_trace.collectors.nvml.device import PynvmlSource
+    from gpu_trace.collectors.nvml.live import PynvmlSource
 
     with args.file.open("w") as out:
         made_by = "python -m gpu_trace.collectors.nvml record " + " ".join(argv[1:])

@@ -4,7 +4,7 @@ Two paths, one result (same lanes, categories, names, nesting; a parity test hol
 
 - **native** (default): the injection library ``inject.c``, loaded by each NVTX user through
   ``NVTX_INJECTION64_PATH``, records on every thread into per-thread C buffers that
-  :class:`~gpu_trace.collectors.nvtx.source.NativeSource` drains at each flush.
+  :class:`~gpu_trace.collectors.nvtx.native.NativeSource` drains at each flush.
 - **python**: the ``nvtx`` package's functions are patched (:mod:`.patch`); used when native
   capture can't work here (no C compiler or headers, another NVTX tool such as Nsight Systems
   already attached, or NVTX initialized before recording started), with one warning saying why.
@@ -26,7 +26,7 @@ from pathlib import Path
 from gpu_trace import _cbuild, config
 from gpu_trace.collectors.nvtx import build as nvtx_build
 from gpu_trace.collectors.nvtx import patch as nvtx_patch
-from gpu_trace.collectors.nvtx.source import NativeSource, declare
+from gpu_trace.collectors.nvtx.native import NativeSource, declare
 
 log = logging.getLogger(__name__)
 

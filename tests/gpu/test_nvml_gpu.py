@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gpu_trace.collectors.nvml import METRICS, NvmlSampler
-from gpu_trace.collectors.nvml.device import PynvmlSource
+from gpu_trace.collectors.nvml.live import PynvmlSource
 from gpu_trace.collectors.nvml.replay import FORMAT, ReplaySource
 from gpu_trace.tracer.clock import now_ns
 from tests.conftest import Sink

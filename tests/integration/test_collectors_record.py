@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from gpu_trace.collectors.nvml import NvmlUnavailable
-from gpu_trace.collectors.nvml.device import PynvmlSource
+from gpu_trace.collectors.nvml.live import PynvmlSource
 from gpu_trace.collectors.nvml.replay import FORMAT
 
 REPO = Path(__file__).resolve().parents[2]

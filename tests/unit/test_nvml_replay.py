@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpu_trace.collectors.nvml import NvmlSampler, NvmlUnavailable, Reading
-from gpu_trace.collectors.nvml.device import PynvmlSource, error_name
+from gpu_trace.collectors.nvml.live import PynvmlSource, error_name
 from gpu_trace.collectors.nvml.replay import RecordingSource, ReplaySource, to_record
 from tests.conftest import Sink
 
