@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
-from gpu_trace.dashboard.source import ReadOnlyStore
+from gpu_trace.dashboard.readonly_store import ReadOnlyStore
 
 log = logging.getLogger(__name__)
 

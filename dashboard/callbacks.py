@@ -18,7 +18,7 @@ from dash import ALL, Dash, Input, Output, State, ctx, no_update
 
 from gpu_trace.dashboard import figures, panels, reports, timeline
 from gpu_trace.dashboard.layout import TABS
-from gpu_trace.dashboard.source import ReadOnlyStore
+from gpu_trace.dashboard.readonly_store import ReadOnlyStore
 from gpu_trace.tracer.reads import UnknownRunError
 from gpu_trace.tracer.store import StoreError
 

@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from gpu_trace.dashboard.source import ReadOnlyStore
+from gpu_trace.dashboard.readonly_store import ReadOnlyStore
 
 #: Cells across a run in the overview grid.
 CELLS = 4096

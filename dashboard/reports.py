@@ -1,6 +1,6 @@
 """Whole-run reports: Summary (top ranges, module tree, forwarding, steps), Tenants and Compare.
 
-Plain functions of a :class:`~gpu_trace.dashboard.source.ReadOnlyStore` returning dicts and lists; the
+Plain functions of a :class:`~gpu_trace.dashboard.readonly_store.ReadOnlyStore` returning dicts and lists; the
 charts are in :mod:`gpu_trace.dashboard.charts`.
 
 Tenants: the sharing runtime's counters in a client's run (``source = 'runtime'``, labelled
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpu_trace.dashboard.source import ReadOnlyStore
+from gpu_trace.dashboard.readonly_store import ReadOnlyStore
 
 #: Runtime counters (``source = 'runtime'``) the Tenants tab reads, with what they are
 #: (docs/sharing.md, "In the client's run"). Per session (labels ``session``, ``tenant``) but for

@@ -1,6 +1,6 @@
 """Timeline queries: tracks, the visible window at a level of detail, counters, flows, one span.
 
-Everything here is a plain function of a :class:`~gpu_trace.dashboard.source.ReadOnlyStore` and integer
+Everything here is a plain function of a :class:`~gpu_trace.dashboard.readonly_store.ReadOnlyStore` and integer
 nanoseconds on the run's clock; the figures are built from what they return
 (:mod:`gpu_trace.dashboard.figures`).
 
@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from gpu_trace.dashboard import overview
-from gpu_trace.dashboard.source import ReadOnlyStore
+from gpu_trace.dashboard.readonly_store import ReadOnlyStore
 
 #: Bars drawn at most per window; narrower spans past this go into density cells.
 MAX_BARS = 4000

@@ -15,7 +15,7 @@ from gpu_trace import __version__, _format
 from gpu_trace.commands import CLIError, err
 from gpu_trace.commands.record import cmd_record
 from gpu_trace.commands.remote import cmd_serve, cmd_tenants
-from gpu_trace.commands.store import cmd_export, cmd_ingest, cmd_ls, cmd_show, cmd_sql
+from gpu_trace.commands.runs import cmd_export, cmd_ingest, cmd_ls, cmd_show, cmd_sql
 from gpu_trace.commands.ui import cmd_demo, cmd_ui
 
 EPILOG = "Data lives under GPU_TRACE_HOME (default ~/.local/share/gpu-trace). See docs/cli.md."

@@ -8,7 +8,7 @@ from pathlib import Path
 from gpu_trace import _format as fmt
 from gpu_trace import config
 from gpu_trace.commands import CLIError, check_settings, err
-from gpu_trace.commands.store import store_module
+from gpu_trace.commands.runs import store_module
 
 
 def cmd_record(args: argparse.Namespace) -> int:

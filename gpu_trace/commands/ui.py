@@ -8,7 +8,7 @@ from pathlib import Path
 
 from gpu_trace.commands import CLIError, echo, err
 from gpu_trace.commands.record import finish_run
-from gpu_trace.commands.store import checked_dsn, render_summary, store_module
+from gpu_trace.commands.runs import checked_dsn, render_summary, store_module
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -86,7 +86,7 @@ def _check_port(port: int) -> None:
 def _serve_ui(dsn: str, host: str, port: int, run: str | None, browser: bool = False) -> int:
     try:
         from gpu_trace.dashboard.app import Server
-        from gpu_trace.dashboard.source import ReadOnlyStore
+        from gpu_trace.dashboard.readonly_store import ReadOnlyStore
     except ImportError as exc:
         raise CLIError(
             f"{exc} (the dashboard needs the ui extra: pip install 'gpu-trace[ui]')"

@@ -16,7 +16,7 @@ pytest.importorskip("dash")
 
 from gpu_trace.dashboard import samples  # noqa: E402
 from gpu_trace.dashboard.app import Server  # noqa: E402
-from gpu_trace.dashboard.source import ReadOnlyStore  # noqa: E402
+from gpu_trace.dashboard.readonly_store import ReadOnlyStore  # noqa: E402
 from gpu_trace.tracer.store import Store  # noqa: E402
 from tests.browser.conftest import ARTIFACTS  # noqa: E402
 from tests.dashboard_data import XSS, forwarded_run, tenants_run  # noqa: E402

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_trace.dashboard.source import ReadOnlyStore
+from gpu_trace.dashboard.readonly_store import ReadOnlyStore
 from gpu_trace.tracer import query_guard
 from gpu_trace.tracer.store import Store, StoreError
 

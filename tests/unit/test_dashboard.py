@@ -22,7 +22,7 @@ from gpu_trace.dashboard import (  # noqa: E402
     samples,
     timeline,
 )
-from gpu_trace.dashboard.source import ReadOnlyStore  # noqa: E402
+from gpu_trace.dashboard.readonly_store import ReadOnlyStore  # noqa: E402
 from gpu_trace.tracer.store import Store, StoreError  # noqa: E402
 from tests.dashboard_data import XSS, forwarded_run, lod_run, tenants_run  # noqa: E402
 

@@ -136,7 +136,7 @@ def test_the_cli_exports_through_the_seam(tmp_path: Path, monkeypatch) -> None:
     import argparse
 
     from gpu_trace.commands import CLIError
-    from gpu_trace.commands import store as store_cmd
+    from gpu_trace.commands import runs as runs_cmd
     from gpu_trace.tracer import exporter as exporter_mod
 
     class Store:
@@ -167,10 +167,10 @@ def test_the_cli_exports_through_the_seam(tmp_path: Path, monkeypatch) -> None:
         made.append(name)
         return Raising()
 
-    monkeypatch.setattr(store_cmd, "_open_store", lambda args: Store())
-    monkeypatch.setattr(store_cmd, "_resolve", lambda store, ref: "r")
+    monkeypatch.setattr(runs_cmd, "_open_store", lambda args: Store())
+    monkeypatch.setattr(runs_cmd, "_resolve", lambda store, ref: "r")
     monkeypatch.setattr(exporter_mod, "get_exporter", fake_get_exporter)
     args = argparse.Namespace(output=tmp_path / "t.json", run="last", rank=0)
     with pytest.raises(CLIError, match=r"^cannot write .*t\.json: the exporter failed"):
-        store_cmd.cmd_export(args)
+        runs_cmd.cmd_export(args)
     assert made == ["chrome"]

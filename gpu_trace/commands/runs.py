@@ -1,4 +1,4 @@
-"""The store's commands: `gpu-trace ingest`, `ls`, `show`, `export`, `sql`, and their rendering."""
+"""The commands over stored runs: `gpu-trace ingest`, `ls`, `show`, `export`, `sql`, and their rendering."""
 
 from __future__ import annotations
 
