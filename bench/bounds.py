@@ -1,4 +1,4 @@
-"""Per-op cost of the server's bounds checks (runtime/bounds.py), next to the op itself.
+"""Per-op cost of the server's bounds checks (runtime/server/bounds.py), next to the op itself.
 
     python bench/bounds.py [--calls 20000] [--repeats 7]
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from gpu_trace.runtime import allowlist
+from gpu_trace.runtime.server import allowlist
 
 
 def _cases() -> dict[str, tuple[str, list[Any], dict[str, Any]]]:

@@ -76,7 +76,7 @@ def _one_cpu() -> int | None:
 
 
 def _serve(port: int, delay_ms: float) -> None:
-    from gpu_trace.runtime.server import Server
+    from gpu_trace.runtime.server.server import Server
 
     server = Server(f"127.0.0.1:{port}", token=TOKEN, delay_ms=delay_ms).start()
     print("ready", flush=True)

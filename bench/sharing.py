@@ -29,8 +29,8 @@ Fragmentation Gradient Descent"; see bench/traces/README.md). Its tasks become j
   on a real server; the cap bounds how long one item of a very long job holds the device).
 
 Execution is simulated: a discrete-event loop drives the real
-:class:`~gpu_trace.runtime.scheduler.PolicyScheduler` with each policy of
-:mod:`gpu_trace.runtime.policies`, its clock being the simulated one; the device runs one item
+:class:`~gpu_trace.runtime.sharing.scheduler.PolicyScheduler` with each policy of
+:mod:`gpu_trace.runtime.sharing.policies`, its clock being the simulated one; the device runs one item
 at a time and charges its time. Items are not preempted, as on the server. For each policy: the
 job completion time (JCT, completion minus arrival, simulated seconds) mean, median, p95, p99,
 the makespan, and FIFO's mean JCT over the policy's. FIFO here serves jobs to completion in order
@@ -38,7 +38,7 @@ of arrival (every item of a job is queued at its arrival), the baseline Tiresias
 compares with, reporting up to 5.5x lower average JCT for its discretized LAS.
 
 Part ``restore``: how long an idle session paged out to host memory takes to come back
-(:mod:`gpu_trace.runtime.pager`), per GB of tensors. A server in this process (``--restore-device``,
+(:mod:`gpu_trace.runtime.sharing.pager`), per GB of tensors. A server in this process (``--restore-device``,
 default ``cuda:0`` where there is one, else the CPU device) and the forwarding client: the session
 holds ``--restore-gb`` of transformer-like layers (width ``--restore-width``: per layer a QKV,
 output and two MLP weight matrices, their biases and two layer norms, 12 tensors of 4 KB to
@@ -68,9 +68,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpu_trace.runtime.policies import POLICIES, make_policy
-from gpu_trace.runtime.scheduler import PolicyScheduler, Work
-from gpu_trace.runtime.tenants import Tenant
+from gpu_trace.runtime.sharing.policies import POLICIES, make_policy
+from gpu_trace.runtime.sharing.scheduler import PolicyScheduler, Work
+from gpu_trace.runtime.sharing.tenants import Tenant
 
 HERE = Path(__file__).resolve().parent
 TRACE = HERE / "traces" / "openb_pod_list_default.csv"
@@ -389,9 +389,9 @@ def _tenant_job(address: str, token: str, steps: int, seed: int) -> None:
 
 
 def _serve_tenants(port: int, tenants: int, policy: str) -> None:
-    from gpu_trace.runtime.policies import make_policy
-    from gpu_trace.runtime.scheduler import PolicyScheduler
-    from gpu_trace.runtime.server import Server
+    from gpu_trace.runtime.server.server import Server
+    from gpu_trace.runtime.sharing.policies import make_policy
+    from gpu_trace.runtime.sharing.scheduler import PolicyScheduler
 
     server = Server(
         f"127.0.0.1:{port}",
@@ -524,7 +524,7 @@ def part_restore(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from gpu_trace import runtime
-    from gpu_trace.runtime.server import Server
+    from gpu_trace.runtime.server.server import Server
 
     device = args.restore_device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     where = "CPU device" if device == "cpu" else f"{device} ({torch.cuda.get_device_name(device)})"

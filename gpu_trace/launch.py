@@ -125,7 +125,7 @@ def prepare(
     env["GPU_TRACE_RUN_DIR"] = str(run_dir.resolve())
     env["GPU_TRACE_RUN_ID"] = run_id
     if remote:
-        from gpu_trace.runtime.server import parse_address
+        from gpu_trace.runtime.protocol.addresses import parse_address
 
         try:
             parse_address(remote)

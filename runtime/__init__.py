@@ -11,6 +11,8 @@ Explicit use::
     print(loss.item())                          # a sync point: waits for the server
 
 Transparent use: ``gpu-trace record --remote HOST:PORT -- python train.py`` (see docs/remote.md).
+The runtime's rooms (``protocol``, ``client``, ``server``, ``sharing``) are subpackages; see
+docs/architecture.md and docs/remote.md.
 torch is imported only when one of these names is used.
 """
 
@@ -33,24 +35,24 @@ __all__ = [
 ]
 
 _WHERE = {
-    "connect": "device",
-    "current": "device",
-    "disconnect": "device",
-    "synchronize": "device",
-    "RemoteTensor": "tensor",
-    "Server": "server",
-    "RemoteError": "errors",
-    "RemoteOpError": "errors",
-    "QuotaExceeded": "errors",
-    "ServerGone": "errors",
-    "ProtocolMismatch": "errors",
+    "connect": "client.device",
+    "current": "client.device",
+    "disconnect": "client.device",
+    "synchronize": "client.device",
+    "RemoteTensor": "client.tensor",
+    "Server": "server.server",
+    "RemoteError": "protocol.errors",
+    "RemoteOpError": "protocol.errors",
+    "QuotaExceeded": "protocol.errors",
+    "ServerGone": "protocol.errors",
+    "ProtocolMismatch": "protocol.errors",
 }
 
 
 def _register_backend(module: object = None) -> None:
     # The autograd engine sizes its device queues at the process's first backward pass, so the
     # remote device must exist before then: register it as soon as torch is imported.
-    from gpu_trace.runtime import device
+    from gpu_trace.runtime.client import device
 
     device.register()
 

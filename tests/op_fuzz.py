@@ -3,7 +3,7 @@
 Each op gets random arguments drawn from its schema (hypothesis): sizes, strides, offsets and
 dims that are negative, zero, small or huge (their products overflow int64), tensors of a
 "session" and index tensors holding out-of-range values. It runs the way the server runs it:
-resolved against the allow-list, its rule (:func:`gpu_trace.runtime.allowlist.rule`) applied,
+resolved against the allow-list, its rule (:func:`gpu_trace.runtime.server.allowlist.rule`) applied,
 then called. The session's tensors live in one byte arena between canary regions that
 stand for "another tenant's" memory; after each call nothing may have
 
@@ -51,7 +51,7 @@ def fuzz_targets(every: bool = False) -> list[str]:
     alias of an input; with ``every``, all allowed ops."""
     import torch
 
-    from gpu_trace.runtime import allowlist
+    from gpu_trace.runtime.server import allowlist
 
     allowed = allowlist.allowed()
     out = []
@@ -280,7 +280,7 @@ def check_call(op_name: str, specs: Any, args: list[Any], kwargs: dict[str, Any]
     """Run one op as the server would (resolve, rule, call); what went wrong, or None."""
     import torch
 
-    from gpu_trace.runtime import allowlist
+    from gpu_trace.runtime.server import allowlist
 
     op = allowlist.resolve(op_name)
     rule = allowlist.rule(op) if hasattr(allowlist, "rule") else None
@@ -317,7 +317,7 @@ def _fuzz_one(op_name: str, examples: int) -> str | None:
     import torch
     from hypothesis import HealthCheck, Phase, given, settings
 
-    from gpu_trace.runtime import allowlist
+    from gpu_trace.runtime.server import allowlist
 
     op = allowlist.resolve(op_name)
     schema = op._schema

@@ -26,7 +26,7 @@ def _remote() -> None:
     if not os.environ.get("GPU_TRACE_REMOTE"):
         return
     try:
-        from gpu_trace.runtime.cuda import install_from_env
+        from gpu_trace.runtime.client.cuda import install_from_env
 
         install_from_env()
     except Exception as exc:  # never break the traced program

@@ -14,11 +14,11 @@ from gpu_trace.commands import CLIError, check_settings, echo, err
 def cmd_serve(args: argparse.Namespace) -> int:
     import signal
 
-    from gpu_trace.runtime import auth
-    from gpu_trace.runtime.policies import make_policy
-    from gpu_trace.runtime.scheduler import PolicyScheduler
-    from gpu_trace.runtime.server import Server
-    from gpu_trace.runtime.tenants import load_tenants, parse_size
+    from gpu_trace.runtime.protocol import auth
+    from gpu_trace.runtime.server.server import Server
+    from gpu_trace.runtime.sharing.policies import make_policy
+    from gpu_trace.runtime.sharing.scheduler import PolicyScheduler
+    from gpu_trace.runtime.sharing.tenants import load_tenants, parse_size
 
     check_settings()  # every setting, before the server listens
     if args.tenants is not None and args.token:
@@ -42,7 +42,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             device = "cuda:0" if torch.cuda.is_available() else "cpu"
         sink = None
         if args.store:
-            from gpu_trace.runtime.sink import StoreSink
+            from gpu_trace.runtime.server.sink import StoreSink
 
             sink = StoreSink(args.store, config.home() / "serve-spool")
         server = Server(
@@ -96,8 +96,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _serve_metrics(server: Any, listen: str, spec: str | None) -> Any:
     """``--metrics``: the /metrics server, started; None if off. The default (the listen port
     + 1 on 127.0.0.1) gives way with a warning when taken; an explicit address must work."""
-    from gpu_trace.runtime.metrics import MetricsServer
-    from gpu_trace.runtime.server import parse_address
+    from gpu_trace.runtime.protocol.addresses import parse_address
+    from gpu_trace.runtime.sharing.metrics import MetricsServer
 
     if spec is not None and spec.lower() == "off":
         return None
@@ -117,29 +117,29 @@ def _serve_metrics(server: Any, listen: str, spec: str | None) -> Any:
 
 
 def cmd_tenants(args: argparse.Namespace) -> int:
-    from gpu_trace.runtime import admin
-    from gpu_trace.runtime.errors import RemoteError
+    from gpu_trace.runtime.client import admin_requests
+    from gpu_trace.runtime.protocol.errors import RemoteError
 
     try:
         if args.page_out is not None:
-            moved = admin.page_out(args.address, args.page_out, args.token)
+            moved = admin_requests.page_out(args.address, args.page_out, args.token)
             if args.json:
                 echo(json.dumps({"paged_out": args.page_out, "bytes": moved}))
             else:
                 echo(f"paged out session {args.page_out}: {fmt.size(moved)} to host memory")
             return 0
         if args.evict is not None:
-            admin.evict(args.address, args.evict, args.token)
+            admin_requests.evict(args.address, args.evict, args.token)
             if args.json:
                 echo(json.dumps({"evicted": args.evict}))
             else:
                 echo(f"evicted session {args.evict}")
             return 0
-        listing = admin.list_sessions(args.address, args.token)
+        listing = admin_requests.list_sessions(args.address, args.token)
     except RemoteError as exc:
         raise CLIError(str(exc)) from None
     except ValueError as exc:  # no token, a malformed address
         raise CLIError(str(exc), 2) from None
     listing.pop("ok", None)
-    echo(json.dumps(listing, indent=2) if args.json else admin.format_listing(listing))
+    echo(json.dumps(listing, indent=2) if args.json else admin_requests.format_listing(listing))
     return 0

@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 
 from gpu_trace import runtime
-from gpu_trace.runtime.server import Server
-from gpu_trace.runtime.session import Session
+from gpu_trace.runtime.server.server import Server
+from gpu_trace.runtime.server.sessions import Session
 
 TOKEN = "pager-gpu-token-0123456789"
 

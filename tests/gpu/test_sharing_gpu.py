@@ -13,8 +13,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from gpu_trace.runtime.server import Server  # noqa: E402
-from gpu_trace.runtime.tenants import Tenant  # noqa: E402
+from gpu_trace.runtime.server.server import Server  # noqa: E402
+from gpu_trace.runtime.sharing.tenants import Tenant  # noqa: E402
 from tests.integration.test_sharing_memory import Client  # noqa: E402
 
 A = Tenant("a", "a-token-0123456789abc", memory_fraction=0.25)

@@ -16,9 +16,9 @@ import torch
 import torch.nn as nn
 
 from gpu_trace import runtime
-from gpu_trace.runtime import composites
-from gpu_trace.runtime import tensor as rt
-from gpu_trace.runtime.server import Server
+from gpu_trace.runtime.client import composites
+from gpu_trace.runtime.client import tensor as rt
+from gpu_trace.runtime.server.server import Server
 
 TOKEN = "client-test-token-0123"
 
@@ -236,7 +236,7 @@ def test_meta_errors_are_raised_at_once(dev: torch.device) -> None:
 
 
 def test_garbage_collected_tensors_are_freed_on_the_server(dev: torch.device) -> None:
-    from gpu_trace.runtime.device import RemoteModule
+    from gpu_trace.runtime.client.device import RemoteModule
 
     keep = torch.ones(10, device=dev)
     runtime.synchronize()
@@ -278,8 +278,8 @@ def test_item_values_are_exact_and_older_servers_get_json(
     """``.item()`` of every kind of number comes back exactly (a DONE_VALUE for ints, floats
     and bools; a JSON DONE for complex). A server that does not say ``binary`` in its WELCOME
     (an older one) is sent JSON batches only, and its client still gets every value."""
-    from gpu_trace.runtime import auth
-    from gpu_trace.runtime import server as server_module
+    from gpu_trace.runtime.protocol import auth
+    from gpu_trace.runtime.server import server as server_module
 
     calls: list[int] = []
     decode_calls = server_module.decode_calls

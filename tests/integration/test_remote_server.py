@@ -14,9 +14,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpu_trace.runtime import auth, wire
-from gpu_trace.runtime.server import Server
-from gpu_trace.runtime.wire import MsgType
+from gpu_trace.runtime.protocol import auth, wire
+from gpu_trace.runtime.protocol.wire import MsgType
+from gpu_trace.runtime.server.server import Server
 
 TOKEN = "test-token-0123456789"
 
@@ -94,7 +94,7 @@ class Raw:
         done = self.batch([["rt::fetch", [{"h": handle}, 99], {}, None]])
         assert done["ok"], done
         head, data = self.data[0]
-        from gpu_trace.runtime import values
+        from gpu_trace.runtime.protocol import values
 
         dt, shape, _ = values.tensor_meta(head["dtype"], head["shape"], head["nbytes"])
         return values.tensor_from_bytes(dt, shape, data)

@@ -16,9 +16,9 @@ import torch
 
 import gpu_trace
 from gpu_trace import runtime
-from gpu_trace.runtime import tensor as rt
-from gpu_trace.runtime.server import Server
-from gpu_trace.runtime.sink import SpoolSink, StoreSink
+from gpu_trace.runtime.client import tensor as rt
+from gpu_trace.runtime.server.server import Server
+from gpu_trace.runtime.server.sink import SpoolSink, StoreSink
 from gpu_trace.tracer.ingest import ingest
 from gpu_trace.tracer.run import RunInfo
 from gpu_trace.tracer.store import Store

@@ -19,8 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import gpu_trace
 from gpu_trace import runtime
-from gpu_trace.runtime import tensor as rt
-from gpu_trace.runtime.client import Connection
+from gpu_trace.runtime.client import tensor as rt
+from gpu_trace.runtime.client.connection import Connection
 from gpu_trace.tracer.ingest import ingest
 from gpu_trace.tracer.run import RunInfo
 from gpu_trace.tracer.store import Store

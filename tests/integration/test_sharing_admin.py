@@ -19,13 +19,15 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpu_trace import cli, runtime
-from gpu_trace.runtime import admin, auth, wire
-from gpu_trace.runtime import tensor as rt
-from gpu_trace.runtime.client import Connection
-from gpu_trace.runtime.metrics import MetricsServer
-from gpu_trace.runtime.server import Server
-from gpu_trace.runtime.tenants import Tenant
-from gpu_trace.runtime.wire import MsgType
+from gpu_trace.runtime.client import admin_requests
+from gpu_trace.runtime.client import tensor as rt
+from gpu_trace.runtime.client.connection import Connection
+from gpu_trace.runtime.protocol import auth, wire
+from gpu_trace.runtime.protocol.wire import MsgType
+from gpu_trace.runtime.server.server import Server
+from gpu_trace.runtime.sharing import admin
+from gpu_trace.runtime.sharing.metrics import MetricsServer
+from gpu_trace.runtime.sharing.tenants import Tenant
 
 ALICE = "alice-token-0123456789"
 BOB = "bob-token-0123456789xyz"
@@ -117,14 +119,14 @@ def test_a_tenant_sees_its_own_sessions_and_an_admin_sees_all(
     assert x.sum().item() == 2 << 16
     ids = {s.tenant.name: s.id for s in shared.sessions.values()}
 
-    mine = admin.list_sessions(shared.address, ALICE)
+    mine = admin_requests.list_sessions(shared.address, ALICE)
     assert not mine["admin"] and mine["viewer"] == "alice"
     assert [s["session"] for s in mine["sessions"]] == [ids["alice"]]
     assert [t["tenant"] for t in mine["tenants"]] == ["alice"]
     assert "sessions" not in mine["server"]  # nothing about other tenants
-    assert admin.list_sessions(shared.address, BOB)["sessions"][0]["session"] == ids["bob"]
+    assert admin_requests.list_sessions(shared.address, BOB)["sessions"][0]["session"] == ids["bob"]
 
-    everything = admin.list_sessions(shared.address, OPS)
+    everything = admin_requests.list_sessions(shared.address, OPS)
     assert everything["admin"]
     assert {s["session"] for s in everything["sessions"]} == set(ids.values())
     assert everything["server"]["sessions"] == 2
@@ -139,19 +141,19 @@ def test_a_tenant_sees_its_own_sessions_and_an_admin_sees_all(
     assert tenants["alice"]["memory_bytes"] == row["memory_bytes"]
     assert tenants["bob"]["memory_limit_bytes"] == 64 << 20
     assert tenants["ops"]["sessions"] == 0 and tenants["ops"]["admin"]
-    text = admin.format_listing(everything)
+    text = admin_requests.format_listing(everything)
     assert "alice" in text and "bob" in text and "SESSION" in text
 
 
 def test_only_an_admin_may_evict(shared: Server, alice: torch.device) -> None:
     x = torch.ones(8, device=alice)
     (sid,) = shared.sessions
-    with pytest.raises(admin.AdminError, match="needs an admin tenant"):
-        admin.evict(shared.address, sid, ALICE)
-    with pytest.raises(admin.AdminError, match="needs an admin tenant"):
-        admin.evict(shared.address, sid, BOB)
-    with pytest.raises(admin.AdminError, match="no session 9999"):
-        admin.evict(shared.address, 9999, OPS)
+    with pytest.raises(admin_requests.AdminError, match="needs an admin tenant"):
+        admin_requests.evict(shared.address, sid, ALICE)
+    with pytest.raises(admin_requests.AdminError, match="needs an admin tenant"):
+        admin_requests.evict(shared.address, sid, BOB)
+    with pytest.raises(admin_requests.AdminError, match="no session 9999"):
+        admin_requests.evict(shared.address, 9999, OPS)
     assert (x + 1).sum().item() == 16.0
 
 
@@ -162,13 +164,13 @@ def test_an_evicted_session_gets_a_clear_error_and_its_memory_is_freed(
     assert x.sum().item() == 1 << 18
     victim = next(s for s in shared.sessions.values() if s.tenant.name == "alice")
     assert victim.account.bytes >= 1 << 20
-    admin.evict(shared.address, victim.id, OPS)
+    admin_requests.evict(shared.address, victim.id, OPS)
     with pytest.raises(runtime.ServerGone, match="session evicted by an administrator"):
         (x * 2).sum().item()
     _wait_for(lambda: victim.id not in shared.sessions and victim.account.bytes == 0)
     assert len(victim.handles) == 0
     bob.ping()  # the other session goes on
-    listing = admin.list_sessions(shared.address, OPS)
+    listing = admin_requests.list_sessions(shared.address, OPS)
     assert [s["tenant"] for s in listing["sessions"]] == ["bob"]
     ended = next(t for t in listing["tenants"] if t["tenant"] == "alice")
     assert ended["ops"] >= 2 and ended["sessions_opened"] == 1  # its usage outlives it
@@ -177,12 +179,12 @@ def test_an_evicted_session_gets_a_clear_error_and_its_memory_is_freed(
 def test_the_servers_reason_wins_over_a_failed_send(shared: Server, alice: torch.device) -> None:
     """The server says why it ends a session, then closes it. A client whose next send fails
     (the connection is gone) still reports what the server said, not a broken pipe."""
-    from gpu_trace.runtime.wire import PING_BODY, MsgType, frame
+    from gpu_trace.runtime.protocol.wire import PING_BODY, MsgType, frame
 
     x = torch.ones(8, device=alice)
     assert x.sum().item() == 8
     (victim,) = shared.sessions.values()
-    admin.evict(shared.address, victim.id, OPS)
+    admin_requests.evict(shared.address, victim.id, OPS)
     _wait_for(lambda: victim.id not in shared.sessions)
     conn = runtime.current()
     conn.writer.send(frame(MsgType.PING, PING_BODY.pack(1)))  # reaches a closed socket
@@ -310,7 +312,7 @@ def test_serve_refuses_a_bad_tenants_file_naming_the_line(
 
 
 def test_serve_policy_choices_are_the_policies() -> None:
-    from gpu_trace.runtime.policies import DEFAULT_POLICY, POLICIES
+    from gpu_trace.runtime.sharing.policies import DEFAULT_POLICY, POLICIES
 
     parser = cli.build_parser()
     (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
@@ -325,10 +327,10 @@ def test_an_admin_pages_a_session_out_and_its_next_op_brings_it_back(
     y = x[::2]  # a view: it must still alias x when it comes back
     assert y.sum().item() == float(sum(range(0, 1 << 16, 2)))
     (session,) = shared.sessions.values()
-    with pytest.raises(admin.AdminError, match="paging out a session needs an admin"):
-        admin.page_out(shared.address, session.id, ALICE)
-    with pytest.raises(admin.AdminError, match="no session 9999"):
-        admin.page_out(shared.address, 9999, OPS)
+    with pytest.raises(admin_requests.AdminError, match="paging out a session needs an admin"):
+        admin_requests.page_out(shared.address, session.id, ALICE)
+    with pytest.raises(admin_requests.AdminError, match="no session 9999"):
+        admin_requests.page_out(shared.address, 9999, OPS)
     out = subprocess.run(
         [python, "-m", "gpu_trace", "tenants", shared.address, "--token", OPS, "--json",
          "--page-out", str(session.id)],
@@ -338,7 +340,7 @@ def test_an_admin_pages_a_session_out_and_its_next_op_brings_it_back(
     moved = json.loads(out.stdout)
     assert moved["paged_out"] == session.id and moved["bytes"] >= x.numel() * 4
     assert session.usage.evictions == 1 and session.usage.evicted_bytes == moved["bytes"]
-    row = admin.list_sessions(shared.address, OPS)["sessions"][0]
+    row = admin_requests.list_sessions(shared.address, OPS)["sessions"][0]
     assert row["evicted_bytes"] == moved["bytes"] and row["state"] == "paged-out"
     x.mul_(2)  # the next op restores; the view sees the in-place change
     assert y.sum().item() == float(2 * sum(range(0, 1 << 16, 2)))

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from gpu_trace import runtime
-from gpu_trace.runtime import admin
+from gpu_trace.runtime.client import admin_requests
 
 ALICE = "alice-token-faults-0123456"
 BOB = "bob-token-faults-0123456789"
@@ -128,7 +128,7 @@ def _bob(address: str) -> subprocess.Popen:
 
 def _listing(address: str) -> tuple[dict[str, dict], list[str]]:
     """Each tenant's numbers, and the tenants of the live sessions (as an admin sees them)."""
-    listing = admin.list_sessions(address, OPS)
+    listing = admin_requests.list_sessions(address, OPS)
     tenants = {t["tenant"]: t for t in listing["tenants"]}
     return tenants, [s["tenant"] for s in listing["sessions"]]
 

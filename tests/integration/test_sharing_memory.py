@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from gpu_trace import runtime
-from gpu_trace.runtime import auth, wire
-from gpu_trace.runtime.server import Server
-from gpu_trace.runtime.tenants import Tenant
-from gpu_trace.runtime.wire import MsgType
+from gpu_trace.runtime.protocol import auth, wire
+from gpu_trace.runtime.protocol.wire import MsgType
+from gpu_trace.runtime.server.server import Server
+from gpu_trace.runtime.sharing.tenants import Tenant
 
 N = 4096  # elements of one test tensor
 T = N * 4  # its bytes (float32)
@@ -116,7 +116,7 @@ class Client:
         done = self.batch([["rt::fetch", [{"h": handle}, 99], {}, None]])
         assert done["ok"], done
         head, data = self.data[0]
-        from gpu_trace.runtime import values
+        from gpu_trace.runtime.protocol import values
 
         dt, shape, _ = values.tensor_meta(head["dtype"], head["shape"], head["nbytes"])
         return values.tensor_from_bytes(dt, shape, data)

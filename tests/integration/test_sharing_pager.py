@@ -15,12 +15,12 @@ import torch
 import torch.nn as nn
 
 from gpu_trace import runtime
-from gpu_trace.runtime import auth, wire
-from gpu_trace.runtime.server import Server
-from gpu_trace.runtime.session import Session
-from gpu_trace.runtime.sink import ReturnSink
-from gpu_trace.runtime.tenants import Tenant
-from gpu_trace.runtime.wire import MsgType
+from gpu_trace.runtime.protocol import auth, wire
+from gpu_trace.runtime.protocol.wire import MsgType
+from gpu_trace.runtime.server.server import Server
+from gpu_trace.runtime.server.sessions import Session
+from gpu_trace.runtime.server.sink import ReturnSink
+from gpu_trace.runtime.sharing.tenants import Tenant
 
 TOKEN = "pager-test-token-0123456789"
 TOKEN_A = "pager-tenant-a-0123456789"

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_trace.runtime import wire
-from gpu_trace.runtime.server import Server
-from gpu_trace.runtime.tenants import Tenant
-from gpu_trace.runtime.wire import MsgType
+from gpu_trace.runtime.protocol import wire
+from gpu_trace.runtime.protocol.wire import MsgType
+from gpu_trace.runtime.server.server import Server
+from gpu_trace.runtime.sharing.tenants import Tenant
 from tests.integration.test_sharing_memory import Client, _wait_for, _waiting
 
 MiB = 1 << 20

@@ -1,4 +1,4 @@
-"""The server's bounds checks (runtime/bounds.py) and the allow-list they guard, held by a fuzzer
+"""The server's bounds checks (runtime/server/bounds.py) and the allow-list they guard, held by a fuzzer
 that throws random sizes, strides, offsets, dims and indices at every allow-listed op that takes
 integers or returns an alias (tests/op_fuzz.py; ``python -m tests.op_fuzz`` for a longer run)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_trace.runtime import allowlist, bounds
-from gpu_trace.runtime.session import OpError
+from gpu_trace.runtime.protocol.errors import OpError
+from gpu_trace.runtime.server import allowlist, bounds
 from tests import op_fuzz
 
 

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from gpu_trace.runtime.handshakes import Handshakes
+from gpu_trace.runtime.server.handshakes import Handshakes
 
-LOG = "gpu_trace.runtime.handshakes"
+LOG = "gpu_trace.runtime.server.handshakes"
 
 _pairs: list[tuple[socket.socket, socket.socket]] = []
 

@@ -7,10 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from gpu_trace.runtime.memory import Memory, QuotaError, allocator_bytes
-from gpu_trace.runtime.session import MemoryAccount, OpError
-from gpu_trace.runtime.tenants import Tenant
-from gpu_trace.runtime.usage import Usage
+from gpu_trace.runtime.protocol.errors import OpError
+from gpu_trace.runtime.server.sessions import MemoryAccount
+from gpu_trace.runtime.sharing.memory import Memory, QuotaError, allocator_bytes
+from gpu_trace.runtime.sharing.tenants import Tenant
+from gpu_trace.runtime.sharing.usage import Usage
 
 _ids = itertools.count(1)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from gpu_trace.runtime.policies import (
+from gpu_trace.runtime.sharing.policies import (
     DEFAULT_POLICY,
     POLICIES,
     FairSharePolicy,
@@ -20,8 +20,8 @@ from gpu_trace.runtime.policies import (
     RoundRobinPolicy,
     make_policy,
 )
-from gpu_trace.runtime.scheduler import PolicyScheduler, Work
-from gpu_trace.runtime.tenants import Tenant
+from gpu_trace.runtime.sharing.scheduler import PolicyScheduler, Work
+from gpu_trace.runtime.sharing.tenants import Tenant
 
 MS = 1_000_000
 

@@ -1,4 +1,4 @@
-"""The server's sizes of ops before they run (``runtime.sizing``), against what real ops on the
+"""The server's sizes of ops before they run (``runtime.server.sizing``), against what real ops on the
 CPU allocate: exact for ops with meta kernels, upper bounds for ops sized by their data."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_trace.runtime.session import OpError
-from gpu_trace.runtime.sizing import BOUNDS, Sizing, signature, sizer
+from gpu_trace.runtime.protocol.errors import OpError
+from gpu_trace.runtime.server.sizing import BOUNDS, Sizing, signature, sizer
 
 aten = torch.ops.aten
 
@@ -200,7 +200,7 @@ def test_an_op_that_decomposes_counts_its_parts_temporaries() -> None:
 def test_every_allowed_op_has_a_way_to_be_sized() -> None:
     """Working out how to size an op never fails, TorchScript-only builtins included (they are
     not in the dispatcher, so asking it whether they decompose raises)."""
-    from gpu_trace.runtime import allowlist
+    from gpu_trace.runtime.server import allowlist
 
     ops = [op for op in map(allowlist.resolve, sorted(allowlist.allowed())) if op is not None]
     assert len(ops) > 1000

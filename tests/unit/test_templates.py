@@ -6,7 +6,7 @@ from array import array
 
 import pytest
 
-from gpu_trace.runtime.templates import (
+from gpu_trace.runtime.protocol.templates import (
     MAX_SESSION_NODES,
     MAX_TEMPLATE_NODES,
     MAX_TEMPLATES,
@@ -18,7 +18,7 @@ from gpu_trace.runtime.templates import (
     numbers,
     weight,
 )
-from gpu_trace.runtime.wire import ProtocolError
+from gpu_trace.runtime.protocol.wire import ProtocolError
 
 OPS = [
     ["aten::add.Tensor", [{"h": 7}, 1.5], {}, [8]],

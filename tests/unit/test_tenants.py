@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from gpu_trace.runtime import auth
-from gpu_trace.runtime.tenants import (
+from gpu_trace.runtime.protocol import auth
+from gpu_trace.runtime.sharing.tenants import (
     Tenant,
     TenantsError,
     check_tenants,

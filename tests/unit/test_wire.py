@@ -14,8 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpu_trace.runtime import auth, values, wire
-from gpu_trace.runtime.wire import MsgType, ProtocolError
+from gpu_trace.runtime.protocol import auth, values, wire
+from gpu_trace.runtime.protocol.wire import MsgType, ProtocolError
 
 
 def _pair() -> tuple[socket.socket, socket.socket]:

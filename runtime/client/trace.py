@@ -1,0 +1,238 @@
+"""Tracing of forwarded calls: client spans, server spans brought home, clock sync.
+
+For every batch the client records, in the active run (lanes ``forward/...``, category
+``forward``): the ``batch`` span from its first op's issue to its DONE, its ``serialize`` and
+``send`` spans, one span per op (``forward/op``, named by the op, lasting as long as the client
+spent issuing it) and ``wait`` spans where the program blocked at a sync point. The batch span's
+attrs hold its breakdown: ``client_ns`` (issuing, serializing and sending), ``wire_ns`` (the round
+trip minus the server's time), ``queue_ns`` and ``execute_ns``.
+
+The server's spans (``server/receive``, ``server/queue``, ``server/execute``, ``server/op``,
+``server/reply``; category ``server``) are children of the batch span: its id travels in the
+batch header as a W3C ``traceparent``. They come back in TRACE messages and are written into the
+client's run under the server's host and pid, on the server's clock (the spool names it,
+``clock_peer``); ingest maps them onto the client's clock with a
+:class:`~gpu_trace.tracer.clocksync.ClockModel` fitted to the run's ``clock_sync`` rows (the
+exchanges measured at connect and with every heartbeat). Each keeps its raw server times in attrs
+``raw_start_ns``/``raw_end_ns`` next to the ``clock_offset_ns`` and ``clock_uncertainty_ns``
+applied. A server with a shared store (``gpu-trace serve --store``) keeps its spans itself: the
+client sends it the clock-sync exchanges instead (CLOCK messages), see
+:mod:`gpu_trace.runtime.server.sink`.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from typing import TYPE_CHECKING, Any
+
+from gpu_trace.runtime.protocol.span_tables import counter_table, span_table, write_stats
+from gpu_trace.tracer import recorder
+from gpu_trace.tracer.clocksync import ClockModel, Sample, measure
+from gpu_trace.tracer.context import format_traceparent
+from gpu_trace.tracer.ingest import CLOCK_PEER
+from gpu_trace.tracer.records import FORWARD
+from gpu_trace.tracer.spool import SpoolWriter
+
+if TYPE_CHECKING:
+    from gpu_trace.runtime.client.batch import Batch
+    from gpu_trace.runtime.client.connection import Connection
+
+log = logging.getLogger(__name__)
+
+MAX_SAMPLES = 2000
+
+
+class ClientTrace:
+    """The client side of forwarded-call tracing for one connection."""
+
+    def __init__(self, conn: Connection, enabled: bool | None) -> None:
+        self.conn = conn
+        self.rec = recorder.active
+        self.enabled = self.rec is not None and enabled is not False
+        self.trace_id = self.rec.trace_id if self.rec is not None else ""
+        self._prefix = (random.getrandbits(30) | 1) << 33
+        self._seq = 0
+        self._lock = threading.Lock()
+        self.samples: list[Sample] = []
+        self._model: ClockModel | None = None
+        self._server: list[dict[str, Any]] = []
+        self._writer: SpoolWriter | None = None
+        self._server_events = 0
+
+    def identity(self) -> dict[str, str]:
+        if self.rec is None:
+            return {}
+        return {"run_id": self.rec.run_id, "trace_id": self.trace_id}
+
+    def new_span_id(self) -> int:
+        self._seq += 1
+        return self._prefix + self._seq
+
+    def traceparent(self, span_id: int) -> str:
+        if not self.enabled or len(self.trace_id) != 32:
+            return ""
+        return format_traceparent(self.trace_id, span_id)
+
+    def parent(self, span_id: int) -> int:
+        """:meth:`traceparent`'s span id alone (0: none), for a CALLS frame: the server knows
+        the session's trace id from its HELLO."""
+        return span_id if self.enabled and len(self.trace_id) == 32 else 0
+
+    # ---- clock sync ------------------------------------------------------------------------------
+
+    def start_clock(self) -> None:
+        self.clock_exchange(8)
+
+    def clock_exchange(self, n: int) -> None:
+        raw: list[tuple[int, int, int, int]] = []
+
+        def exchange() -> tuple[int, int, int, int]:
+            sample = self.conn.ping()
+            raw.append(sample)
+            return sample
+
+        measure(exchange, n, peer=self.conn.server_host)
+        if self.enabled and self.conn.server_sink != "return" and raw:
+            self.conn.send_clock(raw)  # the server writes them next to its spans
+        with self._lock:
+            self.samples.extend(Sample(*s) for s in raw if Sample(*s).problem() is None)
+            del self.samples[:-MAX_SAMPLES]
+            self._model = None
+
+    def model(self) -> ClockModel | None:
+        with self._lock:
+            if self._model is None and self.samples:
+                try:
+                    self._model = ClockModel(self.samples, window_ns=30_000_000_000)
+                except ValueError:
+                    self._model = None
+            return self._model
+
+    # ---- client spans ----------------------------------------------------------------------------
+
+    def batch_done(self, batch: Batch, t_done: int, server_t: Any, failed: bool) -> None:
+        rec = self.rec
+        if not self.enabled or rec is None or recorder.active is not rec:
+            return
+        buf = rec.buffer()
+        sid = batch.span_id
+        client_ns = sum(r.t1 - r.t0 for r in batch.records) + (batch.t_sent - batch.t_serialize)
+        attrs = {
+            "seq": str(batch.seq),
+            "ops": str(len(batch.records)),
+            "bytes": str(batch.nbytes),
+            "client_ns": str(client_ns),
+            "send_ns": str(batch.t_sent - batch.t_serialize),
+        }
+        if (
+            isinstance(server_t, list)
+            and len(server_t) == 5
+            and all(type(t) is int for t in server_t)
+        ):
+            recv0, recv1, exec0, exec1, reply0 = server_t
+            attrs["wire_ns"] = str(max(0, (t_done - batch.t_send) - (reply0 - recv0)))
+            attrs["queue_ns"] = str(max(0, exec0 - recv1))
+            attrs["execute_ns"] = str(max(0, exec1 - exec0))
+        if failed:
+            attrs["error"] = "1"
+        add = buf.add_span
+        add((sid, 0, "forward/batch", FORWARD, "batch", batch.t_first, t_done, 0, attrs))
+        add(
+            (
+                self.new_span_id(),
+                sid,
+                "forward/send",
+                FORWARD,
+                "serialize",
+                batch.t_serialize,
+                batch.t_send,
+                1,
+                None,
+            )
+        )
+        add(
+            (
+                self.new_span_id(),
+                sid,
+                "forward/send",
+                FORWARD,
+                "send",
+                batch.t_send,
+                batch.t_sent,
+                1,
+                None,
+            )
+        )
+        for r in batch.records:
+            add((self.new_span_id(), sid, "forward/op", FORWARD, r.name, r.t0, r.t1, 1, None))
+
+    def wait_span(self, reason: str, t0: int, t1: int, seq: int) -> None:
+        rec = self.rec
+        if self.enabled and rec is not None and recorder.active is rec:
+            rec.buffer().add_span(
+                (
+                    self.new_span_id(),
+                    0,
+                    "forward/wait",
+                    FORWARD,
+                    reason,
+                    t0,
+                    t1,
+                    0,
+                    {"seq": str(seq)},
+                )
+            )
+
+    # ---- server spans ----------------------------------------------------------------------------
+
+    def server_records(self, msg: dict[str, Any]) -> None:
+        if self.enabled:
+            with self._lock:
+                self._server.append(msg)
+
+    def flush(self) -> None:
+        """Write the server spans received so far into the run (heartbeat thread and close)."""
+        with self._lock:
+            pending, self._server = self._server, []
+        if not pending or self.rec is None:
+            return
+        try:
+            self._write(pending)
+        except Exception:  # never break the program over tracing
+            log.exception("gpu-trace: writing server spans failed")
+
+    def _write(self, messages: list[dict[str, Any]]) -> None:
+        spans: list[list[Any]] = []
+        counters: list[list[Any]] = []
+        for msg in messages:
+            spans.extend(msg.get("spans") or [])
+            counters.extend(msg.get("counters") or [])
+        writer = self._spool()
+        if spans:
+            writer.write("spans", span_table(spans, self.conn.server_pid, self.new_span_id))
+        if counters:
+            writer.write("counters", counter_table(counters, self.conn.server_device))
+        self._server_events += len(spans) + len(counters)
+        assert self.rec is not None
+        write_stats(
+            self.rec.run_dir, self.conn.server_pid, self.conn.session_id, self._server_events
+        )
+
+    def _spool(self) -> SpoolWriter:
+        if self._writer is None:
+            assert self.rec is not None
+            meta = {
+                "run_id": self.rec.run_id,
+                "trace_id": self.trace_id,
+                "host": self.conn.server_host,
+                "pid": str(self.conn.server_pid),
+                "process_name": f"gpu-trace serve (session {self.conn.session_id})",
+                CLOCK_PEER: self.conn.server_host,
+            }
+            self._writer = SpoolWriter(self.rec.run_dir, meta)
+        return self._writer
+
+    def close(self) -> None:
+        self.flush()

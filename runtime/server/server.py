@@ -1,0 +1,544 @@
+"""`gpu-trace serve`: the forwarding server. One process owns the device for every client.
+
+Each connection gets a reader thread: it authenticates the client (CHALLENGE/HELLO; connections not
+authenticated yet are bounded in number and time apart from sessions, see
+:mod:`gpu_trace.runtime.server.handshakes`), answers heartbeats at once (their timestamps are clock-sync
+samples, so they never wait behind work), validates every frame and hands uploads and batches to
+the scheduler, in order. One executor thread runs the work (:mod:`gpu_trace.runtime.server.executor`); a
+lone small batch runs on the connection's thread when the device is idle. Each connection polls for
+its client's next message for :attr:`Server.spin_ns` while the device is idle (giving the CPU away
+between tries; see :meth:`~gpu_trace.runtime.protocol.wire.FrameReader.spin`), then sleeps in ``recv`` (no
+``select``; a receive timeout ends idle connections). Traced sessions' spans go to the sink
+(:mod:`gpu_trace.runtime.server.sink`): back to the client, or into a shared store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from gpu_trace import config
+from gpu_trace.runtime.protocol import auth
+from gpu_trace.runtime.protocol.addresses import parse_address
+from gpu_trace.runtime.protocol.templates import define, expand
+from gpu_trace.runtime.protocol.values import tensor_from_bytes, tensor_meta
+from gpu_trace.runtime.protocol.wire import (
+    CALLS_SYNC,
+    MAX_FRAME,
+    MAX_HANDSHAKE_FRAME,
+    PONG_BODY,
+    PROTOCOL_VERSION,
+    ConnectionClosed,
+    FrameReader,
+    FrameWriter,
+    MsgType,
+    ProtocolError,
+    decode_admin,
+    decode_calls,
+    decode_chunk,
+    decode_clock,
+    decode_json,
+    decode_ping,
+    decode_split,
+    field_bool,
+    field_int,
+    field_list,
+    frame,
+    json_frame,
+    tune,
+)
+from gpu_trace.runtime.server.executor import Executor
+from gpu_trace.runtime.server.handshakes import Handshakes
+from gpu_trace.runtime.server.sessions import Session
+from gpu_trace.runtime.server.sink import ReturnSink
+from gpu_trace.runtime.sharing import admin
+from gpu_trace.runtime.sharing.memory import CUDA_BLOCK_BYTES, Memory, device_capacity
+from gpu_trace.runtime.sharing.pager import DEFAULT_IDLE_S, Pager
+from gpu_trace.runtime.sharing.scheduler import PolicyScheduler, Work
+from gpu_trace.runtime.sharing.tenants import Tenant, check_tenants, single_tenant
+
+log = logging.getLogger(__name__)
+
+now_ns = time.perf_counter_ns
+
+#: Batches of at most this many ops may run on the connection's thread when the device is idle.
+INLINE_OPS = 16
+
+
+class Server:
+    """A forwarding server on ``host:port`` running ops on ``device`` (``cpu``, ``cuda:0``...).
+
+    ``tenants`` are who may connect (:mod:`gpu_trace.runtime.sharing.tenants`): a client's token says
+    which tenant it is. ``token`` alone is one tenant, ``default``, an admin (see
+    :mod:`gpu_trace.runtime.protocol.auth`). ``device_memory`` is the capacity in bytes that tenants'
+    memory fractions are taken of (None: the device's own); ``max_handshakes`` connections may
+    wait to authenticate at once, for ``handshake_timeout_s`` each (:mod:`.handshakes`);
+    ``scheduler`` is the scheduling policy (FIFO by default); ``delay_ms`` holds back every
+    received frame (benchmarks simulate a longer network with it); ``sink`` is where traced
+    sessions' spans go (:class:`~gpu_trace.runtime.server.sink.ReturnSink`, back to the client, by
+    default; a :class:`~gpu_trace.runtime.server.sink.StoreSink` for ``--store``). A session idle for
+    ``idle_s`` seconds (its tenant's ``idle_s`` wins; 0 or None: never) is paged out to host
+    memory by :attr:`pager` (:mod:`gpu_trace.runtime.sharing.pager`) and paged back on its next batch.
+    """
+
+    def __init__(
+        self,
+        listen: str = "127.0.0.1:0",
+        *,
+        device: str = "cpu",
+        token: str | None = None,
+        tenants: Sequence[Tenant] | None = None,
+        device_memory: int | None = None,
+        scheduler: PolicyScheduler | None = None,
+        max_sessions: int = 64,
+        idle_timeout_s: float = 120.0,
+        handshake_timeout_s: float | None = None,
+        max_handshakes: int | None = None,
+        delay_ms: float = 0.0,
+        sink: Any = None,
+        idle_s: float | None = DEFAULT_IDLE_S,
+        spin_us: float | None = None,
+    ) -> None:
+        self.host, self.port = parse_address(listen)
+        if token is not None and tenants is not None:
+            raise ValueError("a server takes a token or tenants, not both")
+        if tenants is None:
+            tenants = single_tenant(auth.check_token(token or ""))
+        self.tenants = check_tenants(tenants)
+        if device_memory is not None and device_memory <= 0:
+            raise ValueError("device_memory must be a positive number of bytes")
+        self.device_memory = device_memory
+        self.device = _check_device(device)
+        self.scheduler = scheduler if scheduler is not None else PolicyScheduler()
+        self.max_sessions = max_sessions
+        self.idle_timeout_s = idle_timeout_s
+        #: Connections not authenticated yet, bounded apart from sessions (:mod:`.handshakes`;
+        #: ``GPU_TRACE_MAX_HANDSHAKES``, ``GPU_TRACE_HANDSHAKE_TIMEOUT``).
+        self.handshakes = Handshakes(
+            config.max_handshakes(max_handshakes), config.handshake_timeout(handshake_timeout_s)
+        )
+        self.delay_ns = int(delay_ms * 1e6)
+        #: How long a connection polls for its client's next message while the device is idle
+        #: (ns; ``GPU_TRACE_SPIN_US``), before sleeping.
+        self.spin_ns = FrameReader.spin_budget(config.spin_us(spin_us))
+        self.sink = sink if sink is not None else ReturnSink()
+        self.sink.server_device = self.device
+        #: Device memory by tenant: quotas, capacity, waiters (:mod:`.memory`).
+        self.memory = Memory(
+            device_capacity(self.device, device_memory),
+            block_bytes=CUDA_BLOCK_BYTES if self.device.startswith("cuda") else 1,
+        )
+        self.memory.owner = self  # its pager, once there is one, makes room
+        self.memory.add_tenants(list(self.tenants))
+        self.executor = Executor(self.device, self.scheduler, self.sink, memory=self.memory)
+        #: Pages idle sessions out to host memory and back; makes room for :attr:`memory`.
+        self.pager = Pager(self.executor, self.scheduler, self._live_sessions, idle_s=idle_s)
+        self.executor.pager = self.pager
+        self.pager.before_restore = self.memory.make_room
+        self.sessions: dict[int, Session] = {}
+        #: Sessions' connection times and the usage of ended sessions (:mod:`.admin`).
+        self.ledger = admin.Ledger()
+        #: Why the server stops (``SIGTERM``...), said to its clients; see :meth:`stop`.
+        self.stop_reason: str | None = None
+        self._session_conns: dict[int, socket.socket] = {}
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._threads: list[threading.Thread] = []
+        self._conns: set[socket.socket] = set()
+        self._closing = threading.Event()
+        self.protocol_errors = 0
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> Server:
+        sock = socket.create_server((self.host, self.port), reuse_port=False)
+        self.port = sock.getsockname()[1]
+        self._sock = sock
+        self.executor.start()
+        self.pager.start()
+        t = threading.Thread(target=self._accept_loop, name="gpu-trace-accept", daemon=True)
+        t.start()
+        self._threads.append(t)
+        log.info("gpu-trace serve: listening on %s, device %s", self.address, self.device)
+        return self
+
+    def serve_forever(self) -> None:
+        if self._sock is None:
+            self.start()
+        self._closing.wait()
+
+    def _live_sessions(self) -> list[Session]:
+        with self._lock:
+            return list(self.sessions.values())
+
+    def stop(self, reason: str | None = None) -> None:
+        """Make :meth:`serve_forever` return (a signal handler may call it); ``reason`` (e.g.
+        ``SIGTERM``) is what :meth:`close` tells the clients."""
+        if reason and self.stop_reason is None:
+            self.stop_reason = reason
+        self._closing.set()
+
+    def close(self) -> None:
+        """Stop: the work running finishes, traced sessions' spans go to the sink, every client
+        is told the server is shutting down (a ``ServerGone`` at its next sync point)."""
+        self._closing.set()
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)  # wakes accept() (close alone does not)
+            with contextlib.suppress(OSError):
+                self._sock.close()
+        self.pager.stop()
+        self.executor.stop()
+        locked = self.executor.lock.acquire(timeout=10)  # no inline work either
+        try:
+            with self._lock:
+                sessions = list(self.sessions.values())
+            why = f" ({self.stop_reason})" if self.stop_reason else ""
+            for session in sessions:
+                if session.trace:
+                    try:
+                        self.sink.export(session, session.log.take())
+                        self.sink.session_closed(session)
+                    except Exception:  # one session's spans must not keep the others'
+                        log.exception("gpu-trace serve: flushing session %d failed", session.id)
+                self._end(session, f"shutting down{why}", "shutdown")
+        finally:
+            if locked:
+                self.executor.lock.release()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+        for t in list(self._threads):
+            t.join(timeout=5)
+        self.handshakes.flush()
+        self.sink.shutdown()
+
+    def evict(self, session_id: int, by: str = "") -> bool:
+        """Close session ``session_id``: its client is told "session evicted by an
+        administrator" (a ``ServerGone`` at its next sync point) and its memory is freed.
+        False if there is no such session."""
+        with self._lock:
+            session = self.sessions.get(session_id)
+        if session is None:
+            return False
+        log.warning(
+            "gpu-trace serve: session %d of tenant %s evicted by %s",
+            session.id,
+            session.tenant.name,
+            by or "an administrator",
+        )
+        self._end(session, admin.EVICTED, "evicted")
+        return True
+
+    def page_out(self, session_id: int, by: str = "") -> int | None:
+        """Page session ``session_id`` out to host memory now (an admin's request); the bytes
+        moved, or None if there is no such session."""
+        with self._lock:
+            session = self.sessions.get(session_id)
+        if session is None:
+            return None
+        log.info(
+            "gpu-trace serve: session %d of tenant %s paged out by %s",
+            session.id,
+            session.tenant.name,
+            by or "an administrator",
+        )
+        return self.pager.request_page_out(session, reason="admin")
+
+    def _end(self, session: Session, message: str, reason: str) -> None:
+        """Tell ``session``'s client why it ends, then end it: its connection's thread sees the
+        socket shut and frees the session, as at a disconnect."""
+        with contextlib.suppress(ConnectionClosed):
+            session.send(json_frame(MsgType.ERROR, {"message": message, "reason": reason}))
+        session.closed = True
+        with self._lock:
+            conn = self._session_conns.get(session.id)
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- connections -----------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        assert self._sock is not None
+        while not self._closing.is_set():
+            try:
+                conn, peer = self._sock.accept()
+            except OSError as exc:
+                if self._closing.is_set() or exc.errno in (errno.EBADF, errno.EINVAL):
+                    return
+                if exc.errno == errno.ECONNABORTED:  # the peer gave up before we took it
+                    continue
+                # Out of file descriptors or memory: not the end of the server. Counted and
+                # logged like a refusal; the connections holding them end or time out.
+                self.handshakes.failed("accept")
+                time.sleep(0.05)
+                continue
+            host = peer[0] if isinstance(peer, tuple) and peer else str(peer)
+            deadline = self.handshakes.begin(conn, host)  # may end a pending handshake
+            with self._lock:
+                self._conns.add(conn)
+            t = threading.Thread(
+                target=self._serve_conn,
+                args=(conn, peer, deadline),
+                name="gpu-trace-conn",
+                daemon=True,
+            )
+            t.start()
+            self._threads = [x for x in self._threads if x.is_alive()] + [t]
+
+    def _serve_conn(self, conn: socket.socket, peer: Any, deadline: float) -> None:
+        writer = FrameWriter(conn)
+        session: Session | None = None
+        try:
+            tune(conn)
+            session = self._handshake(conn, writer, deadline)
+            if session is None:
+                return
+            self._read_loop(conn, writer, session)
+        except ProtocolError as exc:
+            self.protocol_errors += 1
+            refused = isinstance(exc, Refused)
+            if self.handshakes.done(conn) or refused:  # no session: counted, logged in bulk
+                self.handshakes.failed("refused" if refused else "protocol")
+                log.debug("gpu-trace serve: %s: handshake failed: %s", peer, exc)
+            else:
+                log.info("gpu-trace serve: %s: protocol error: %s", peer, exc)
+            with contextlib.suppress(ConnectionClosed, OSError):
+                writer.send(json_frame(MsgType.ERROR, {"message": str(exc)[:500]}))
+        except (ConnectionClosed, TimeoutError, OSError) as exc:
+            if self.handshakes.done(conn) and isinstance(exc, TimeoutError):
+                self.handshakes.failed("timeout")
+            log.debug("gpu-trace serve: %s: connection ended: %s", peer, exc)
+        except Exception:  # a bug must cost one connection, never the server
+            log.exception("gpu-trace serve: %s: connection failed", peer)
+        finally:
+            if session is not None:
+                with self._lock:
+                    self.sessions.pop(session.id, None)
+                    self._session_conns.pop(session.id, None)
+                self.ledger.retire(session)
+                session.closed = True
+                self.scheduler.drop(session)
+                self.scheduler.submit(session, Work("close"))
+            self.handshakes.done(conn)
+            with self._lock:
+                self._conns.discard(conn)
+            with contextlib.suppress(OSError):
+                conn.close()
+
+    def _handshake(
+        self, conn: socket.socket, writer: FrameWriter, deadline: float
+    ) -> Session | None:
+        """CHALLENGE, HELLO, WELCOME, all by ``deadline`` (:mod:`.handshakes`)."""
+        conn.settimeout(max(0.001, deadline - time.monotonic()))
+        nonce = auth.new_nonce()
+        writer.send(
+            json_frame(
+                MsgType.CHALLENGE,
+                {"v": PROTOCOL_VERSION, "nonce": nonce.hex(), "device": str(self.device)},
+            )
+        )
+        reader = FrameReader(conn, MAX_HANDSHAKE_FRAME)
+        mtype, body = reader.read_by(deadline)
+        if mtype != MsgType.HELLO:
+            raise ProtocolError("expected HELLO")
+        hello = decode_json(body)
+        if hello.get("v") != PROTOCOL_VERSION:
+            raise ProtocolError(f"protocol version {str(hello.get('v'))[:10]} not supported")
+        # Every tenant's token is tried, in constant time each, whatever the answer: a wrong
+        # token gets the same refusal, after the same work, however many tenants there are.
+        tenant = auth.match(self.tenants, nonce, hello.get("mac"))
+        if tenant is None:
+            time.sleep(0.05)  # slow down guessing
+            raise Refused("authentication failed")
+        client = hello.get("client")
+        if not isinstance(client, dict):
+            raise ProtocolError("HELLO needs a client object")
+        client = {str(k)[:64]: str(v)[:256] for k, v in list(client.items())[:32]}
+        mode = hello.get("mode", "session")
+        if mode not in ("session", "admin"):
+            raise ProtocolError("HELLO mode must be session or admin")
+        binary = field_bool(hello, "binary")
+        welcome = {
+            "device": str(self.device),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "sink": self.sink.kind,
+            "tenant": tenant.name,
+            # Batches may carry an op stream and templates (:mod:`.templates`).
+            "templates": True,
+            # CALLS frames are taken (:mod:`.wire`).
+            "binary": True,
+        }
+        self.handshakes.done(conn)  # authenticated: out of the handshakes' bound and deadline
+        if mode == "admin":
+            writer.send(
+                json_frame(MsgType.WELCOME, {**welcome, "session": 0, "admin": tenant.admin})
+            )
+            conn.settimeout(None)
+            self._admin_loop(conn, writer, tenant)
+            return None
+        with self._lock:
+            if len(self.sessions) >= self.max_sessions:
+                raise Refused(f"server full ({self.max_sessions} sessions)")
+            session = Session(client, writer.send, tenant)
+            session.trace = self.sink.accepts(client)
+            session.binary = binary
+            self.sessions[session.id] = session
+            self.memory.attach(session)
+            self._session_conns[session.id] = conn
+        self.ledger.open(session)
+        writer.send(json_frame(MsgType.WELCOME, {**welcome, "session": session.id}))
+        conn.settimeout(None)  # blocking, for polling; the read loop times out itself
+        return session
+
+    def _admin_loop(self, conn: socket.socket, writer: FrameWriter, tenant: Tenant) -> None:
+        """An admin client's requests (:mod:`gpu_trace.runtime.sharing.admin`); no session."""
+        reader = FrameReader(conn, MAX_HANDSHAKE_FRAME)
+        reader.set_timeout(self.idle_timeout_s)
+        while not self._closing.is_set():
+            mtype, body = reader.read()
+            if mtype == MsgType.ADMIN:
+                reply = admin.handle(self, tenant, decode_admin(body))
+                writer.send(json_frame(MsgType.ADMIN_REPLY, reply))
+            elif mtype == MsgType.PING:
+                t1 = now_ns()
+                writer.send(frame(MsgType.PONG, PONG_BODY.pack(decode_ping(body), t1, now_ns())))
+            elif mtype == MsgType.BYE:
+                writer.send(frame(MsgType.BYE))
+                return
+            else:
+                raise ProtocolError(f"unexpected message {MsgType(mtype).name} from an admin")
+
+    def _read_loop(self, conn: socket.socket, writer: FrameWriter, session: Session) -> None:
+        reader = FrameReader(conn, MAX_FRAME, delay_ns=self.delay_ns)
+        reader.set_timeout(self.idle_timeout_s)
+        submit = self._submitter()
+        read = reader.read
+        spin, busy, queued = self.spin_ns, self.executor.lock.locked, self.scheduler.depth
+
+        def device_busy() -> bool:  # work runs or waits: the CPU is better left to it
+            return busy() or queued() > 0
+
+        # Not stopped by _closing: close() tells each client why, then shuts its socket.
+        while not session.closed:
+            if spin and not device_busy():  # poll while the next batch would run at once
+                reader.spin(spin, device_busy)
+            mtype, body = read()
+            if mtype == MsgType.CALLS:
+                seq, span, flags, frees, stream = decode_calls(body)
+                head = {"seq": seq, "ops": expand(session.templates, stream, []), "free": frees}
+                if span:
+                    head["tp"] = span
+                if flags & CALLS_SYNC:
+                    head["sync"] = True
+                submit(session, Work("batch", head, None, reader.frame_started_ns, now_ns()))
+            elif mtype == MsgType.BATCH:
+                self._on_batch(session, reader.frame_started_ns, body, submit)
+            elif mtype == MsgType.PING:
+                t1 = now_ns()
+                t0 = decode_ping(body)
+                writer.send(frame(MsgType.PONG, PONG_BODY.pack(t0, t1, now_ns())))
+            elif mtype == MsgType.PUT:
+                head = decode_json(body)
+                ident = field_int(head, "blob", 1)
+                meta = tensor_meta(head.get("dtype"), head.get("shape"), head.get("nbytes"))
+                submit(session, Work("put", ident, meta))
+            elif mtype == MsgType.CHUNK:
+                ident, offset, data = decode_chunk(body)
+                submit(session, Work("chunk", None, (ident, offset, data)))
+            elif mtype == MsgType.CLOCK:
+                samples = decode_clock(body)
+                if session.trace:
+                    self.sink.clock(session, samples)
+            elif mtype == MsgType.BYE:
+                done = threading.Event()
+                self.scheduler.submit(session, Work("bye", done=done))
+                deadline = time.monotonic() + self.idle_timeout_s
+                # A stopping server's executor may never run it: don't hold close() up.
+                while not done.wait(0.1) and not self._closing.is_set():
+                    if time.monotonic() > deadline:
+                        break
+                return
+            else:
+                raise ProtocolError(f"unexpected message {MsgType(mtype).name} from a client")
+
+    def _submitter(self) -> Any:
+        """``submit(session, work)``: a lone small batch runs at once on the calling thread
+        when the device is idle (no hand-off to the executor's); anything else is queued."""
+        scheduler, executor = self.scheduler, self.executor
+
+        def submit(session: Session, work: Work) -> None:
+            if not (
+                work.kind == "batch"
+                and len(work.head["ops"]) <= INLINE_OPS
+                and executor.try_inline(session, work)
+            ):
+                scheduler.submit(session, work)
+
+        return submit
+
+    def _on_batch(self, session: Session, start: int, body: bytes, submit: Any) -> None:
+        """A BATCH frame: its inline uploads, then its ops (templates' calls expanded)."""
+        head, data = decode_split(body)
+        xb = head.get("xb")
+        if xb is not None:  # the op stream (templates' calls) before the blobs
+            if type(xb) is not int or not 0 <= xb <= len(data):
+                raise ProtocolError("field 'xb' must be the op stream's length")
+            if "defs" in head:
+                define(session.templates, head["defs"])
+            head["ops"] = expand(session.templates, data[:xb], head.get("ops"))
+            data = data[xb:]
+        elif type(head.setdefault("ops", [])) is not list:
+            raise ProtocolError("field 'ops' must be a list")
+        if "blobs" in head:
+            off = 0
+            for entry in field_list(head, "blobs", 1 << 16):  # [id, dtype, shape, nbytes]
+                if type(entry) is not list or len(entry) != 4:
+                    raise ProtocolError("an inline blob is [id, dtype, shape, nbytes]")
+                dtype, shape, nbytes = tensor_meta(entry[1], entry[2], entry[3])
+                if off + nbytes > len(data):
+                    raise ProtocolError("inline blobs longer than the batch")
+                tensor = tensor_from_bytes(dtype, shape, data[off : off + nbytes])
+                off += nbytes
+                submit(session, Work("put-inline", entry[0], (tensor, nbytes)))
+        submit(session, Work("batch", head, None, start, now_ns()))
+
+
+class Refused(ProtocolError):
+    """A well-formed HELLO that is refused: a wrong token, a full server."""
+
+
+def _check_device(device: str) -> str:
+    import torch
+
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}") from None
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device} is not available here (no CUDA)")
+    if d.type not in ("cpu", "cuda"):
+        raise ValueError(f"the server runs on cpu or cuda devices, not {device!r}")
+    return str(d)
+
+
+__all__ = ["Server"]

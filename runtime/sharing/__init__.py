@@ -1,0 +1,2 @@
+"""Sharing one GPU between tenants: who they are, their memory, scheduling and its policies,
+paging idle sessions out and back, usage, the admin listing and ``/metrics``."""
