@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -9,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from gpu_trace import _cbuild
+from gpu_trace.collectors.nvtx import build as nvtx_build
+from gpu_trace.tracer import fastpath_build
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -45,6 +50,11 @@ def test_wheel_installs_into_a_clean_venv(tmp_path: Path) -> None:
     ):
         assert module in names, module
     assert not any(n.startswith(("tracer/", "collectors/", "tests/")) for n in names)
+    # setup.py prebuilds the C libraries where a compiler and the headers are here (it loads the
+    # builders by path: a broken load is only a warning, so look for what it built).
+    for builder, folder in ((nvtx_build, "collectors/nvtx"), (fastpath_build, "tracer")):
+        if can_build(builder):
+            assert f"gpu_trace/{folder}/{builder.library_name()}" in names, builder.__name__
 
     env_dir = tmp_path / "clean"
     venv.EnvBuilder(with_pip=True).create(env_dir)
@@ -67,3 +77,17 @@ def test_wheel_installs_into_a_clean_venv(tmp_path: Path) -> None:
         cwd=tmp_path,
     )
     assert str(env_dir) in where.stdout
+
+
+def can_build(builder) -> bool:
+    """Whether ``builder`` can compile here: a compiler, the headers, a supported platform."""
+    try:
+        argv = _cbuild.compiler_command(os.environ.get("GPU_TRACE_CC"))
+        if shutil.which(argv[0]) is None:
+            return False
+        if builder is nvtx_build:
+            return sys.platform == "linux" and nvtx_build.include_dir() is not None
+        fastpath_build.include_dirs()
+        return fastpath_build.supported() is None
+    except _cbuild.BuildError:
+        return False
