@@ -23,8 +23,9 @@ A session, from the client's side::
                      <- ERROR {message, reason}   (then close: reason "evicted", "shutdown"...)
     BYE ->           <- BYE                    (after the last TRACE)
 
-An admin client (``gpu-trace tenants``, :mod:`gpu_trace.runtime.sharing.admin`) says ``"mode": "admin"``
-in its HELLO; it gets a WELCOME with no session, then::
+An admin client (``gpu-trace tenants``, :mod:`gpu_trace.runtime.client.admin_requests`; the server
+answers in :mod:`gpu_trace.runtime.sharing.admin`) says ``"mode": "admin"`` in its HELLO; it gets
+a WELCOME with no session, then::
 
     ADMIN {op: "list"} or {op: "evict", session} ->   <- ADMIN_REPLY {ok, ...}
 
