@@ -30,26 +30,26 @@ Fragmentation Gradient Descent"; see bench/traces/README.md). Its tasks become j
 
 Execution is simulated: a discrete-event loop drives the real
 :class:`~gpu_trace.runtime.sharing.scheduler.PolicyScheduler` with each policy of
-:mod:`gpu_trace.runtime.sharing.policies`, its clock being the simulated one; the device runs one item
-at a time and charges its time. Items are not preempted, as on the server. For each policy: the
+:mod:`gpu_trace.runtime.sharing.policies`, its clock being the simulated one; the device runs one
+item at a time and charges its time. Items are not preempted, as on the server. For each policy: the
 job completion time (JCT, completion minus arrival, simulated seconds) mean, median, p95, p99,
 the makespan, and FIFO's mean JCT over the policy's. FIFO here serves jobs to completion in order
 of arrival (every item of a job is queued at its arrival), the baseline Tiresias (NSDI 2019)
 compares with, reporting up to 5.5x lower average JCT for its discretized LAS.
 
 Part ``restore``: how long an idle session paged out to host memory takes to come back
-(:mod:`gpu_trace.runtime.sharing.pager`), per GB of tensors. A server in this process (``--restore-device``,
-default ``cuda:0`` where there is one, else the CPU device) and the forwarding client: the session
-holds ``--restore-gb`` of transformer-like layers (width ``--restore-width``: per layer a QKV,
-output and two MLP weight matrices, their biases and two layer norms, 12 tensors of 4 KB to
-16 MB), filled with ones. Each round pages the session out (``page-out``), then reads one element
-of the first layer's first weight (``probe[0, 0].item()``): the batch that brings the session
-back. ``first op`` is the server's time from the restore's start until that batch's first op
-could run (its input back), ``all`` until every storage was back, both from the pager's own
-figures (CUDA events on a GPU); ``client`` is the probe's round trip as the client saw it, next to
-the same probe on the resident session. Pipelined restores (copies in op order, each op waiting
-for its own inputs) vs not (everything back before the first op); the median of
-``--restore-reps`` rounds. PipeSwitch (OSDI 2020) reports 3.6-6.6 ms task start-up on a V100
+(:mod:`gpu_trace.runtime.sharing.pager`), per GB of tensors. A server in this process
+(``--restore-device``, default ``cuda:0`` where there is one, else the CPU device) and the
+forwarding client: the session holds ``--restore-gb`` of transformer-like layers (width
+``--restore-width``: per layer a QKV, output and two MLP weight matrices, their biases and two layer
+norms, 12 tensors of 4 KB to 16 MB), filled with ones. Each round pages the session out
+(``page-out``), then reads one element of the first layer's first weight (``probe[0, 0].item()``):
+the batch that brings the session back. ``first op`` is the server's time from the restore's start
+until that batch's first op could run (its input back), ``all`` until every storage was back, both
+from the pager's own figures (CUDA events on a GPU); ``client`` is the probe's round trip as the
+client saw it, next to the same probe on the resident session. Pipelined restores (copies in op
+order, each op waiting for its own inputs) vs not (everything back before the first op); the median
+of ``--restore-reps`` rounds. PipeSwitch (OSDI 2020) reports 3.6-6.6 ms task start-up on a V100
 over PCIe 3.0 with pipelined model transmission; on the CPU device paging is a memcpy, so the
 figures here are memory bandwidth, not PCIe.
 """

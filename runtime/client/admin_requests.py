@@ -130,7 +130,8 @@ def request(
 
 
 def list_sessions(address: str, token: str | None = None) -> dict[str, Any]:
-    """The server's listing as the token's tenant may see it (:func:`gpu_trace.runtime.sharing.admin.snapshot`)."""
+    """The server's listing as the token's tenant may see it
+    (:func:`gpu_trace.runtime.sharing.admin.snapshot`)."""
     return request(address, {"op": "list"}, token)
 
 

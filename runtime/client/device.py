@@ -2,9 +2,9 @@
 
 :func:`connect` registers the backend once per process (device guard, hooks, ``torch.remote``
 module, ``Tensor.remote()``), connects, and returns ``torch.device("remote:0")``. Tensors and
-modules moved there are :class:`~gpu_trace.runtime.client.tensor.RemoteTensor`\\ s. Factory functions
-(``torch.zeros(..., device="remote")``, ``arange``, ``randn``...) get PrivateUse1 kernels that
-forward them as one op; ``copy_`` gets one for the paths that bypass ``__torch_dispatch__``
+modules moved there are :class:`~gpu_trace.runtime.client.tensor.RemoteTensor`\\ s. Factory
+functions (``torch.zeros(..., device="remote")``, ``arange``, ``randn``...) get PrivateUse1 kernels
+that forward them as one op; ``copy_`` gets one for the paths that bypass ``__torch_dispatch__``
 (``torch.tensor(data, device=...)``).
 """
 
@@ -154,8 +154,9 @@ def connect(
 
     ``token`` defaults to ``GPU_TRACE_REMOTE_TOKEN`` or the token file of a server on this
     machine; ``sync=True`` waits for every op (for comparison); ``timeout_s`` is how long the
-    server may stay silent. Other options go to :class:`~gpu_trace.runtime.client.connection.Connection`.
-    One session per process: connecting again first closes the previous session.
+    server may stay silent. Other options go to
+    :class:`~gpu_trace.runtime.client.connection.Connection`. One session per process: connecting
+    again first closes the previous session.
     """
     register()
     if rt.conn is not None:

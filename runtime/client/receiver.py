@@ -1,9 +1,9 @@
 """The forwarding client's receiving side: whoever needs a message reads the socket itself.
 
 One lock, ``_rx_lock``, says who reads. A program thread waiting at a sync point, the heartbeat
-waiting for its PONG and :meth:`~gpu_trace.runtime.client.connection.Connection.close` waiting for BYE each
-take it and read until they have what they wait for, handling every other message on the way
-(no hand-off between threads on the way back). They poll for ``spin_ns`` (``GPU_TRACE_SPIN_US``,
+waiting for its PONG and :meth:`~gpu_trace.runtime.client.connection.Connection.close` waiting for
+BYE each take it and read until they have what they wait for, handling every other message on the
+way (no hand-off between threads on the way back). They poll for ``spin_ns`` (``GPU_TRACE_SPIN_US``,
 see :meth:`~gpu_trace.runtime.protocol.wire.FrameReader.spin`), then sleep in ``recv`` itself (no
 ``select`` first), waking every quarter second (the socket's receive timeout) to see whether to
 go on.

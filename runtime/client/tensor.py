@@ -2,8 +2,9 @@
 
 A :class:`RemoteTensor` holds no data, only metadata (dtype, shape, strides) and the handle of
 the real tensor on the server. ``__torch_dispatch__`` sees every ATen op below autograd; for each
-it finds the output metadata in the :class:`~gpu_trace.runtime.protocol.shapes.ShapeCache`, allocates
-handles for new outputs and appends the op to the connection's pending batch without waiting.
+it finds the output metadata in the :class:`~gpu_trace.runtime.protocol.shapes.ShapeCache`,
+allocates handles for new outputs and appends the op to the connection's pending batch without
+waiting.
 
 Where a value is read the client waits: ``.item()``/``bool()`` (``_local_scalar_dense`` and
 other ops with non-tensor results), ``.cpu()``/``.tolist()``/printing (a fetch), and ops whose
@@ -117,8 +118,8 @@ def _new(c: Connection, plan: NewTensor) -> tuple[int, RemoteTensor]:
 
 def _stack() -> tuple:
     """The issuing stack, cheaply: ``(code, lasti, code, lasti, ...)`` of the innermost frames,
-    innermost first; :func:`~gpu_trace.runtime.protocol.errors.user_frames` turns it into lines, only
-    for an op that failed (``f_lineno`` decodes the line table: it cost more than the rest).
+    innermost first; :func:`~gpu_trace.runtime.protocol.errors.user_frames` turns it into lines,
+    only for an op that failed (``f_lineno`` decodes the line table: it cost more than the rest).
 
     In sync mode errors are raised where the op is issued, so no stack is kept.
     """

@@ -2,11 +2,11 @@
 
 The token never crosses the wire: the server sends a random 32-byte nonce in its CHALLENGE, the
 client answers with ``HMAC-SHA256(token, "gpu-trace/1" + nonce)``, and the server compares in
-constant time. A server with many tenants (:mod:`gpu_trace.runtime.sharing.tenants`) checks the answer
-against every tenant's token, each in constant time and all of them every time (:func:`match`), so
-neither the answer nor its timing says which tenants exist. A server started without a token makes
-one and keeps it in ``GPU_TRACE_HOME/remote-token`` (mode 0600), where clients on the same machine
-find it.
+constant time. A server with many tenants (:mod:`gpu_trace.runtime.sharing.tenants`) checks the
+answer against every tenant's token, each in constant time and all of them every time
+(:func:`match`), so neither the answer nor its timing says which tenants exist. A server started
+without a token makes one and keeps it in ``GPU_TRACE_HOME/remote-token`` (mode 0600), where clients
+on the same machine find it.
 """
 
 from __future__ import annotations
@@ -123,8 +123,8 @@ def client_handshake(
     """A client's side of CHALLENGE/HELLO/WELCOME on a connected ``sock``: the reader (now
     allowing full frames) and the WELCOME message. ``mode="admin"`` opens no session.
 
-    Raises :class:`~gpu_trace.runtime.protocol.errors.ProtocolMismatch` if the peer is not a gpu-trace
-    server of this protocol or refuses the token, and lets wire and socket errors through.
+    Raises :class:`~gpu_trace.runtime.protocol.errors.ProtocolMismatch` if the peer is not a
+    gpu-trace server of this protocol or refuses the token, and lets wire and socket errors through.
     """
     from gpu_trace.runtime.protocol.errors import ProtocolMismatch
     from gpu_trace.runtime.protocol.wire import (

@@ -2,7 +2,8 @@
 
 A server's spans travel to the client as rows (the ``TRACE`` frame) or go straight to a spool
 (``--store``); either way the same tables come out of them, so both sides build them here: the
-client's :mod:`gpu_trace.runtime.client.trace` and the server's :mod:`gpu_trace.runtime.server.sink`.
+client's :mod:`gpu_trace.runtime.client.trace` and the server's
+:mod:`gpu_trace.runtime.server.sink`.
 """
 
 from __future__ import annotations

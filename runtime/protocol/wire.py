@@ -31,8 +31,8 @@ a WELCOME with no session, then::
 
 ``binary`` says the peer takes the binary forms: a client that said it in its HELLO may be sent
 DONE_OK and DONE_VALUE; a server that said it in its WELCOME may be sent CALLS. The common
-batch, template calls and frees only (:mod:`gpu_trace.runtime.protocol.templates`), and its reply then
-carry no JSON at all: a synchronous round trip spends no time formatting or parsing it.
+batch, template calls and frees only (:mod:`gpu_trace.runtime.protocol.templates`), and its reply
+then carry no JSON at all: a synchronous round trip spends no time formatting or parsing it.
 
 Every size is bounded before anything is allocated: a frame's length is checked against the
 limit of the connection's state (:data:`MAX_HANDSHAKE_FRAME` before authentication) as soon as its

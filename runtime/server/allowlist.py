@@ -95,7 +95,8 @@ RULES: dict[str, Callable[[list[Any], dict[str, Any]], None]] = {
 
 def rule(op: Any) -> Callable[[list[Any], dict[str, Any]], None] | None:
     """The rule an ``OpOverload`` runs under (None: none): its name's from :data:`RULES` and
-    its overload's bounds checks (:func:`gpu_trace.runtime.server.bounds.rules_for`), in that order."""
+    its overload's bounds checks (:func:`gpu_trace.runtime.server.bounds.rules_for`), in that
+    order."""
     from gpu_trace.runtime.server import bounds
 
     schema = op._schema

@@ -5,8 +5,8 @@ writes whatever the allocator put next: another tenant's tensors, or the heap's 
 ATen checks most ops itself; the ones it does not are checked here, before they run (a check
 afterwards would be too late for an op that copies through the view it makes). Each check is a
 ``rule(args, kwargs)`` in :data:`gpu_trace.runtime.server.allowlist.RULES` (by op name) or made per
-overload by :func:`rules_for`; a refusal is an :class:`~gpu_trace.runtime.protocol.errors.OpError` naming
-the op and why, and the session goes on.
+overload by :func:`rules_for`; a refusal is an :class:`~gpu_trace.runtime.protocol.errors.OpError`
+naming the op and why, and the session goes on.
 
 Which ops need which check was found from the schemas and is held by a fuzzer that throws random
 sizes, strides, offsets, dims and indices at every allow-listed op (``tests/op_fuzz.py``);

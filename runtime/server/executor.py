@@ -1,25 +1,26 @@
 """The server's executor: one thread owns the device and runs the sessions' work in turn.
 
-Connections put work (uploads, batches, close) into a :class:`~gpu_trace.runtime.sharing.scheduler.Scheduler`;
-the executor takes one item at a time and runs it (or a connection runs a lone small batch itself
-when the device is idle). ATen ops are resolved against the allow-list; the runtime's own
-``rt::`` ops are in :mod:`gpu_trace.runtime.server.pseudo_ops`; each traced batch's spans go to the
-server's sink (:mod:`gpu_trace.runtime.server.sink`).
+Connections put work (uploads, batches, close) into a
+:class:`~gpu_trace.runtime.sharing.scheduler.Scheduler`; the executor takes one item at a time and
+runs it (or a connection runs a lone small batch itself when the device is idle). ATen ops are
+resolved against the allow-list; the runtime's own ``rt::`` ops are in
+:mod:`gpu_trace.runtime.server.pseudo_ops`; each traced batch's spans go to the server's sink
+(:mod:`gpu_trace.runtime.server.sink`).
 
 Everything that touches a session's tables happens on this thread, so they need no locks. The
 random generator's state is switched with the session, so tenants never share a random stream.
 
-Memory (:mod:`gpu_trace.runtime.sharing.memory`): every op is checked against its tenant's quota and the
-device's capacity before it runs, by the bytes it will allocate as the server works them out
-(:mod:`gpu_trace.runtime.server.sizing`: the op on meta tensors, cached by signature, with its parts'
-temporaries for an op that decomposes into others; or a bound for ops whose size depends on
+Memory (:mod:`gpu_trace.runtime.sharing.memory`): every op is checked against its tenant's quota and
+the device's capacity before it runs, by the bytes it will allocate as the server works them out
+(:mod:`gpu_trace.runtime.server.sizing`: the op on meta tensors, cached by signature, with its
+parts' temporaries for an op that decomposes into others; or a bound for ops whose size depends on
 data), never by what the client claims; uploads by their size, the runtime's ``rt::`` ops by
 their own bounds. After the op its session's account is the exact book-keeping; an op that still
 grew it past a limit (by what a kernel allocates inside itself, the one thing not bounded) has
 its outputs freed and is refused. A refused op fails with a
-:class:`~gpu_trace.runtime.sharing.memory.QuotaError`, or, for a tenant whose ``on_quota`` is ``wait``,
-its batch is parked at that op (its progress kept in ``Work.resume``) while other sessions run,
-and the op runs when memory is freed. The executor never blocks on memory. On CUDA each session
+:class:`~gpu_trace.runtime.sharing.memory.QuotaError`, or, for a tenant whose ``on_quota`` is
+``wait``, its batch is parked at that op (its progress kept in ``Work.resume``) while other sessions
+run, and the op runs when memory is freed. The executor never blocks on memory. On CUDA each session
 runs on its own stream, and its device time is read from CUDA events recorded around its
 batches, later, without synchronizing.
 """
@@ -121,7 +122,8 @@ class Executor:
         #: Device memory by tenant; a server passes its own (``Server.memory``).
         self.memory = memory if memory is not None else Memory(1 << 62)
         self.memory.wake = scheduler.unpark
-        #: What ops will allocate, worked out before they run (:mod:`gpu_trace.runtime.server.sizing`).
+        #: What ops will allocate, worked out before they run
+        #: (:mod:`gpu_trace.runtime.server.sizing`).
         self.sizing = Sizing(self.memory.block_bytes)
         self._cuda = self.device.type == "cuda"
         self._streams: dict[int, Any] = {}  # session id -> its CUDA stream
@@ -768,8 +770,8 @@ def _entry(target: Any) -> tuple[Any, Any, bool, bool, bool, Any]:
     ``sized``: it takes a size argument (checked against a plain bound first). ``rerunnable``:
     it changes none of its inputs, so it may run again after its outputs were refused.
     ``seeded``: it draws random numbers (a re-run restores the generator first). ``size``: how
-    :class:`~gpu_trace.runtime.server.sizing.Sizing` works out what it allocates (None: it returns no
-    tensor).
+    :class:`~gpu_trace.runtime.server.sizing.Sizing` works out what it allocates (None: it returns
+    no tensor).
     """
     import torch
 

@@ -1,8 +1,9 @@
 """Connections that have not authenticated yet: bounded in number and in time, apart from sessions.
 
-Every connection costs the server a socket and a reader thread (:mod:`gpu_trace.runtime.server.server`)
-from the moment it is accepted. Left unbounded, peers that connect and say nothing, or trickle a
-byte now and then (slowloris), hold those until the server has room for no one else. So:
+Every connection costs the server a socket and a reader thread
+(:mod:`gpu_trace.runtime.server.server`) from the moment it is accepted. Left unbounded, peers that
+connect and say nothing, or trickle a byte now and then (slowloris), hold those until the server has
+room for no one else. So:
 
 - At most :attr:`Handshakes.limit` connections are in their handshake (accepted, no WELCOME yet)
   at once. A connection accepted at the limit ends the oldest pending handshake of the peer
@@ -12,7 +13,8 @@ byte now and then (slowloris), hold those until the server has room for no one e
   the client has), while refusing new connections would keep everyone out until the squatters'
   deadlines passed.
 - Each handshake has a deadline, :attr:`Handshakes.timeout_s` after its accept. It is absolute:
-  bytes trickling in do not extend it (:meth:`~gpu_trace.runtime.protocol.wire.FrameReader.read_by`).
+  bytes trickling in do not extend it
+  (:meth:`~gpu_trace.runtime.protocol.wire.FrameReader.read_by`).
 - Sessions are bounded separately (``max_sessions``); an authenticated connection is out of
   these counts.
 

@@ -2,9 +2,9 @@
 
 ``rt::fetch`` sends a tensor's bytes back, ``rt::meta`` the shape of a data-dependent output,
 ``rt::seed`` seeds the session's generator, ``rt::fn`` runs a whole function with server-side
-autograd (:mod:`gpu_trace.runtime.client.composites`) and ``rt::backward`` its gradients, ``rt::sync``
-and ``rt::memory`` answer the client's CUDA emulation. Also the random-state helpers that keep
-each session on its own random stream.
+autograd (:mod:`gpu_trace.runtime.client.composites`) and ``rt::backward`` its gradients,
+``rt::sync`` and ``rt::memory`` answer the client's CUDA emulation. Also the random-state helpers
+that keep each session on its own random stream.
 """
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ def run_pseudo(
 
 
 def _function(ex: Executor, session: Session, decoder: ArgDecoder, args: Any, outs: Any) -> Any:
-    """``rt::fn``: a whole function (:mod:`gpu_trace.runtime.protocol.functions`), its graph kept for backward."""
+    """``rt::fn``: a whole function (:mod:`gpu_trace.runtime.protocol.functions`), its graph kept
+    for backward."""
     from gpu_trace.runtime.protocol import functions
 
     torch = ex.torch

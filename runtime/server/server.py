@@ -2,13 +2,14 @@
 
 Each connection gets a reader thread: it authenticates the client (CHALLENGE/HELLO; connections not
 authenticated yet are bounded in number and time apart from sessions, see
-:mod:`gpu_trace.runtime.server.handshakes`), answers heartbeats at once (their timestamps are clock-sync
-samples, so they never wait behind work), validates every frame and hands uploads and batches to
-the scheduler, in order. One executor thread runs the work (:mod:`gpu_trace.runtime.server.executor`); a
-lone small batch runs on the connection's thread when the device is idle. Each connection polls for
-its client's next message for :attr:`Server.spin_ns` while the device is idle (giving the CPU away
-between tries; see :meth:`~gpu_trace.runtime.protocol.wire.FrameReader.spin`), then sleeps in ``recv`` (no
-``select``; a receive timeout ends idle connections). Traced sessions' spans go to the sink
+:mod:`gpu_trace.runtime.server.handshakes`), answers heartbeats at once (their timestamps are
+clock-sync samples, so they never wait behind work), validates every frame and hands uploads and
+batches to the scheduler, in order. One executor thread runs the work
+(:mod:`gpu_trace.runtime.server.executor`); a lone small batch runs on the connection's thread when
+the device is idle. Each connection polls for its client's next message for :attr:`Server.spin_ns`
+while the device is idle (giving the CPU away between tries; see
+:meth:`~gpu_trace.runtime.protocol.wire.FrameReader.spin`), then sleeps in ``recv`` (no ``select``;
+a receive timeout ends idle connections). Traced sessions' spans go to the sink
 (:mod:`gpu_trace.runtime.server.sink`): back to the client, or into a shared store.
 """
 
@@ -75,17 +76,18 @@ INLINE_OPS = 16
 class Server:
     """A forwarding server on ``host:port`` running ops on ``device`` (``cpu``, ``cuda:0``...).
 
-    ``tenants`` are who may connect (:mod:`gpu_trace.runtime.sharing.tenants`): a client's token says
-    which tenant it is. ``token`` alone is one tenant, ``default``, an admin (see
-    :mod:`gpu_trace.runtime.protocol.auth`). ``device_memory`` is the capacity in bytes that tenants'
-    memory fractions are taken of (None: the device's own); ``max_handshakes`` connections may
-    wait to authenticate at once, for ``handshake_timeout_s`` each (:mod:`.handshakes`);
+    ``tenants`` are who may connect (:mod:`gpu_trace.runtime.sharing.tenants`): a client's token
+    says which tenant it is. ``token`` alone is one tenant, ``default``, an admin (see
+    :mod:`gpu_trace.runtime.protocol.auth`). ``device_memory`` is the capacity in bytes that
+    tenants' memory fractions are taken of (None: the device's own); ``max_handshakes`` connections
+    may wait to authenticate at once, for ``handshake_timeout_s`` each (:mod:`.handshakes`);
     ``scheduler`` is the scheduling policy (FIFO by default); ``delay_ms`` holds back every
     received frame (benchmarks simulate a longer network with it); ``sink`` is where traced
     sessions' spans go (:class:`~gpu_trace.runtime.server.sink.ReturnSink`, back to the client, by
-    default; a :class:`~gpu_trace.runtime.server.sink.StoreSink` for ``--store``). A session idle for
-    ``idle_s`` seconds (its tenant's ``idle_s`` wins; 0 or None: never) is paged out to host
-    memory by :attr:`pager` (:mod:`gpu_trace.runtime.sharing.pager`) and paged back on its next batch.
+    default; a :class:`~gpu_trace.runtime.server.sink.StoreSink` for ``--store``). A session idle
+    for ``idle_s`` seconds (its tenant's ``idle_s`` wins; 0 or None: never) is paged out to host
+    memory by :attr:`pager` (:mod:`gpu_trace.runtime.sharing.pager`) and paged back on its next
+    batch.
     """
 
     def __init__(
@@ -130,7 +132,8 @@ class Server:
         self.spin_ns = FrameReader.spin_budget(config.spin_us(spin_us))
         self.sink = sink if sink is not None else ReturnSink()
         self.sink.server_device = self.device
-        #: Device memory by tenant: quotas, capacity, waiters (:mod:`.memory`).
+        #: Device memory by tenant: quotas, capacity, waiters
+        #: (:mod:`gpu_trace.runtime.sharing.memory`).
         self.memory = Memory(
             device_capacity(self.device, device_memory),
             block_bytes=CUDA_BLOCK_BYTES if self.device.startswith("cuda") else 1,
@@ -143,7 +146,8 @@ class Server:
         self.executor.pager = self.pager
         self.pager.before_restore = self.memory.make_room
         self.sessions: dict[int, Session] = {}
-        #: Sessions' connection times and the usage of ended sessions (:mod:`.admin`).
+        #: Sessions' connection times and the usage of ended sessions
+        #: (:mod:`gpu_trace.runtime.sharing.admin`).
         self.ledger = admin.Ledger()
         #: Why the server stops (``SIGTERM``...), said to its clients; see :meth:`stop`.
         self.stop_reason: str | None = None
@@ -383,9 +387,10 @@ class Server:
             "pid": os.getpid(),
             "sink": self.sink.kind,
             "tenant": tenant.name,
-            # Batches may carry an op stream and templates (:mod:`.templates`).
+            # Batches may carry an op stream and templates
+            # (:mod:`gpu_trace.runtime.protocol.templates`).
             "templates": True,
-            # CALLS frames are taken (:mod:`.wire`).
+            # CALLS frames are taken (:mod:`gpu_trace.runtime.protocol.wire`).
             "binary": True,
         }
         self.handshakes.done(conn)  # authenticated: out of the handshakes' bound and deadline

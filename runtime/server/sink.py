@@ -2,8 +2,8 @@
 
 The executor records each traced batch's server spans (``server/receive``, ``server/queue``,
 ``server/execute`` with its ``server/op`` children, ``server/reply``) and a few counters in the
-session's :class:`~gpu_trace.runtime.server.sessions.SpanLog`, and hands them to the server's sink every
-200 ms and when the session says goodbye:
+session's :class:`~gpu_trace.runtime.server.sessions.SpanLog`, and hands them to the server's sink
+every 200 ms and when the session says goodbye:
 
 - :class:`ReturnSink` (the default) sends them to the client in TRACE messages; the client writes
   them into its own run (:mod:`gpu_trace.runtime.client.trace`).

@@ -3,8 +3,8 @@
 The executor checks every op's new bytes against its tenant's quota and the device's capacity
 before running it (:meth:`Sizing.op_bytes`). A client says what it expects an op to make, but a
 hostile tenant would lie, so the server works it out itself, from the decoded arguments: the op
-runs on meta copies of its tensors (:func:`~gpu_trace.runtime.protocol.shapes.on_meta`, the runner the
-client's plans use) and its new storages are summed, with any input storage it grows (``out=``,
+runs on meta copies of its tensors (:func:`~gpu_trace.runtime.protocol.shapes.on_meta`, the runner
+the client's plans use) and its new storages are summed, with any input storage it grows (``out=``,
 ``resize_``). The answer depends only on the op and its arguments' signature (tensors' dtype,
 shape, strides and offset; every other argument's value), so it is cached by both: a repeated op
 costs one key and one dict lookup.
@@ -193,8 +193,8 @@ def _composite(name: str) -> Callable[[Sizing, Any, list[Any], dict[str, Any]], 
 def _on_meta_counted(
     call: Any, args: Any, kwargs: dict[str, Any], made: dict[int, Any]
 ) -> tuple[Any, list[Any], list[tuple]]:
-    """:func:`~gpu_trace.runtime.protocol.shapes.on_meta` with every tensor the op's parts return kept
-    in ``made`` (by storage), through a dispatch mode pushed for the call only."""
+    """:func:`~gpu_trace.runtime.protocol.shapes.on_meta` with every tensor the op's parts return
+    kept in ``made`` (by storage), through a dispatch mode pushed for the call only."""
     torch = _t()
     from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -2,14 +2,15 @@
 the ADMIN requests that carry it over the wire, and eviction.
 
 :func:`snapshot` builds the listing from the server's state (its sessions'
-:class:`~gpu_trace.runtime.sharing.usage.Usage` and memory accounts, the scheduler's queues, the memory manager's per-tenant
-numbers where there is one); a :class:`Ledger` keeps the usage of sessions that ended, so a
-tenant's totals never go down. What a caller sees depends on its tenant: an admin tenant sees
-every tenant and session and may evict; any other tenant sees only its own tenant's sessions.
+:class:`~gpu_trace.runtime.sharing.usage.Usage` and memory accounts, the scheduler's queues, the
+memory manager's per-tenant numbers where there is one); a :class:`Ledger` keeps the usage of
+sessions that ended, so a tenant's totals never go down. What a caller sees depends on its tenant:
+an admin tenant sees every tenant and session and may evict; any other tenant sees only its own
+tenant's sessions.
 
-Over the wire (:func:`gpu_trace.runtime.client.admin_requests.request`), an admin client does the usual CHALLENGE/HELLO handshake with
-``"mode": "admin"`` in its HELLO (it opens no session), then sends ``ADMIN {op, ...}`` requests and
-gets ``ADMIN_REPLY {ok, ...}`` answers::
+Over the wire (:func:`gpu_trace.runtime.client.admin_requests.request`), an admin client does the
+usual CHALLENGE/HELLO handshake with ``"mode": "admin"`` in its HELLO (it opens no session), then
+sends ``ADMIN {op, ...}`` requests and gets ``ADMIN_REPLY {ok, ...}`` answers::
 
     ADMIN {"op": "list"}                  <- ADMIN_REPLY {ok, server, tenants, sessions}
     ADMIN {"op": "evict", "session": 7}   <- ADMIN_REPLY {ok, evicted} or {ok: false, error}

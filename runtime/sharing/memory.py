@@ -1,10 +1,12 @@
 """Device memory on a shared server: per-tenant quotas, the device's capacity, and who waits.
 
 The server owns one :class:`Memory`. Every session's
-:class:`~gpu_trace.runtime.server.sessions.MemoryAccount` reports its changes here, summed per tenant, so
-several clients of one tenant share its quota. Two limits apply to an op that would allocate:
+:class:`~gpu_trace.runtime.server.sessions.MemoryAccount` reports its changes here, summed per
+tenant, so several clients of one tenant share its quota. Two limits apply to an op that would
+allocate:
 
-- the tenant's **quota** (:meth:`Tenant.limit_bytes <gpu_trace.runtime.sharing.tenants.Tenant.limit_bytes>`)
+- the tenant's **quota** (:meth:`Tenant.limit_bytes
+<gpu_trace.runtime.sharing.tenants.Tenant.limit_bytes>`)
   bounds its *logical* bytes: what its sessions hold, on the device or paged out to host memory
   by the pager, plus uploads received and not yet used;
 - the device's **capacity** bounds the *resident* bytes of all sessions (quotas may add up to more

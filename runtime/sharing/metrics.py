@@ -2,9 +2,9 @@
 
 :class:`MetricsServer` is a small threaded HTTP server in the serve process (``gpu-trace serve
 --metrics HOST:PORT``; by default 127.0.0.1 and the listen port + 1). It renders
-:func:`gpu_trace.runtime.sharing.admin.snapshot` on every scrape, so it shows what ``gpu-trace tenants``
-shows to an admin: server-wide numbers, per tenant (its live sessions plus the counters of its
-ended ones, so tenant counters never go down) and per live session. Bound to a loopback address
+:func:`gpu_trace.runtime.sharing.admin.snapshot` on every scrape, so it shows what ``gpu-trace
+tenants`` shows to an admin: server-wide numbers, per tenant (its live sessions plus the counters of
+its ended ones, so tenant counters never go down) and per live session. Bound to a loopback address
 anyone on the machine may read it; bound to any other, a request needs ``Authorization: Bearer
 <an admin tenant's token>`` (401 otherwise).
 """

@@ -3,9 +3,9 @@
 The server's :class:`Pager` moves every storage a session's handles hold to host memory when the
 session has been idle for its tenant's ``idle_s`` (or the server's default), when the device is
 full and another session needs room (:meth:`Pager.reclaim`, called by
-:mod:`gpu_trace.runtime.sharing.memory`), or when an admin asks. On a GPU the host copies are pinned; on
-the CPU device paging is a copy into new host memory (the original allocation is freed), so it
-saves nothing there but exercises the same code.
+:mod:`gpu_trace.runtime.sharing.memory`), or when an admin asks. On a GPU the host copies are
+pinned; on the CPU device paging is a copy into new host memory (the original allocation is freed),
+so it saves nothing there but exercises the same code.
 
 Each handle's tensor is re-pointed in place (``t.data = view``): the tensor object, its
 autograd version counter and its ``_base`` stay, and tensors that shared a storage share one

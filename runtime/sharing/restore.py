@@ -1,12 +1,12 @@
 """Bringing a paged-out session back: its storages copied to the device, pipelined with its ops.
 
-The pager (:mod:`gpu_trace.runtime.sharing.pager`) starts a :class:`Restore` at the session's next batch,
-with the storages in the order the batch's ops name them, then the rest. Pipelined (PipeSwitch's
-idea), every copy starts at once and each op waits for its own inputs only (:class:`Gate`): on a
-GPU the copies run on a side stream from pinned memory with an event per storage, and the op's
-stream waits on its inputs' events (the executor's thread never blocks); on the CPU device a
-background thread copies (torch's copies release the GIL) and the op waits for its inputs' copies.
-Not pipelined, everything is copied before the first op, for comparison.
+The pager (:mod:`gpu_trace.runtime.sharing.pager`) starts a :class:`Restore` at the session's next
+batch, with the storages in the order the batch's ops name them, then the rest. Pipelined
+(PipeSwitch's idea), every copy starts at once and each op waits for its own inputs only
+(:class:`Gate`): on a GPU the copies run on a side stream from pinned memory with an event per
+storage, and the op's stream waits on its inputs' events (the executor's thread never blocks); on
+the CPU device a background thread copies (torch's copies release the GIL) and the op waits for its
+inputs' copies. Not pipelined, everything is copied before the first op, for comparison.
 
 A storage "lands" on the executor's thread: its tensor objects are re-pointed at the device copy
 (``t.data = view``, which keeps each object, its version counter and its ``_base``) and the

@@ -2,8 +2,8 @@
 
 Connections put work (uploads, batches, close) into the :class:`Scheduler`; the executor takes
 one item at a time and runs it. Each session has its own queue (:class:`Flow`), served in
-order; which session goes next is chosen by a policy (:mod:`gpu_trace.runtime.sharing.policies`) among
-the sessions that have work and are not parked, within the highest tenant priority that has
+order; which session goes next is chosen by a policy (:mod:`gpu_trace.runtime.sharing.policies`)
+among the sessions that have work and are not parked, within the highest tenant priority that has
 any. The executor tells the scheduler how much device time each item used (:meth:`charge`),
 which is what least-attained-service and fair-share policies decide by. A session waiting for
 memory is parked (:meth:`park`): its work stays queued, and other sessions run, until

@@ -1,6 +1,7 @@
-"""The server's bounds checks (runtime/server/bounds.py) and the allow-list they guard, held by a fuzzer
-that throws random sizes, strides, offsets, dims and indices at every allow-listed op that takes
-integers or returns an alias (tests/op_fuzz.py; ``python -m tests.op_fuzz`` for a longer run)."""
+"""The server's bounds checks (runtime/server/bounds.py) and the allow-list they guard, held by a
+fuzzer that throws random sizes, strides, offsets, dims and indices at every allow-listed op that
+takes integers or returns an alias (tests/op_fuzz.py; ``python -m tests.op_fuzz`` for a longer
+run)."""
 
 from __future__ import annotations
 

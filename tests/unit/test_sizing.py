@@ -1,5 +1,5 @@
-"""The server's sizes of ops before they run (``runtime.server.sizing``), against what real ops on the
-CPU allocate: exact for ops with meta kernels, upper bounds for ops sized by their data."""
+"""The server's sizes of ops before they run (``runtime.server.sizing``), against what real ops on
+the CPU allocate: exact for ops with meta kernels, upper bounds for ops sized by their data."""
 
 from __future__ import annotations
 
