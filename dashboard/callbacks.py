@@ -295,7 +295,7 @@ def register(app: Dash, source: ReadOnlyStore) -> None:
         State("tabs", "value"),
         State("viewport", "data"),
     )
-    def timeline(search, run_id, _reset, zoom, _goto, picked, win, tab, viewport):
+    def update_timeline(search, run_id, _reset, zoom, _goto, picked, win, tab, viewport):
         """Every change of what the timeline shows, in one round trip: the address, the run
         picker, Whole run, zoom and pan, a step link, the counters."""
         out: dict[tuple[str, str], Any] = {k: no_update for k in TIMELINE_OUTPUTS}

@@ -8,9 +8,12 @@ and ``__db__`` for the (validated) database name.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
+
+if TYPE_CHECKING:
+    from clickhouse_connect.driver.query import QueryResult
 
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
@@ -100,7 +103,7 @@ class UnknownRunError(LookupError):
 class RunQueries:
     """Read methods of the store (mixed into ``Store``)."""
 
-    def query(self, template: str, params: dict[str, Any] | None = None) -> Any:
+    def query(self, template: str, params: dict[str, Any] | None = None) -> QueryResult:
         """Run one query template (``Store.query``)."""
         raise NotImplementedError
 
