@@ -619,3 +619,22 @@ def test_a_first_view_started_with_the_page_is_taken_by_its_layout_request() -> 
     for i in range(FirstViews.KEEP + 3):
         views.start(f"?run={i}", None)
     assert len(views._started) <= FirstViews.KEEP
+
+
+def test_no_callback_shadows_a_module_the_dashboard_imports() -> None:
+    """A nested ``def timeline`` inside ``register()`` once hid the timeline module from every
+    callback there ('function' object has no attribute 'span'); only a browser showed it."""
+    import ast
+
+    for path in sorted(Path(callbacks.__file__).parent.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        imported = {
+            (a.asname or a.name).split(".")[0]
+            for node in tree.body
+            if isinstance(node, (ast.Import, ast.ImportFrom))
+            for a in node.names
+        }
+        for top in tree.body:
+            for node in ast.walk(top):
+                if node is not top and isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                    assert node.name not in imported, f"{path.name}:{node.lineno} {node.name}"
