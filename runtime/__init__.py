@@ -52,6 +52,13 @@ _WHERE = {
 def _register_backend(module: object = None) -> None:
     # The autograd engine sizes its device queues at the process's first backward pass, so the
     # remote device must exist before then: register it as soon as torch is imported.
+    import sys
+
+    loading = sys.modules.get("gpu_trace.runtime.client.device")
+    if loading is not None and not hasattr(loading, "register"):
+        # torch is being imported by device.py itself (``runtime.connect`` used before torch was
+        # imported): the device is not defined yet, and connect() registers it.
+        return
     from gpu_trace.runtime.client import device
 
     device.register()

@@ -424,3 +424,12 @@ def test_wrong_token_is_refused(served: str) -> None:
     with pytest.raises(runtime.ProtocolMismatch, match="authentication"):
         runtime.connect(served, token="not-the-right-token-00")
     assert runtime.current() is None
+
+
+def test_the_runtime_used_before_torch_is_imported_logs_no_failed_hook() -> None:
+    # runtime.connect reached before the program imported torch: device.py imports torch itself,
+    # and the hook that registers the device on torch's import found device.py half-loaded and
+    # logged a traceback; now it leaves the registration to connect().
+    code = "from gpu_trace import runtime; runtime.connect; print('loaded')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout == "loaded\n" and out.stderr == "", out.stderr
