@@ -150,3 +150,32 @@ def test_builders_load_by_path_and_build_with_the_helper_passed_in(
     assert module.library_name()
     with pytest.raises(cbuild.BuildError):  # the helper passed in is the one used
         module.build(tmp_path / "x.so", cc=str(tmp_path / "no-such-cc"), cbuild=cbuild)
+
+
+#: The folders mapped into gpu_trace.* besides gpu_trace/ itself.
+TOP_LEVEL = (
+    "gpu_trace.tracer",
+    "gpu_trace.collectors",
+    "gpu_trace.framework_patches",
+    "gpu_trace.runtime",
+    "gpu_trace.dashboard",
+)
+
+
+def test_collectors_and_framework_patches_share_no_file_name_with_another_module() -> None:
+    # One meaning per file name: a folder says the family (nvtx/, nvml/, torch/), not a prefix.
+    everywhere: dict[str, set[str]] = {}
+    # gpu_trace's top-level folders are mapped in one by one (pyproject.toml's package-dir)
+    for package in ("gpu_trace", *TOP_LEVEL):
+        for module, path in modules(package):
+            if path.stem not in ("__init__", "__main__"):
+                everywhere.setdefault(path.name, set()).add(module)
+    found = {
+        name: owners
+        for name, owners in everywhere.items()
+        if len(owners) > 1
+        and any(
+            m.startswith(("gpu_trace.collectors.", "gpu_trace.framework_patches.")) for m in owners
+        )
+    }
+    assert found == {}
