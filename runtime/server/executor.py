@@ -19,8 +19,9 @@ their own bounds. After the op its session's account is the exact book-keeping; 
 grew it past a limit (by what a kernel allocates inside itself, the one thing not bounded) has
 its outputs freed and is refused. A refused op fails with a
 :class:`~gpu_trace.runtime.sharing.memory.QuotaError`, or, for a tenant whose ``on_quota`` is
-``wait``, its batch is parked at that op (its progress kept in ``Work.resume``) while other sessions
-run, and the op runs when memory is freed. The executor never blocks on memory. On CUDA each session
+``wait``, its batch is parked at that op (its progress kept in ``Work.resume``, a
+:class:`~gpu_trace.runtime.sharing.scheduler.Parked`) while other sessions run, and the op runs
+when memory is freed. The executor never blocks on memory. On CUDA each session
 runs on its own stream, and its device time is read from CUDA events recorded around its
 batches, later, without synchronizing.
 """
@@ -59,7 +60,7 @@ from gpu_trace.runtime.server.sink import (
 )
 from gpu_trace.runtime.server.sizing import Sizing, sizer
 from gpu_trace.runtime.sharing.memory import Memory, QuotaError, Refusal
-from gpu_trace.runtime.sharing.scheduler import PolicyScheduler, Work
+from gpu_trace.runtime.sharing.scheduler import Parked, PolicyScheduler, Wait, Work
 
 log = logging.getLogger(__name__)
 
@@ -268,8 +269,8 @@ class Executor:
             execute_id = session.log.new_id() if trace else 0
             usage.queue_ns += max(0, start - work.recv_end_ns)
         else:
-            first, exec_start = state["index"], state["exec_start"]
-            results, op_spans, execute_id = state["results"], state["op_spans"], state["execute_id"]
+            first, exec_start = state.index, state.exec_start
+            results, op_spans, execute_id = state.results, state.op_spans, state.execute_id
         decoder = None  # made for the first op that is not a prepared template's call
         error = None
         parked = False
@@ -319,14 +320,11 @@ class Executor:
                         exc = self._wait_or_fail(session, work, refused.refusal)
                         if exc is None:
                             self._put_back(session, refused)
-                            work.resume = {
-                                **(work.resume or {}),
-                                "index": index,
-                                "exec_start": exec_start,
-                                "results": results,
-                                "op_spans": op_spans,
-                                "execute_id": execute_id,
-                            }
+                            progress = work.resume or Parked()
+                            progress.index, progress.exec_start = index, exec_start
+                            progress.results, progress.op_spans = results, op_spans
+                            progress.execute_id = execute_id
+                            work.resume = progress
                             parked = True
                             break
                         raise exc from None
@@ -620,35 +618,38 @@ class Executor:
     def _wait_or_fail(self, session: Session, work: Work, refusal: Refusal) -> QuotaError | None:
         """The error to fail with, or None when ``work`` is to wait (the caller parks it)."""
         tenant = session.tenant
-        wait = work.resume.get("wait") if work.resume else None
+        wait = work.resume.wait if work.resume is not None else None
         if tenant.on_quota != "wait":
             return refusal.error()
         if refusal.hopeless:
             note = f"waiting cannot help: {refusal.hopeless}"
             if wait is not None:
-                note = f"waited {(now_ns() - wait['t0']) / 1e9:.1f} s; {note}"
+                note = f"waited {(now_ns() - wait.t0) / 1e9:.1f} s; {note}"
             self._end_wait(session, work, "hopeless")
             return refusal.error(note)
         clock = self.memory.clock()
         if wait is None:
-            wait = {"t0": now_ns(), "deadline": clock + int(tenant.wait_s * 1e9)}
-            work.resume = {**(work.resume or {}), "wait": wait}
+            wait = Wait(now_ns(), clock + int(tenant.wait_s * 1e9))
+            if work.resume is None:
+                work.resume = Parked()
+            work.resume.wait = wait
             session.usage.quota_waits += 1
-        elif clock >= wait["deadline"]:
+        elif clock >= wait.deadline:
             self._end_wait(session, work, "timeout")
             return refusal.error(f"waited {tenant.wait_s:g} s, the tenant's wait_s")
-        wait["refusal"] = refusal
-        self.memory.wait(session, refusal.kind, wait["deadline"])
+        wait.refusal = refusal
+        self.memory.wait(session, refusal.kind, wait.deadline)
         return None
 
     def _end_wait(self, session: Session, work: Work, outcome: str) -> None:
         """``work`` waited for memory and now goes on (or fails): record the wait."""
-        wait = work.resume.pop("wait", None) if work.resume else None
-        if wait is None:
+        progress = work.resume
+        if progress is None or progress.wait is None:
             return
+        wait, progress.wait = progress.wait, None
         self.memory.resumed(session)
-        if session.trace:
-            r = wait["refusal"]
+        r = wait.refusal  # set by _wait_or_fail whenever a wait is parked
+        if session.trace and r is not None:
             attrs = {
                 "reason": r.kind,
                 "tenant": r.tenant,
@@ -658,7 +659,7 @@ class Executor:
                 "outcome": outcome,
             }
             head = work.head if type(work.head) is dict else None
-            record_quota_wait(session, head, wait["t0"], now_ns(), attrs)
+            record_quota_wait(session, head, wait.t0, now_ns(), attrs)
 
     # ---- device time -----------------------------------------------------------------------------
 
@@ -791,9 +792,11 @@ def _free_early(session: Session, work: Work, ops: list[Any], index: int, frees:
     """Free now the handles of the batch's ``free`` list that its ops from ``index`` on do not
     name (the client freed them before it sent the batch; they are freed after its ops, unless
     an op is refused for memory). True if there were any. Done once per batch."""
-    if not frees or (work.resume or {}).get("freed_early"):
+    if not frees or work.resume is not None and work.resume.freed_early:
         return False
-    work.resume = {**(work.resume or {}), "freed_early": True}
+    if work.resume is None:
+        work.resume = Parked()
+    work.resume.freed_early = True
     named: set[int] = set()
     _ints(ops[index:], named, 0)
     before = session.account.bytes

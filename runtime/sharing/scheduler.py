@@ -24,6 +24,33 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from gpu_trace.runtime.server.sessions import Session
+    from gpu_trace.runtime.sharing.memory import Refusal
+
+
+@dataclass(slots=True)
+class Wait:
+    """A batch or upload waiting for memory: when it began, until when, and what refused it."""
+
+    t0: int  # perf_counter ns, for the waited time reported
+    deadline: int  # the memory clock's ns, past which the wait fails
+    refusal: Refusal | None = None
+
+
+@dataclass(slots=True)
+class Parked:
+    """What a batch parked part-way (waiting for memory) keeps, to go on where it stopped.
+
+    ``index``: the op it stopped at (-1 until it parks at an op); ``freed_early``: the batch's
+    ``free`` list was already freed early, once; ``wait``: the wait in progress, if any.
+    """
+
+    index: int = -1
+    exec_start: int = 0
+    results: dict[str, Any] = field(default_factory=dict)
+    op_spans: list[tuple[str, int, int]] = field(default_factory=list)
+    execute_id: int = 0
+    freed_early: bool = False
+    wait: Wait | None = None
 
 
 @dataclass
@@ -38,8 +65,8 @@ class Work:
     done: threading.Event | None = None
     #: When the scheduler queued it (the scheduler's clock); -1: never queued (ran inline).
     enqueued_ns: int = -1
-    #: A batch parked part-way (waiting for memory) keeps its progress here.
-    resume: Any = None
+    #: Work parked part-way (waiting for memory) keeps its progress here (None: not parked).
+    resume: Parked | None = None
 
 
 @dataclass(eq=False)
