@@ -54,6 +54,7 @@ from gpu_trace.runtime.server.pseudo_ops import rng_state, run_pseudo, seed_devi
 from gpu_trace.runtime.server.sessions import Session
 from gpu_trace.runtime.server.sink import (
     ReturnSink,
+    Sink,
     record_batch,
     record_counters,
     record_quota_wait,
@@ -100,7 +101,7 @@ class Executor:
         self,
         device: str,
         scheduler: PolicyScheduler,
-        sink: Any = None,
+        sink: Sink | None = None,
         memory: Memory | None = None,
     ) -> None:
         import torch
@@ -109,7 +110,7 @@ class Executor:
         self.device = torch.device(device)
         self.scheduler = scheduler
         #: Where traced sessions' spans go (:mod:`gpu_trace.runtime.server.sink`).
-        self.sink = sink if sink is not None else ReturnSink()
+        self.sink: Sink = sink if sink is not None else ReturnSink()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._rng_owner: Session | None = None

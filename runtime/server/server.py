@@ -58,7 +58,7 @@ from gpu_trace.runtime.protocol.wire import (
 from gpu_trace.runtime.server.executor import Executor
 from gpu_trace.runtime.server.handshakes import Handshakes
 from gpu_trace.runtime.server.sessions import Session
-from gpu_trace.runtime.server.sink import ReturnSink
+from gpu_trace.runtime.server.sink import ReturnSink, Sink
 from gpu_trace.runtime.sharing import admin
 from gpu_trace.runtime.sharing.memory import CUDA_BLOCK_BYTES, Memory, device_capacity
 from gpu_trace.runtime.sharing.pager import DEFAULT_IDLE_S, Pager
@@ -104,7 +104,7 @@ class Server:
         handshake_timeout_s: float | None = None,
         max_handshakes: int | None = None,
         delay_ms: float = 0.0,
-        sink: Any = None,
+        sink: Sink | None = None,
         idle_s: float | None = DEFAULT_IDLE_S,
         spin_us: float | None = None,
     ) -> None:
@@ -130,7 +130,7 @@ class Server:
         #: How long a connection polls for its client's next message while the device is idle
         #: (ns; ``GPU_TRACE_SPIN_US``), before sleeping.
         self.spin_ns = FrameReader.spin_budget(config.spin_us(spin_us))
-        self.sink = sink if sink is not None else ReturnSink()
+        self.sink: Sink = sink if sink is not None else ReturnSink()
         self.sink.server_device = self.device
         #: Device memory by tenant: quotas, capacity, waiters
         #: (:mod:`gpu_trace.runtime.sharing.memory`).

@@ -28,7 +28,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gpu_trace.runtime.protocol.span_tables import (
     clock_table,
@@ -145,6 +145,41 @@ def record_quota_wait(
 
 
 # ---- sinks ---------------------------------------------------------------------------------------
+
+
+class Sink(Protocol):
+    """Where a server sends its traced sessions' spans: what the server and executor call.
+
+    ``export`` is the one that matters (a session's spans and counters, as
+    :meth:`~gpu_trace.runtime.server.sessions.SpanLog.take` gives them); the rest tell a sink
+    which clients it traces, their clock samples, and when a session or the server ends. Called on
+    the executor's thread, except ``accepts`` and ``clock`` (a connection's).
+    """
+
+    #: Its name in the server's status (``return``, ``spool``, ``store``).
+    kind: str
+    #: The server's device, for the counters' ``device`` column (set by the server).
+    server_device: str
+
+    def accepts(self, client: dict[str, str]) -> bool:
+        """Are the sessions of a client that says ``client`` in its hello traced?"""
+        ...
+
+    def export(self, session: Session, body: dict[str, Any]) -> None:
+        """``session``'s spans and counters recorded since its last export."""
+        ...
+
+    def clock(self, session: Session, samples: list[tuple[int, int, int, int]]) -> None:
+        """Clock-sync samples ``session``'s client sent."""
+        ...
+
+    def session_closed(self, session: Session) -> None:
+        """``session`` ended; nothing more of it comes."""
+        ...
+
+    def shutdown(self) -> None:
+        """The server stops: write out what is left."""
+        ...
 
 
 class ReturnSink:

@@ -19,7 +19,6 @@ from gpu_trace.runtime.protocol import auth, wire
 from gpu_trace.runtime.protocol.wire import MsgType
 from gpu_trace.runtime.server.server import Server
 from gpu_trace.runtime.server.sessions import Session
-from gpu_trace.runtime.server.sink import ReturnSink
 from gpu_trace.runtime.sharing.tenants import Tenant
 
 TOKEN = "pager-test-token-0123456789"
@@ -436,12 +435,29 @@ def test_accounting_of_a_page_out_and_restore_is_exact(tenant_server: Server) ->
         c.close()
 
 
-class _Captured(ReturnSink):
+class _Captured:
+    """An in-memory :class:`~gpu_trace.runtime.server.sink.Sink`: every session traced."""
+
+    kind = "memory"
+    server_device = ""
+
     def __init__(self) -> None:
         self.bodies: list[dict] = []
 
+    def accepts(self, client: dict[str, str]) -> bool:
+        return client.get("trace") == "1"
+
     def export(self, session: Session, body: dict) -> None:
         self.bodies.append(body)
+
+    def clock(self, session: Session, samples: list[tuple[int, int, int, int]]) -> None:
+        pass
+
+    def session_closed(self, session: Session) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
 
 
 def test_evict_and_restore_are_recorded_in_a_traced_session() -> None:
