@@ -32,13 +32,15 @@ What goes where (docs/export.md has the user's view):
 
 from __future__ import annotations
 
+import contextlib
 import gzip
+import io
 import logging
 import os
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -149,7 +151,8 @@ class ChromeTraceExporter:
         for t in threads:
             key = (str(t.get("host", "")), int(t.get("pid", 0)))
             if t.get("tid") is not None and t.get("thread_name"):
-                self._thread_names[(*key, int(t["tid"]))] = str(t["thread_name"])
+                thread = (*key, int(t["tid"]))  # a local: mypy reads d[(*a, b)] as 3.11's d[*a, b]
+                self._thread_names[thread] = str(t["thread_name"])
             if t.get("process_name"):
                 self._process_names.setdefault(key, str(t["process_name"]))
         started = run.get("started_ns")
@@ -186,7 +189,7 @@ class ChromeTraceExporter:
         self._first = True
         self._tmp = self.path.with_name(f".{self.path.name}.tmp")
         raw = open(self._tmp, "wb")  # noqa: SIM115 - closed by shutdown
-        self._file: IO[bytes] = (
+        self._file: io.BufferedIOBase = (
             gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=compresslevel, mtime=0)
             if self.path.name.endswith(".gz")
             else raw
@@ -204,7 +207,6 @@ class ChromeTraceExporter:
             self.write_spans(batch)
         except Exception as exc:
             self._fail(exc)
-            log.exception("gpu-trace: Chrome trace export to %s failed", self.path)
             return ExportResult.FAILURE
         return ExportResult.SUCCESS
 
@@ -216,11 +218,14 @@ class ChromeTraceExporter:
             self.write_counters(batch)
         except Exception as exc:
             self._fail(exc)
-            log.exception("gpu-trace: Chrome trace export to %s failed", self.path)
             return ExportResult.FAILURE
         return ExportResult.SUCCESS
 
     def _fail(self, exc: Exception) -> None:
+        """Note a failed write: the result says FAILURE and :attr:`error` why, which every caller
+        reports in its own words (the CLI in its one line), so the traceback is only a debug
+        record here."""
+        log.debug("gpu-trace: Chrome trace export to %s failed", self.path, exc_info=exc)
         self._failed = True
         if self.error is None:
             self.error = (
@@ -238,11 +243,12 @@ class ChromeTraceExporter:
         return True
 
     def shutdown(self) -> None:
-        """Write the trailer and move the file into place. Idempotent; never raises."""
+        """Write the trailer and move the file into place. Idempotent; never raises: a file
+        that cannot be finished is removed, and :attr:`error` says why."""
         try:
             self.close(complete=not self._failed)
-        except Exception:
-            log.exception("gpu-trace: finishing %s failed", self.path)
+        except Exception as exc:
+            self._fail(exc)
 
     # ---- writing ------------------------------------------------------------------------------
 
@@ -390,7 +396,12 @@ class ChromeTraceExporter:
                 self._raw.close()
             os.replace(self._tmp, self.path)
         except BaseException:
-            self._raw.close()
+            # Not finished (a full disk, most often): no half-written file is left behind,
+            # under either name.
+            with contextlib.suppress(Exception):
+                self._raw.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self._tmp)
             raise
         finally:
             self._flows.clear()

@@ -171,7 +171,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         ok = export_run(exporter, store.iter_spans(run_id), store.iter_counters(run_id))
     if not ok:
         reason = getattr(exporter, "error", None) or "the exporter failed"
-        raise CLIError(f"cannot write {out}: {reason}; the file holds what was written before")
+        kept = (
+            "the file holds what was written before (marked incomplete)"
+            if out.exists()
+            else "nothing was written"
+        )
+        raise CLIError(f"cannot write {out}: {reason}; {kept}")
     stats = getattr(exporter, "stats", {})
     err(f"wrote {out}: {fmt.count(stats.get('events', 0))} events")
     return 0

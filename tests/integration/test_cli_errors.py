@@ -161,3 +161,28 @@ def test_ingest_problems_are_printed_once(tmp_path: Path) -> None:
         assert "gpu-trace: gpu-trace:" not in out.stderr
         if not verbose:  # -v adds the library's own log lines
             assert out.stderr.count(f"{spool.name}: kept") == 1, out.stderr
+
+
+def test_export_to_a_disk_that_fills_is_one_line_and_leaves_nothing(tmp_path: Path) -> None:
+    # A run big enough that its trace does not fit in 64 KiB; the export fails while writing
+    # (the trailer or the close), not before it starts.
+    from tests.integration.test_record_disk_full import small_disk
+
+    home = tmp_path / "home"
+    home.mkdir()
+    prog = home / "prog.py"
+    prog.write_text(
+        "import gpu_trace\n"
+        "for i in range(5000):\n"
+        "    with gpu_trace.range(f'r{i % 50}'):\n"
+        "        pass\n"
+    )
+    assert cli("record", "--", sys.executable, str(prog), home=home).returncode == 0
+    with small_disk("64k") as disk:
+        target = disk / "x.json"
+        out = cli("export", "last", "-o", str(target), home=home)
+        assert out.returncode == 1
+        assert one_line(out) == (
+            f"gpu-trace: cannot write {target}: No space left on device; nothing was written"
+        )
+        assert list(disk.iterdir()) == []  # neither the file nor its temporary
