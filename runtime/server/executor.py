@@ -32,7 +32,7 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpu_trace.runtime.protocol.errors import OpError
 from gpu_trace.runtime.protocol.templates import Template, TOp, has_hole
@@ -62,6 +62,10 @@ from gpu_trace.runtime.server.sink import (
 from gpu_trace.runtime.server.sizing import Sizing, sizer
 from gpu_trace.runtime.sharing.memory import Memory, QuotaError, Refusal
 from gpu_trace.runtime.sharing.scheduler import Parked, PolicyScheduler, Wait, Work
+
+if TYPE_CHECKING:
+    from gpu_trace.runtime.sharing.pager import Pager
+    from gpu_trace.runtime.sharing.restore import Gate
 
 log = logging.getLogger(__name__)
 
@@ -251,104 +255,35 @@ class Executor:
     # ---- batches ---------------------------------------------------------------------------------
 
     def _batch(self, session: Session, work: Work) -> None:
+        """Run a batch (or go on with a parked one): its ops in order, then its frees, its reply
+        and its spans. An op's error ends the batch and goes back in the reply; an op refused
+        for memory that is to wait parks the batch where it stopped."""
         head = work.head
-        seq = head.get("seq")
-        ops = head.get("ops", [])
-        frees = head.get("free", [])
-        if type(seq) is not int or type(ops) is not list or type(frees) is not list:
-            raise ProtocolError("batch needs an integer seq and lists ops and free")
-        if len(ops) > MAX_BATCH_OPS or len(frees) > MAX_FREES:
-            raise ProtocolError("batch too large")
+        seq, ops, frees = _batch_head(head)
         if self._rng_owner is not session:
             self._switch_rng(session)
         usage = session.usage
-        trace = session.trace
         start = now_ns()
         state = work.resume
         if state is None:  # a fresh batch (else one resumed after waiting for memory)
             first, exec_start, results, op_spans = 0, start, {}, []
-            execute_id = session.log.new_id() if trace else 0
+            execute_id = session.log.new_id() if session.trace else 0
             usage.queue_ns += max(0, start - work.recv_end_ns)
         else:
             first, exec_start = state.index, state.exec_start
             results, op_spans, execute_id = state.results, state.op_spans, state.execute_id
-        decoder = None  # made for the first op that is not a prepared template's call
-        error = None
-        parked = False
         stream = self._stream(session) if self._cuda else None
         with self.torch.cuda.stream(stream) if stream is not None else _NO_STREAM:
             events = self._begin_events() if stream is not None else None
-            # A paged-out session comes back: each op waits for its own inputs only.
-            gate = None
             pager = self.pager
+            gate = None
             if pager is not None and pager.is_paged(session):
-                if any(type(op) is TOp for op in ops):  # the pager reads JSON ops
-                    ops = head["ops"] = [op.materialize() if type(op) is TOp else op for op in ops]
-                gate = pager.begin_batch(session, ops)
-            index = first - 1
-            while index + 1 < len(ops):
-                index += 1
-                op = ops[index]
-                if type(op) is TOp:
-                    name = op.t.name
-                else:
-                    name = op[0] if type(op) is list and op and type(op[0]) is str else "?"
-                try:
-                    try:
-                        if gate is not None:
-                            gate(op)
-                        t0 = now_ns() if trace else 0
-                        prep = None
-                        if type(op) is TOp:
-                            prep = op.t.prep
-                            if prep is None:
-                                prep = op.t.prep = self._prepare(op.t)
-                            if not prep:  # a template too nested to prepare: its JSON op
-                                op = op.materialize()
-                        if prep:
-                            value = self._top(session, prep, op.vals)
-                        else:
-                            if decoder is None:
-                                decoder = self._decoder(session)
-                            value = self._op(session, decoder, op)
-                        if trace:
-                            op_spans.append((name[:200], t0, now_ns()))
-                    except _Refused as refused:
-                        if refused.rerun and _free_early(session, work, ops, index, frees):
-                            self._put_back(session, refused)
-                            index -= 1  # the batch's own frees made room, maybe: again
-                            continue
-                        exc = self._wait_or_fail(session, work, refused.refusal)
-                        if exc is None:
-                            self._put_back(session, refused)
-                            progress = work.resume or Parked()
-                            progress.index, progress.exec_start = index, exec_start
-                            progress.results, progress.op_spans = results, op_spans
-                            progress.execute_id = execute_id
-                            work.resume = progress
-                            parked = True
-                            break
-                        raise exc from None
-                    if work.resume is not None:
-                        self._end_wait(session, work, "ran")
-                    if value is not None:
-                        results[str(index)] = value
-                except Exception as exc:  # the op's error goes back; the session goes on
-                    error = {"index": index, "op": name[:200], "type": type(exc).__name__}
-                    error["message"] = str(exc)[:4000]
-                    if isinstance(exc, QuotaError):
-                        error["quota"] = exc.wire()
-                        usage.quota_errors += 1
-                    elif isinstance(exc, self.torch.OutOfMemoryError) and self._cuda:
-                        self.torch.cuda.empty_cache()  # what the failed op left cached
-                    break
+                ops, gate = _page_in(pager, session, head, ops)
+            error, parked = self._run_ops(
+                session, work, ops, frees, first, gate, exec_start, results, op_spans, execute_id
+            )
             if not parked:
-                if work.resume is not None:
-                    self._end_wait(session, work, "failed")  # a retried op that failed otherwise
-                if frees:
-                    session.free_many(frees)
-                if stream is not None and (head.get("sync") or error is None and results):
-                    stream.synchronize()
+                self._after_ops(session, work, head, frees, stream, error is None and bool(results))
             if pager is not None:
                 pager.end_batch(session)
             if events is not None:
@@ -361,28 +296,10 @@ class Executor:
             self.scheduler.park(session)
             self.scheduler.requeue(session, work)
             return
-        n = len(ops)
-        session.batches += 1
-        session.ops += n
-        usage.batches += 1
-        usage.ops += n
-        self.batches += 1
+        self._count(session, len(ops))
         t = (work.recv_start_ns, work.recv_end_ns, exec_start, exec_end, now_ns())
-        reply = None
-        if error is None and session.binary and len(results) < 2:  # most batches: no JSON
-            if not results:
-                reply = _DONE_OK + DONE_OK_BODY.pack(seq, *t)
-            else:  # one number (``.item()``...)
-                ((index, value),) = results.items()
-                reply = done_value_frame(seq, t, int(index), value)
-        if reply is not None:
-            session.send(reply)
-        elif error is None and not results:  # the same JSON each time, formatted directly
-            session.send(_done_frame(seq, t))
-        else:
-            done = {"seq": seq, "ok": error is None, "error": error, "results": results, "t": t}
-            session.send(json_frame(MsgType.DONE, done))
-        if trace:
+        self._reply(session, seq, error, results, t)
+        if session.trace:
             record_batch(
                 session,
                 head,
@@ -395,6 +312,148 @@ class Executor:
                 self.sink,
                 memory=self.memory,
             )
+
+    def _run_ops(
+        self,
+        session: Session,
+        work: Work,
+        ops: list[Any],
+        frees: list[Any],
+        first: int,
+        gate: Gate | None,
+        exec_start: int,
+        results: dict[str, Any],
+        op_spans: list[tuple[str, int, int]],
+        execute_id: int,
+    ) -> tuple[dict[str, Any] | None, bool]:
+        """Run ``ops`` from ``first`` on: the first op's error (None: none), and whether the
+        batch parked (an op waits for memory; its progress is in ``work.resume``)."""
+        trace = session.trace
+        decoder = None  # made for the first op that is not a prepared template's call
+        index = first - 1
+        while index + 1 < len(ops):
+            index += 1
+            op = ops[index]
+            if type(op) is TOp:
+                name = op.t.name
+            else:
+                name = op[0] if type(op) is list and op and type(op[0]) is str else "?"
+            try:
+                try:
+                    if gate is not None:
+                        gate(op)
+                    t0 = now_ns() if trace else 0
+                    prep = None
+                    if type(op) is TOp:
+                        prep = op.t.prep
+                        if prep is None:
+                            prep = op.t.prep = self._prepare(op.t)
+                        if not prep:  # a template too nested to prepare: its JSON op
+                            op = op.materialize()
+                    if prep:
+                        value = self._top(session, prep, op.vals)
+                    else:
+                        if decoder is None:
+                            decoder = self._decoder(session)
+                        value = self._op(session, decoder, op)
+                    if trace:
+                        op_spans.append((name[:200], t0, now_ns()))
+                except _Refused as refused:
+                    if self._on_refused(session, work, refused, ops, index, frees):
+                        index -= 1  # the batch's own frees made room, maybe: again
+                        continue
+                    progress = work.resume or Parked()
+                    progress.index, progress.exec_start = index, exec_start
+                    progress.results, progress.op_spans = results, op_spans
+                    progress.execute_id = execute_id
+                    work.resume = progress
+                    return None, True
+                if work.resume is not None:
+                    self._end_wait(session, work, "ran")
+                if value is not None:
+                    results[str(index)] = value
+            except Exception as exc:  # the op's error goes back; the session goes on
+                return self._op_error(session, exc, index, name), False
+        return None, False
+
+    def _on_refused(
+        self,
+        session: Session,
+        work: Work,
+        refused: _Refused,
+        ops: list[Any],
+        index: int,
+        frees: list[Any],
+    ) -> bool:
+        """An op was refused for memory: True to run it again (the batch's frees made room),
+        False to park the batch at it; raises the quota error when it fails instead."""
+        if refused.rerun and _free_early(session, work, ops, index, frees):
+            self._put_back(session, refused)
+            return True
+        exc = self._wait_or_fail(session, work, refused.refusal)
+        if exc is not None:
+            raise exc from None
+        self._put_back(session, refused)
+        return False
+
+    def _op_error(self, session: Session, exc: Exception, index: int, name: str) -> dict[str, Any]:
+        """The reply's ``error`` for the op at ``index`` that raised ``exc``."""
+        error: dict[str, Any] = {"index": index, "op": name[:200], "type": type(exc).__name__}
+        error["message"] = str(exc)[:4000]
+        if isinstance(exc, QuotaError):
+            error["quota"] = exc.wire()
+            session.usage.quota_errors += 1
+        elif isinstance(exc, self.torch.OutOfMemoryError) and self._cuda:
+            self.torch.cuda.empty_cache()  # what the failed op left cached
+        return error
+
+    def _after_ops(
+        self,
+        session: Session,
+        work: Work,
+        head: dict[str, Any],
+        frees: list[Any],
+        stream: Any,
+        answered: bool,
+    ) -> None:
+        """The batch's ops are done (or one failed): its frees, and on CUDA its stream synced
+        when the client asked or there are results to send (``answered``)."""
+        if work.resume is not None:
+            self._end_wait(session, work, "failed")  # a retried op that failed otherwise
+        if frees:
+            session.free_many(frees)
+        if stream is not None and (head.get("sync") or answered):
+            stream.synchronize()
+
+    def _count(self, session: Session, n: int) -> None:
+        """One more batch of ``n`` ops, for the session, its usage and the server."""
+        usage = session.usage
+        session.batches += 1
+        session.ops += n
+        usage.batches += 1
+        usage.ops += n
+        self.batches += 1
+
+    def _reply(
+        self,
+        session: Session,
+        seq: int,
+        error: dict[str, Any] | None,
+        results: dict[str, Any],
+        t: tuple[int, int, int, int, int],
+    ) -> None:
+        """The batch's DONE: a fixed binary frame for most, JSON with results or an error."""
+        if error is None and session.binary and len(results) < 2:  # most batches: no JSON
+            if not results:
+                session.send(_DONE_OK + DONE_OK_BODY.pack(seq, *t))
+            else:  # one number (``.item()``...)
+                ((index, value),) = results.items()
+                session.send(done_value_frame(seq, t, int(index), value))
+        elif error is None and not results:  # the same JSON each time, formatted directly
+            session.send(_done_frame(seq, t))
+        else:
+            done = {"seq": seq, "ok": error is None, "error": error, "results": results, "t": t}
+            session.send(json_frame(MsgType.DONE, done))
 
     def _decoder(self, session: Session) -> ArgDecoder:
         """The decoder of ``session``'s JSON ops (its handles and uploads)."""
@@ -787,6 +846,27 @@ def _entry(target: Any) -> tuple[Any, Any, bool, bool, bool, Any]:
     # The overload's own C++ callable: calling the OpOverload adds a Python frame per op.
     call = getattr(target, "_op", target)
     return call, allowlist.rule(target), sized, rerunnable, seeded, sizer(target)
+
+
+def _page_in(
+    pager: Pager, session: Session, head: dict[str, Any], ops: list[Any]
+) -> tuple[list[Any], Gate | None]:
+    """A paged-out session comes back: each op waits for its own inputs only (the gate)."""
+    if any(type(op) is TOp for op in ops):  # the pager reads JSON ops
+        ops = head["ops"] = [op.materialize() if type(op) is TOp else op for op in ops]
+    return ops, pager.begin_batch(session, ops)
+
+
+def _batch_head(head: Any) -> tuple[int, list[Any], list[Any]]:
+    """A batch's ``seq``, ``ops`` and ``free`` list, checked."""
+    seq = head.get("seq")
+    ops = head.get("ops", [])
+    frees = head.get("free", [])
+    if type(seq) is not int or type(ops) is not list or type(frees) is not list:
+        raise ProtocolError("batch needs an integer seq and lists ops and free")
+    if len(ops) > MAX_BATCH_OPS or len(frees) > MAX_FREES:
+        raise ProtocolError("batch too large")
+    return seq, ops, frees
 
 
 def _free_early(session: Session, work: Work, ops: list[Any], index: int, frees: list[Any]) -> bool:
