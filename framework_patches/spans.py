@@ -143,11 +143,7 @@ def end(token: list | None, end_ns: int | None = None) -> None:
             stack.remove(sid)
         if _mirrors:
             _mirror_pop(domain.name)
-        spans = buf.spans
-        if len(spans) < buf.capacity:
-            spans.append((sid, parent, domain.lane, category, name, start, t, depth, attrs))
-        else:
-            buf.dropped += 1
+        buf.add_span((sid, parent, domain.lane, category, name, start, t, depth, attrs))
     except Exception:
         warn_once("range end")
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -26,15 +24,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 _LANE = nvtx_lane(API_DOMAIN)
 #: Shared with the C range, which calls it as ``warn(what, exc)`` with the exception it caught.
 _warn_once = WarnOnce(log, "gpu-trace: %s failed; the program goes on without this event")
-
-
-#: A thread whose buffer is over half full is outrunning the flusher: every GIVE_WAY_MASK + 1
-#: spans from then on (appended, or dropped once it is full) it releases the GIL and yields the
-#: CPU (``sched_yield``), so a flusher waiting for the GIL gets it at once rather than after the
-#: switch interval (5 ms, in which such a thread appends thousands of spans). Below half full (any
-#: program but a flood of ranges) this never runs. The C range does the same.
-GIVE_WAY_MASK = 1023
-_give_way = getattr(os, "sched_yield", lambda: time.sleep(0))
 
 
 def _attrs(attrs: dict[str, Any]) -> dict[str, str] | None:
@@ -92,28 +81,19 @@ class PyRange:
                     stack.pop()
                 elif sid in stack:
                     stack.remove(sid)
-                spans = buf.spans
-                n = len(spans)
-                if n < buf.capacity:
-                    spans.append(
-                        (
-                            sid,
-                            self._parent,
-                            _LANE,
-                            NVTX,
-                            self.name,
-                            self._start,
-                            end,
-                            self._depth,
-                            self.attrs,
-                        )
+                buf.add_span(
+                    (
+                        sid,
+                        self._parent,
+                        _LANE,
+                        NVTX,
+                        self.name,
+                        self._start,
+                        end,
+                        self._depth,
+                        self.attrs,
                     )
-                    if n > buf.capacity >> 1 and not n & GIVE_WAY_MASK:
-                        _give_way()
-                else:
-                    buf.dropped = dropped = buf.dropped + 1
-                    if not dropped & GIVE_WAY_MASK:  # full: the more so
-                        _give_way()
+                )
             except Exception:
                 _warn_once("range exit")
 

@@ -2,9 +2,11 @@
  * gpu_trace.tracer._fastpath: the C twin of gpu_trace._api.PyRange (the public `gpu_trace.range`).
  *
  * Same contract, same records: entering a range allocates `buf.prefix + seq` as its span id and
- * pushes it on `buf.stack`; leaving it pops it and appends
+ * pushes it on `buf.stack`; leaving it pops it and appends a span record (the layout of
+ * gpu_trace.tracer.records.Span, field indices SPAN_* below)
  *     (span_id, parent_span_id, lane, category, name, start_ns, end_ns, depth, attrs)
- * to `buf.spans` (or counts `buf.dropped` when the buffer is at `buf.capacity`), where `buf` is the
+ * to `buf.spans` (or counts `buf.dropped` when the buffer is at `buf.capacity`): the native twin of
+ * ThreadBuffer.add_span, the one push of every Python producer. `buf` is the
  * calling thread's ThreadBuffer of the recorder in `gpu_trace.tracer.recorder.active`, found as
  * `rec._local.buf` or created once per thread by `rec.buffer()`. Times are CLOCK_MONOTONIC ns, the
  * clock of time.perf_counter_ns. Nothing raises into the program after construction: a failure is
@@ -41,6 +43,21 @@ static PyObject* g_lane;
 static PyObject* g_category;
 static PyObject* g_warn;          /* warn(what: str, exc: BaseException) */
 static PyObject* g_update_wrapper;
+
+/* Field indices of a span record: gpu_trace.tracer.records.SPAN_FIELDS, in that order (a test
+ * holds them together). */
+enum {
+    SPAN_ID,
+    SPAN_PARENT_SPAN_ID,
+    SPAN_LANE,
+    SPAN_CATEGORY,
+    SPAN_NAME,
+    SPAN_START_NS,
+    SPAN_END_NS,
+    SPAN_DEPTH,
+    SPAN_ATTRS,
+    SPAN_NFIELDS
+};
 
 enum { F_SPANS, F_STACK, F_CAPACITY, F_DROPPED, F_PREFIX, F_SEQ, F_COUNT };
 static const char* const g_field_names[F_COUNT] = {"spans", "stack", "capacity", "dropped", "prefix", "seq"};
@@ -321,7 +338,7 @@ static int state_exit(span_state* s, PyObject* name, PyObject* attrs) {
         if (room < 0) goto fail;
     }
     if (room) {
-        ev = PyTuple_New(9);
+        ev = PyTuple_New(SPAN_NFIELDS);
         if (!ev) goto fail;
         PyObject* start = PyLong_FromLongLong(s->start);
         PyObject* stop = start ? PyLong_FromLongLong(end) : NULL;
@@ -329,15 +346,15 @@ static int state_exit(span_state* s, PyObject* name, PyObject* attrs) {
             Py_XDECREF(start);
             goto fail;
         }
-        PyTuple_SET_ITEM(ev, 0, Py_NewRef(s->sid));
-        PyTuple_SET_ITEM(ev, 1, Py_NewRef(s->parent));
-        PyTuple_SET_ITEM(ev, 2, Py_NewRef(g_lane));
-        PyTuple_SET_ITEM(ev, 3, Py_NewRef(g_category));
-        PyTuple_SET_ITEM(ev, 4, Py_NewRef(name));
-        PyTuple_SET_ITEM(ev, 5, start);
-        PyTuple_SET_ITEM(ev, 6, stop);
-        PyTuple_SET_ITEM(ev, 7, Py_NewRef(s->depth));
-        PyTuple_SET_ITEM(ev, 8, Py_NewRef(attrs ? attrs : Py_None));
+        PyTuple_SET_ITEM(ev, SPAN_ID, Py_NewRef(s->sid));
+        PyTuple_SET_ITEM(ev, SPAN_PARENT_SPAN_ID, Py_NewRef(s->parent));
+        PyTuple_SET_ITEM(ev, SPAN_LANE, Py_NewRef(g_lane));
+        PyTuple_SET_ITEM(ev, SPAN_CATEGORY, Py_NewRef(g_category));
+        PyTuple_SET_ITEM(ev, SPAN_NAME, Py_NewRef(name));
+        PyTuple_SET_ITEM(ev, SPAN_START_NS, start);
+        PyTuple_SET_ITEM(ev, SPAN_END_NS, stop);
+        PyTuple_SET_ITEM(ev, SPAN_DEPTH, Py_NewRef(s->depth));
+        PyTuple_SET_ITEM(ev, SPAN_ATTRS, Py_NewRef(attrs ? attrs : Py_None));
         /* What the collector would do at its first pass (_PyTuple_MaybeUntrack): a tuple of
          * ints, strings and None or an untracked (str-valued) dict can't be part of a cycle.
          * Buffers hold up to millions of these between flushes. */
@@ -724,12 +741,11 @@ static PyObject* span_columns(PyObject* module, PyObject* spans) {
     for (int k = 0; k < 3; k++) code[k] = (int32_t*)PyBytes_AS_STRING(codes[k]);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject* t = PyList_GET_ITEM(spans, i);
-        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 9) {
-            PyErr_Format(PyExc_ValueError, "span %zd is not a 9-tuple", i);
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != SPAN_NFIELDS) {
+            PyErr_Format(PyExc_ValueError, "span %zd is not a %d-tuple", i, SPAN_NFIELDS);
             goto done;
         }
-        /* 0 span_id, 1 parent, 2 lane, 3 category, 4 name, 5 start, 6 end, 7 depth, 8 attrs */
-        static const int int_fields[5] = {0, 1, 5, 6, 7};
+        static const int int_fields[5] = {SPAN_ID, SPAN_PARENT_SPAN_ID, SPAN_START_NS, SPAN_END_NS, SPAN_DEPTH};
         for (int c = 0; c < 5; c++) {
             PyObject* v = PyTuple_GET_ITEM(t, int_fields[c]);
             int64_t x;
@@ -748,8 +764,8 @@ static PyObject* span_columns(PyObject* module, PyObject* spans) {
             col[(Py_ssize_t)c * n + i] = x;
         }
         for (int k = 0; k < 3; k++)
-            if (encode(index[k], PyTuple_GET_ITEM(t, 2 + k), &code[k][i]) < 0) goto done;
-        PyList_SET_ITEM(attrs, i, Py_NewRef(PyTuple_GET_ITEM(t, 8)));
+            if (encode(index[k], PyTuple_GET_ITEM(t, SPAN_LANE + k), &code[k][i]) < 0) goto done;
+        PyList_SET_ITEM(attrs, i, Py_NewRef(PyTuple_GET_ITEM(t, SPAN_ATTRS)));
     }
     PyObject* values[3] = {NULL, NULL, NULL};
     for (int k = 0; k < 3; k++) {

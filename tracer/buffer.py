@@ -5,14 +5,26 @@ takes a prefix with ``drain``. Under the GIL ``list.append``, slicing and ``del 
 atomic, so the writer never takes a lock: events appended while the flusher copies land after the
 prefix it deletes. When a buffer is full the event is dropped and counted.
 
-Span tuples are ``(span_id, parent_span_id, lane, category, name, start_ns, end_ns, depth, attrs)``
-and counter tuples ``(source, device, metric, ts_ns, value, labels)``.
+Span tuples are laid out as :class:`gpu_trace.tracer.records.Span`, counter tuples as
+:class:`~gpu_trace.tracer.records.Counter`. :meth:`ThreadBuffer.add_span` is the one place a span
+is appended: every Python producer calls it, and the C ``range`` (``tracer/_fastpath.c``) is its
+native twin (a parity test holds them together).
 """
 
 from __future__ import annotations
 
+import os
 import random
 import threading
+import time
+
+#: A thread whose buffer is over half full is outrunning the flusher: every GIVE_WAY_MASK + 1
+#: spans from then on (appended, or dropped once it is full) it releases the GIL and yields the
+#: CPU (``sched_yield``), so a flusher waiting for the GIL gets it at once rather than after the
+#: switch interval (5 ms, in which such a thread appends thousands of spans). Below half full (any
+#: program but a flood of ranges) this never runs. The C range does the same.
+GIVE_WAY_MASK = 1023
+give_way = getattr(os, "sched_yield", lambda: time.sleep(0))
 
 
 class ThreadBuffer:
@@ -50,11 +62,19 @@ class ThreadBuffer:
         self.seq += 1
         return self.prefix + self.seq
 
-    def add_span(self, event: tuple) -> None:
-        if len(self.spans) < self.capacity:
-            self.spans.append(event)
+    def add_span(self, span: tuple) -> None:
+        """Append one span record (a :class:`~gpu_trace.tracer.records.Span` layout tuple), or
+        count it dropped when the buffer is full; give way to the flusher when outrunning it."""
+        spans = self.spans
+        n = len(spans)
+        if n < self.capacity:
+            spans.append(span)
+            if n > self.capacity >> 1 and not n & GIVE_WAY_MASK:
+                give_way()
         else:
-            self.dropped += 1
+            self.dropped = dropped = self.dropped + 1
+            if not dropped & GIVE_WAY_MASK:  # full: the more so
+                give_way()
 
     def add_counter(self, event: tuple) -> None:
         if len(self.counters) < self.capacity:

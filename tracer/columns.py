@@ -1,4 +1,9 @@
-"""Span tuples to Arrow columns: the flusher's transposition, in C where it can be.
+"""Span records to Arrow: the one place a span table is built, and the flusher's transposition.
+
+Every producer of spans makes its table here: the recorder from its threads' buffers, the torch
+op-level session, the server's spans (:mod:`gpu_trace.runtime.protocol.span_tables`) and the
+native NVTX reader (columns it already has, :func:`columns_to_table`). So the schema is filled in
+one way, and a column is never built with ``pa.array`` on Python objects (see ``records.py``).
 
 Threads append spans as tuples (:mod:`gpu_trace.tracer.buffer`); the flusher turns each batch
 into columns. That costs about as much per span as emitting it did, and both need the GIL: a
@@ -11,14 +16,20 @@ the extension is not loaded.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from operator import itemgetter
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from gpu_trace.tracer.records import attrs_column, numeric_column, string_column
+from gpu_trace.tracer.records import (
+    SPAN_SCHEMA,
+    attrs_column,
+    dict_column,
+    numeric_column,
+    string_column,
+)
 
 #: ``span_columns(spans)`` of the C extension, once ``gpu_trace._api`` has loaded it.
 _native: Callable[[list], tuple] | None = None
@@ -28,6 +39,33 @@ def use_native(fn: Callable[[list], tuple] | None) -> None:
     """Transpose with ``fn`` (the C ``span_columns``; None: the Python twin)."""
     global _native
     _native = fn
+
+
+def spans_to_table(spans: list[tuple], pid: int, tids: Sequence[int] | np.ndarray) -> pa.Table:
+    """Span records (:class:`~gpu_trace.tracer.records.Span` layout) of process ``pid`` as a
+    ``spans`` table; ``tids[i]`` is the thread of ``spans[i]``."""
+    return columns_to_table({**span_columns(spans), "tid": tids}, pid)
+
+
+def columns_to_table(columns: Mapping[str, Any], pid: int) -> pa.Table:
+    """A ``spans`` table of process ``pid`` from columns a producer already has.
+
+    Each column is an Arrow array of the schema's type, or values to build one from: numbers
+    (a sequence or numpy array), strings for lane, category and name, attribute dicts for attrs.
+    """
+    n = len(columns["span_id"])
+    arrays: dict[str, pa.Array] = {}
+    for field in SPAN_SCHEMA:
+        values = np.full(n, pid) if field.name == "pid" else columns[field.name]
+        if isinstance(values, pa.Array):
+            arrays[field.name] = values
+        elif field.name == "attrs":
+            arrays[field.name] = attrs_column(list(values))
+        elif pa.types.is_dictionary(field.type):
+            arrays[field.name] = dict_column(values)
+        else:
+            arrays[field.name] = numeric_column(values, field.type)
+    return pa.table(arrays, schema=SPAN_SCHEMA)
 
 
 def span_columns(spans: list[tuple]) -> dict[str, pa.Array]:
@@ -94,4 +132,4 @@ def _arrays(
     }
 
 
-__all__ = ["span_columns", "span_columns_py", "use_native"]
+__all__ = ["columns_to_table", "span_columns", "span_columns_py", "spans_to_table", "use_native"]

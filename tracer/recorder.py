@@ -34,12 +34,11 @@ import pyarrow as pa
 from gpu_trace.config import RecorderSettings
 from gpu_trace.tracer.buffer import ThreadBuffer
 from gpu_trace.tracer.clock import now_ns
-from gpu_trace.tracer.columns import span_columns
+from gpu_trace.tracer.columns import spans_to_table
 from gpu_trace.tracer.files import disk_full, replace_text
 from gpu_trace.tracer.records import (
     CLOCK_SYNC_SCHEMA,
     COUNTER_SCHEMA,
-    SPAN_SCHEMA,
     STEP,
     STEP_LANE,
     attrs_column,
@@ -324,16 +323,7 @@ class Recorder:
     def _write_spans(self, spans: list[tuple], tids: list[np.ndarray]) -> None:
         if not spans:
             return
-        n = len(spans)
-        table = pa.table(
-            {
-                **span_columns(spans),
-                "pid": numeric_column(np.full(n, self.pid), pa.uint32()),
-                "tid": numeric_column(np.concatenate(tids), pa.uint64()),
-            },
-            schema=SPAN_SCHEMA,
-        )
-        self._write("spans", table)
+        self._write("spans", spans_to_table(spans, self.pid, np.concatenate(tids)))
 
     def _write_counters(self, counters: list[tuple]) -> None:
         if not counters:

@@ -1,7 +1,8 @@
 """The plain record types every layer shares: spans, counters and clock-sync samples.
 
-In memory a record is a tuple (the hot path appends tuples, see ``buffer.py``); on disk and
-between layers it is a column in an Arrow table with one of the schemas below. The store adds
+In memory a record is a tuple laid out as :class:`Span` or :class:`Counter` (the hot path appends
+tuples through ``buffer.py``); on disk and between layers it is a row of an Arrow table with one of
+the schemas below, built in one place, ``columns.py``. The store adds
 ``run_id``, ``trace_id`` and ``host`` from the spool file's metadata at ingest.
 """
 
@@ -87,11 +88,17 @@ SCHEMAS: dict[str, pa.Schema] = {
 
 
 class Span(NamedTuple):
-    """One span, as the recorder's Python path keeps it until flush."""
+    """One span as every producer records it: the layout of the per-thread buffer.
+
+    The hot path appends a plain tuple in this order (building a ``Span`` costs more than the
+    append itself); ``Span(*t)`` names its fields, and ``SPAN_FIELDS`` is the order that
+    ``tracer/_fastpath.c`` mirrors in its ``SPAN_*`` indices (a test holds them together). ``pid``
+    and ``tid`` are not in the record: the buffer is one thread's of one process, and
+    :func:`gpu_trace.tracer.columns.span_table` adds them for a whole batch.
+    """
 
     span_id: int
     parent_span_id: int
-    tid: int
     lane: str
     category: str
     name: str
@@ -99,6 +106,10 @@ class Span(NamedTuple):
     end_ns: int
     depth: int
     attrs: dict[str, str] | None
+
+
+#: Field order of a span record (see :class:`Span`).
+SPAN_FIELDS = Span._fields
 
 
 class Counter(NamedTuple):

@@ -17,11 +17,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from gpu_trace.tracer.columns import columns_to_table
 from gpu_trace.tracer.records import (
     ATTRS,
     MARK,
     NVTX,
-    SPAN_SCHEMA,
     numeric_column,
     nvtx_lane,
     string_column,
@@ -233,26 +233,24 @@ class NativeSource:
         return lane
 
     def _table(self, ev: np.ndarray) -> pa.Table:
-        n = len(ev)
         category = pa.DictionaryArray.from_arrays(
             numeric_column((ev["kind"] == MARK_KIND).astype(np.int32), pa.int32()),
             string_column([NVTX, MARK]),
         )
-        return pa.table(
+        return columns_to_table(
             {
-                "span_id": numeric_column(ev["span_id"], pa.uint64()),
-                "parent_span_id": numeric_column(ev["parent"], pa.uint64()),
-                "pid": numeric_column(np.full(n, os.getpid()), pa.uint32()),
-                "tid": numeric_column(ev["tid"], pa.uint64()),
+                "span_id": ev["span_id"],
+                "parent_span_id": ev["parent"],
+                "tid": ev["tid"],
                 "lane": self._dict_from_ids(ev["domain"], self._lane),
                 "category": category,
                 "name": self._dict_from_ids(ev["name"], self._string),
-                "start_ns": numeric_column(ev["start_ns"], pa.int64()),
-                "end_ns": numeric_column(ev["end_ns"], pa.int64()),
-                "depth": numeric_column(ev["depth"], pa.uint16()),
+                "start_ns": ev["start_ns"],
+                "end_ns": ev["end_ns"],
+                "depth": ev["depth"],
                 "attrs": self._attrs(ev),
             },
-            schema=SPAN_SCHEMA,
+            os.getpid(),
         )
 
     def _attrs(self, ev: np.ndarray) -> pa.Array:

@@ -39,13 +39,10 @@ from gpu_trace.framework_patches.torch.backward import EVALUATE
 from gpu_trace.framework_patches.torch.modules import DOMAIN
 from gpu_trace.tracer import recorder as _recorder
 from gpu_trace.tracer.clock import anchor, now_ns
+from gpu_trace.tracer.columns import spans_to_table
 from gpu_trace.tracer.records import (
     MODULE,
     OP,
-    SPAN_SCHEMA,
-    attrs_column,
-    dict_column,
-    numeric_column,
 )
 
 log = logging.getLogger(__name__)
@@ -172,7 +169,8 @@ class OpSource:
     def _table(
         self, result: Any, offset: int, tid: int, calls: list, passes: list
     ) -> pa.Table | None:
-        rows: list[tuple] = []
+        rows: list[tuple] = []  # Span records
+        rtids: list[int] = []  # the thread of each
         marker_tid = None
         todo = [(e, 0, 0, -1) for e in reversed(result.experimental_event_tree())]
         seq = 0
@@ -202,7 +200,8 @@ class OpSource:
                 top = len(tops)
                 tops.append([event.start_tid, start, end, None])
             attrs = self._shapes(event) if self.shapes else None
-            rows.append((sid, parent, event.start_tid, name, start, end, depth, attrs, OP, LANE))
+            rows.append((sid, parent, LANE, OP, name, start, end, depth, attrs))
+            rtids.append(event.start_tid)
             for child in reversed(event.children):
                 todo.append((child, sid, depth + 1, top))
         last, self._last_calls = self._last_calls, calls
@@ -213,29 +212,13 @@ class OpSource:
             made = torch_backward.ranges(nodes, both, passes, ids.__next__)
             for sid, parent, rtid, call, start, end, depth in made:
                 name = both[call][2].bw_name
-                rows.append((sid, parent, rtid, name, start, end, depth, _BW, MODULE, DOMAIN.lane))
+                rows.append((sid, parent, DOMAIN.lane, MODULE, name, start, end, depth, _BW))
+                rtids.append(rtid)
         if not rows:
             return None
-        sid, parent, rtid, name, start, end, depth, attrs, category, lane = zip(*rows)
-        rtid = np.asarray(rtid, dtype=np.uint64)
+        rtid = np.asarray(rtids, dtype=np.uint64)
         tids = np.where(rtid == marker_tid, tid, rtid) if marker_tid is not None else rtid
-        n = len(rows)
-        return pa.table(
-            {
-                "span_id": numeric_column(sid, pa.uint64()),
-                "parent_span_id": numeric_column(parent, pa.uint64()),
-                "pid": numeric_column(np.full(n, os.getpid()), pa.uint32()),
-                "tid": numeric_column(tids, pa.uint64()),
-                "lane": dict_column(lane),
-                "category": dict_column(category),
-                "name": dict_column(name),
-                "start_ns": numeric_column(start, pa.int64()),
-                "end_ns": numeric_column(end, pa.int64()),
-                "depth": numeric_column(depth, pa.uint16()),
-                "attrs": attrs_column(list(attrs)),
-            },
-            schema=SPAN_SCHEMA,
-        )
+        return spans_to_table(rows, os.getpid(), tids)
 
     @staticmethod
     def _shapes(event: Any) -> dict[str, str] | None:

@@ -35,47 +35,21 @@ def span_table(spans: list[list[Any]], pid: int, new_id: Any) -> pa.Table:
     Times stay on the server's clock; attrs get ``raw_start_ns``/``raw_end_ns``. Spans without
     an id (``server/op``) get one from ``new_id()``.
     """
-    import pyarrow as pa
+    from gpu_trace.tracer.columns import spans_to_table
+    from gpu_trace.tracer.records import SERVER
 
-    from gpu_trace.tracer.records import (
-        SERVER,
-        SPAN_SCHEMA,
-        attrs_column,
-        dict_column,
-        numeric_column,
-    )
-
-    sid, parent, tid, lane, name, start, end, depth, attrs = ([] for _ in range(9))
+    rows: list[tuple] = []  # Span records
+    tids: list[int] = []
     for span_id, parent_id, span_lane, span_name, t0, t1, span_attrs in spans:
         a = dict(span_attrs or {})
         a["raw_start_ns"] = str(t0)
         a["raw_end_ns"] = str(t1)
-        sid.append(span_id or new_id())
-        parent.append(parent_id)
-        tid.append(SERVER_TIDS.get(span_lane, 2))
-        lane.append(span_lane)
-        name.append(span_name)
-        start.append(t0)
-        end.append(t1)
-        depth.append(2 if span_lane == "server/op" else 1)
-        attrs.append(a)
-    n = len(sid)
-    return pa.table(
-        {
-            "span_id": numeric_column(sid, pa.uint64()),
-            "parent_span_id": numeric_column(parent, pa.uint64()),
-            "pid": numeric_column([pid] * n, pa.uint32()),
-            "tid": numeric_column(tid, pa.uint64()),
-            "lane": dict_column(lane),
-            "category": dict_column([SERVER] * n),
-            "name": dict_column(name),
-            "start_ns": numeric_column(start, pa.int64()),
-            "end_ns": numeric_column(end, pa.int64()),
-            "depth": numeric_column(depth, pa.uint16()),
-            "attrs": attrs_column(attrs),
-        },
-        schema=SPAN_SCHEMA,
-    )
+        depth = 2 if span_lane == "server/op" else 1
+        rows.append(
+            (span_id or new_id(), parent_id, span_lane, SERVER, span_name, t0, t1, depth, a)
+        )
+        tids.append(SERVER_TIDS.get(span_lane, 2))
+    return spans_to_table(rows, pid, tids)
 
 
 def counter_table(counters: list[list[Any]], device: str) -> pa.Table:

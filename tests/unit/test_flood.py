@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import gpu_trace
 from gpu_trace import _api
-from gpu_trace.tracer import columns, fastpath_build, recorder
+from gpu_trace.tracer import buffer, columns, fastpath_build, recorder
 from gpu_trace.tracer.run import STATS_DIR
 from gpu_trace.tracer.spool import list_spool
 from tests.conftest import recorded
@@ -139,7 +139,7 @@ def test_a_thread_over_half_its_buffer_gives_way(
 ) -> None:
     rng = _impl(impl)
     calls: list[int] = []
-    monkeypatch.setattr(_api, "_give_way", lambda: calls.append(1))
+    monkeypatch.setattr(buffer, "give_way", lambda: calls.append(1))
     native = sys.modules.get(fastpath_build.MODULE)
     before = native.gave_way() if native is not None else 0
     gpu_trace.start(tmp_path / "run", nvtx="off", buffer_events=8192, flush_interval_s=60)
