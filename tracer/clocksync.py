@@ -69,7 +69,7 @@ class Sample(NamedTuple):
     def of(cls, raw: Iterable[object]) -> Sample:
         """A sample from any four integers (numpy's too); ``ValueError`` for anything else."""
         try:
-            values = tuple(operator.index(t) for t in raw)  # type: ignore[call-overload]
+            values = tuple(operator.index(t) for t in raw)  # type: ignore[arg-type]
         except TypeError:
             raise ValueError(
                 f"clock sample timestamps must be integer nanoseconds, got {raw!r}"
@@ -317,7 +317,8 @@ class _Fit(NamedTuple):
         k = np.searchsorted(kink, t, side="left")
         below = ca[k] + cb[k] * t
         above = (ca[-1] - ca[k]) + (cb[-1] - cb[k]) * t
-        return total + below - above
+        value: np.ndarray = total + below - above
+        return value
 
 
 def _min_rtt_filter(

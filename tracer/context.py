@@ -162,7 +162,8 @@ def extract_tracestate(carrier: Mapping[str, Any] | None) -> str:
     span_context = _span_context(carrier)
     if span_context is None or not span_context.trace_state:
         return ""
-    return span_context.trace_state.to_header()
+    header: str = span_context.trace_state.to_header()
+    return header
 
 
 def inject(

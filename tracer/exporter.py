@@ -202,4 +202,5 @@ def get_exporter(name: str, **kwargs: Any) -> Exporter:
         known = ", ".join(sorted(found)) or "none (is gpu-trace installed?)"
         raise ValueError(f"unknown exporter {name!r}; available: {known}")
     factory = found[name].load()
-    return factory(**kwargs)
+    exporter: Exporter = factory(**kwargs)
+    return exporter

@@ -79,7 +79,8 @@ def build(out: Path, *, cc: str | None = None, cbuild: ModuleType | None = None)
     reason = supported()
     if reason:
         raise cb.BuildError(reason)
-    return cb.build(SOURCE, out, include_dirs=include_dirs(cb), cc=cc)
+    built: Path = cb.build(SOURCE, out, include_dirs=include_dirs(cb), cc=cc)
+    return built
 
 
 def find_or_build(cache_dir: Path, *, cc: str | None = None) -> Path:
@@ -89,9 +90,10 @@ def find_or_build(cache_dir: Path, *, cc: str | None = None) -> Path:
     if reason:
         raise cb.BuildError(reason)
     # include_dirs: fail fast, without running the compiler, where the headers are missing
-    return cb.find_or_build(
+    found: Path = cb.find_or_build(
         SOURCE, library_name(), cache_dir, lambda out: build(out, cc=cc), check=include_dirs
     )
+    return found
 
 
 def load(path: Path) -> ModuleType:

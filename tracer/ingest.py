@@ -371,7 +371,7 @@ def _stored_run(store: Store, run_id: str) -> RunInfo | None:
 
 
 def _read_stats(run_dir: Path, report: IngestReport) -> list[dict[str, Any]]:
-    out = []
+    out: list[dict[str, Any]] = []
     d = run_dir / STATS_DIR
     if not d.is_dir():
         return out
@@ -537,7 +537,7 @@ class _Inserter:
         self._clients: list[Any] = []
         self._free: list[Any] = []
         self._pool: ThreadPoolExecutor | None = None
-        self._in_flight: list[tuple[Future, str, _Pending, Any]] = []
+        self._in_flight: list[tuple[Future[int], str, _Pending, Any]] = []
 
     def __enter__(self) -> _Inserter:
         return self
@@ -591,4 +591,5 @@ class _Inserter:
 def _insert_batch(store: Store, kind: str, tables: list[pa.Table], client: Any) -> int:
     table = pa.concat_tables(tables).unify_dictionaries()
     store.insert_arrow(kind, table, connection=client)
-    return table.num_rows
+    rows: int = table.num_rows
+    return rows

@@ -243,7 +243,7 @@ def uninstall() -> None:
     if patched is not None:
         cls, original, wrapper = patched
         if cls.__dict__.get("__init__") is wrapper:
-            cls.__init__ = original  # type: ignore[method-assign]
+            cls.__init__ = original  # type: ignore[misc]
         else:  # someone patched over us: leave theirs, ours is now a pass-through
             log.debug("gpu-trace: TracerProvider.__init__ was re-patched; leaving it")
     for provider in list(_providers):

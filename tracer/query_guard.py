@@ -24,7 +24,7 @@ line saying what was refused.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -209,7 +209,7 @@ def allowed_function(name: str) -> bool:
 def check(
     query: str,
     parameters: dict[str, Any] | None,
-    ask: Callable[[str, dict[str, Any]], list[tuple]],
+    ask: Callable[[str, dict[str, Any]], list[tuple[Any, ...]]],
     *,
     database: str,
     databases: Iterable[str] = (),
@@ -333,7 +333,7 @@ def _describe(kind: str) -> str:
 
 
 class _Walk:
-    def __init__(self, database: str, foreign: set[str]) -> None:
+    def __init__(self, database: str, foreign: Set[str]) -> None:
         self.database = database
         self.foreign = foreign
         self.foreign_lower = {d.lower() for d in foreign}

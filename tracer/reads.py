@@ -165,7 +165,7 @@ class RunQueries:
             )
             if exact.result_rows:
                 return ref
-            matches = sorted(
+            matches: list[str] = sorted(
                 {
                     r[0]
                     for r in self.query(

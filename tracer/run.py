@@ -13,6 +13,7 @@ import socket
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from gpu_trace.tracer.files import replace_text
 
@@ -117,7 +118,7 @@ def _process_start(pid: int) -> str | None:
 STATS_DIR = "stats"
 
 
-def read_stats(run_dir: Path) -> list[dict]:
+def read_stats(run_dir: Path) -> list[dict[str, Any]]:
     """Per-process totals the recorders wrote (``stats/<pid>.json``); unreadable files are skipped."""
     d = Path(run_dir) / STATS_DIR
     out = []

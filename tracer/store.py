@@ -439,7 +439,8 @@ class Store(RunQueries):
 
     def close(self) -> None:
         """Close the connection (and release an embedded store's directory). Idempotent."""
-        client, self.client = getattr(self, "client", None), None
+        # None once closed, so a use after close fails loudly rather than reopening anything.
+        client, self.client = getattr(self, "client", None), None  # type: ignore[assignment]
         if client is not None:
             with contextlib.suppress(Exception):
                 client.close()
@@ -512,7 +513,7 @@ class Store(RunQueries):
             client.raw_insert(
                 self._table(table_name),
                 table.column_names,
-                memoryview(buf),
+                memoryview(buf),  # type: ignore[arg-type]  # any buffer is sent; stubs say bytes
                 settings=self._insert_settings,
                 fmt="ArrowStream",
             )
@@ -581,7 +582,7 @@ class Store(RunQueries):
 
     def sql(
         self, query: str, parameters: dict[str, Any] | None = None
-    ) -> tuple[list[str], list[tuple]]:
+    ) -> tuple[list[str], list[tuple[Any, ...]]]:
         """Run one read of the store's tables: ``SELECT``, ``SHOW TABLES``, ``DESCRIBE``, ``EXISTS``.
 
         The database ``gpu_trace`` is the default, so ``SELECT count() FROM spans`` works. Values go
@@ -619,8 +620,8 @@ class Store(RunQueries):
             except Exception as exc:
                 raise StoreError(f"query failed: {_first_line(exc)}") from exc
 
-        def ask(sql: str, params: dict[str, Any]) -> list[tuple]:
-            return list(self.client.query(sql, parameters=params).result_rows)
+        def ask(sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+            return [tuple(row) for row in self.client.query(sql, parameters=params).result_rows]
 
         try:
             return query_guard.check(
