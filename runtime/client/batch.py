@@ -10,7 +10,7 @@ class OpRecord:
 
     __slots__ = ("name", "stack", "t0", "t1", "result", "fetch")
 
-    def __init__(self, name: str, stack: tuple, t0: int) -> None:
+    def __init__(self, name: str, stack: tuple | list, t0: int) -> None:
         self.name = name
         self.stack = stack
         self.t0 = t0

@@ -166,7 +166,7 @@ class _ServerCall(torch.autograd.Function):
         record = OpRecord("rt::backward", [], now_ns())
         c.issue(["rt::backward", [graph.id, wire_grads], {}, outs], record, e.blobs)
         graph.done = True
-        result = []
+        result: list[rt.RemoteTensor | None] = []
         for h, (dtype, shape) in zip(outs, ctx.metas):
             if h is None:
                 result.append(None)

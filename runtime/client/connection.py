@@ -368,7 +368,9 @@ class Connection(Receiver):
             if tp:
                 head["tp"] = tp
         if self._inline_data:
-            frames = split_frame(MsgType.BATCH, head, [stream, *self._inline_data])
+            frames: list[bytes | memoryview] = split_frame(
+                MsgType.BATCH, head, [stream, *self._inline_data]
+            )
         else:
             frames = [_batch_frame(head, stream)]
         if self._large:

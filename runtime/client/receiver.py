@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import select
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -50,6 +51,14 @@ now_ns = time.perf_counter_ns
 
 class Receiver:
     """Reading and handling the server's messages (a part of :class:`Connection`)."""
+
+    # Connection's state that these methods set, declared once for the type checker
+    # (Connection.__init__ gives the values).
+    done_seq: int
+    _error: RemoteOpError | None
+    _pong: tuple[int, int, int, int] | None
+    _pong_event: threading.Event
+    _bye: threading.Event
 
     # ---- reading ---------------------------------------------------------------------------------
 

@@ -75,7 +75,8 @@ class _Handle:
 class RemoteTensor(torch.Tensor):
     """A tensor that lives on the forwarding server."""
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    # torch's stubs type these hooks for its own Tensor, not for a wrapper subclass
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
     _rt: _Handle
 
     @staticmethod
@@ -89,10 +90,12 @@ class RemoteTensor(torch.Tensor):
         return r
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
         return _dispatch(cls, func, types, args, kwargs)
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         text = repr(self.detach().cpu())
         return text[:-1] + f", device='{self.device}')" if text.endswith(")") else text
 

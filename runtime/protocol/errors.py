@@ -14,7 +14,7 @@ def user_frames(raw: tuple | list, keep: int = 8) -> list[tuple[str, int, str]]:
     """``(file, line, function)`` outermost first, from ``(code, lasti, code, lasti, ...)``
     innermost first (frames' code objects and last instruction offsets, as the client keeps
     them per op)."""
-    skip = _SKIP
+    skip: tuple[str, ...] = _SKIP
     try:
         import torch
 

@@ -151,7 +151,9 @@ def json_frame(mtype: MsgType, obj: Any) -> bytes:
     return HEADER.pack(len(body), mtype) + body
 
 
-def split_frame(mtype: MsgType, head: Any, payload: Sequence[bytes | memoryview]) -> list[bytes]:
+def split_frame(
+    mtype: MsgType, head: Any, payload: Sequence[bytes | memoryview]
+) -> list[bytes | memoryview]:
     """A frame whose body is a JSON header followed by raw bytes: returned as buffers to send."""
     h = dumps(head).encode()
     n = JSON_LEN.size + len(h) + sum(len(p) for p in payload)
