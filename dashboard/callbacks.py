@@ -81,7 +81,7 @@ def _run_option(run: dict[str, Any]) -> dict[str, str]:
 
 def _url_params(search: str | None) -> tuple[str, str | None]:
     q = parse_qs((search or "").lstrip("?"))
-    tab = (q.get("tab") or [None])[0]
+    tab = q["tab"][0] if q.get("tab") else None
     return (q.get("run") or ["last"])[0], tab if tab in {v for v, _ in TABS} else None
 
 

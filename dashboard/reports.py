@@ -83,7 +83,8 @@ def module_tree(source: ReadOnlyStore, run_id: str, limit: int = 300_000) -> dic
     def path(r: dict[str, Any]) -> str:
         sid = r["span_id"]
         if sid not in paths:
-            chain, cur = [], r
+            chain: list[dict[str, Any]] = []
+            cur: dict[str, Any] | None = r
             while cur is not None and cur["span_id"] not in paths and len(chain) < 64:
                 chain.append(cur)
                 cur = by_id.get(cur["parent_span_id"])

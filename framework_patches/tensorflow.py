@@ -174,7 +174,8 @@ def _patch_modules(tf: Any) -> None:
     def visit(cls: type) -> None:
         if "__call__" in cls.__dict__ and (cls, "__call__") not in _originals:
             _wrap(cls, "__call__", _ranged(_module_name))
-        for sub in cls.__subclasses__():
+        subclasses: list[type] = cls.__subclasses__()
+        for sub in subclasses:
             visit(sub)
 
     visit(base)

@@ -131,7 +131,9 @@ class _HookFinder:
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return None  # let the import system find it the ordinary way
         if not isinstance(spec.loader, _HookLoader):
-            spec.loader = _HookLoader(spec.loader, fullname)
+            # duck-typed: it forwards to the loader it wraps rather than subclass Loader, whose
+            # default methods would shadow the wrapped loader's
+            spec.loader = _HookLoader(spec.loader, fullname)  # type: ignore[assignment]
         return spec
 
     def invalidate_caches(self) -> None:

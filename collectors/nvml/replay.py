@@ -115,11 +115,13 @@ class ReplaySource:
         )
         if PROCESSES in metrics and "processes" in rec:
             root = self.root_pid()
-            out.processes = [
-                (root if pid == ROOT else int(pid), int(used))
-                for pid, used in rec["processes"]
-                if pid != ROOT or root is not None
-            ]
+            processes: list[tuple[int, int]] = []
+            for pid, used in rec["processes"]:
+                if pid != ROOT:
+                    processes.append((int(pid), int(used)))
+                elif root is not None:
+                    processes.append((root, int(used)))
+            out.processes = processes
         if EVENTS in metrics:
             out.events = [(str(k), str(d)) for k, d in rec.get("events", [])]
         return out

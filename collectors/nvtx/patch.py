@@ -235,7 +235,7 @@ class annotate:
         self.message = message
         self.domain = domain
         try:
-            self.attrs = make_attrs(color, category, payload)
+            self.attrs: dict[str, str] | None = make_attrs(color, category, payload)
         except Exception:
             self.attrs = None
 
