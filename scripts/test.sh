@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/setup.sh
+python scripts/typecheck.py   # mypy over the package (pyproject.toml [tool.mypy]); fails the run
 python -m pytest -q -p no:cacheprovider "$@"

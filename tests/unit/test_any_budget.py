@@ -1,0 +1,84 @@
+"""``Any`` may only go down: each source folder's count of ``Any`` is held at or below its budget.
+
+An ``Any`` switches the type checker off for what flows through it, so a new one where the type
+is known undoes what mypy (``scripts/typecheck.py``) checks. The count is of ``Any`` used as a
+name in the code (annotations included; imports and strings not), per folder; when a change
+removes some, lower that folder's budget here to the new count so they cannot come back.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: folder (relative to the checkout) -> most ``Any`` names its modules may hold.
+BUDGET = {
+    "collectors": 0,
+    "collectors/nvml": 11,
+    "collectors/nvtx": 11,
+    "dashboard": 144,
+    "framework_patches": 62,
+    "framework_patches/torch": 68,
+    "gpu_trace": 13,
+    "gpu_trace/_boot": 0,
+    "gpu_trace/commands": 6,
+    "runtime": 1,
+    "runtime/client": 133,
+    "runtime/protocol": 111,
+    "runtime/server": 269,
+    "runtime/sharing": 64,
+    "tracer": 70,
+}
+PACKAGE_ROOTS = ("gpu_trace", "tracer", "collectors", "framework_patches", "runtime", "dashboard")
+
+
+def count_any(source: str) -> int:
+    """How many times ``Any`` (or ``typing.Any``) is used as a name in ``source``."""
+    return sum(
+        1
+        for node in ast.walk(ast.parse(source))
+        if (isinstance(node, ast.Name) and node.id == "Any")
+        or (isinstance(node, ast.Attribute) and node.attr == "Any")
+    )
+
+
+@functools.cache
+def any_per_folder() -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for top in PACKAGE_ROOTS:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            if "__pycache__" in path.parts:
+                continue
+            folder = path.parent.relative_to(ROOT).as_posix()
+            counts[folder] = counts.get(folder, 0) + count_any(path.read_text(encoding="utf-8"))
+    return counts
+
+
+def test_count_any_counts_names_not_imports_or_strings() -> None:
+    source = (
+        "from typing import Any\n"
+        "import typing\n"
+        "x: Any = 1\n"
+        "def f(a: dict[str, Any]) -> typing.Any: ...\n"
+        "s = 'Any'\n"
+    )
+    assert count_any(source) == 3
+
+
+@pytest.mark.parametrize("folder", sorted(BUDGET))
+def test_any_within_budget(folder: str) -> None:
+    count = any_per_folder().get(folder, 0)
+    assert count <= BUDGET[folder], (
+        f"{folder}/ uses Any {count} times, its budget is {BUDGET[folder]}: give the new ones "
+        "their types (or, where none can be said, raise the budget in this test and say why)"
+    )
+
+
+def test_every_folder_has_a_budget() -> None:
+    missing = sorted(set(any_per_folder()) - set(BUDGET))
+    assert not missing, f"folders without an Any budget in {__file__}: {missing}"
