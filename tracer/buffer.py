@@ -44,8 +44,8 @@ class ThreadBuffer:
     )
 
     def __init__(self, capacity: int) -> None:
-        self.spans: list[tuple] = []
-        self.counters: list[tuple] = []
+        self.spans: list[tuple[object, ...]] = []
+        self.counters: list[tuple[object, ...]] = []
         #: span ids of the ranges open on this thread, innermost last: parent and depth come from it.
         self.stack: list[int] = []
         self.capacity = capacity
@@ -62,7 +62,7 @@ class ThreadBuffer:
         self.seq += 1
         return self.prefix + self.seq
 
-    def add_span(self, span: tuple) -> None:
+    def add_span(self, span: tuple[object, ...]) -> None:
         """Append one span record (a :class:`~gpu_trace.tracer.records.Span` layout tuple), or
         count it dropped when the buffer is full; give way to the flusher when outrunning it."""
         spans = self.spans
@@ -76,13 +76,13 @@ class ThreadBuffer:
             if not dropped & GIVE_WAY_MASK:  # full: the more so
                 give_way()
 
-    def add_counter(self, event: tuple) -> None:
+    def add_counter(self, event: tuple[object, ...]) -> None:
         if len(self.counters) < self.capacity:
             self.counters.append(event)
         else:
             self.dropped += 1
 
-    def drain(self) -> tuple[list[tuple], list[tuple]]:
+    def drain(self) -> tuple[list[tuple[object, ...]], list[tuple[object, ...]]]:
         """Take every event appended so far (called by the flusher thread)."""
         n = len(self.spans)
         spans = self.spans[:n]

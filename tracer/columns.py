@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from operator import itemgetter
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pyarrow as pa
@@ -31,17 +31,25 @@ from gpu_trace.tracer.records import (
     string_column,
 )
 
+#: What ``span_columns`` (C) and ``span_columns_py`` return: the five integer columns as one
+#: int64 block, then codes and distinct values of lane, category and name, then the attrs.
+SpanBuffers = tuple[
+    bytes, bytes, list[str], bytes, list[str], bytes, list[str], list[dict[str, str] | None]
+]
+
 #: ``span_columns(spans)`` of the C extension, once ``gpu_trace._api`` has loaded it.
-_native: Callable[[list], tuple] | None = None
+_native: Callable[[list[tuple[object, ...]]], SpanBuffers] | None = None
 
 
-def use_native(fn: Callable[[list], tuple] | None) -> None:
+def use_native(fn: Callable[[list[tuple[object, ...]]], SpanBuffers] | None) -> None:
     """Transpose with ``fn`` (the C ``span_columns``; None: the Python twin)."""
     global _native
     _native = fn
 
 
-def spans_to_table(spans: list[tuple], pid: int, tids: Sequence[int] | np.ndarray) -> pa.Table:
+def spans_to_table(
+    spans: list[tuple[object, ...]], pid: int, tids: Sequence[int] | np.ndarray
+) -> pa.Table:
     """Span records (:class:`~gpu_trace.tracer.records.Span` layout) of process ``pid`` as a
     ``spans`` table; ``tids[i]`` is the thread of ``spans[i]``."""
     return columns_to_table({**span_columns(spans), "tid": tids}, pid)
@@ -56,7 +64,10 @@ def columns_to_table(columns: Mapping[str, Any], pid: int) -> pa.Table:
     n = len(columns["span_id"])
     arrays: dict[str, pa.Array] = {}
     for field in SPAN_SCHEMA:
-        values = np.full(n, pid) if field.name == "pid" else columns[field.name]
+        if field.name == "pid":
+            arrays[field.name] = numeric_column(np.full(n, pid), field.type)
+            continue
+        values = columns[field.name]
         if isinstance(values, pa.Array):
             arrays[field.name] = values
         elif field.name == "attrs":
@@ -68,13 +79,13 @@ def columns_to_table(columns: Mapping[str, Any], pid: int) -> pa.Table:
     return pa.table(arrays, schema=SPAN_SCHEMA)
 
 
-def span_columns(spans: list[tuple]) -> dict[str, pa.Array]:
+def span_columns(spans: list[tuple[object, ...]]) -> dict[str, pa.Array]:
     """The columns of ``spans`` (span tuples, see :mod:`.buffer`) but ``pid`` and ``tid``."""
     raw = _native(spans) if _native is not None else span_columns_py(spans)
     return _arrays(len(spans), *raw)
 
 
-def span_columns_py(spans: list[tuple]) -> tuple:
+def span_columns_py(spans: list[tuple[object, ...]]) -> SpanBuffers:
     """The Python twin of the C ``span_columns``: the same tuple of buffers and lists."""
     n = len(spans)
 
@@ -89,10 +100,10 @@ def span_columns_py(spans: list[tuple]) -> tuple:
         codes, values = _encode(list(map(itemgetter(k), spans)))
         out += [codes.tobytes(), values]
     out.append(list(map(itemgetter(8), spans)))
-    return tuple(out)
+    return cast(SpanBuffers, tuple(out))
 
 
-def _encode(values: list) -> tuple[np.ndarray, list]:
+def _encode(values: list[str]) -> tuple[np.ndarray, list[str]]:
     """Dictionary codes of ``values`` and the distinct values, in order of first appearance."""
     index = dict.fromkeys(values)
     for code, key in enumerate(index):
@@ -105,16 +116,16 @@ def _arrays(
     n: int,
     ints: bytes,
     lane_codes: bytes,
-    lanes: list,
+    lanes: list[str],
     category_codes: bytes,
-    categories: list,
+    categories: list[str],
     name_codes: bytes,
-    names: list,
-    attrs: list,
+    names: list[str],
+    attrs: list[dict[str, str] | None],
 ) -> dict[str, pa.Array]:
     block = np.frombuffer(ints, dtype=np.int64).reshape(5, n) if n else np.zeros((5, 0), np.int64)
 
-    def dictionary(codes: bytes, values: list) -> pa.Array:
+    def dictionary(codes: bytes, values: list[str]) -> pa.Array:
         return pa.DictionaryArray.from_arrays(
             numeric_column(np.frombuffer(codes, dtype=np.int32), pa.int32()), string_column(values)
         )

@@ -99,10 +99,11 @@ class Recorder:
         self.host = socket.gethostname()
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._buffers: list[tuple[weakref.ref, ThreadBuffer]] = []
+        self._buffers: list[tuple[weakref.ref[threading.Thread], ThreadBuffer]] = []
         self._sources: list[Source] = []
-        self._clock_samples: list[tuple] = []
-        self._step: tuple | None = None  # (number, start_ns, tid, span_id)
+        self._clock_samples: list[tuple[str, int, int, int, int]] = []
+        # (number, start_ns, buffer, span_id)
+        self._step: tuple[int, int, ThreadBuffer, int] | None = None
         self._step_number = -1
         self._events = 0
         self._write_errors = 0
@@ -150,7 +151,8 @@ class Recorder:
     def buffer(self) -> ThreadBuffer:
         """This thread's buffer, created on first use."""
         try:
-            return self._local.buf
+            buf: ThreadBuffer = self._local.buf
+            return buf
         except AttributeError:
             return self._new_buffer()
 
@@ -232,16 +234,17 @@ class Recorder:
             buffers = list(self._buffers)
             sources = list(self._sources)
             samples, self._clock_samples = self._clock_samples, []
-        spans: list[tuple] = []
+        spans: list[tuple[object, ...]] = []
         tids: list[np.ndarray] = []
-        counters: list[tuple] = []
+        counters: list[tuple[object, ...]] = []
         dead = []
         for ref, buf in buffers:
             s, c = buf.drain()
             spans.extend(s)
             tids.append(np.full(len(s), buf.tid, dtype=np.uint64))
             counters.extend(c)
-            if ref() is None or not ref().is_alive():
+            thread = ref()  # once: the thread may be collected between two calls
+            if thread is None or not thread.is_alive():
                 dead.append(buf)
         self._write_spans(spans, tids)
         self._write_counters(counters)
@@ -320,12 +323,12 @@ class Recorder:
             )
         self._write_error = reason
 
-    def _write_spans(self, spans: list[tuple], tids: list[np.ndarray]) -> None:
+    def _write_spans(self, spans: list[tuple[object, ...]], tids: list[np.ndarray]) -> None:
         if not spans:
             return
         self._write("spans", spans_to_table(spans, self.pid, np.concatenate(tids)))
 
-    def _write_counters(self, counters: list[tuple]) -> None:
+    def _write_counters(self, counters: list[tuple[object, ...]]) -> None:
         if not counters:
             return
         source, device, metric, ts, value, labels = zip(*counters)
@@ -349,7 +352,9 @@ class Recorder:
         return total + sum(s.dropped() for s in sources) + self._not_written
 
     def _write_stats(
-        self, buffers: list[tuple[weakref.ref, ThreadBuffer]], sources: list[Source]
+        self,
+        buffers: list[tuple[weakref.ref[threading.Thread], ThreadBuffer]],
+        sources: list[Source],
     ) -> None:
         """Per-process totals, rewritten at every flush so a killed process still reports them."""
         threads = {str(b.tid): b.thread_name for _, b in buffers}

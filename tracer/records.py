@@ -219,7 +219,8 @@ def _ints(batch: pa.RecordBatch, column: str) -> np.ndarray:
     col = batch.column(column)
     if col.null_count:
         col = col.fill_null(0)
-    return col.to_numpy(zero_copy_only=False)
+    values: np.ndarray = col.to_numpy(zero_copy_only=False)
+    return values
 
 
 _NUMPY = {

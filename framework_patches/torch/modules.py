@@ -158,7 +158,7 @@ class _Module(weakref.ref):
         return super().__new__(cls, module, _forget)
 
     def __init__(self, module: Any, name: str) -> None:
-        super().__init__(module, _forget)
+        super().__init__(module, _forget)  # type: ignore[call-arg]  # typeshed's ref has no __init__
         self.key = id(module)
         self.name = name
         self.attrs = _module_attrs(module)
@@ -280,8 +280,8 @@ def _wrap_call(original: Any) -> Any:
                     node = result.grad_fn
                     if node is not None:
                         t.marks.append((node, m, 0))
-                else:
-                    _mark_nodes(result, m, 0, t.marks)
+                else:  # m is set whenever token is
+                    _mark_nodes(result, m, 0, t.marks)  # type: ignore[arg-type]
             if not stack and t.marks:
                 _place_hooks(t.marks)
         except Exception:

@@ -206,7 +206,8 @@ class OpSource:
                 todo.append((child, sid, depth + 1, top))
         last, self._last_calls = self._last_calls, calls
         if nodes and (calls or last):
-            nodes.extend(t for t in tops if t[3] is None)
+            # tops are lists (marked in place above); ranges only reads them
+            nodes.extend(t for t in tops if t[3] is None)  # type: ignore[misc]
             both = last + calls
             ids = iter(range(prefix + seq + 1, prefix + (1 << 32)))
             made = torch_backward.ranges(nodes, both, passes, ids.__next__)
@@ -216,8 +217,8 @@ class OpSource:
                 rtids.append(rtid)
         if not rows:
             return None
-        rtid = np.asarray(rtids, dtype=np.uint64)
-        tids = np.where(rtid == marker_tid, tid, rtid) if marker_tid is not None else rtid
+        threads = np.asarray(rtids, dtype=np.uint64)
+        tids = np.where(threads == marker_tid, tid, threads) if marker_tid is not None else threads
         return spans_to_table(rows, os.getpid(), tids)
 
     @staticmethod
