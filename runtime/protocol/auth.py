@@ -33,7 +33,8 @@ MIN_TOKEN = 16
 class HasToken(Protocol):
     """Whatever holds a token (a server's tenant): the protocol needs its token, nothing else."""
 
-    token: str
+    @property
+    def token(self) -> str: ...  # read-only, so a frozen dataclass's field matches
 
 
 T = TypeVar("T", bound=HasToken)
