@@ -32,6 +32,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from gpu_trace.runtime.protocol.errors import OpError
@@ -64,6 +65,8 @@ from gpu_trace.runtime.sharing.memory import Memory, QuotaError, Refusal
 from gpu_trace.runtime.sharing.scheduler import Parked, PolicyScheduler, Wait, Work
 
 if TYPE_CHECKING:
+    import torch
+
     from gpu_trace.runtime.sharing.pager import Pager
     from gpu_trace.runtime.sharing.restore import Gate
 
@@ -107,6 +110,8 @@ class Executor:
         scheduler: PolicyScheduler,
         sink: Sink | None = None,
         memory: Memory | None = None,
+        pager: Pager | None = None,
+        lock: threading.Lock | None = None,
     ) -> None:
         import torch
 
@@ -120,26 +125,27 @@ class Executor:
         self._rng_owner: Session | None = None
         self._ops: dict[str, tuple[Any, Any, bool, bool, bool, Any]] = {}
         self.batches = 0
-        #: Pages idle sessions out to host memory and back (:mod:`gpu_trace.runtime.sharing.pager`);
-        #: set by the server.
-        self.pager: Any = None
+        #: Pages idle sessions out to host memory and back (:mod:`gpu_trace.runtime.sharing.pager`;
+        #: None: never).
+        self.pager = pager
         #: The session whose work runs now (None: none).
         self.current: Session | None = None
         #: Device memory by tenant; a server passes its own (``Server.memory``).
-        self.memory = memory if memory is not None else Memory(1 << 62)
-        self.memory.wake = scheduler.unpark
+        self.memory = memory if memory is not None else Memory(1 << 62, wake=scheduler.unpark)
         #: What ops will allocate, worked out before they run
         #: (:mod:`gpu_trace.runtime.server.sizing`).
         self.sizing = Sizing(self.memory.block_bytes)
         self._cuda = self.device.type == "cuda"
-        self._streams: dict[int, Any] = {}  # session id -> its CUDA stream
-        self._events: dict[int, list[tuple[Any, Any]]] = {}  # session id -> unread CUDA events
+        self._streams: dict[int, torch.cuda.Stream] = {}  # session id -> its CUDA stream
+        # session id -> unread CUDA events
+        self._events: dict[int, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {}
         self._refused: dict[int, dict[int, QuotaError]] = {}  # session id -> refused uploads
         self._blobs_taken = 0
-        self._taken: list[tuple[int, Any]] = []  # uploads the current JSON op's arguments took
+        # uploads the current JSON op's arguments took
+        self._taken: list[tuple[int, torch.Tensor]] = []
         #: Held while work runs; a connection may run work inline when it is free and nothing
         #: is queued (no hand-off between threads for a lone batch).
-        self.lock = threading.Lock()
+        self.lock = lock if lock is not None else threading.Lock()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="gpu-trace-executor", daemon=True)
@@ -413,7 +419,7 @@ class Executor:
         work: Work,
         head: dict[str, Any],
         frees: list[Any],
-        stream: Any,
+        stream: torch.cuda.Stream | None,
         answered: bool,
     ) -> None:
         """The batch's ops are done (or one failed): its frees, and on CUDA its stream synced
@@ -443,12 +449,15 @@ class Executor:
         t: tuple[int, int, int, int, int],
     ) -> None:
         """The batch's DONE: a fixed binary frame for most, JSON with results or an error."""
+        reply = None
         if error is None and session.binary and len(results) < 2:  # most batches: no JSON
             if not results:
-                session.send(_DONE_OK + DONE_OK_BODY.pack(seq, *t))
-            else:  # one number (``.item()``...)
+                reply = _DONE_OK + DONE_OK_BODY.pack(seq, *t)
+            else:  # one number (``.item()``...); None for any other value
                 ((index, value),) = results.items()
-                session.send(done_value_frame(seq, t, int(index), value))
+                reply = done_value_frame(seq, t, int(index), value)
+        if reply is not None:
+            session.send(reply)
         elif error is None and not results:  # the same JSON each time, formatted directly
             session.send(_done_frame(seq, t))
         else:
@@ -646,11 +655,11 @@ class Executor:
         if refused.undo is not None:
             refused.undo()
 
-    def _blob_taker(self, session: Session) -> Any:
+    def _blob_taker(self, session: Session) -> Callable[[int], torch.Tensor]:
         take = session.blobs.take
         refused = self._refused.get(session.id)
 
-        def taker(ident: int) -> Any:
+        def taker(ident: int) -> torch.Tensor:
             self._blobs_taken += 1
             if refused is not None and ident in refused:
                 raise refused.pop(ident)
@@ -723,7 +732,7 @@ class Executor:
 
     # ---- device time -----------------------------------------------------------------------------
 
-    def _stream(self, session: Session) -> Any:
+    def _stream(self, session: Session) -> torch.cuda.Stream | None:
         """``session``'s own CUDA stream (None on the CPU device)."""
         if not self._cuda:
             return None
@@ -732,13 +741,13 @@ class Executor:
             stream = self._streams[session.id] = self.torch.cuda.Stream(self.device)
         return stream
 
-    def session_stream(self, session: Session) -> Any:
+    def session_stream(self, session: Session) -> torch.cuda.Stream | None:
         """``session``'s CUDA stream, where its kernels run (None on the CPU device, or before
         its first batch). Whoever reads its tensors from another stream (the pager, paging it
         out) synchronizes this one first."""
         return self._streams.get(session.id)
 
-    def _begin_events(self) -> tuple[Any, Any]:
+    def _begin_events(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
         cuda = self.torch.cuda
         start, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
         start.record()
