@@ -22,7 +22,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from gpu_trace import config
@@ -134,17 +134,28 @@ class Server:
         self.sink.server_device = self.device
         #: Device memory by tenant: quotas, capacity, waiters
         #: (:mod:`gpu_trace.runtime.sharing.memory`).
+        #: It asks the pager for room through :meth:`_reclaim` (each needs the other).
         self.memory = Memory(
             device_capacity(self.device, device_memory),
             block_bytes=CUDA_BLOCK_BYTES if self.device.startswith("cuda") else 1,
+            wake=self.scheduler.unpark,
+            reclaim=self._reclaim,
         )
-        self.memory.owner = self  # its pager, once there is one, makes room
         self.memory.add_tenants(list(self.tenants))
-        self.executor = Executor(self.device, self.scheduler, self.sink, memory=self.memory)
+        # Held while work runs on the device: the executor's, and the pager's.
+        lock = threading.Lock()
         #: Pages idle sessions out to host memory and back; makes room for :attr:`memory`.
-        self.pager = Pager(self.executor, self.scheduler, self._live_sessions, idle_s=idle_s)
-        self.executor.pager = self.pager
-        self.pager.before_restore = self.memory.make_room
+        self.pager = Pager(
+            self.device,
+            lock,
+            self.scheduler,
+            self._live_sessions,
+            idle_s=idle_s,
+            before_restore=self.memory.make_room,
+        )
+        self.executor = Executor(
+            self.device, self.scheduler, self.sink, memory=self.memory, pager=self.pager, lock=lock
+        )
         self.sessions: dict[int, Session] = {}
         #: Sessions' connection times and the usage of ended sessions
         #: (:mod:`gpu_trace.runtime.sharing.admin`).
@@ -179,6 +190,11 @@ class Server:
         if self._sock is None:
             self.start()
         self._closing.wait()
+
+    def _reclaim(self, need_bytes: int, session: Session, reason: str) -> int:
+        """Memory's :class:`~gpu_trace.runtime.sharing.memory.Reclaim`: the pager pages others
+        out (memory is built before the pager, which makes room for it)."""
+        return self.pager.reclaim(need_bytes, for_session=session, reason=reason)
 
     def _live_sessions(self) -> list[Session]:
         with self._lock:
@@ -486,7 +502,7 @@ class Server:
             else:
                 raise ProtocolError(f"unexpected message {MsgType(mtype).name} from a client")
 
-    def _submitter(self) -> Any:
+    def _submitter(self) -> Callable[[Session, Work], None]:
         """``submit(session, work)``: a lone small batch runs at once on the calling thread
         when the device is idle (no hand-off to the executor's); anything else is queued."""
         scheduler, executor = self.scheduler, self.executor
@@ -501,7 +517,9 @@ class Server:
 
         return submit
 
-    def _on_batch(self, session: Session, start: int, body: bytes, submit: Any) -> None:
+    def _on_batch(
+        self, session: Session, start: int, body: bytes, submit: Callable[[Session, Work], None]
+    ) -> None:
         """A BATCH frame: its inline uploads, then its ops (templates' calls expanded)."""
         head, data = decode_split(body)
         xb = head.get("xb")

@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gpu_trace.runtime.protocol.errors import OpError
 
@@ -138,13 +138,19 @@ class TenantMemory:
     waiting: dict[int, tuple[Session, str, int]] = field(default_factory=dict)
 
 
+class Reclaim(Protocol):
+    """Pages out ``need_bytes`` of sessions other than ``session`` (for ``reason``); bytes freed."""
+
+    def __call__(self, need_bytes: int, session: Session, reason: str) -> int: ...
+
+
 class Memory:
     """The device's memory as the server shares it among tenants.
 
     ``capacity_bytes`` is the device's memory; ``block_bytes`` the allocator's rounding (512 on
     CUDA, 1 on the CPU); ``wake(session)`` is called for a waiting session whose retry may now
-    succeed (the scheduler's ``unpark``). ``owner`` is the server: its ``pager``, when it has one,
-    is asked to page idle sessions out before the device is called full.
+    succeed (the scheduler's ``unpark``). ``reclaim`` is asked to page idle sessions out before
+    the device is called full (the server's pager; built after this object, so it is a callback).
     """
 
     def __init__(
@@ -153,6 +159,7 @@ class Memory:
         *,
         block_bytes: int = 1,
         wake: Callable[[Session], None] | None = None,
+        reclaim: Reclaim | None = None,
         clock: Callable[[], int] = time.monotonic_ns,
     ) -> None:
         if capacity_bytes <= 0:
@@ -161,7 +168,7 @@ class Memory:
         self.block_bytes = max(1, int(block_bytes))
         self.wake = wake
         self.clock = clock
-        self.owner: Any = None
+        self._reclaim = reclaim
         #: Logical bytes of every session (resident and paged out).
         self.used_bytes = 0
         self.peak_bytes = 0
@@ -372,10 +379,9 @@ class Memory:
 
     def reclaim(self, need_bytes: int, session: Session, reason: str) -> int:
         """Ask the server's pager to page out ``need_bytes`` of other sessions; bytes freed."""
-        pager = getattr(self.owner, "pager", None)
-        if pager is None or need_bytes <= 0:
+        if self._reclaim is None or need_bytes <= 0:
             return 0
-        return int(pager.reclaim(need_bytes, for_session=session, reason=reason) or 0)
+        return int(self._reclaim(need_bytes, session, reason) or 0)
 
     # ---- waiting ---------------------------------------------------------------------------------
 

@@ -39,7 +39,6 @@ from gpu_trace.runtime.sharing.restore import (
 )
 
 if TYPE_CHECKING:
-    from gpu_trace.runtime.server.executor import Executor
     from gpu_trace.runtime.server.sessions import Session
     from gpu_trace.runtime.sharing.scheduler import PolicyScheduler
 
@@ -63,37 +62,42 @@ class _Paged:
 class Pager:
     """Pages idle sessions' tensors out to host memory and back (see the module's docstring).
 
-    ``sessions()`` lists the server's live sessions; ``idle_s`` is the default idle time before a
+    ``lock`` is the executor's (held while work runs on the device); ``sessions()`` lists the
+    server's live sessions; ``idle_s`` is the default idle time before a
     session is paged out (a tenant's ``idle_s`` wins; 0 or None: never). ``pipelined`` restores
     op by op (else everything before the first op). ``hook(event, index)`` is a test seam: it is
     called with ``"copy"``/``"copied"`` and a storage's position in the restore order, and with
     ``"op"`` and the op's position in its batch when the op's inputs are back.
+    ``before_restore(session, bytes)`` is called before a restore allocates device memory (the
+    memory's ``make_room``); its exceptions are logged, the restore goes on.
     """
 
     def __init__(
         self,
-        executor: Executor,
+        device: str,
+        lock: threading.Lock,
         scheduler: PolicyScheduler,
         sessions: Callable[[], list[Session]],
         *,
         idle_s: float | None = DEFAULT_IDLE_S,
         pipelined: bool = True,
         hook: Callable[[str, int], None] | None = None,
+        before_restore: Callable[[Session, int], None] | None = None,
     ) -> None:
+        import torch
+
         if idle_s is not None and idle_s < 0:
             raise ValueError("idle_s must be >= 0 (0 or None: never page idle sessions out)")
-        self.executor = executor
+        self.lock = lock
         self.scheduler = scheduler
         self.sessions = sessions
         self.idle_s = idle_s
         self.pipelined = pipelined
         self.hook = hook
-        self.torch = executor.torch
-        self.device = executor.device
+        self.torch = torch
+        self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        #: Called with ``(session, bytes)`` before a restore allocates device memory (the memory
-        #: owner may make room); exceptions are logged, the restore goes on.
-        self.before_restore: Callable[[Session, int], None] | None = None
+        self.before_restore = before_restore
         #: The latest restores' figures (the bench reads them).
         self.restores: collections.deque[RestoreStats] = collections.deque(maxlen=256)
         self.evictions = 0
@@ -258,14 +262,14 @@ class Pager:
         Waits up to ``timeout_s`` for the executor to be free; a session with work queued is
         left alone (it would come straight back). Returns the bytes freed.
         """
-        if not self.executor.lock.acquire(timeout=timeout_s):
+        if not self.lock.acquire(timeout=timeout_s):
             return 0
         try:
             if self.scheduler.queued(session):
                 return 0
             return self.page_out(session, reason)
         finally:
-            self.executor.lock.release()
+            self.lock.release()
 
     def reclaim(
         self, need_bytes: int, for_session: Session | None = None, reason: str = "memory"
@@ -440,7 +444,7 @@ class Pager:
         return count
 
     def _under_lock(self, session: Session, fn: Callable[[], None]) -> None:
-        lock = self.executor.lock
+        lock = self.lock
         if not lock.acquire(timeout=0.5):
             return
         try:

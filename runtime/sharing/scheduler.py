@@ -82,7 +82,7 @@ class Flow:
     tenant: str
     weight: float
     priority: int
-    session: Any
+    session: Session
     queue: collections.deque[Work] = field(default_factory=collections.deque)
     attained_ns: int = 0
     arrived_ns: int = 0

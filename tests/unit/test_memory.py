@@ -142,8 +142,20 @@ def test_no_quota_is_bounded_by_capacity_only(memory: Memory) -> None:
     assert "alone would hold 4001 bytes" in r.hopeless
 
 
-def test_capacity_counts_resident_bytes_and_asks_the_pager(memory: Memory) -> None:
+def test_capacity_counts_resident_bytes_and_asks_the_pager() -> None:
     c, b = session(C), session(B)
+    calls = []
+    pager_ready = False
+
+    def reclaim(need_bytes: int, for_session: object, reason: str) -> int:
+        calls.append((need_bytes, for_session, reason))
+        if not pager_ready:  # no idle session to page out
+            return 0
+        b.usage.evicted_bytes = 1500  # paged out: still b's, no longer on the device
+        return 1500
+
+    memory = Memory(4000, reclaim=reclaim, clock=Clock())
+    memory.add_tenants([A, B, C])
     memory.attach(c)
     memory.attach(b)
     b.account.charge_bytes(1500)
@@ -151,15 +163,8 @@ def test_capacity_counts_resident_bytes_and_asks_the_pager(memory: Memory) -> No
     r = memory.refusal(c, 1000)
     assert r is not None and r.kind == "capacity" and r.used == 3500 and r.hopeless == ""
 
-    calls = []
-
-    class Pager:
-        def reclaim(self, need_bytes: int, for_session: object, reason: str) -> int:
-            calls.append((need_bytes, for_session, reason))
-            b.usage.evicted_bytes = 1500  # paged out: still b's, no longer on the device
-            return 1500
-
-    memory.owner = SimpleNamespace(pager=Pager())
+    calls.clear()
+    pager_ready = True
     assert memory.refusal(c, 1000) is None
     assert calls == [(500, c, "capacity")]
     snap = memory.snapshot()
