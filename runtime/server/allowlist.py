@@ -153,7 +153,7 @@ def allowed() -> frozenset[str]:
 
 def resolve(name: object) -> Any:
     """The ``OpOverload`` for an allowed name; ``None`` for anything else."""
-    op = _resolved.get(name)  # type: ignore[arg-type]
+    op = _resolved.get(name)  # type: ignore[call-overload]
     if op is not None:
         return op
     if type(name) is not str or name not in allowed():

@@ -557,7 +557,7 @@ class Executor:
             return False
         kwargs = decoder.decode_kwargs(t.kwargs) if t.kwargs else {}
         # Its sizes by its tensors' signatures (its constants are its own): no key of them all.
-        sizes = {} if type(entry[5]) is str else None
+        sizes: dict[Any, int] | None = {} if type(entry[5]) is str else None
         return entry, args, holes, kwargs, t.outs, sizes
 
     def _run_op(
@@ -583,6 +583,7 @@ class Executor:
         if sized:
             _check_sizes(a, k)
         if size is not None:  # what it will allocate, checked before it does
+            asked: int | None
             if sizes is None:
                 asked = self.sizing.op_bytes(size, target, a, k)
             else:
@@ -781,7 +782,7 @@ class Executor:
         values = result if isinstance(result, tuple) else (result,)
         if len(outs) != len(values):
             raise ProtocolError("op outs do not match the op's results")
-        meta = []
+        meta: list[Any] = []
         for value, spec in zip(values, outs):
             if isinstance(value, torch.Tensor):
                 if spec is not None:

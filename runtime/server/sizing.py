@@ -199,7 +199,7 @@ def _on_meta_counted(
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Parts(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             result = func(*args, **(kwargs or {}))
             for t in _flat(result, torch.Tensor):
                 made.setdefault(t.untyped_storage()._cdata, t)

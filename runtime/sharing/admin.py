@@ -139,7 +139,8 @@ def _tenant_rows(
     server: Server, tenants: list[Tenant], rows: list[dict[str, Any]], cap: int | None
 ) -> list[dict[str, Any]]:
     memory = getattr(server, "memory", None)
-    by_memory = memory.snapshot() if hasattr(memory, "snapshot") else {}
+    snapshot = getattr(memory, "snapshot", None)
+    by_memory = snapshot() if snapshot is not None else {}
     ledger = server.ledger
     out = []
     for tenant in tenants:

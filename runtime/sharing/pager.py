@@ -23,6 +23,7 @@ Everything that touches a session's tables runs on the executor's thread or unde
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 import time
@@ -418,7 +419,7 @@ class Pager:
             queued = self.scheduler.queued(session)
             if paged is not None:
                 if paged.restore is not None and not queued:
-                    self._under_lock(session, lambda s=session: self.settle(s))
+                    self._under_lock(session, functools.partial(self.settle, session))
                 continue
             limit = self.idle_limit_s(session)
             last = session.usage.last_active_ns

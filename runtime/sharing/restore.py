@@ -240,9 +240,9 @@ class Restore:
         handle_refs(op[1], refs)
         handle_refs(op[2], refs)
         for h in refs:
-            st = self.by_handle.get(h)
-            if st is not None and not st.final:
-                self.land(st)
+            found = self.by_handle.get(h)
+            if found is not None and not found.final:
+                self.land(found)
 
     def land(self, st: PagedStorage, in_batch: bool = True) -> None:
         """Point ``st``'s tensors at its device copy (waiting for it, or making it).

@@ -30,7 +30,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -341,7 +341,7 @@ class _KeyLines:
         return self.top("tenant")
 
 
-def check_tenants(tenants: list[Tenant]) -> list[Tenant]:
+def check_tenants(tenants: Sequence[Tenant]) -> list[Tenant]:
     """``ValueError`` unless there is a tenant and names and tokens are unique and long enough."""
     tenants = list(tenants)
     if not tenants:
