@@ -30,8 +30,8 @@ BUDGET = {
     "runtime": 1,
     "runtime/client": 133,
     "runtime/protocol": 111,
-    "runtime/server": 269,
-    "runtime/sharing": 64,
+    "runtime/server": 257,
+    "runtime/sharing": 62,
     "tracer": 70,
 }
 PACKAGE_ROOTS = ("gpu_trace", "tracer", "collectors", "framework_patches", "runtime", "dashboard")
