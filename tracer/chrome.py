@@ -201,21 +201,17 @@ class ChromeTraceExporter:
 
     def export(self, batch: pa.Table) -> ExportResult:
         """Write one batch of spans (see ``exporter.SPAN_BATCH_SCHEMA``); never raises."""
-        if self._closed:
-            return ExportResult.FAILURE
-        try:
-            self.write_spans(batch)
-        except Exception as exc:
-            self._fail(exc)
-            return ExportResult.FAILURE
-        return ExportResult.SUCCESS
+        return self._guarded(self.write_spans, batch)
 
     def export_counters(self, batch: pa.Table) -> ExportResult:
         """Write one batch of counter samples (see :meth:`write_counters`); never raises."""
+        return self._guarded(self.write_counters, batch)
+
+    def _guarded(self, write: Callable[[pa.Table], None], batch: pa.Table) -> ExportResult:
         if self._closed:
             return ExportResult.FAILURE
         try:
-            self.write_counters(batch)
+            write(batch)
         except Exception as exc:
             self._fail(exc)
             return ExportResult.FAILURE
