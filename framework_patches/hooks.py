@@ -21,14 +21,15 @@ log = logging.getLogger(__name__)
 _state: dict[str, Any] = {"rec": None, "torch": "off", "tf": "off", "shapes": False}
 
 
-def install(rec: Any) -> None:
-    """Patch PyTorch and TensorFlow at their levels (``GPU_TRACE_TORCH``, ``GPU_TRACE_TF``)."""
+def install(rec: Any, *, torch: str | None = None, tf: str | None = None) -> None:
+    """Patch PyTorch and TensorFlow at their levels: ``torch``/``tf`` when given (as
+    ``gpu_trace.profile()`` does), else ``GPU_TRACE_TORCH``, ``GPU_TRACE_TF``."""
     uninstall()
     try:
         _state.update(
             rec=rec,
-            torch=config.torch_level(),
-            tf=config.tf_level(),
+            torch=config.torch_level(torch),
+            tf=config.tf_level(tf),
             shapes=config.torch_shapes(),
         )
     except ValueError as exc:

@@ -17,12 +17,18 @@ from gpu_trace.tracer.recorder import Recorder
 log = logging.getLogger(__name__)
 
 
-def attach(rec: Recorder, settings: RecorderSettings) -> None:
-    """Patch in the framework ranges (when and if the program imports a framework) and NVTX."""
+def attach(
+    rec: Recorder, settings: RecorderSettings, *, torch: str | None = None, tf: str | None = None
+) -> None:
+    """Patch in the framework ranges (when and if the program imports a framework) and NVTX.
+
+    ``torch``/``tf``: the patch levels (``gpu_trace.profile(torch=...)``); None reads
+    ``GPU_TRACE_TORCH``/``GPU_TRACE_TF`` as `gpu-trace record` sets them.
+    """
     try:
         from gpu_trace.framework_patches import hooks
 
-        hooks.install(rec)
+        hooks.install(rec, torch=torch, tf=tf)
     except Exception:
         log.exception("gpu-trace: framework ranges are off")
     if settings.nvtx == "off":
