@@ -38,7 +38,7 @@ from gpu_trace.config import RecorderSettings
 from gpu_trace.tracer.recorder import Recorder
 
 REPO = Path(__file__).resolve().parents[1]
-SYNTHETIC = REPO / "sample_traces" / "nvml-synthetic-h100.jsonl"
+H100 = REPO / "sample_traces" / "nvml-h100.jsonl"
 
 
 def per_sample(make: Callable[[Recorder], Sampler], ticks: int) -> dict[str, float]:
@@ -92,7 +92,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ticks", type=int, default=3000)
     ap.add_argument("--seconds", type=float, default=5.0)
-    ap.add_argument("--nvml-file", type=Path, default=SYNTHETIC)
+    ap.add_argument("--nvml-file", type=Path, default=H100)
     ap.add_argument(
         "--flush-interval",
         type=float,

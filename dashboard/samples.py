@@ -14,8 +14,9 @@ if TYPE_CHECKING:
     from gpu_trace.tracer.ingest import IngestReport
     from gpu_trace.tracer.store import Store
 
-#: The sample runs, by run id: a local PyTorch training run and a two-tenant forwarded run.
-SAMPLES = ("local-training", "forwarded-two-tenants")
+#: The sample runs, by run id: a local PyTorch training run, a two-tenant forwarded run, and a
+#: real GPU run (an H100 training a GPT-style model, ``--torch module``, real NVML counters).
+SAMPLES = ("local-training", "forwarded-two-tenants", "20261124-174647-9ad8eb")
 
 
 def samples_dir() -> Path:

@@ -21,8 +21,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     problem = store_module().check_writable(dsn)
     if problem:
         raise CLIError(f"store {dsn} is not usable: {problem}", 2)
-    # Without NVML the demo plays back the repository's (synthetic) NVML sample file, if present.
-    sample = Path(__file__).resolve().parents[2] / "sample_traces" / "nvml-synthetic-h100.jsonl"
+    # Without NVML the demo plays back a real H100 recording from the repository, if present.
+    sample = Path(__file__).resolve().parents[2] / "sample_traces" / "nvml-h100.jsonl"
     try:  # a bad setting, a full disk: one line, as `record` says it
         prepared = launch.prepare(
             [sys.executable, str(workload)], nvml_fallback=sample if sample.is_file() else None

@@ -17,7 +17,7 @@ from gpu_trace.collectors.nvml.live import PynvmlSource
 from gpu_trace.collectors.nvml.replay import FORMAT
 
 REPO = Path(__file__).resolve().parents[2]
-SYNTHETIC = REPO / "sample_traces" / "nvml-synthetic-h100.jsonl"
+SYNTHETIC = REPO / "tests" / "data" / "nvml-synthetic-h100.jsonl"
 
 
 def gpu_trace(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -9,9 +9,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _tree(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*") if p.is_file()}
+
 
 def test_demo_end_to_end(tmp_path: Path) -> None:
     trace = tmp_path / "demo.json.gz"
+    samples = REPO / "sample_traces" / "runs"
+    before = _tree(samples)
     out = subprocess.run(
         [sys.executable, "-m", "gpu_trace", "demo", "-o", str(trace)],
         capture_output=True,
@@ -21,6 +29,10 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "0 dropped, stored in chdb://" in out.stderr
+    # real GPU data: the H100 recording plays back where there is no NVML, and the H100 run loads
+    assert "nvml-h100.jsonl" in out.stderr or "NVML sampling is off" not in out.stderr
+    assert "sample run 20261124-174647-9ad8eb loaded" in out.stderr
+    assert _tree(samples) == before, "loading the sample runs must leave them as they are"
     for lane in ("nvtx/gpu_trace", "nvtx/model", "nvtx/dataloader", "steps"):
         assert lane in out.stdout, lane
     events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]

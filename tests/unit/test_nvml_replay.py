@@ -16,7 +16,7 @@ from gpu_trace.collectors.nvml.replay import RecordingSource, ReplaySource, to_r
 from tests.conftest import Sink
 
 REPO = Path(__file__).resolve().parents[2]
-SYNTHETIC = REPO / "sample_traces" / "nvml-synthetic-h100.jsonl"
+SYNTHETIC = REPO / "tests" / "data" / "nvml-synthetic-h100.jsonl"
 
 
 def test_recording_a_replay_gives_the_same_file(tmp_path: Path) -> None:

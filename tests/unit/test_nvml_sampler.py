@@ -20,7 +20,7 @@ from gpu_trace.collectors.nvml.replay import FORMAT, ReplaySource
 from gpu_trace.tracer.records import MARK
 from tests.conftest import Sink
 
-SYNTHETIC = Path(__file__).resolve().parents[2] / "sample_traces" / "nvml-synthetic-h100.jsonl"
+SYNTHETIC = Path(__file__).resolve().parents[2] / "tests" / "data" / "nvml-synthetic-h100.jsonl"
 SECOND = 1_000_000_000
 
 

@@ -1,4 +1,4 @@
-"""Write sample_traces/nvml-synthetic-h100.jsonl: a SYNTHETIC NVML sample file.
+"""Write tests/data/nvml-synthetic-h100.jsonl: a SYNTHETIC NVML sample file, for tests.
 
 No GPU was available when this file was made, so its values are invented, shaped like one H100
 SXM running a training loop (idle, warm-up, steady steps with input-pipeline dips, a brief
@@ -6,9 +6,10 @@ power-cap throttle). It is written through the real recording path: the NVML sam
 synthetic source wrapped in ``RecordingSource``, exactly as
 ``python -m gpu_trace.collectors.nvml record FILE`` does with the real one, on a simulated clock.
 
-Replace it with a real recording when a GPU is at hand (docs/collectors.md, "Sample files").
+Tests that need a controlled shape (a throttle at a known time, errors, a known root process) use
+it; the product (the demo, the bench) plays the real H100 recording, sample_traces/nvml-h100.jsonl.
 
-    python sample_traces/make_nvml_synthetic.py [OUT]
+    python tests/data/make_nvml_synthetic.py [OUT]
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def main(out_path: Path) -> None:
             SyntheticSource(SEED),
             out,
             hz=HZ,
-            made_by=f"sample_traces/make_nvml_synthetic.py (seed {SEED}): SYNTHETIC, not "
+            made_by=f"tests/data/make_nvml_synthetic.py (seed {SEED}): SYNTHETIC, not "
             "recorded from a GPU; replace with python -m gpu_trace.collectors.nvml record FILE",
             synthetic=True,
             note="SYNTHETIC: invented values shaped like one H100 SXM in a training loop "
