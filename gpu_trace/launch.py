@@ -25,7 +25,7 @@ from gpu_trace import config
 from gpu_trace.tracer import context
 from gpu_trace.tracer.clock import anchor, now_ns
 from gpu_trace.tracer.files import disk_full
-from gpu_trace.tracer.run import RUN_FILE, RunInfo, new_run_id, recorder_attrs
+from gpu_trace.tracer.run import RUN_FILE, RunInfo, new_run_id, recorder_attrs, recording_attrs
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +170,8 @@ def prepare(
     samplers = _prepare_samplers(info, run_dir, nvml_hz, host_hz, nvml_replay, nvml_fallback)
     notes.extend(samplers.notes)
     info.attrs.update(samplers.attrs)
+    # How the run is recorded, the same keys every entry point writes (ls, show).
+    info.attrs.update(recording_attrs("record", environ=env, samplers=samplers.attrs))
     _save_or_refuse(info, run_dir)
     return Launch(
         run_dir, info, [executable, *argv[1:]], env, env["GPU_TRACE_NVTX"], notes, samplers

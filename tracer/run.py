@@ -11,10 +11,12 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpu_trace import config
 from gpu_trace.tracer.files import replace_text
 
 RUN_FILE = "run.json"
@@ -113,6 +115,108 @@ def _process_start(pid: int) -> str | None:
         return None
     fields = stat.rsplit(")", 1)[-1].split()
     return fields[19] if len(fields) > 19 else None
+
+
+#: ``attrs`` saying how a run was recorded (:func:`recording_attrs`), in the order ``show`` lists
+#: them. A run from before they were written has none of them: ``ls`` and ``show`` print ``-``.
+RECORDING_ATTRS = (
+    "started_by",
+    "torch",
+    "torch_shapes",
+    "tf",
+    "nvtx",
+    "nvml",
+    "nvml_hz",
+    "host_hz",
+    "remote",
+)
+
+
+def recording_attrs(
+    started_by: str,
+    *,
+    environ: Mapping[str, str] | None = None,
+    torch: str | None = None,
+    tf: str | None = None,
+    shapes: bool | None = None,
+    nvtx: str | None = None,
+    samplers: Mapping[str, str] | None = None,
+    remote: str | None = None,
+) -> dict[str, str]:
+    """How a run is recorded, for its ``RunInfo.attrs``: every entry point writes these keys.
+
+    ``started_by`` names the entry point (``record`` for `gpu-trace record`, ``start`` for
+    ``gpu_trace.start()``, ...). Each setting is the explicit value if given, else the one in
+    ``environ`` (default ``os.environ``; `gpu-trace record` passes the program's environment, which
+    holds the levels it chose), else the default, so the attrs say what the program ran with.
+    ``samplers`` is what the run's samplers wrote (``nvml``, ``nvml_hz``, ``host_hz``, ``gpus``);
+    without them both samplers were off. The values were checked when the run started
+    (:func:`gpu_trace.config.check_environment`); one that is not valid is written as given.
+    """
+    env = os.environ if environ is None else environ
+
+    def setting(name: str, explicit: object, default: str) -> str:
+        value = explicit if explicit is not None else env.get(name) or default
+        return str(value).strip().lower()
+
+    shapes_on = shapes
+    if shapes_on is None:
+        text = env.get("GPU_TRACE_TORCH_SHAPES") or "0"
+        try:
+            shapes_on = bool(config.parse("GPU_TRACE_TORCH_SHAPES", text))
+        except ValueError:
+            shapes_on = False
+    sampled = dict(samplers or {})
+    attrs = {
+        "started_by": started_by,
+        "torch": setting("GPU_TRACE_TORCH", torch, "module"),
+        "torch_shapes": "on" if shapes_on else "off",
+        "tf": setting("GPU_TRACE_TF", tf, "layer"),
+        "nvtx": setting("GPU_TRACE_NVTX", nvtx, "native"),
+        "nvml": sampled.get("nvml") or "off",
+        "nvml_hz": sampled.get("nvml_hz") or "0",
+        "host_hz": sampled.get("host_hz") or "0",
+    }
+    if attrs["nvml"] == "off":
+        attrs["nvml_hz"] = "0"
+    if sampled.get("gpus"):
+        attrs["gpus"] = sampled["gpus"]
+    address = remote if remote is not None else env.get("GPU_TRACE_REMOTE")
+    if address:
+        attrs["remote"] = address
+    return attrs
+
+
+def describe_recording(attrs: Mapping[str, str], *, compact: bool = False) -> str:
+    """How a run was recorded, from its attrs: ``torch=op tf=off nvml=10Hz host=2Hz`` (compact,
+    for a column) or every setting (for ``show``); ``-`` for a run from before they were kept."""
+    if "started_by" not in attrs:
+        return "-"
+
+    def rate(key: str) -> str:
+        hz = attrs.get(key, "0")
+        return "off" if hz in ("", "0") else f"{hz}Hz"
+
+    nvml = "off" if attrs.get("nvml", "off") == "off" else rate("nvml_hz")
+    remote = attrs.get("remote") or ""
+    if compact:
+        parts = [
+            f"torch={attrs.get('torch', '-')}",
+            f"tf={attrs.get('tf', '-')}",
+            f"nvml={nvml}",
+            f"host={rate('host_hz')}",
+        ]
+        if remote:
+            parts.append(f"remote={remote}")
+        return " ".join(parts)
+    source = attrs.get("nvml", "off")
+    nvml_full = "off" if source == "off" else f"{source} at {rate('nvml_hz')}"
+    return (
+        f"started by {attrs['started_by']}; torch={attrs.get('torch', '-')}"
+        f" (shapes {attrs.get('torch_shapes', 'off')}), tf={attrs.get('tf', '-')},"
+        f" nvtx={attrs.get('nvtx', '-')}, nvml={nvml_full}, host={rate('host_hz')},"
+        f" remote={remote or 'off'}"
+    )
 
 
 STATS_DIR = "stats"

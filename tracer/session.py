@@ -19,7 +19,7 @@ from gpu_trace import config
 from gpu_trace._imports import discard, when_imported
 from gpu_trace.tracer import context, recorder
 from gpu_trace.tracer.clock import anchor, now_ns
-from gpu_trace.tracer.run import RunInfo, new_run_id
+from gpu_trace.tracer.run import RunInfo, new_run_id, recorder_attrs, recording_attrs
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +45,14 @@ def start_from_env(attach: Attach | None = None) -> recorder.Recorder | None:
 
 
 def start_run(
-    run_dir: Path | None = None, *, attach: Attach | None = None, **overrides: Any
+    run_dir: Path | None = None,
+    *,
+    attach: Attach | None = None,
+    started_by: str = "start",
+    **overrides: Any,
 ) -> Path:
-    """Start a run in this process (see :func:`gpu_trace.start`)."""
+    """Start a run in this process (see :func:`gpu_trace.start`); ``started_by`` names the entry
+    point in the run's attrs (:func:`~gpu_trace.tracer.run.recording_attrs`)."""
     global _owned_run
     if recorder.active is not None:
         raise ValueError(f"already recording into {recorder.active.run_dir}")
@@ -67,6 +72,9 @@ def start_run(
                 "anchor_mono_ns": str(a.mono_ns),
                 "anchor_wall_ns": str(a.wall_ns),
                 "pid": str(os.getpid()),
+                # This process closes the run: if it dies first, ingest marks the run died.
+                **recorder_attrs(),
+                **recording_attrs(started_by, nvtx=settings.nvtx),
             },
         )
         info.save(run_dir)
