@@ -67,6 +67,10 @@ ENVIRONMENT: dict[str, str] = {
     "and RSS) in `gpu-trace record`. Default 2; 0 turns the host sampler off.",
     "GPU_TRACE_NVML_REPLAY": "An NVML sample file to play back instead of reading NVML (tests, "
     "demos without a GPU); see docs/collectors.md.",
+    "GPU_TRACE_KEEP_SPOOL": "1: keep a run's spool files after it is ingested (`record`, "
+    "`ingest`; like --keep-spool). Default 0: once the store is checked to hold every row the "
+    "spool held, the spool files under GPU_TRACE_HOME/runs are removed (run.json, stats/ and "
+    "ingested.json stay).",
     "TRACEPARENT": "W3C trace context of a parent; a run started under it joins that trace.",
 }
 
@@ -231,6 +235,7 @@ CHECKS: dict[str, Callable[[str], object]] = {
     "GPU_TRACE_NVML_HZ": _number(0, 1000, "samples per second"),
     "GPU_TRACE_HOST_HZ": _number(0, 1000, "samples per second"),
     "GPU_TRACE_NVML_REPLAY": _file,
+    "GPU_TRACE_KEEP_SPOOL": _flag,
     "TRACEPARENT": _anything,
 }
 
@@ -353,6 +358,14 @@ def _rate(name: str, explicit: float | None, default: float) -> float:
         flag = name.removeprefix("GPU_TRACE_").lower().replace("_", "-")
         raise ValueError(f"--{flag} must be in [0, 1000] Hz, got {value:g}")
     return value
+
+
+def keep_spool(explicit: bool | None = None) -> bool:
+    """Whether a run's spool stays after a verified ingest: ``--keep-spool`` or
+    ``GPU_TRACE_KEEP_SPOOL`` (default: removed)."""
+    if explicit:
+        return True
+    return bool(_get("GPU_TRACE_KEEP_SPOOL", False))
 
 
 def runs_dir() -> Path:
