@@ -14,7 +14,6 @@ native twin (a parity test holds them together).
 from __future__ import annotations
 
 import os
-import random
 import threading
 import time
 
@@ -25,6 +24,13 @@ import time
 #: program but a flood of ranges) this never runs. The C range does the same.
 GIVE_WAY_MASK = 1023
 give_way = getattr(os, "sched_yield", lambda: time.sleep(0))
+
+
+def private_bits(k: int) -> int:
+    """``k`` random bits from the OS, never from the program's ``random``: a seeded program
+    must draw the same numbers recorded or not (docs/frameworks.md, "What recording leaves
+    untouched"); a private ``random.Random`` would repeat its ids in every forked child."""
+    return int.from_bytes(os.urandom((k + 7) // 8), "little") >> (-k % 8)
 
 
 class ThreadBuffer:
@@ -55,7 +61,7 @@ class ThreadBuffer:
         # Span ids: a random 32-bit thread prefix and a sequence number, unique within a run with
         # overwhelming probability and allocated without any shared state.
         # The hot path inlines next_id: ``buf.seq += 1; sid = buf.prefix + buf.seq``.
-        self.prefix = (random.getrandbits(31) | 1) << 32
+        self.prefix = (private_bits(31) | 1) << 32
         self.seq = 0
 
     def next_id(self) -> int:

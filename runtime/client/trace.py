@@ -23,12 +23,12 @@ client sends it the clock-sync exchanges instead (CLOCK messages), see
 from __future__ import annotations
 
 import logging
-import random
 import threading
 from typing import TYPE_CHECKING, Any
 
 from gpu_trace.runtime.protocol.span_tables import counter_table, span_table, write_stats
 from gpu_trace.tracer import recorder
+from gpu_trace.tracer.buffer import private_bits
 from gpu_trace.tracer.clocksync import ClockModel, Sample, measure
 from gpu_trace.tracer.context import format_traceparent
 from gpu_trace.tracer.ingest import CLOCK_PEER
@@ -52,7 +52,7 @@ class ClientTrace:
         self.rec = recorder.active
         self.enabled = self.rec is not None and enabled is not False
         self.trace_id = self.rec.trace_id if self.rec is not None else ""
-        self._prefix = (random.getrandbits(30) | 1) << 33
+        self._prefix = (private_bits(30) | 1) << 33  # never the program's `random`
         self._seq = 0
         self._lock = threading.Lock()
         self.samples: list[Sample] = []

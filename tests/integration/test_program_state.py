@@ -1,0 +1,120 @@
+"""Recording never changes what a program computes: seeded programs print the same bytes plain
+and under `gpu-trace record` at every level.
+
+The programs in ``seeded/`` print floats as hex, hashes of their weights and draws from every
+generator they use (Python's ``random``, NumPy's, torch's, TensorFlow's) after training; any draw
+the recorder or a patch makes from the program's generators, and any change to its threads'
+names, warning filters or ``sys.path``, shows as a different line. Runs use ``--no-ingest`` and no
+samplers: the store plays no part in what the program sees.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.test_record import gpu_trace
+
+SEEDED = Path(__file__).resolve().parent / "seeded"
+RECORD = ("record", "--no-ingest", "--no-nvml", "--host-hz", "0")
+CLOSING = "gpu-trace: run "  # the closing line `gpu-trace record` itself writes to stderr
+
+
+def plain(prog: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(prog)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=240,
+    )
+
+
+def program_stderr(out: subprocess.CompletedProcess) -> str:
+    """What the program itself wrote to stderr: the record command's closing line left out."""
+    return "".join(line for line in out.stderr.splitlines(True) if not line.startswith(CLOSING))
+
+
+def assert_same(
+    prog: Path,
+    levels: dict[str, tuple[str, ...]],
+    *,
+    stderr: bool = True,
+    env: dict[str, dict[str, str]] | None = None,
+) -> None:
+    """``prog`` prints the same stdout (and, with ``stderr``, the same stderr) plain and under
+    `gpu-trace record` with each of ``levels``' flags (``env``: extra settings per level)."""
+    want = plain(prog)
+    assert want.returncode == 0, want.stderr
+    differ: list[str] = []
+    for label, flags in levels.items():
+        got = gpu_trace(
+            *RECORD, *flags, "--", sys.executable, str(prog), env=(env or {}).get(label)
+        )
+        assert got.returncode == 0, f"{label}: {got.stderr}"
+        if got.stdout != want.stdout:
+            diff = difflib.unified_diff(
+                want.stdout.splitlines(), got.stdout.splitlines(), lineterm=""
+            )
+            differ.append(f"{label} (stdout):\n" + "\n".join(list(diff)[2:12]))
+        if stderr and program_stderr(got) != want.stderr:
+            differ.append(f"{label} (stderr):\n{program_stderr(got)[-600:]}")
+    assert not differ, "recording changed the program's output at:\n" + "\n".join(differ)
+
+
+def test_recorder_ids_leave_random_alone() -> None:
+    """A thread buffer's and a forwarding client's span-id prefixes come from the OS, not from
+    the program's ``random`` (which a seeded program's later draws depend on)."""
+    from gpu_trace.runtime.client.trace import ClientTrace
+    from gpu_trace.tracer.buffer import ThreadBuffer
+
+    state = random.getstate()
+    client = ClientTrace(None, None)  # type: ignore[arg-type]  # no connection: ids only
+    prefixes = {ThreadBuffer(8).prefix >> 32 for _ in range(64)}
+    client.new_span_id()
+    assert random.getstate() == state
+    assert len(prefixes) == 64 and all(p & 1 for p in prefixes)  # odd, never the C ids
+
+
+def test_numpy_program_unchanged() -> None:
+    assert_same(SEEDED / "seeded_numpy.py", {"default": ()})
+
+
+def test_torch_program_unchanged_at_every_level() -> None:
+    """A module on a new thread and in DataLoader workers (shuffled, 2 workers), draws of all
+    three generators after training; at op level one profiler session is cycled mid-run, so
+    the flusher makes its spans while the program still draws."""
+    pytest.importorskip("torch")
+    op_env = {"SEEDED_PAUSE": "2.2", "GPU_TRACE_FLUSH_INTERVAL": "0.05"}
+    assert_same(
+        SEEDED / "seeded_torch.py",
+        {
+            "--torch off": ("--torch", "off"),
+            "--torch module": ("--torch", "module"),
+            "--torch op": ("--torch", "op"),
+        },
+        env={"--torch op": op_env},
+    )
+
+
+def test_keras_program_unchanged_at_every_level() -> None:
+    """Keras ``fit`` (validation split, shuffle, dropout) and a GradientTape loop: Keras draws
+    its layers' default seeds from Python's ``random``, so a recorder draw before them (op level
+    records the first eager op, when the model is built) changed every loss."""
+    pytest.importorskip("tensorflow")
+    pytest.importorskip("keras")
+    assert_same(
+        SEEDED / "seeded_keras.py",
+        {
+            "--tf off": ("--tf", "off"),
+            "--tf layer": ("--tf", "layer"),
+            "--tf op": ("--tf", "op"),
+        },
+        stderr=False,  # TensorFlow's own log lines carry timestamps
+    )
