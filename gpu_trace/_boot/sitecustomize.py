@@ -1,12 +1,19 @@
 """Started by `gpu-trace record` through PYTHONPATH: recording begins before the program's first line.
 
 Every Python process of the run (the program, its subprocesses, multiprocessing's spawned workers)
-inherits the environment and so runs this. A sitecustomize of the user's own that this one shadows
-is executed afterwards.
+inherits the environment and so runs this. Then it steps aside, so the program sees what it would
+see plain (docs/frameworks.md, "What recording leaves untouched"): this folder leaves
+``sys.path`` (PYTHONPATH keeps it, for child processes), and ``sys.modules["sitecustomize"]`` is
+the user's own sitecustomize that this one shadows (imported here, after recording started) or,
+when there is none, nothing: ending with ``ImportError(name="sitecustomize")`` is how ``site``
+is told there is no sitecustomize, and it says nothing.
 """
 
+import importlib.util
 import os
 import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _start() -> None:
@@ -33,19 +40,28 @@ def _remote() -> None:
         sys.stderr.write(f"gpu-trace: CUDA forwarding is off in this process: {exc}\n")
 
 
-def _chain() -> None:
-    here = os.path.dirname(os.path.abspath(__file__))
+def _leave_path() -> None:
+    sys.path[:] = [p for p in sys.path if not p or os.path.abspath(p) != _HERE]
+
+
+def _chain() -> bool:
+    """Import the sitecustomize this one shadows as ``sitecustomize``; False if there is none.
+    Its errors propagate, as they would plain (``site`` prints them and goes on)."""
     for entry in sys.path:
-        if not entry or os.path.abspath(entry) == here:
-            continue
-        candidate = os.path.join(entry, "sitecustomize.py")
-        if os.path.isfile(candidate):
-            with open(candidate, "rb") as f:
-                code = compile(f.read(), candidate, "exec")
-            exec(code, {"__name__": "sitecustomize", "__file__": candidate})
-            return
+        candidate = os.path.join(entry or os.curdir, "sitecustomize.py")
+        if entry and os.path.isfile(candidate):
+            spec = importlib.util.spec_from_file_location("sitecustomize", candidate)
+            if spec is None or spec.loader is None:
+                return False
+            module = importlib.util.module_from_spec(spec)
+            sys.modules["sitecustomize"] = module  # replaces this one (importlib allows it)
+            spec.loader.exec_module(module)
+            return True
+    return False
 
 
 _start()
 _remote()
-_chain()
+_leave_path()
+if not _chain():
+    raise ImportError("no sitecustomize besides gpu-trace's", name="sitecustomize")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import recorded
 from tests.integration.test_record import gpu_trace
 
 SEEDED = Path(__file__).resolve().parent / "seeded"
@@ -80,6 +81,32 @@ def test_recorder_ids_leave_random_alone() -> None:
     client.new_span_id()
     assert random.getstate() == state
     assert len(prefixes) == 64 and all(p & 1 for p in prefixes)  # odd, never the C ids
+
+
+def test_boot_steps_aside(tmp_path: Path) -> None:
+    """Recording starts from a ``sitecustomize`` on PYTHONPATH, yet the program's ``sys.path`` and
+    ``sys.modules["sitecustomize"]`` are what they are plain: none, or the user's own (which still
+    runs, after recording started)."""
+    prog = tmp_path / "where.py"
+    prog.write_text(
+        "import sys\n"
+        "import gpu_trace\n"
+        "with gpu_trace.range('first'):\n"
+        "    site = sys.modules.get('sitecustomize')\n"
+        "print(sys.path, getattr(site, '__file__', None), getattr(site, 'MARK', None))\n"
+    )
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "sitecustomize.py").write_text("MARK = 'user'\n")
+    for n, pythonpath in enumerate(("", str(user))):
+        want = plain(prog, {"PYTHONPATH": pythonpath})
+        run_dir = tmp_path / f"run{n}"
+        got = gpu_trace(
+            *RECORD, "--run-dir", str(run_dir), "--", sys.executable, str(prog),
+            env={"PYTHONPATH": pythonpath},
+        )  # fmt: skip
+        assert (got.returncode, got.stdout) == (0, want.stdout), got.stderr
+        assert [s["name"] for s in recorded(run_dir)] == ["first"]
 
 
 def test_numpy_program_unchanged() -> None:
