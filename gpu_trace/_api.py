@@ -1,4 +1,5 @@
-"""The public recording API: ``range``, ``mark``, ``counter``, ``step``, ``start``, ``stop``.
+"""The public recording API: ``range``, ``mark``, ``counter``, ``step``, ``start``, ``stop``
+(``profile()``, which records a block and stores it, is in ``profiling.py``).
 
 Every call is safe with no active recorder (it then only emits NVTX for an attached tool) and
 never raises into the program once constructed.
@@ -212,16 +213,32 @@ def start(run_dir: str | Path | None = None, **settings: Any) -> Path:
     `gpu-trace record` does this for you before the program's first line; call it to record a
     part of a program yourself, then ``stop()`` and ``gpu-trace ingest RUN_DIR``.
     """
-    from gpu_trace import _capture
+    from gpu_trace import _capture, profiling
     from gpu_trace.tracer.session import start_run
 
+    block = profiling.active_run()
+    if block is not None:
+        raise ValueError(
+            f"gpu_trace.profile() is recording run {block}: start() records a run of its own; "
+            "end the profile() block first (ranges inside it are recorded already)"
+        )
     run = Path(run_dir) if run_dir is not None else None
     return start_run(run_dir=run, attach=_capture.attach, **settings)
 
 
 def stop() -> Path | None:
-    """Stop recording and flush; returns the run directory (None if nothing was recording)."""
-    from gpu_trace import _capture
+    """Stop recording and flush; returns the run directory (None if nothing was recording).
+
+    A ``gpu_trace.profile()`` block's recording is not stopped here (ValueError): it ends with
+    its block, which then stores it.
+    """
+    from gpu_trace import _capture, profiling
     from gpu_trace.tracer.session import stop_run
+
+    block = profiling.active_run()
+    if block is not None:
+        raise ValueError(
+            f"gpu_trace.profile() is recording run {block}; it stops when its with block ends"
+        )
 
     return stop_run(detach=_capture.detach)

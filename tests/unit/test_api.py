@@ -13,10 +13,14 @@ from tests.conftest import recorded
 
 def test_public_surface_is_pinned() -> None:
     assert sorted(gpu_trace.__all__) == [
+        "Run",
         "__version__",
         "counter",
         "mark",
+        "profile",
         "range",
+        "run",
+        "runs",
         "start",
         "step",
         "stop",

@@ -1,0 +1,575 @@
+"""A stored run, read from Python: ``gpu_trace.runs()``, ``gpu_trace.run("last")``, :class:`Run`.
+
+What `gpu-trace ls`, `show`, `sql` and `export` and the dashboard's timeline give on a terminal or
+in a browser, as pandas DataFrames and a plotly figure for a notebook, from the same code: the
+store's reads (``tracer/reads.py``: runs, the per-lane summary, forwarding), its read-only SQL
+(``tracer/query_guard.py``), the dashboard's step times and timeline figure, the exporter seam.
+
+Each call opens the store, reads and closes it again: an embedded chDB store is locked to one
+process while it is open, and a notebook that held it would lock `gpu-trace ls` out. Times are
+integer nanoseconds on the run's clock (CLOCK_MONOTONIC of the recording host, the ``start_ns``
+columns), with relative milliseconds since the run started beside them for reading. pandas and
+plotly come with the ``ui`` extra.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import html
+import logging
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+from gpu_trace import _format as fmt
+from gpu_trace import config
+
+if TYPE_CHECKING:
+    import pandas as pd
+    import plotly.graph_objects as go
+
+    from gpu_trace.tracer.store import Store
+
+log = logging.getLogger(__name__)
+
+#: Rows :meth:`Run.spans` returns unless told otherwise.
+SPAN_LIMIT = 100_000
+#: Counters drawn under the timeline when none are named: these first, then any, up to four.
+TIMELINE_COUNTERS = (
+    "nvml/gpu_util_pct",
+    "nvml/mem_used_bytes",
+    "host/cpu_util_pct",
+    "user/loss",
+)
+_SPAN_COLUMNS = (
+    "span_id, parent_span_id, host, pid, tid, lane, category, name, start_ns, end_ns, depth, attrs"
+)
+
+
+def _pd() -> ModuleType:
+    """pandas, or an ImportError naming the extra that brings it."""
+    try:
+        import pandas
+    except ImportError:
+        raise ImportError(
+            "reading runs as DataFrames needs pandas: pip install 'gpu-trace[ui]'"
+        ) from None
+    return pandas
+
+
+def _frame(rows: list[dict[str, object]], columns: list[str]) -> pd.DataFrame:
+    return _pd().DataFrame(rows, columns=columns)
+
+
+@contextlib.contextmanager
+def _opened(dsn: str) -> Iterator[Store]:
+    from gpu_trace.tracer.store import Store
+
+    with Store(dsn) as store:
+        yield store
+
+
+def _like(pattern: str) -> str:
+    """A glob (``*``, ``?``) as a LIKE pattern; without wildcards it matches the text exactly."""
+    out = pattern.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return out.replace("*", "%").replace("?", "_")
+
+
+def _window(start: int | None, end: int | None) -> None:
+    for what, value in (("start", start), ("end", end)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(
+                f"{what} is an integer ns on the run's clock (a start_ns value), got {value!r}"
+            )
+    if start is not None and end is not None and end <= start:
+        raise ValueError(f"empty window: end ({end}) is not after start ({start})")
+
+
+@dataclass(frozen=True)
+class RunRow:
+    """A run's row in the store: what `gpu-trace ls` shows of it."""
+
+    run_id: str
+    trace_id: str
+    started_ns: int
+    ended_ns: int
+    command: str
+    hosts: list[str]
+    status: str
+    attrs: dict[str, str]
+    spans: int
+    counters: int
+
+    @classmethod
+    def of(cls, row: Mapping[str, object]) -> RunRow:
+        def num(key: str) -> int:
+            value = row.get(key)
+            return int(value) if isinstance(value, (int, float, str)) and value != "" else 0
+
+        hosts = row.get("hosts")
+        attrs = row.get("attrs")
+        return cls(
+            run_id=str(row["run_id"]),
+            trace_id=str(row.get("trace_id", "")),
+            started_ns=num("started_ns"),
+            ended_ns=num("ended_ns"),
+            command=str(row.get("command", "")),
+            hosts=[str(h) for h in hosts] if isinstance(hosts, list) else [],
+            status=str(row.get("status", "")),
+            attrs={str(k): str(v) for k, v in attrs.items()} if isinstance(attrs, dict) else {},
+            spans=num("spans"),
+            counters=num("counters"),
+        )
+
+    @property
+    def duration_ns(self) -> int | None:
+        return self.ended_ns - self.started_ns if self.ended_ns else None
+
+
+@dataclass
+class Summary:
+    """A run's summary as DataFrames: the numbers `gpu-trace show` prints (``text``).
+
+    ``lanes``: spans and total and self time per lane; ``by_total``/``by_self``: per lane, the top
+    range names by total and by self time (a span's duration minus its direct children's on its
+    thread); ``steps``: each training step's duration; ``counters``: samples, min, mean, max per
+    metric; ``forwarded``: per forwarded op, client, wire, queue and execute time.
+    """
+
+    run: RunRow
+    lanes: pd.DataFrame
+    by_total: pd.DataFrame
+    by_self: pd.DataFrame
+    steps: pd.DataFrame
+    counters: pd.DataFrame
+    forwarded: pd.DataFrame
+    text: str = field(repr=False, default="")
+
+    def __repr__(self) -> str:
+        text = self.text
+        if len(self.forwarded):
+            text += "\n\nforwarded ops:\n" + self.forwarded.to_string(index=False)
+        return text
+
+    def _repr_html_(self) -> str:
+        parts = [f"<h4>run {html.escape(self.run.run_id)}: top ranges per lane</h4>"]
+        for lane in self.lanes.itertuples(index=False):
+            top = self.by_total[self.by_total["lane"] == lane.lane]
+            shown = _durations(top[["name", "count", "total_ns", "self_ns", "mean_ns", "max_ns"]])
+            parts.append(
+                f"<p><b>{html.escape(str(lane.lane))}</b> ({fmt.count(int(lane.spans))} spans, "
+                f"{fmt.duration(int(lane.total_ns))} total)</p>"
+            )
+            parts.append(shown.to_html(index=False))
+        if len(self.steps):
+            durations = self.steps["dur_ns"]
+            parts.append(
+                f"<p><b>steps</b>: {len(self.steps)}, mean {fmt.duration(int(durations.mean()))}, "
+                f"max {fmt.duration(int(durations.max()))}</p>"
+            )
+        if len(self.counters):
+            parts.append("<p><b>counters</b></p>" + self.counters.to_html(index=False))
+        if len(self.forwarded):
+            parts.append(
+                "<p><b>forwarded ops</b></p>" + _durations(self.forwarded).to_html(index=False)
+            )
+        return "\n".join(parts)
+
+
+def _durations(df: pd.DataFrame) -> pd.DataFrame:
+    """``*_ns`` columns as durations for reading (a copy, named without ``_ns``)."""
+    out = df.copy()
+    for col in [c for c in out.columns if str(c).endswith("_ns")]:
+        out[str(col)[:-3]] = [fmt.duration(int(v)) for v in out.pop(col)]
+    return out
+
+
+class Run:
+    """One run in the store: ``gpu_trace.run("last")``, or the target of ``profile()``'s ``as``.
+
+    ``id``, ``dir`` (the run directory, for a run recorded here), ``notes`` (what was off while
+    recording); the stored row is read on first use (``row``). Every read raises ``RuntimeError``
+    while the run is still recording, or when it could not be stored (saying how to load it).
+    """
+
+    def __init__(
+        self,
+        run_id: str,
+        dsn: str | None = None,
+        *,
+        run_dir: Path | None = None,
+        notes: list[str] | None = None,
+        recording: bool = False,
+    ) -> None:
+        self.id = run_id
+        self.dsn = config.store_dsn(dsn)
+        self.dir = run_dir
+        self.notes = list(notes or [])
+        self._recording = recording
+        self._problem: str | None = None
+        self._row: RunRow | None = None
+
+    def _stored(self, problem: str | None) -> None:
+        """The recording ended: stored (``problem`` None), or not, and why."""
+        self._recording, self._problem, self._row = False, problem, None
+
+    def _check(self) -> None:
+        if self._recording:
+            raise RuntimeError(
+                f"run {self.id} is still recording: read it once its profile() block has ended"
+            )
+        if self._problem:
+            raise RuntimeError(f"run {self.id} is {self._problem}")
+
+    @property
+    def row(self) -> RunRow:
+        """The run's row in the store (read once: a stored run does not change)."""
+        self._check()
+        if self._row is None:
+            with _opened(self.dsn) as store:
+                self._row = RunRow.of(store.run(self.id))
+        return self._row
+
+    # ---- tables ---------------------------------------------------------------------------------
+
+    def summary(self, top: int = 20) -> Summary:
+        """Top ranges by total and self time per lane, steps, counters, forwarded ops."""
+        from gpu_trace.commands.runs import render_summary
+        from gpu_trace.dashboard import reports
+        from gpu_trace.dashboard.readonly_store import ReadOnlyStore
+
+        if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+            raise ValueError(f"top must be a positive int, got {top!r}")
+        row = self.row
+        with _opened(self.dsn) as store:
+            run = store.run(self.id)
+            summary = store.summary(self.id, top=top)
+            forwarding = store.forwarding(self.id, top=top)
+            steps = reports.step_times(ReadOnlyStore(store=store), self.id)
+        ranked = ["lane", "name", "category", "count", "total_ns", "self_ns", "mean_ns", "max_ns"]
+        by_total, by_self, lanes = [], [], []
+        for lane in summary["lanes"]:
+            lanes.append({"lane": lane["lane"], "spans": lane["count"],
+                          "total_ns": lane["total_ns"], "self_ns": lane["self_ns"]})  # fmt: skip
+            by_total += [{"lane": lane["lane"], **r} for r in lane["by_total"]]
+            by_self += [{"lane": lane["lane"], **r} for r in lane["by_self"]]
+        for s in steps:
+            s["start_ms"] = (int(s["start_ns"]) - row.started_ns) / 1e6
+            s["dur_ms"] = int(s["dur_ns"]) / 1e6
+        return Summary(
+            run=row,
+            lanes=_frame(lanes, ["lane", "spans", "total_ns", "self_ns"]),
+            by_total=_frame(by_total, ranked),
+            by_self=_frame(by_self, ranked),
+            steps=_frame(
+                steps, ["name", "pid", "index", "start_ns", "dur_ns", "start_ms", "dur_ms"]
+            ),
+            counters=_frame(
+                summary["counters"],
+                ["host", "source", "device", "metric", "count", "min", "mean", "max"],
+            ),
+            forwarded=_frame(
+                forwarding["ops"],
+                ["name", "count", "client_ns", "wire_ns", "queue_ns", "execute_ns"],
+            ),
+            text=render_summary(run, summary),
+        )
+
+    def spans(
+        self,
+        lane: str | None = None,
+        name: str | None = None,
+        category: str | None = None,
+        start: int | None = None,
+        end: int | None = None,
+        limit: int | None = SPAN_LIMIT,
+    ) -> pd.DataFrame:
+        """Spans overlapping ``[start, end)`` (ns on the run's clock), in start order.
+
+        ``lane`` and ``name`` are exact, or globs with ``*`` and ``?`` (``lane="torch/*"``);
+        ``category`` is exact (``module``, ``op``, ``step``, ``nvtx``...). At most ``limit`` rows
+        (None: all); a cut result is logged. Columns: the store's, ``dur_ns``, and ``start_ms``
+        and ``dur_ms`` relative to the run's start.
+        """
+        _window(start, end)
+        if limit is not None and (
+            isinstance(limit, bool) or not isinstance(limit, int) or limit < 1
+        ):
+            raise ValueError(f"limit must be a positive int or None, got {limit!r}")
+        where = ["run_id = {run_id:String}"]
+        params: dict[str, object] = {"run_id": self.id}
+        for col, value in (("lane", lane), ("name", name), ("category", category)):
+            if value is None:
+                continue
+            if not isinstance(value, str):
+                raise ValueError(f"{col} must be a string, got {type(value).__name__}")
+            if col == "category":
+                where.append("category = {category:String}")
+                params["category"] = value
+            else:
+                where.append(f"{col} LIKE {{{col}:String}}")
+                params[col] = _like(value)
+        if start is not None:
+            where.append("end_ns >= {start:Int64}")
+            params["start"] = start
+        if end is not None:
+            where.append("start_ns < {end:Int64}")
+            params["end"] = end
+        if limit is not None:
+            params["limit"] = limit
+        query = (
+            f"SELECT {_SPAN_COLUMNS} FROM __db__.spans WHERE {' AND '.join(where)}"
+            " ORDER BY start_ns, depth, span_id"
+            + (" LIMIT {limit:UInt64}" if limit is not None else "")
+        )
+        base = self.row.started_ns
+        with _opened(self.dsn) as store:
+            table = store.query_arrow(query, params)
+        if limit is not None and table.num_rows >= limit:
+            log.warning(
+                "gpu-trace: run %s: showing the first %d spans; pass limit=None for all",
+                self.id,
+                limit,
+            )
+        _pd()
+        df = table.to_pandas()
+        df["attrs"] = [dict(a) for a in df["attrs"]]
+        df["dur_ns"] = df["end_ns"] - df["start_ns"]
+        df["start_ms"] = (df["start_ns"] - base) / 1e6
+        df["dur_ms"] = df["dur_ns"] / 1e6
+        return df
+
+    def counters(
+        self, name: str | None = None, start: int | None = None, end: int | None = None
+    ) -> pd.DataFrame:
+        """Counter samples in ``[start, end)`` (ns on the run's clock), in time order.
+
+        ``name`` matches ``source/metric`` (``nvml/gpu_util_pct``, ``user/loss``) or the metric
+        alone, exactly or as a glob. Columns: the store's, ``series`` (``source/metric``) and
+        ``t_ms`` since the run's start.
+        """
+        _window(start, end)
+        where = ["run_id = {run_id:String}"]
+        params: dict[str, object] = {"run_id": self.id}
+        if name is not None:
+            if not isinstance(name, str):
+                raise ValueError(f"name must be a string, got {type(name).__name__}")
+            where.append(
+                "(concat(source, '/', metric) LIKE {name:String} OR metric LIKE {name:String})"
+            )
+            params["name"] = _like(name)
+        if start is not None:
+            where.append("ts_ns >= {start:Int64}")
+            params["start"] = start
+        if end is not None:
+            where.append("ts_ns < {end:Int64}")
+            params["end"] = end
+        base = self.row.started_ns
+        with _opened(self.dsn) as store:
+            table = store.query_arrow(
+                "SELECT host, source, device, metric, ts_ns, value, labels FROM __db__.counters"
+                f" WHERE {' AND '.join(where)} ORDER BY ts_ns, source, metric, device, host",
+                params,
+            )
+        _pd()
+        df = table.to_pandas()
+        df["labels"] = [dict(a) for a in df["labels"]]
+        df["series"] = df["source"] + "/" + df["metric"]
+        df["t_ms"] = (df["ts_ns"] - base) / 1e6
+        return df
+
+    def sql(self, query: str, **parameters: object) -> pd.DataFrame:
+        """One read-only query, the rules of `gpu-trace sql` (``SELECT``, ``SHOW``, ``DESCRIBE``
+        of the store's tables; anything else is refused with the reason). The database
+        ``gpu_trace`` is the default; ``{run_id:String}`` is this run's id; other values go in as
+        ``{name:Type}`` parameters given by keyword."""
+        from gpu_trace.tracer.store import StoreError
+
+        if not isinstance(query, str):
+            raise ValueError(f"query must be a string, got {type(query).__name__}")
+        self._check()
+        params = {"run_id": self.id, **parameters}
+        with _opened(self.dsn) as store:
+            try:
+                columns, rows = store.sql(query, parameters=params)
+            except StoreError as exc:
+                raise ValueError(str(exc)) from None
+        return _pd().DataFrame.from_records(rows, columns=columns)
+
+    # ---- pictures and files ---------------------------------------------------------------------
+
+    def timeline(
+        self,
+        start: int | None = None,
+        end: int | None = None,
+        *,
+        width: int = 1200,
+        counters: list[str] | None = None,
+    ) -> go.Figure:
+        """The dashboard's timeline of ``[start, end)`` (ns on the run's clock; the whole run by
+        default) as a plotly Figure, shown inline by Jupyter. ``counters``: ``source/metric``
+        names drawn under it (default: up to four of the run's)."""
+        import plotly.graph_objects as go
+
+        from gpu_trace.dashboard import figures
+        from gpu_trace.dashboard import timeline as tl
+        from gpu_trace.dashboard.readonly_store import ReadOnlyStore
+
+        _window(start, end)
+        if isinstance(width, bool) or not isinstance(width, int) or not 200 <= width <= 20000:
+            raise ValueError(f"width must be an int of pixels in [200, 20000], got {width!r}")
+        row = self.row
+        t0 = row.started_ns if start is None else start
+        t1 = end if end is not None else max(row.ended_ns or t0 + 1, t0 + 1000)
+        with _opened(self.dsn) as store:
+            source = ReadOnlyStore(store=store)
+            run = tl.run(source, self.id)
+            found = [f"{c['source']}/{c['metric']}" for c in tl.counter_series(source, self.id)]
+            picked = self._counters_drawn(found, counters)
+            tracks = tl.tracks(source, self.id)
+            win = tl.window(source, self.id, t0, t1, width)
+            flows = tl.flows(source, self.id, t0, t1)
+            series = tl.counters(source, self.id, picked, t0, t1, width)
+            clock = [c for c in tl.clock_sync(source, self.id) if t0 <= c["ts_ns"] < t1]
+        figure = figures.timeline(run, tracks, win, flows, series, clock, width)
+        _labels_as_text(figure)
+        figure["layout"]["width"] = width
+        return go.Figure(figure)
+
+    @staticmethod
+    def _counters_drawn(found: list[str], asked: list[str] | None) -> list[str]:
+        if asked is None:
+            first = [c for c in TIMELINE_COUNTERS if c in found]
+            return (first + [c for c in found if c not in first])[:4]
+        missing = [c for c in asked if c not in found]
+        if missing:
+            raise ValueError(
+                f"no counter {', '.join(missing)} in this run; it has: {', '.join(found) or 'none'}"
+            )
+        return list(asked)
+
+    def export(self, path: str | Path, *, rank: int = 0) -> Path:
+        """Write the run as Chrome trace JSON (``.json`` or ``.json.gz``) for Perfetto and HTA,
+        as `gpu-trace export` does; returns the path. OSError when it can't be written."""
+        from gpu_trace.tracer.exporter import export_run, get_exporter
+
+        out = Path(path)
+        if out.suffix not in (".json", ".gz"):
+            raise ValueError(f"export path must end in .json or .json.gz, got {out}")
+        if not out.parent.is_dir():
+            raise ValueError(f"cannot write {out}: there is no directory {out.parent}")
+        self._check()
+        with _opened(self.dsn) as store:
+            counts = store.counts(self.id)
+            exporter = get_exporter(
+                "chrome",
+                path=out,
+                run=store.run(self.id),
+                threads=store.threads(self.id),
+                total_spans=counts.get("spans"),
+                rank=rank,
+            )
+            ok = export_run(exporter, store.iter_spans(self.id), store.iter_counters(self.id))
+        if not ok:
+            reason = getattr(exporter, "error", None) or "the exporter failed"
+            raise OSError(f"cannot write {out}: {reason}")
+        return out
+
+    # ---- what it is -------------------------------------------------------------------------------
+
+    def _describe(self) -> list[tuple[str, str]]:
+        if self._recording:
+            return [("status", "recording")]
+        if self._problem:
+            return [("status", self._problem)]
+        try:
+            row = self.row
+        except Exception as exc:  # a repr never raises
+            return [("status", f"unreadable: {exc}")]
+        duration = row.duration_ns
+        out = [
+            (
+                "status",
+                row.status + (f" ({row.attrs['reason']})" if row.attrs.get("reason") else ""),
+            ),
+            ("duration", fmt.duration(duration) if duration else "-"),
+            ("spans", fmt.count(row.spans)),
+            ("counters", fmt.count(row.counters)),
+            ("command", row.command),
+            ("store", self.dsn),
+        ]
+        out += [("note", note) for note in self.notes]
+        return out
+
+    def __repr__(self) -> str:
+        facts = ", ".join(f"{k} {v}" for k, v in self._describe())
+        return f"<gpu_trace.Run {self.id}: {facts}>"
+
+    def _repr_html_(self) -> str:
+        rows = "".join(
+            f"<tr><th style='text-align:left'>{html.escape(k)}</th><td style='text-align:left'>"
+            f"{html.escape(v)}</td></tr>"
+            for k, v in self._describe()
+        )
+        return f"<b>gpu-trace run {html.escape(self.id)}</b><table>{rows}</table>"
+
+
+def _labels_as_text(figure: dict[str, object]) -> None:
+    """The names on the bars as a text trace: the dashboard draws them with its own script
+    (``layout.meta.labels``), which a notebook does not load."""
+    from gpu_trace.dashboard.figures import esc
+
+    layout = figure.get("layout")
+    data = figure.get("data")
+    if not isinstance(layout, dict) or not isinstance(data, list):
+        return
+    labels = (layout.pop("meta", None) or {}).get("labels") or {}
+    if labels.get("text"):
+        data.append(
+            {"type": "scatter", "mode": "text", "x": labels["x"], "y": labels["y"],
+             "text": [esc(t) for t in labels["text"]], "textposition": "middle right",
+             "textfont": {"size": 10, "color": "white"}, "hoverinfo": "skip",
+             "showlegend": False}
+        )  # fmt: skip
+
+
+def runs(limit: int = 50, search: str | None = None, store: str | None = None) -> pd.DataFrame:
+    """Stored runs, newest first, as a DataFrame (what `gpu-trace ls` lists): ``search`` keeps
+    runs whose id, command, status or a host contains it."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"limit must be a positive int, got {limit!r}")
+    with _opened(config.store_dsn(store)) as opened:
+        found = [RunRow.of(r) for r in opened.runs(limit=limit, search=search)]
+    rows: list[dict[str, object]] = [
+        {
+            "run_id": r.run_id,
+            "status": r.status,
+            "duration_ms": r.duration_ns / 1e6 if r.duration_ns else None,
+            "spans": r.spans,
+            "counters": r.counters,
+            "name": r.attrs.get("name", ""),
+            "command": r.command,
+            "hosts": ",".join(r.hosts),
+            "started_ns": r.started_ns,
+        }
+        for r in found
+    ]
+    columns = ["run_id", "status", "duration_ms", "spans", "counters", "name", "command",
+               "hosts", "started_ns"]  # fmt: skip
+    return _frame(rows, columns)
+
+
+def run(ref: str = "last", store: str | None = None) -> Run:
+    """The stored run ``ref``: an id, a unique prefix of one, or ``last``. LookupError (naming
+    the recent runs) when there is none."""
+    if not isinstance(ref, str):
+        raise ValueError(f"run() takes a run id, a prefix or 'last', got {type(ref).__name__}")
+    dsn = config.store_dsn(store)
+    with _opened(dsn) as opened:
+        run_id = opened.resolve_run(ref)
+        row = RunRow.of(opened.run(run_id))
+    found = Run(run_id, dsn)
+    found._row = row
+    return found
