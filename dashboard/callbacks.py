@@ -159,8 +159,9 @@ def draw(source: ReadOnlyStore, win: dict, picked: list | None) -> dict[tuple[st
         return out
     base = win["base"]
     lod = (
-        f"{len(w.bars):,} spans as bars (≥ {figures.fmt.duration(w.bar_threshold_ns)}), "
-        f"{w.density_spans:,} narrower ones as density"
+        f"{len(w.bars):,} spans as bars (≥ {figures.fmt.duration(w.bar_threshold_ns)}"
+        + (f"; {w.pinned:,} narrower: each row's longest, steps, batches" if w.pinned else "")
+        + f"), {w.density_spans:,} narrower ones as density"
         + (" (bar limit reached)" if w.capped else "")
         + (f" · {fl['total']:,} forwarded-call links" if fl["total"] else "")
         + (f", {len(fl['links']):,} drawn" if fl["total"] > len(fl["links"]) else "")

@@ -10,6 +10,7 @@ as a text node's content.
 from __future__ import annotations
 
 import base64
+import bisect
 import html
 import math
 from typing import Any
@@ -38,6 +39,8 @@ COUNTER_PX = 110
 LABEL_PX = 40
 LABEL_FONT_PX = 10
 LABEL_PAD_PX = 3
+#: A name written beside a narrow bar shows at least this many characters (or all of it).
+BESIDE_MIN_CHARS = 8
 #: Width of a label character in ems, generously (track label margin, names cut to fit bars).
 CHAR_EM = 0.62
 
@@ -248,11 +251,10 @@ def _bars(
     win: Window, by_key: dict, base: int, width_px: int
 ) -> tuple[list[dict[str, Any]], dict[str, list]]:
     """One bar trace per category (each bar keeps its own hover text and click data), and the
-    names of the bars wide enough to hold one (``{x, y, text}``: where the name starts, its row,
-    the name cut to fit)."""
+    names to write (:func:`place_labels`)."""
     ns_per_px = max(1.0, (win.t1 - win.t0) / max(1, width_px))
     groups: dict[str, dict[str, list]] = {}
-    labels: dict[str, list] = {"x": [], "y": [], "text": []}
+    named: list[tuple[int, float, float, str]] = []  # row, left and right px, name
     for b in win.bars:
         t = by_key.get((b["host"], int(b["pid"]), int(b["tid"]), b["lane"]))
         if t is None:
@@ -263,19 +265,17 @@ def _bars(
         if g is None:
             g = groups[b["category"]] = {k: [] for k in ("x", "base", "y", "hover", "cd")}
         row = t.row + t.level(int(b["depth"]))
-        g["x"].append(max(dur, 1))
+        # At least a pixel wide: a pinned span narrower than that is still seen (and clicked).
+        g["x"].append(max(dur, 1, int(ns_per_px)))
         g["base"].append(start - base)
         g["y"].append(row)
         name = esc(b["name"])
         g["hover"].append(f"{name}<br>{fmt.duration(dur)} · {esc(b['lane'])}")
         g["cd"].append([b["span_id"], start])
-        # The visible part of the bar, in pixels: its name, cut to fit, starts at its left end.
-        left, right = max(start, win.t0), min(int(b["end_ns"]), win.t1)
-        text = fit_label(str(b["name"]), (right - left) / ns_per_px)
-        if text:
-            labels["x"].append(left - base + LABEL_PAD_PX * ns_per_px)
-            labels["y"].append(row)
-            labels["text"].append(text)
+        left, right = max(start, win.t0), min(start + max(dur, int(ns_per_px)), win.t1)
+        named.append(
+            (row, (left - win.t0) / ns_per_px, (right - win.t0) / ns_per_px, str(b["name"]))
+        )
     traces: list[dict[str, Any]] = [
         {
             "type": "bar",
@@ -292,7 +292,67 @@ def _bars(
         }
         for category, g in sorted(groups.items())
     ]
+    placed = place_labels(named, win.t1 - win.t0, ns_per_px)
+    labels: dict[str, list] = {"x": [], "y": [], "text": [], "out": []}
+    for row, x_px, text, out in placed:
+        labels["x"].append(win.t0 - base + x_px * ns_per_px)
+        labels["y"].append(row)
+        labels["text"].append(text)
+        labels["out"].append(out)
     return traces, labels
+
+
+def label_px(text: str) -> float:
+    """Width of ``text`` written in a label, generously."""
+    return len(text) * LABEL_FONT_PX * CHAR_EM
+
+
+def place_labels(
+    bars: list[tuple[int, float, float, str]], window_ns: int, ns_per_px: float
+) -> list[tuple[int, float, str, bool]]:
+    """Where bar names are written: ``(row, x px, text, beside)`` for bars given as ``(row, left
+    px, right px, name)`` (their visible part).
+
+    A bar at least :data:`LABEL_PX` wide has its name inside it, cut to fit. Then, longest bar
+    first, a narrower bar has its name written just right of it where its row has room up to
+    the next name or wide bar (``beside``, dark on a white halo): so the longest ranges of a
+    window are named at any zoom, a run's steps and top modules in its first view included.
+    Names never overlap.
+    """
+    width = window_ns / ns_per_px
+    taken: dict[int, list[tuple[float, float]]] = {}  # per row, sorted, non-overlapping
+    out: list[tuple[int, float, str, bool]] = []
+
+    def free(row: int, a: float, b: float) -> float:
+        """How far right of ``a`` the row is free, up to ``b`` (``a`` itself taken: -1)."""
+        spans = taken.get(row, [])
+        i = bisect.bisect_right(spans, (a, math.inf))
+        if i and spans[i - 1][1] > a:
+            return -1.0
+        return min(b, spans[i][0]) if i < len(spans) else b
+
+    def take(row: int, a: float, b: float) -> None:
+        bisect.insort(taken.setdefault(row, []), (a, b))
+
+    narrow = []
+    for row, left, right, name in bars:
+        if right - left >= LABEL_PX:
+            take(row, left, right)
+            text = fit_label(name, right - left)
+            if text:
+                out.append((row, left + LABEL_PAD_PX, text, False))
+        else:
+            narrow.append((right - left, row, left, right, name))
+    narrow.sort(key=lambda b: -b[0])
+    for _, row, left, right, name in narrow:
+        a = right + LABEL_PAD_PX
+        room = free(row, left, width) - a - LABEL_PAD_PX
+        text = fit_label(name, room + 2 * LABEL_PAD_PX) if room > 0 else ""
+        if not text or len(text) < min(len(name), BESIDE_MIN_CHARS + 1):
+            continue
+        take(row, left, a + label_px(text) + LABEL_PAD_PX)
+        out.append((row, a, text, True))
+    return out
 
 
 def fit_label(name: str, width_px: float) -> str:
@@ -340,7 +400,9 @@ def _counter_panel(row: int, name: str, rows: list[dict], base: int) -> list[dic
             "xaxis": f"x{_axis(row)}",
             "yaxis": f"y{_axis(row)}",
             "mode": "lines",
-            "line": {"width": 1.2},
+            # A counter holds its value until the next sample: steps, not slopes between
+            # samples (the window's data starts with the last sample before it).
+            "line": {"width": 1.2, "shape": "hv"},
             "name": esc(f"{name} {label}"),
             "showlegend": False,
             "hovertemplate": f"{esc(label)}: %{{y:.4g}}<extra>{esc(name)}</extra>",

@@ -46,6 +46,21 @@ FROM __db__.spans
 WHERE run_id = {run:String} AND end_ns - start_ns >= {cell:Int64}
 """
 
+#: Steps and forwarded batches shorter than a cell: always drawn, so kept by name too (the
+#: longest :data:`MAX_SHORT_PINS`; they are counted in the grid as well).
+_SHORT_PINS = """
+SELECT toString(span_id) AS id, host, pid, tid, lane, category, name, depth, start_ns, end_ns
+FROM __db__.spans
+WHERE run_id = {run:String} AND end_ns >= start_ns AND end_ns - start_ns < {cell:Int64}
+  AND (category = 'step' OR lane = 'forward/batch')
+ORDER BY end_ns - start_ns DESC LIMIT {cap:UInt32}
+"""
+#: Short steps and forwarded batches kept per run at most.
+MAX_SHORT_PINS = 20_000
+#: Kinds of span always drawn as bars (up to a cap): steps and forwarded batches.
+PIN_CATEGORIES = ("step",)
+PIN_LANES = ("forward/batch",)
+
 
 @dataclass
 class Overview:
@@ -54,7 +69,9 @@ class Overview:
     origin: int
     cell_ns: int
     grid: pa.Table  # host, pid, tid, lane, depth, cell, n, busy_ns, spans, unended, max_dur
-    long: pa.Table  # id, host, pid, tid, lane, category, name, depth, start_ns, end_ns
+    #: id, host, pid, tid, lane, category, name, depth, start_ns, end_ns, short: the spans at
+    #: least a cell long, then short steps and forwarded batches (``short``: also in the grid).
+    long: pa.Table
 
     def window(
         self,
@@ -65,27 +82,47 @@ class Overview:
         grid_row: np.ndarray,
         long_row: np.ndarray,
         n_rows: int,
+        pins: tuple[int, int] = (0, 0),
     ) -> dict[str, Any]:
         """Bars, density (span count and busy ns per timeline row and bucket) and the bar
         threshold for ``[t0, t1)`` in ``bucket`` ns buckets; ``bucket`` must be at least
         ``cell_ns``. ``grid_row`` and ``long_row`` give the timeline row of each grid cell and
-        long span (-1: not drawn)."""
+        long span (-1: not drawn). ``pins`` is (per row, cap): the longest spans of each row
+        and the steps and forwarded batches (up to cap) are bars however narrow
+        (:func:`pick_pins`)."""
         nb = max(1, -(-(t1 - t0) // bucket))
         start = self.long["start_ns"].to_numpy()
         end = self.long["end_ns"].to_numpy()
+        short = self.long["short"].to_numpy(zero_copy_only=False).astype(bool)
         inside = np.flatnonzero((start < t1) & (end >= t0))
         dur = end[inside] - start[inside]
         threshold, capped = bucket, False
-        wide = inside[dur >= bucket]
+        wide = inside[(dur >= bucket) & ~short[inside]]
         if len(wide) > max_bars:
             order = np.argsort(-(end[wide] - start[wide]), kind="stable")
             cut = int(end[wide[order[max_bars]]] - start[wide[order[max_bars]]])
             threshold, capped = cut + 1, True
-            wide = inside[dur >= threshold]
-        bars = self.long.take(pa.array(wide, pa.int64())).to_pylist()
+            wide = inside[(dur >= threshold) & ~short[inside]]
+        rest = inside[(dur < threshold) | short[inside]]
+        kinds = pc.or_(
+            pc.is_in(self.long["category"], pa.array(PIN_CATEGORIES)),
+            pc.is_in(self.long["lane"], pa.array(PIN_LANES)),
+        )
+        kind = kinds.to_numpy(zero_copy_only=False).astype(bool)
+        pinned = rest[
+            pick_pins(
+                long_row[rest], end[rest] - start[rest], kind[rest], pins[0], pins[1], start[rest]
+            )
+        ]
+        bars = self.long.take(pa.array(np.concatenate([wide, pinned]), pa.int64())).to_pylist()
+        for b in bars[len(wide) :]:
+            b["pinned"] = True
         for b in bars:
             b["span_id"] = b.pop("id")
-        narrow = inside[dur < threshold]
+            del b["short"]
+        # Long spans not drawn as bars go into density; short ones are in the grid already,
+        # from which the pinned short ones are taken out again.
+        narrow = np.setdiff1d(rest[~short[rest]], pinned)
         s0 = np.maximum(start[narrow], t0)
         rows = [long_row[narrow]]
         buckets = [(s0 - t0) // bucket]
@@ -100,6 +137,15 @@ class Overview:
         buckets.append(np.minimum((np.maximum(cstart, t0) - t0) // bucket, nb - 1))
         counts.append(self.grid["n"].to_numpy()[lo:hi].astype(np.float64))
         busy.append(self.grid["busy_ns"].to_numpy()[lo:hi].astype(np.float64))
+        taken = pinned[short[pinned]]
+        if len(taken):  # where the grid counted them: their cell's bucket, their whole length
+            pcell = (start[taken] - self.origin) // self.cell_ns
+            pstart = self.origin + pcell * self.cell_ns
+            in_grid = pcell >= (t0 - self.origin) // self.cell_ns  # the window's grid slice
+            rows.append(np.where(in_grid, long_row[taken], -1))
+            buckets.append(np.minimum((np.maximum(pstart, t0) - t0) // bucket, nb - 1))
+            counts.append(-np.ones(len(taken), dtype=np.float64))
+            busy.append(-(end[taken] - start[taken]).astype(np.float64))
         count, busy_ns = bin_cells(
             np.concatenate(rows), np.concatenate(buckets), np.concatenate(counts),
             np.concatenate(busy), n_rows, nb,
@@ -110,7 +156,28 @@ class Overview:
             "busy_ns": busy_ns,
             "threshold": threshold,
             "capped": capped,
+            "pinned": len(pinned),
         }
+
+
+def pick_pins(
+    row: np.ndarray, dur: np.ndarray, kind: np.ndarray, per_row: int, cap: int,
+    start: np.ndarray | None = None,
+) -> np.ndarray:  # fmt: skip
+    """Which of these spans (narrower than the bar threshold) are drawn as bars anyway: the
+    ``per_row`` longest of each timeline row, and steps and forwarded batches (``kind``), the
+    longest ``cap`` of them; of equally long ones the earliest (``start``). Returns their
+    indices; rows below 0 (not drawn) never count."""
+    ok = row >= 0
+    start = np.zeros(len(row), np.int64) if start is None else start
+    order = np.lexsort((start, -dur, row))
+    order = order[ok[order]]
+    first = np.r_[True, row[order][1:] != row[order][:-1]] if len(order) else np.zeros(0, bool)
+    group_start = np.maximum.accumulate(np.where(first, np.arange(len(order)), 0))
+    top = order[np.arange(len(order)) - group_start < per_row]
+    marked = np.flatnonzero(kind & ok)
+    marked = marked[np.lexsort((start[marked], -dur[marked]))[:cap]]
+    return np.union1d(top, marked).astype(np.int64)
 
 
 def bin_cells(
@@ -136,10 +203,15 @@ def overview(source: ReadOnlyStore, run_id: str, started_ns: int, ended_ns: int)
         cell = max(1, -(-(max(ended_ns, started_ns + 1) - started_ns) // CELLS))
         params = {"run": run_id, "o": int(started_ns), "cell": int(cell)}
         grid = source.arrow(_GRID, params)
-        grid = grid.cast(_plain(grid.schema))
+        grid = grid.cast(plain(grid.schema))
         grid = grid.take(pc.sort_indices(grid, [("cell", "ascending")]))
         long = source.arrow(_LONG, params)
-        long = long.cast(_plain(long.schema))
+        long = long.cast(plain(long.schema))
+        pins = source.arrow(_SHORT_PINS, {**params, "cap": MAX_SHORT_PINS})
+        pins = pins.cast(long.schema)
+        long = pa.concat_tables([long, pins]).append_column(
+            "short", pa.array(np.r_[np.zeros(long.num_rows, bool), np.ones(pins.num_rows, bool)])
+        )
         return Overview(origin=int(started_ns), cell_ns=int(cell), grid=grid, long=long)
 
     return source.cached(("overview", run_id), compute)
@@ -169,7 +241,7 @@ def track_totals(ov: Overview) -> list[dict[str, Any]]:
     return [{names.get(k, k): v for k, v in row.items()} for row in out.to_pylist()]
 
 
-def _plain(schema: pa.Schema) -> pa.Schema:
+def plain(schema: pa.Schema) -> pa.Schema:
     """Dictionary strings as plain strings, so tables of one kind concatenate."""
     return pa.schema(
         [
@@ -179,4 +251,4 @@ def _plain(schema: pa.Schema) -> pa.Schema:
     )
 
 
-__all__ = ["CELLS", "Overview", "bin_cells", "overview", "track_totals"]
+__all__ = ["CELLS", "Overview", "bin_cells", "overview", "pick_pins", "plain", "track_totals"]

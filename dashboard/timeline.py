@@ -32,6 +32,12 @@ BUCKET_PX = 3
 MAX_LEVELS = 4
 #: Flow lines drawn at most per window.
 MAX_FLOWS = 1500
+#: Spans narrower than the bar threshold drawn as bars anyway (docs/dashboard.md, "Always
+#: drawn"): the longest few of each timeline row in the window, so every row shows what takes
+#: its time, named, at any zoom...
+PINS_PER_ROW = 3
+#: ...and every step and forwarded batch in the window, the longest this many.
+MAX_PINNED_KINDS = 1000
 
 Track = tuple[str, int, int, str]  # host, pid, tid, lane
 
@@ -77,6 +83,8 @@ class Window:
     busy_ns: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
     bar_threshold_ns: int = 0  # spans at least this long are bars
     capped: bool = False  # MAX_BARS was reached and the threshold raised
+    #: Bars narrower than the threshold, drawn anyway (they are last in ``bars``, ``pinned``).
+    pinned: int = 0
 
     @property
     def density_spans(self) -> int:
@@ -226,7 +234,10 @@ def window(source: ReadOnlyStore, run_id: str, t0: int, t1: int, width_px: int =
     nb = max(1, -(-(t1 - t0) // bucket))
     if bucket >= ov.cell_ns:  # zoomed out: answered from the overview in memory
         grid_row, long_row = _overview_rows(source, run_id)
-        found = ov.window(t0, t1, bucket, MAX_BARS, grid_row, long_row, tr["rows"])
+        found = ov.window(
+            t0, t1, bucket, MAX_BARS, grid_row, long_row, tr["rows"],
+            (PINS_PER_ROW, MAX_PINNED_KINDS),
+        )  # fmt: skip
         return Window(
             t0=t0,
             t1=t1,
@@ -236,6 +247,7 @@ def window(source: ReadOnlyStore, run_id: str, t0: int, t1: int, width_px: int =
             busy_ns=found["busy_ns"],
             bar_threshold_ns=found["threshold"],
             capped=found["capped"],
+            pinned=found["pinned"],
         )
     lo = t0 - tr["max_dur"] - 1  # lets the primary key prune by start_ns
     base = {"run": run_id, "t0": t0, "t1": t1, "lo": lo}
@@ -260,6 +272,7 @@ def window(source: ReadOnlyStore, run_id: str, t0: int, t1: int, width_px: int =
         cut = bars[MAX_BARS]["end_ns"] - bars[MAX_BARS]["start_ns"]
         threshold, capped = cut + 1, True
         bars = [b for b in bars[:MAX_BARS] if b["end_ns"] - b["start_ns"] >= threshold]
+    pinned = _pins(source, where, base, threshold, tr["tracks"])
     cells = source.arrow(
         f"""
         SELECT host, pid, tid, lane, depth,
@@ -271,27 +284,83 @@ def window(source: ReadOnlyStore, run_id: str, t0: int, t1: int, width_px: int =
         """,
         {**base, "bucket": bucket, "thr": threshold},
     )
+    # The pinned spans are bars: taken out of the cells they were counted in.
+    taken = pa.Table.from_pylist(pinned) if pinned else None
+    c_rows: list[np.ndarray] = []
+    c_buckets: list[np.ndarray] = []
+    c_spans: list[np.ndarray] = []
+    c_busy: list[np.ndarray] = []
     if cells.num_rows:
+        c_rows.append(track_rows(cells, tr["tracks"]))
+        c_buckets.append(cells["bucket"].to_numpy().astype(np.int64))
+        c_spans.append(cells["n"].to_numpy().astype(np.float64))
+        c_busy.append(cells["busy_ns"].to_numpy().astype(np.float64))
+    if taken is not None:
+        s0 = np.maximum(taken["start_ns"].to_numpy(), t0)
+        c_rows.append(track_rows(taken, tr["tracks"]))
+        c_buckets.append((s0 - t0) // bucket)
+        c_spans.append(-np.ones(taken.num_rows))
+        c_busy.append(-(np.minimum(taken["end_ns"].to_numpy(), t1) - s0).astype(np.float64))
+    if c_rows:
         count, busy_ns = overview.bin_cells(
-            track_rows(cells, tr["tracks"]),
-            cells["bucket"].to_numpy().astype(np.int64),
-            cells["n"].to_numpy().astype(np.float64),
-            cells["busy_ns"].to_numpy().astype(np.float64),
-            tr["rows"],
-            nb,
-        )
+            np.concatenate(c_rows), np.concatenate(c_buckets), np.concatenate(c_spans),
+            np.concatenate(c_busy), tr["rows"], nb,
+        )  # fmt: skip
     else:
         count, busy_ns = np.zeros((tr["rows"], nb), np.int64), np.zeros((tr["rows"], nb))
     return Window(
         t0=t0,
         t1=t1,
         bucket_ns=bucket,
-        bars=bars,
+        bars=bars + pinned,
         count=count,
         busy_ns=busy_ns,
         bar_threshold_ns=threshold,
         capped=capped,
+        pinned=len(pinned),
     )
+
+
+def _pins(
+    source: ReadOnlyStore, where: str, params: dict[str, object], threshold: int,
+    tracks: list[TrackInfo],
+) -> list[dict[str, object]]:  # fmt: skip
+    """The spans of a zoomed-in window narrower than ``threshold`` that are drawn as bars
+    anyway: the :data:`PINS_PER_ROW` longest of each row and the :data:`MAX_PINNED_KINDS`
+    longest steps and forwarded batches (:func:`overview.pick_pins`, the same rule as zoomed out)."""
+    cols = "toString(span_id) AS id, host, pid, tid, lane, category, name, depth, start_ns, end_ns"
+    narrow = f"{where} AND end_ns >= start_ns AND end_ns - start_ns < {{thr:Int64}}"
+    found = source.arrow(
+        f"""
+        SELECT * FROM (
+            SELECT {cols} FROM __db__.spans WHERE {narrow}
+            ORDER BY end_ns - start_ns DESC, start_ns
+            LIMIT {{per:UInt32}} BY host, pid, tid, lane, depth
+        ) UNION DISTINCT SELECT * FROM (
+            SELECT {cols} FROM __db__.spans WHERE {narrow}
+              AND (category IN {{cats:Array(String)}} OR lane IN {{lanes:Array(String)}})
+            ORDER BY end_ns - start_ns DESC, start_ns LIMIT {{cap:UInt32}}
+        )
+        """,
+        {**params, "thr": threshold, "per": PINS_PER_ROW, "cap": MAX_PINNED_KINDS,
+         "cats": list(overview.PIN_CATEGORIES), "lanes": list(overview.PIN_LANES)},
+    )  # fmt: skip
+    if not found.num_rows:
+        return []
+    found = found.cast(overview.plain(found.schema))
+    start, end = found["start_ns"].to_numpy(), found["end_ns"].to_numpy()
+    kind = pc.or_(
+        pc.is_in(found["category"], pa.array(overview.PIN_CATEGORIES)),
+        pc.is_in(found["lane"], pa.array(overview.PIN_LANES)),
+    ).to_numpy(zero_copy_only=False)
+    keep = overview.pick_pins(
+        track_rows(found, tracks), end - start, kind.astype(bool), PINS_PER_ROW,
+        MAX_PINNED_KINDS, start,
+    )  # fmt: skip
+    out = _ids(found.take(pa.array(keep, pa.int64())).to_pylist())
+    for b in out:
+        b["pinned"] = True
+    return out
 
 
 def flows(source: ReadOnlyStore, run_id: str, t0: int, t1: int) -> dict[str, Any]:
@@ -338,27 +407,31 @@ def counter_series(source: ReadOnlyStore, run_id: str) -> list[dict[str, Any]]:
     )
 
 
+#: A counter sample's series: its host, device and tenant (or session).
+_SERIES = """concat(host, if(device = '', '', concat(' ', device)),
+    if(labels['tenant'] != '', concat(' tenant ', labels['tenant']),
+       if(labels['session'] != '', concat(' session ', labels['session']), '')))"""
+
+
 def counters(
     source: ReadOnlyStore, run_id: str, metrics: list[str], t0: int, t1: int, width_px: int = 1600
 ) -> dict[str, list[dict[str, Any]]]:
     """Samples of ``metrics`` (``source/metric``) in the window, averaged per bucket of two
-    pixels: ``{"source/metric": [{"series", "ts_ns", "value", "max"}...]}``, ordered by time."""
+    pixels: ``{"source/metric": [{"series", "ts_ns", "value", "max"}...]}``, ordered by time,
+    with each series' last sample before the window and first after it (a counter's value
+    holds until its next sample: the figure draws them as steps)."""
     wanted = [m.split("/", 1) for m in metrics if "/" in m]
     if not wanted:
         return {}
     bucket = max(1, -(-(int(t1) - int(t0)) // max(1, int(width_px) // 2)))
     rows = source.rows(
-        """
-        SELECT source, metric,
-               concat(host, if(device = '', '', concat(' ', device)),
-                      if(labels['tenant'] != '', concat(' tenant ', labels['tenant']),
-                         if(labels['session'] != '', concat(' session ', labels['session']), '')))
-                 AS series,
-               intDiv(ts_ns - {t0:Int64}, {bucket:Int64}) AS b,
+        f"""
+        SELECT source, metric, {_SERIES} AS series,
+               intDiv(ts_ns - {{t0:Int64}}, {{bucket:Int64}}) AS b,
                min(ts_ns) AS first_ns, avg(value) AS mean, max(value) AS max
         FROM __db__.counters
-        WHERE run_id = {run:String} AND ts_ns >= {t0:Int64} AND ts_ns < {t1:Int64}
-          AND concat(source, '/', metric) IN {wanted:Array(String)}
+        WHERE run_id = {{run:String}} AND ts_ns >= {{t0:Int64}} AND ts_ns < {{t1:Int64}}
+          AND concat(source, '/', metric) IN {{wanted:Array(String)}}
         GROUP BY source, metric, series, b ORDER BY source, metric, series, b
         """,
         {
@@ -369,11 +442,35 @@ def counters(
             "wanted": [f"{s}/{m}" for s, m in wanted],
         },
     )
+    # The last sample before the window and the first after it, per series: a counter holds
+    # its value between samples, so a window narrower than the sampling interval still has one.
+    edges = source.rows(
+        f"""
+        SELECT source, metric, {_SERIES} AS series, ts_ns >= {{t1:Int64}} AS after,
+               if(after, min(ts_ns), max(ts_ns)) AS ts,
+               if(after, argMin(value, ts_ns), argMax(value, ts_ns)) AS value
+        FROM __db__.counters
+        WHERE run_id = {{run:String}} AND (ts_ns < {{t0:Int64}} OR ts_ns >= {{t1:Int64}})
+          AND concat(source, '/', metric) IN {{wanted:Array(String)}}
+        GROUP BY source, metric, series, after
+        """,
+        {"run": run_id, "t0": int(t0), "t1": int(t1), "wanted": [f"{s}/{m}" for s, m in wanted]},
+    )
     out: dict[str, list[dict[str, Any]]] = {f"{s}/{m}": [] for s, m in wanted}
+    for r in sorted(edges, key=lambda r: r["after"]):
+        if not r["after"]:
+            out[f"{r['source']}/{r['metric']}"].append(
+                {"series": r["series"], "ts_ns": r["ts"], "value": r["value"], "max": r["value"]}
+            )
     for r in rows:
         out[f"{r['source']}/{r['metric']}"].append(
             {"series": r["series"], "ts_ns": r["first_ns"], "value": r["mean"], "max": r["max"]}
         )
+    for r in edges:
+        if r["after"]:
+            out[f"{r['source']}/{r['metric']}"].append(
+                {"series": r["series"], "ts_ns": r["ts"], "value": r["value"], "max": r["value"]}
+            )
     return out
 
 

@@ -196,3 +196,46 @@ def tenants_run(store: Store, run_id: str, tenants: tuple[str, str] | None) -> N
                 count("restores", p0 + 2_060_000, 1, labels)
     add_run(store, run_id, spans, 0, 14_000_000)
     add_counters(store, run_id, counters)
+
+
+def minute_run(store: Store, run_id: str = "minute") -> None:
+    """A run shaped like a one-minute training run: 60 steps of 1 s, each with a module tree
+    (``Net`` 300 ms, ``Net.encoder`` 120 ms, ``Net.decoder`` 150 ms, ``Net.backward`` 400 ms)
+    and 100 ops of 2 ms (6,000), two forwarded batches of 5 ms per step, and a GPU utilisation
+    counter sampled every 500 ms (the value is the sample's index)."""
+    s = 10**9
+    ms = 10**6
+    spans: list[dict[str, Any]] = []
+    sid = 1
+
+    def add(name: str, lane: str, category: str, t0: int, t1: int, depth: int = 0) -> None:
+        nonlocal sid
+        spans.append({"name": name, "lane": lane, "category": category, "start_ns": t0,
+                      "end_ns": t1, "depth": depth, "span_id": sid})  # fmt: skip
+        sid += 1
+
+    for k in range(60):
+        t = k * s
+        add(f"ProfilerStep#{k}", "steps", "step", t, t + 990 * ms)
+        add("Net", "torch/modules", "module", t + 10 * ms, t + 310 * ms)
+        add("Net.encoder", "torch/modules", "module", t + 20 * ms, t + 140 * ms, 1)
+        add("Net.decoder", "torch/modules", "module", t + 150 * ms, t + 300 * ms, 1)
+        add("Net.backward", "torch/modules", "module", t + 400 * ms, t + 800 * ms)
+        for i in range(100):
+            o = t + 10 * ms + i * 9 * ms
+            add("aten::addmm" if i % 2 else "aten::relu", "torch/ops", "op", o, o + 2 * ms)
+        for i in range(2):
+            b = t + 850 * ms + i * 60 * ms
+            add("batch", "forward/batch", "forward", b, b + 5 * ms)
+    add_run(store, run_id, spans, 0, 60 * s)
+    schema = pa.schema(
+        [("run_id", pa.string()), ("host", pa.string()), ("source", pa.string()),
+         ("device", pa.string()), ("metric", pa.string()), ("ts_ns", pa.int64()),
+         ("value", pa.float64()), ("labels", pa.map_(pa.string(), pa.string()))]
+    )  # fmt: skip
+    samples = [
+        {"run_id": run_id, "host": "client", "source": "nvml", "device": "gpu0",
+         "metric": "gpu_util_pct", "ts_ns": i * 500 * ms, "value": float(i), "labels": []}
+        for i in range(120)
+    ]  # fmt: skip
+    store.insert_arrow("counters", pa.Table.from_pylist(samples, schema=schema))

@@ -17,6 +17,7 @@ from gpu_trace.dashboard import (  # noqa: E402
     callbacks,
     charts,
     figures,
+    overview,
     panels,
     reports,
     samples,
@@ -24,7 +25,13 @@ from gpu_trace.dashboard import (  # noqa: E402
 )
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore  # noqa: E402
 from gpu_trace.tracer.store import Store, StoreError  # noqa: E402
-from tests.dashboard_data import XSS, forwarded_run, lod_run, tenants_run  # noqa: E402
+from tests.dashboard_data import (  # noqa: E402
+    XSS,
+    forwarded_run,
+    lod_run,
+    minute_run,
+    tenants_run,
+)
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +41,7 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReadOnlyStore]:
     forwarded_run(store)
     tenants_run(store, "tenants-xss", ("alice", XSS))
     tenants_run(store, "sessions-only", None)
+    minute_run(store)
     samples.load_samples(store)
     src = ReadOnlyStore(store=store)
     yield src
@@ -369,8 +377,10 @@ def test_wide_bars_are_labelled_with_their_name_cut_to_fit(source: ReadOnlyStore
     assert bar["base"][i] < labels["x"][step] < bar["base"][i] + bar["x"][i]  # inside its bar
     # A step is 900 µs (600 px at 1.5 µs a pixel): named in full. Narrower than LABEL_PX at
     # 1/10 of the width: no label.
+    # Narrower than LABEL_PX at 1/10 of the width: not written inside the bar (beside it, where
+    # the row has room: test_narrow_bars_are_named_beside_them_where_there_is_room).
     narrow = figures.timeline(run, tr, w, None, {}, [], 200)["layout"]["meta"]["labels"]
-    assert not [t for t in narrow["text"] if "batch" in t]
+    assert not [t for t, out in zip(narrow["text"], narrow["out"]) if "batch" in t and not out]
     assert figures.fit_label("ProfilerStep#0", figures.LABEL_PX - 1) == ""
     cut = figures.fit_label("aten::convolution_backward", 60)
     assert cut.endswith("…") and len(cut) * figures.LABEL_FONT_PX * figures.CHAR_EM <= 60
@@ -638,3 +648,108 @@ def test_no_callback_shadows_a_module_the_dashboard_imports() -> None:
             for node in ast.walk(top):
                 if node is not top and isinstance(node, (ast.FunctionDef, ast.ClassDef)):
                     assert node.name not in imported, f"{path.name}:{node.lineno} {node.name}"
+
+
+SECOND = 10**9
+MINUTE_WIDTH = 1270  # the plot of a 1600 px window
+
+
+def minute_figure(
+    source: ReadOnlyStore, t0: int, t1: int, counters: list[str] | None = None
+) -> tuple[timeline.Window, dict]:
+    run = source.run("minute")
+    w = timeline.window(source, "minute", t0, t1, MINUTE_WIDTH)
+    found = timeline.counters(source, "minute", counters or [], t0, t1, MINUTE_WIDTH)
+    tr = timeline.tracks(source, "minute")
+    return w, figures.timeline(run, tr, w, None, found, [], MINUTE_WIDTH)
+
+
+def written(fig: dict) -> list[tuple[int, float, float, str]]:
+    """The names written on the timeline: row, left and right pixel (estimated), text."""
+    layout = fig["layout"]
+    lo, hi = layout["xaxis"]["range"]
+    px = MINUTE_WIDTH / (hi - lo)
+    labels = layout["meta"]["labels"]
+    return [
+        (y, (x - lo) * px, (x - lo) * px + figures.label_px(text), text)
+        for x, y, text in zip(labels["x"], labels["y"], labels["text"])
+    ]
+
+
+def test_the_whole_run_of_a_minute_names_its_steps_modules_and_batches(
+    source: ReadOnlyStore,
+) -> None:
+    """The first view of a one-minute run: a step is 21 px, a module 2-6 px, a batch under a
+    pixel; before, all but the steps were density and nothing was named until zoomed twice."""
+    w, fig = minute_figure(source, 0, 60 * SECOND)
+    names = [text for *_, text in written(fig)]
+    assert sum(n.startswith("ProfilerStep#") for n in names) >= 6
+    for module in ("Net", "Net.backward", "Net.decoder", "batch"):
+        assert module in names
+    # Every step and forwarded batch is a bar however narrow; each span still drawn once.
+    bars = [b["name"] for b in w.bars]
+    assert sum(n.startswith("ProfilerStep#") for n in bars) == 60 and bars.count("batch") == 120
+    assert w.pinned and w.total_spans == overlapping(source, "minute", 0, 60 * SECOND)
+    drawn = [t for t in fig["data"] if t["type"] == "bar"]
+    (cells,) = [t for t in fig["data"] if t["type"] == "heatmap"]
+    assert sum(len(t["x"]) for t in drawn) + int(decoded(cells["customdata"]).sum()) == (
+        w.total_spans
+    )
+    # Every bar at least a pixel wide, so a pinned 5 ms batch is seen.
+    ns_per_px = 60 * SECOND / MINUTE_WIDTH
+    assert min(x for t in drawn for x in t["x"]) >= int(ns_per_px)
+
+
+def test_names_never_overlap_in_a_row(source: ReadOnlyStore) -> None:
+    for t0, t1 in ((0, 60 * SECOND), (0, 6 * SECOND), (SECOND, SECOND + SECOND // 2)):
+        rows: dict[int, list[tuple[float, float]]] = {}
+        for row, a, b, _ in written(minute_figure(source, t0, t1)[1]):
+            rows.setdefault(row, []).append((a, b))
+        for spans in rows.values():
+            spans.sort()
+            assert all(b <= c for (_, b), (c, _) in zip(spans, spans[1:]))
+
+
+def test_a_zoomed_in_window_draws_each_rows_longest_spans(source: ReadOnlyStore) -> None:
+    """Zoomed in (read from the store, not the overview): 2 ms ops are narrower than a
+    bucket, yet the three longest of their row are bars, named; the rest stay density."""
+    t0, t1 = 0, 6 * SECOND
+    w, fig = minute_figure(source, t0, t1)
+    assert w.bucket_ns < timeline._overview(source, "minute").cell_ns  # the store's path
+    ops = [b for b in w.bars if b["lane"] == "torch/ops"]
+    assert len(ops) == timeline.PINS_PER_ROW and all(b.get("pinned") for b in ops)
+    assert [b["name"] for b in w.bars].count("batch") == 12
+    assert w.total_spans == overlapping(source, "minute", t0, t1)
+    assert {"aten::addmm", "aten::relu"} & {text for *_, text in written(fig)}
+
+
+def test_pick_pins_takes_each_rows_longest_and_the_marked_kinds() -> None:
+    row = np.array([0, 0, 0, 1, 1, -1, 2])
+    dur = np.array([5, 9, 7, 1, 2, 100, 3])
+    kind = np.array([False, False, True, False, False, True, True])
+    assert list(overview.pick_pins(row, dur, kind, 1, 10)) == [1, 2, 4, 6]
+    assert list(overview.pick_pins(row, dur, kind, 2, 1)) == [1, 2, 3, 4, 6]
+    assert list(overview.pick_pins(row, dur, kind, 0, 1)) == [2]  # the longest marked one
+    same = np.array([4, 4, 4])  # equally long: the earliest
+    assert list(
+        overview.pick_pins(np.zeros(3, int), same, same < 0, 1, 0, np.array([9, 3, 5]))
+    ) == [1]
+
+
+def test_a_counter_holds_its_value_in_a_window_narrower_than_its_sampling_interval(
+    source: ReadOnlyStore,
+) -> None:
+    """Samples every 500 ms, a 100 ms window between two: the last sample before the window
+    and the first after it come with it, drawn as steps, so the panel shows the value held."""
+    t0, t1 = 10 * SECOND + SECOND // 10, 10 * SECOND + SECOND // 5
+    found = timeline.counters(source, "minute", ["nvml/gpu_util_pct"], t0, t1, MINUTE_WIDTH)
+    rows = found["nvml/gpu_util_pct"]
+    assert [(r["ts_ns"], r["value"]) for r in rows] == [(10 * SECOND, 20.0), (10_500_000_000, 21.0)]
+    _, fig = minute_figure(source, t0, t1, ["nvml/gpu_util_pct"])
+    (line,) = [t for t in fig["data"] if t.get("yaxis") == "y2"]
+    assert line["line"]["shape"] == "hv" and line["x"][0] < t0 < t1 < line["x"][-1]
+    # A window with samples in it starts with the one before it too.
+    rows = timeline.counters(
+        source, "minute", ["nvml/gpu_util_pct"], 10_100_000_000, 11_900_000_000, MINUTE_WIDTH
+    )["nvml/gpu_util_pct"]
+    assert [r["value"] for r in rows] == [20.0, 21.0, 22.0, 23.0, 24.0]
