@@ -148,6 +148,28 @@ class RunQueries:
                 counts[run_id][kind] = int(n)
         return [_run_dict(r, counts[r["run_id"]]) for r in rows]
 
+    def runs_started_before(self, wall_ns: int) -> list[dict[str, Any]]:
+        """Runs (``run_id, started_wall_ns, status, attrs``) whose wall-clock start is known and
+        before ``wall_ns``, oldest first (``gpu-trace gc``)."""
+        return self.dicts(
+            """
+            SELECT run_id, started_wall_ns, status, attrs FROM __db__.runs FINAL
+            WHERE started_wall_ns > 0 AND started_wall_ns < {before:Int64}
+            ORDER BY started_wall_ns, run_id
+            """,
+            {"before": int(wall_ns)},
+        )
+
+    def has_runs(self, run_ids: list[str]) -> set[str]:
+        """Which of ``run_ids`` have a ``runs`` row."""
+        if not run_ids:
+            return set()
+        result = self.query(
+            "SELECT DISTINCT run_id FROM __db__.runs WHERE run_id IN {ids:Array(String)}",
+            {"ids": list(run_ids)},
+        )
+        return {str(r[0]) for r in result.result_rows}
+
     def _recent_ids(self, n: int = 5) -> list[str]:
         return [r["run_id"] for r in self.runs(limit=n)]
 

@@ -578,6 +578,75 @@ class Store(RunQueries):
         ]
         self.insert_rows("runs", columns, [row])
 
+    # ---- removing runs ----------------------------------------------------------------------------
+
+    def delete_run(self, run_id: str) -> dict[str, int]:
+        """Remove every row of one run from every table keyed by ``run_id``; its rows per table
+        before. Runs ``ALTER TABLE ... DELETE`` (on each node's local table with a cluster) and
+        waits for the mutation (``mutations_sync=2``), so the rows are gone when it returns;
+        StoreError when a delete fails or rows remain."""
+        if self.client is None:
+            raise StoreError("the store is closed")
+        before = self.table_rows([run_id])
+        on = f" ON CLUSTER `{self.cluster}`" if self.cluster else ""
+        for name in TABLES:
+            local = f"{name}_local" if self.cluster else name
+            try:
+                self.client.command(
+                    f"ALTER TABLE {self.database}.{local}{on} DELETE WHERE run_id = {{run_id:String}}",
+                    parameters={"run_id": run_id},
+                    settings={"mutations_sync": 2},
+                )
+            except Exception as exc:
+                raise StoreError(
+                    f"removing run {run_id} from {name} in {self.target.display()} failed: "
+                    f"{_first_line(exc)}"
+                ) from exc
+        left = {t: n for t, n in self.table_rows([run_id]).get(run_id, {}).items() if n}
+        if left:
+            shown = ", ".join(f"{n} {t}" for t, n in left.items())
+            raise StoreError(f"run {run_id} still has rows after its delete: {shown}")
+        return before.get(run_id, {})
+
+    def table_rows(self, run_ids: list[str]) -> dict[str, dict[str, int]]:
+        """Rows per table of each run (every table keyed by ``run_id``); runs with none are left
+        out."""
+        out: dict[str, dict[str, int]] = {}
+        if not run_ids:
+            return out
+        for name in TABLES:
+            result = self.query(
+                f"SELECT run_id, count() FROM __db__.{name} WHERE run_id IN {{ids:Array(String)}}"
+                " GROUP BY run_id",
+                {"ids": list(run_ids)},
+            )
+            for run_id, n in result.result_rows:
+                out.setdefault(str(run_id), {})[name] = int(n)
+        return out
+
+    def run_bytes(self, run_ids: list[str]) -> dict[str, int] | None:
+        """Estimated bytes each run takes in the store: per table, the table's bytes on disk
+        (``system.parts``, active parts) times the run's share of its rows. None when
+        ``system.parts`` cannot be read (a user without access): sizes are then not known."""
+        try:
+            parts = self.query(
+                "SELECT table, sum(bytes_on_disk), sum(rows) FROM system.parts"
+                " WHERE database = {db:String} AND active GROUP BY table",
+                {"db": self.database},
+            ).result_rows
+        except StoreError:
+            return None
+        per_table = {str(t).removesuffix("_local"): (int(b), int(r)) for t, b, r in parts}
+        out = {run_id: 0 for run_id in run_ids}
+        for run_id, tables in self.table_rows(list(run_ids)).items():
+            total = 0.0
+            for name, n in tables.items():
+                size, rows = per_table.get(name, (0, 0))
+                if rows:
+                    total += size * min(n, rows) / rows
+            out[run_id] = int(total)
+        return out
+
     # ---- read-only SQL ----------------------------------------------------------------------------
 
     def sql(
