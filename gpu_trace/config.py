@@ -72,6 +72,13 @@ ENVIRONMENT: dict[str, str] = {
     "spool held, the spool files under GPU_TRACE_HOME/runs are removed (run.json, stats/ and "
     "ingested.json stay).",
     "TRACEPARENT": "W3C trace context of a parent; a run started under it joins that trace.",
+    "OTEL_EXPORTER_OTLP_ENDPOINT": "OpenTelemetry's standard: the collector's base URL; "
+    "`--otlp` given without a URL sends to it (``/v1/traces`` appended). Read only by `--otlp`.",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "OpenTelemetry's standard: the traces URL, used as given "
+    "by `--otlp` without a URL (before OTEL_EXPORTER_OTLP_ENDPOINT).",
+    "OTEL_EXPORTER_OTLP_HEADERS": "OpenTelemetry's standard: KEY=VALUE,... (URL-encoded) headers "
+    "sent with every OTLP request of `--otlp`; `--otlp-header` adds or overrides.",
+    "OTEL_EXPORTER_OTLP_TRACES_HEADERS": "As OTEL_EXPORTER_OTLP_HEADERS, for traces; wins over it.",
 }
 
 DEFAULT_FLUSH_INTERVAL_S = 0.5
@@ -237,6 +244,12 @@ CHECKS: dict[str, Callable[[str], object]] = {
     "GPU_TRACE_NVML_REPLAY": _file,
     "GPU_TRACE_KEEP_SPOOL": _flag,
     "TRACEPARENT": _anything,
+    # The program's own OpenTelemetry SDK reads these too: never refused up front; `--otlp`
+    # checks them when it sends (tracer/endpoint.py: from_settings).
+    "OTEL_EXPORTER_OTLP_ENDPOINT": _anything,
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": _anything,
+    "OTEL_EXPORTER_OTLP_HEADERS": _anything,
+    "OTEL_EXPORTER_OTLP_TRACES_HEADERS": _anything,
 }
 
 
@@ -481,3 +494,19 @@ def remote_timeout(explicit: float | None = None) -> float:
     if not 0 < value <= 3600:
         raise ValueError(f"remote timeout must be in (0, 3600] seconds, got {value}")
     return value
+
+
+#: OpenTelemetry's standard OTLP exporter variables, read by `--otlp` (export, record).
+OTLP_VARIABLES = (
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_HEADERS",
+    "OTEL_EXPORTER_OTLP_HEADERS",
+)
+
+
+def otlp_setting(name: str) -> str | None:
+    """One of :data:`OTLP_VARIABLES` when set (its text: tracer/endpoint.py parses it)."""
+    if name not in OTLP_VARIABLES:
+        raise KeyError(name)
+    return _env(name)

@@ -44,6 +44,12 @@ BAD: dict[str, str | None] = {
     "GPU_TRACE_NVML_REPLAY": "{missing}",
     # W3C Trace Context: a malformed traceparent is ignored, the run starts its own trace.
     "TRACEPARENT": None,
+    # OpenTelemetry's own variables, read by the program's SDK too: `--otlp` checks them when it
+    # sends (tests/integration/test_otlp_export.py), `record` never refuses them up front.
+    "OTEL_EXPORTER_OTLP_ENDPOINT": None,
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": None,
+    "OTEL_EXPORTER_OTLP_HEADERS": None,
+    "OTEL_EXPORTER_OTLP_TRACES_HEADERS": None,
 }
 
 #: The values the issue found turning recording off (or spinning the flusher) instead of refused.

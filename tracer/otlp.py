@@ -1,0 +1,557 @@
+"""A run's spans as OpenTelemetry (OTLP) spans, for a team's tracing backend.
+
+Teams that run services already have a tracing backend (Jaeger, Tempo, Honeycomb, any
+OpenTelemetry collector). This module turns a run's spans, as the store or the spool holds them,
+into ``ExportTraceServiceRequest`` messages (opentelemetry-proto's generated classes, the ``otlp``
+extra), so a forwarded GPU call shows up in the same trace as the request that caused it:
+
+- every span keeps the run's W3C trace id and its own 64-bit span id (a span recorded without
+  one, a server op, gets a stable id hashed from what it is);
+- only the kinds asked for are sent (:data:`KINDS`; by default steps, forwarded batches, user
+  ranges and top-level modules), and a sent span's parent is its nearest *sent* ancestor, so the
+  tree stays whole at any depth; the server's spans of a forwarded call hang under the client's
+  batch span as the store relates them (``parent_span_id`` across hosts);
+- one synthesized root span stands for the run (its ``root_span_id`` from run.json, named after
+  the command); it is the child of the span that started the run when ``TRACEPARENT`` named one;
+- times are Unix-epoch nanoseconds, from the run's anchor pair.
+
+Spans can arrive in any order (the spool holds a child before its parent, since a span is written
+when it ends): :class:`SpanMapper` holds a span whose parent it has not seen until the parent comes
+or :meth:`SpanMapper.finish`, keeping at most :data:`MAX_HELD` such spans.
+
+The transport is :mod:`gpu_trace.tracer.endpoint`; :class:`OtlpExporter` is the exporter seam's
+OTLP exporter (``get_exporter("otlp", ...)``), used by ``gpu-trace export RUN --otlp URL``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import TYPE_CHECKING, NamedTuple
+
+import pyarrow as pa
+
+from gpu_trace.tracer.exporter import ExportResult, check_batch
+from gpu_trace.tracer.records import (
+    FORWARD,
+    KERNEL,
+    MARK,
+    MEMCPY,
+    MODULE,
+    NVTX,
+    OP,
+    OTEL,
+    SERVER,
+    STEP,
+)
+
+if TYPE_CHECKING:
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+    from opentelemetry.proto.trace.v1.trace_pb2 import Span as OtlpSpan
+
+    from gpu_trace.tracer.endpoint import Endpoint
+
+log = logging.getLogger(__name__)
+
+#: What can be sent, by kind: ``steps`` (``ProfilerStep#N``), ``forward`` (forwarded batches:
+#: the client's batch, serialize, send and wait spans, the server's receive, queue, execute and
+#: reply), ``ranges`` (``gpu_trace.range``, NVTX user domains, marks), ``modules`` (top-level
+#: modules and layers), ``submodules`` (every module), ``ops`` (framework ops and each forwarded
+#: op, client and server), ``kernels`` (kernels, copies), ``otel`` (the program's own
+#: OpenTelemetry spans, which it may already export itself), ``other`` (anything else).
+KINDS = ("steps", "forward", "ranges", "modules", "submodules", "ops", "kernels", "otel", "other")
+DEFAULT_KINDS = frozenset({"steps", "forward", "ranges", "modules"})
+#: Spans per request (OTLP collectors take a few MB per request; this is about 0.5 MB).
+BATCH_SPANS = 1024
+#: Spans waiting for a parent not seen yet; beyond it the oldest go with the parent they name.
+MAX_HELD = 100_000
+#: Spans remembered as possible parents (their link and whether they are in a module).
+MAX_SEEN = 1_000_000
+
+_SPAN_KIND_CLIENT = 3
+_SPAN_KIND_SERVER = 2
+_SPAN_KIND_INTERNAL = 1
+
+
+def parse_kinds(text: str) -> frozenset[str]:
+    """Kinds from ``--otlp-spans``: a comma list of :data:`KINDS`, ``default``, ``all``.
+
+    Raises ``ValueError`` naming what is accepted.
+    """
+    out: set[str] = set()
+    for word in (w.strip().lower() for w in text.split(",")):
+        if word == "all":
+            out.update(KINDS)
+        elif word == "default":
+            out.update(DEFAULT_KINDS)
+        elif word in KINDS:
+            out.add(word)
+        else:
+            raise ValueError(
+                f"unknown span kind {word!r}; accepted: {', '.join(KINDS)}, default, all "
+                "(comma-separated)"
+            )
+    return frozenset(out)
+
+
+def kind_of(category: str, lane: str, in_module: bool) -> str:
+    """The :data:`KINDS` entry of a span; ``in_module``: an ancestor is a module span."""
+    if category == STEP:
+        return "steps"
+    if category in (FORWARD, SERVER):
+        return "ops" if lane in ("forward/op", "server/op") else "forward"
+    if category in (NVTX, MARK):
+        return "ranges"
+    if category == MODULE:
+        return "submodules" if in_module else "modules"
+    if category == OP:
+        return "ops"
+    if category in (KERNEL, MEMCPY):
+        return "kernels"
+    if category == OTEL:
+        return "otel"
+    return "other"
+
+
+class Row(NamedTuple):
+    """One span as the mapper reads it (times on the run's clock, ns)."""
+
+    span_id: int
+    parent_span_id: int
+    host: str
+    pid: int
+    tid: int
+    lane: str
+    category: str
+    name: str
+    start_ns: int
+    end_ns: int
+    attrs: tuple[tuple[str, str], ...]
+
+
+def rows(batch: pa.Table) -> list[Row]:
+    """The rows of a span batch (the exporter seam's columns, or a spool table plus ``host``)."""
+    check_batch(batch)
+    n = batch.num_rows
+
+    def column(name: str) -> list[object]:
+        return batch.column(name).to_pylist()  # type: ignore[no-any-return]
+
+    cols = [column(c) for c in Row._fields[:-1]]
+    raw_attrs = column("attrs")
+    attrs: list[tuple[tuple[str, str], ...]] = []
+    for a in raw_attrs:
+        if not a:
+            attrs.append(())
+        elif isinstance(a, Mapping):
+            attrs.append(tuple((str(k), str(v)) for k, v in a.items()))
+        else:  # a map column reads as a list of (key, value) pairs, or {key, value} structs
+            pairs: Iterable[object] = a  # type: ignore[assignment]
+            attrs.append(
+                tuple(
+                    (str(p["key"]), str(p["value"])) if isinstance(p, dict) else _pair(p)
+                    for p in pairs
+                )
+            )
+    out = []
+    for i in range(n):
+        sid, parent, host, pid, tid, lane, cat, name, start, end = (c[i] for c in cols)
+        out.append(
+            Row(
+                int(sid or 0),  # type: ignore[call-overload]
+                int(parent or 0),  # type: ignore[call-overload]
+                str(host or ""),
+                int(pid or 0),  # type: ignore[call-overload]
+                int(tid or 0),  # type: ignore[call-overload]
+                str(lane or ""),
+                str(cat or ""),
+                str(name or ""),
+                int(start or 0),  # type: ignore[call-overload]
+                int(end or 0),  # type: ignore[call-overload]
+                attrs[i],
+            )
+        )
+    return out
+
+
+def _pair(p: object) -> tuple[str, str]:
+    if isinstance(p, (tuple, list)) and len(p) == 2:
+        return str(p[0]), str(p[1])
+    raise ValueError(f"an attrs entry is a (key, value) pair, got {p!r}")
+
+
+@dataclass
+class RunFacts:
+    """What the mapping needs to know about the run (from the store's ``runs`` row or run.json)."""
+
+    run_id: str
+    trace_id: str
+    command: str = ""
+    started_ns: int = 0
+    ended_ns: int = 0
+    status: str = ""
+    attrs: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, run: Mapping[str, object]) -> RunFacts:
+        attrs = run.get("attrs") or {}
+        return cls(
+            run_id=str(run.get("run_id") or ""),
+            trace_id=str(run.get("trace_id") or ""),
+            command=str(run.get("command") or ""),
+            started_ns=int(run.get("started_ns") or 0),  # type: ignore[call-overload]
+            ended_ns=int(run.get("ended_ns") or 0),  # type: ignore[call-overload]
+            status=str(run.get("status") or ""),
+            attrs={str(k): str(v) for k, v in dict(attrs).items()},  # type: ignore[call-overload]
+        )
+
+    def wall_offset_ns(self) -> int:
+        """What to add to a time on the run's clock for Unix-epoch ns (0 when unknown)."""
+        try:
+            return int(self.attrs["anchor_wall_ns"]) - int(self.attrs["anchor_mono_ns"])
+        except (KeyError, ValueError):
+            return 0
+
+    def root_span_id(self) -> int:
+        """The run's root span id (run.json's ``root_span_id``, or one hashed from the run id)."""
+        try:
+            value = int(self.attrs.get("root_span_id", ""), 16)
+        except ValueError:
+            value = 0
+        return value or _hashed_id(f"run/{self.run_id}")
+
+    def trace_bytes(self) -> bytes:
+        try:
+            raw = bytes.fromhex(self.trace_id)
+        except ValueError:
+            raw = b""
+        if len(raw) != 16 or not any(raw):
+            raw = hashlib.blake2b(f"trace/{self.run_id}".encode(), digest_size=16).digest()
+        return raw
+
+
+def _hashed_id(text: str) -> int:
+    value = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+    return value or 1
+
+
+class _Seen(NamedTuple):
+    link: int  # the span itself when sent, else its nearest sent ancestor (0: the run's root)
+    in_module: bool  # the span or an ancestor is a module
+
+
+@dataclass
+class MapperStats:
+    spans_in: int = 0
+    kept: int = 0
+    held_out: int = 0  # held for a parent, then sent naming a parent never seen
+
+
+class SpanMapper:
+    """Rows in, OTLP spans out: kind selection, nearest-sent-ancestor parents, ids, wall times.
+
+    Not thread-safe; one producer feeds it.
+    """
+
+    def __init__(self, run: RunFacts, kinds: frozenset[str] = DEFAULT_KINDS) -> None:
+        from opentelemetry.proto.trace.v1 import trace_pb2
+
+        self._pb = trace_pb2
+        self.run = run
+        self.kinds = kinds
+        self.stats = MapperStats()
+        self._trace = run.trace_bytes()
+        self._root = run.root_span_id()
+        self._offset = run.wall_offset_ns()
+        self._seen: OrderedDict[int, _Seen] = OrderedDict()
+        self._held: OrderedDict[int, Row] = OrderedDict()  # by a key of its own, oldest first
+        self._waiting: dict[int, list[int]] = {}  # parent id -> held keys
+        self._held_seq = 0
+        self.last_end_ns = 0
+
+    # ---- feeding --------------------------------------------------------------------------------
+
+    def add(self, batch: Iterable[Row]) -> list[tuple[Row, OtlpSpan]]:
+        """Map rows; returns the spans ready to send (with their rows, for grouping)."""
+        out: list[tuple[Row, OtlpSpan]] = []
+        for row in batch:
+            self.stats.spans_in += 1
+            self.last_end_ns = max(self.last_end_ns, row.end_ns)
+            parent = row.parent_span_id
+            if parent and parent != self._root and parent not in self._seen:
+                self._hold(row, out)
+                continue
+            self._place(row, out)
+        return out
+
+    def finish(self) -> list[tuple[Row, OtlpSpan]]:
+        """Everything still held, with the parents it names; then nothing is held."""
+        out: list[tuple[Row, OtlpSpan]] = []
+        while self._held:
+            self._release_oldest(out)
+        return out
+
+    def root_span(self, end_ns: int = 0) -> tuple[Row, OtlpSpan]:
+        """The run's own span, parent of every top-level span sent."""
+        run = self.run
+        start = run.started_ns
+        end = max(run.ended_ns or end_ns or self.last_end_ns, start)
+        attrs = {"gpu_trace.run_id": run.run_id, "gpu_trace.status": run.status}
+        for key in ("exit_code", "reason", "remote"):
+            if run.attrs.get(key):
+                attrs[f"gpu_trace.{key}"] = run.attrs[key]
+        name = run.command.split(" ", 1)[0].rsplit("/", 1)[-1] if run.command else "run"
+        args = run.command.split(" ", 2)
+        if len(args) > 1 and args[0].rsplit("/", 1)[-1].startswith("python"):
+            name = f"{name} {args[1]}"  # python train.py
+        row = Row(self._root, 0, "", 0, 0, "run", "run", name[:120], start, end, ())
+        span = self._span(row, attrs=tuple(attrs.items()))
+        try:
+            incoming = int(run.attrs.get("parent_span_id", ""), 16)
+        except ValueError:
+            incoming = 0
+        span.parent_span_id = incoming.to_bytes(8, "big") if incoming else b""
+        if run.status in ("failed", "killed", "died"):
+            span.status.code = self._pb.Status.STATUS_CODE_ERROR
+        return row, span
+
+    # ---- parents ----------------------------------------------------------------------------------
+
+    def _hold(self, row: Row, out: list[tuple[Row, OtlpSpan]]) -> None:
+        key = self._held_seq
+        self._held_seq += 1
+        self._held[key] = row
+        self._waiting.setdefault(row.parent_span_id, []).append(key)
+        while len(self._held) > MAX_HELD:
+            self._release_oldest(out)
+
+    def _release_oldest(self, out: list[tuple[Row, OtlpSpan]]) -> None:
+        key, row = self._held.popitem(last=False)
+        keys = self._waiting.get(row.parent_span_id)
+        if keys is not None:
+            keys.remove(key)
+            if not keys:
+                del self._waiting[row.parent_span_id]
+        self.stats.held_out += 1
+        self._place(row, out, orphan=True)
+
+    def _place(self, row: Row, out: list[tuple[Row, OtlpSpan]], orphan: bool = False) -> None:
+        """Map ``row`` whose parent is known (or given up on), then the rows held for it."""
+        stack = [(row, orphan)]
+        while stack:
+            current, lost = stack.pop()
+            parent = current.parent_span_id
+            if lost:  # the parent never came: name it, it may still be sent later
+                link, in_module = parent, False
+            elif parent and parent != self._root:
+                seen = self._seen[parent]
+                link, in_module = seen.link, seen.in_module
+            else:
+                link, in_module = 0, False
+            kind = kind_of(current.category, current.lane, in_module)
+            keep = kind in self.kinds
+            if keep:
+                self.stats.kept += 1
+                out.append((current, self._span(current, parent=link)))
+            sid = current.span_id
+            if sid:
+                here = _Seen(sid if keep else link, in_module or current.category == MODULE)
+                self._seen[sid] = here
+                if len(self._seen) > MAX_SEEN:
+                    self._seen.popitem(last=False)
+                for key in self._waiting.pop(sid, ()):
+                    stack.append((self._held.pop(key), False))
+
+    # ---- one span -----------------------------------------------------------------------------------
+
+    def _span(
+        self, row: Row, parent: int = 0, attrs: tuple[tuple[str, str], ...] | None = None
+    ) -> OtlpSpan:
+        pb = self._pb
+        sid = row.span_id or _hashed_id(
+            f"{row.host}/{row.pid}/{row.tid}/{row.lane}/{row.name}/{row.start_ns}/{row.end_ns}"
+        )
+        span: OtlpSpan = pb.Span(
+            trace_id=self._trace,
+            span_id=sid.to_bytes(8, "big"),
+            parent_span_id=(parent or self._root).to_bytes(8, "big"),
+            name=row.name,
+            kind=_kind(row),
+            start_time_unix_nano=max(0, row.start_ns + self._offset),
+            end_time_unix_nano=max(0, max(row.end_ns, row.start_ns) + self._offset),
+        )
+        kv = span.attributes
+        for key, value in attrs if attrs is not None else row.attrs:
+            kv.add(key=key).value.string_value = value
+        if attrs is None:
+            kv.add(key="gpu_trace.lane").value.string_value = row.lane
+            kv.add(key="gpu_trace.category").value.string_value = row.category
+            kv.add(key="thread.id").value.int_value = row.tid
+            if _failed(row.attrs):
+                span.status.code = pb.Status.STATUS_CODE_ERROR
+        return span
+
+
+def _kind(row: Row) -> int:
+    if row.lane == "forward/batch":
+        return _SPAN_KIND_CLIENT
+    if row.category == SERVER and row.lane != "server/op":
+        return _SPAN_KIND_SERVER
+    return _SPAN_KIND_INTERNAL
+
+
+def _failed(attrs: tuple[tuple[str, str], ...]) -> bool:
+    for key, value in attrs:
+        if (key == "error" and value not in ("", "0")) or (
+            key == "otel.status" and value == "ERROR"
+        ):
+            return True
+    return False
+
+
+# ---- requests -------------------------------------------------------------------------------------
+
+
+def _version() -> str:
+    try:
+        return metadata.version("gpu-trace")
+    except metadata.PackageNotFoundError:
+        return ""
+
+
+class RequestBuilder:
+    """Groups mapped spans by process into one ``ExportTraceServiceRequest``.
+
+    Resource attributes (OpenTelemetry semantic conventions where there is one): ``service.name``
+    (``gpu-trace`` for the program's processes, ``gpu-trace serve`` for a forwarding server's),
+    ``host.name``, ``process.pid``, ``process.command_line`` (the recorded command), and
+    ``gpu_trace.run_id``, ``gpu_trace.gpus`` (the run's GPUs, ``gpu0=NAME,...``) when known.
+    """
+
+    def __init__(self, run: RunFacts) -> None:
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+        from opentelemetry.proto.common.v1 import common_pb2
+        from opentelemetry.proto.resource.v1 import resource_pb2
+        from opentelemetry.proto.trace.v1 import trace_pb2
+
+        self._service = trace_service_pb2
+        self._common = common_pb2
+        self._resource = resource_pb2
+        self._trace = trace_pb2
+        self.run = run
+        self.version = _version()
+        self.main_host = run.attrs.get("recorder_host", "")
+
+    def request(self, spans: Iterable[tuple[Row, OtlpSpan]]) -> ExportTraceServiceRequest:
+        groups: dict[tuple[str, int, bool], list[OtlpSpan]] = {}
+        for row, span in spans:
+            server = row.category == SERVER
+            groups.setdefault((row.host or self.main_host, row.pid, server), []).append(span)
+        req = self._service.ExportTraceServiceRequest()
+        for (host, pid, server), group in groups.items():
+            rs = req.resource_spans.add()
+            self._fill_resource(rs.resource, host, pid, server)
+            ss = rs.scope_spans.add()
+            ss.scope.name = "gpu-trace"
+            ss.scope.version = self.version
+            ss.spans.extend(group)
+        return req
+
+    def _fill_resource(self, resource: object, host: str, pid: int, server: bool) -> None:
+        run = self.run
+        attrs: list[tuple[str, str | int]] = [
+            ("service.name", "gpu-trace serve" if server else "gpu-trace"),
+            ("gpu_trace.run_id", run.run_id),
+        ]
+        if host:
+            attrs.append(("host.name", host))
+        if pid:
+            attrs.append(("process.pid", pid))
+        if not server and run.command:
+            attrs.append(("process.command_line", run.command))
+        if not server and run.attrs.get("gpus"):
+            attrs.append(("gpu_trace.gpus", run.attrs["gpus"]))
+        if server and run.attrs.get("remote"):
+            attrs.append(("server.address", run.attrs["remote"]))
+        kv = resource.attributes  # type: ignore[attr-defined]
+        for key, value in attrs:
+            item = kv.add(key=key)
+            if isinstance(value, int):
+                item.value.int_value = value
+            else:
+                item.value.string_value = value
+
+
+# ---- the exporter ---------------------------------------------------------------------------------
+
+
+class OtlpExporter:
+    """The exporter seam's OTLP exporter: ``export(batch)``, ``force_flush``, ``shutdown``.
+
+    Spans are mapped as they come, sent :data:`BATCH_SPANS` to a request; ``shutdown`` sends what
+    is held and the run's root span. A failed request stops it: ``error`` says why, ``stats``
+    counts what went (``sent``, ``requests``).
+    """
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        run: Mapping[str, object],
+        kinds: frozenset[str] = DEFAULT_KINDS,
+        batch_spans: int = BATCH_SPANS,
+    ) -> None:
+        if batch_spans < 1:
+            raise ValueError(f"batch_spans must be positive, got {batch_spans}")
+        facts = RunFacts.of(run)
+        self.endpoint = endpoint
+        self.mapper = SpanMapper(facts, kinds)
+        self.builder = RequestBuilder(facts)
+        self.batch_spans = batch_spans
+        self.error: str | None = None
+        self.stats = {"sent": 0, "requests": 0}
+        self._pending: list[tuple[Row, OtlpSpan]] = []
+        self._closed = False
+
+    def export(self, batch: pa.Table) -> ExportResult:
+        if self._closed or self.error is not None:
+            return ExportResult.FAILURE
+        try:
+            self._pending.extend(self.mapper.add(rows(batch)))
+        except ValueError as exc:
+            self.error = str(exc)
+            return ExportResult.FAILURE
+        while len(self._pending) >= self.batch_spans:
+            if not self._send(self.batch_spans):
+                return ExportResult.FAILURE
+        return ExportResult.SUCCESS
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        while self._pending and self.error is None:
+            self._send(self.batch_spans)
+        return self.error is None
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.error is None:
+            self._pending.extend(self.mapper.finish())
+            self._pending.append(self.mapper.root_span())
+            self.force_flush()
+        self.endpoint.close()
+
+    def _send(self, n: int) -> bool:
+        chunk, self._pending = self._pending[:n], self._pending[n:]
+        problem = self.endpoint.send(self.builder.request(chunk))
+        if problem is not None:
+            self.error = problem
+            return False
+        self.stats["sent"] += len(chunk)
+        self.stats["requests"] += 1
+        return True
