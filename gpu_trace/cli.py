@@ -1,4 +1,5 @@
-"""The `gpu-trace` command line: record, serve, tenants, ingest, ls, show, export, sql, ui, demo.
+"""The `gpu-trace` command line: record, serve, tenants, ingest, rm, gc, ls, show, export, sql,
+ui, demo.
 
 This module builds the parser and dispatches; each command lives in :mod:`gpu_trace.commands`
 (record, remote, store, ui). Errors are one line on stderr, ``gpu-trace: ...``.
@@ -15,6 +16,7 @@ from gpu_trace import __version__, _format
 from gpu_trace.commands import CLIError, err, telemetry
 from gpu_trace.commands.record import cmd_record
 from gpu_trace.commands.remote import cmd_serve, cmd_tenants
+from gpu_trace.commands.removal import cmd_gc, cmd_rm
 from gpu_trace.commands.runs import cmd_export, cmd_ingest, cmd_ls, cmd_show, cmd_sql
 from gpu_trace.commands.ui import cmd_demo, cmd_ui
 
@@ -91,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--no-ingest", action="store_true", help="leave the spool for `gpu-trace ingest`"
+    )
+    p.add_argument(
+        "--keep-spool",
+        action="store_true",
+        default=None,
+        help="keep the spool files after ingest (default: removed once the store is checked to "
+        "hold them; GPU_TRACE_KEEP_SPOOL)",
     )
     p.add_argument(
         "--remote",
@@ -232,7 +241,52 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ingest", help="load a run directory's spool into the store (idempotent)")
     p.add_argument("run_dir", type=Path, metavar="DIR")
     _store_arg(p)
+    p.add_argument(
+        "--keep-spool",
+        action="store_true",
+        default=None,
+        help="keep the spool files (default: a run directory under GPU_TRACE_HOME/runs loses them "
+        "once the store is checked to hold them; GPU_TRACE_KEEP_SPOOL)",
+    )
     p.set_defaults(func=cmd_ingest)
+
+    p = sub.add_parser(
+        "rm",
+        help="remove runs from the store and their run directories",
+        description="Remove each RUN (id, unique prefix, or 'last') from the store and its run "
+        "directory under GPU_TRACE_HOME/runs, printing what was removed and its size. Every RUN "
+        "is checked first: one that does not exist, or is still recording, removes nothing.",
+    )
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run id, unique prefix, or 'last'")
+    _store_arg(p)
+    p.add_argument(
+        "--force", action="store_true", help="remove a run even if it may still be recording"
+    )
+    p.set_defaults(func=cmd_rm)
+
+    p = sub.add_parser(
+        "gc",
+        help="remove old runs and spools",
+        description="Remove runs started longer ago than --older-than from the store with their "
+        "run directories, spool files of stored runs, and run directories of runs that never "
+        "reached the store. A run that may still be recording, or was written to since, stays.",
+    )
+    p.add_argument(
+        "--older-than",
+        default="7d",
+        metavar="AGE",
+        help="age: 30m, 12h, 7d, 2w; a bare number is days (default 7d)",
+    )
+    p.add_argument(
+        "--spools-only",
+        action="store_true",
+        help="keep runs in the store; remove only spool files and directories of unstored runs",
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="say what would be removed, remove nothing"
+    )
+    _store_arg(p)
+    p.set_defaults(func=cmd_gc)
 
     p = sub.add_parser("ls", help="list recorded runs, newest first")
     _store_arg(p)

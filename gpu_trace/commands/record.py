@@ -8,7 +8,7 @@ from pathlib import Path
 from gpu_trace import _format as fmt
 from gpu_trace import config
 from gpu_trace.commands import CLIError, check_settings, err, telemetry
-from gpu_trace.commands.runs import store_module
+from gpu_trace.commands.runs import release_line, store_module
 
 
 def cmd_record(args: argparse.Namespace) -> int:
@@ -48,13 +48,24 @@ def cmd_record(args: argparse.Namespace) -> int:
         raise CLIError(str(exc), exc.exit_code) from None
     finally:
         telemetry.finish_stream(stream)
-    finish_run(prepared.run_dir, dsn, ingest=not args.no_ingest, save_error=prepared.save_error)
+    finish_run(
+        prepared.run_dir,
+        dsn,
+        ingest=not args.no_ingest,
+        save_error=prepared.save_error,
+        keep_spool=args.keep_spool,
+    )
     return code
 
 
-def finish_run(run_dir: Path, dsn: str, *, ingest: bool, save_error: str = "") -> None:
-    """Ingest the run and print the closing line (the program's exit status is not changed)."""
+def finish_run(
+    run_dir: Path, dsn: str, *, ingest: bool, save_error: str = "", keep_spool: bool | None = None
+) -> None:
+    """Ingest the run, remove its spool once the store is checked to hold it (unless
+    ``keep_spool`` or GPU_TRACE_KEEP_SPOOL), and print the closing line (the program's exit
+    status is not changed)."""
     from gpu_trace.tracer.ingest import ingest as ingest_run
+    from gpu_trace.tracer.retention import release_spool
     from gpu_trace.tracer.run import RunInfo, read_stats
 
     info = RunInfo.load(run_dir)
@@ -71,6 +82,10 @@ def finish_run(run_dir: Path, dsn: str, *, ingest: bool, save_error: str = "") -
     try:
         with store_mod.Store(dsn) as store:
             report = ingest_run(store, run_dir)
+            try:
+                spool = release_line(release_spool(store, run_dir, keep=keep_spool))
+            except store_mod.StoreError as exc:
+                spool = f"; spool kept: its ingest could not be checked ({exc})"
     except store_mod.StoreError as exc:
         err(
             f"run {info.run_id}: {fmt.count(events)} events, {fmt.count(dropped)} dropped, NOT stored: {exc}{disk}; the spool is kept: load it later with gpu-trace ingest {run_dir}"
@@ -79,7 +94,7 @@ def finish_run(run_dir: Path, dsn: str, *, ingest: bool, save_error: str = "") -
     for problem in report.problems:
         err(problem)
     err(
-        f"run {info.run_id}: {fmt.count(report.rows_total)} events, {fmt.count(dropped)} dropped, stored in {dsn}{disk}"
+        f"run {info.run_id}: {fmt.count(report.rows_total)} events, {fmt.count(dropped)} dropped, stored in {dsn}{disk}{spool}"
     )
 
 

@@ -49,24 +49,61 @@ def _resolve(store: Any, ref: str) -> str:
 
 def cmd_ingest(args: argparse.Namespace) -> int:
     from gpu_trace.tracer.ingest import ingest
+    from gpu_trace.tracer.retention import release_spool
     from gpu_trace.tracer.run import RunInfo
 
     run_dir: Path = args.run_dir
     if not RunInfo.exists(run_dir):
         raise CLIError(f"{run_dir} is not a run directory (no run.json)", 2)
+    released = _released(run_dir)
+    if released:
+        raise CLIError(released, 2)
     dsn = checked_dsn(args.store)
     store_mod = store_module()
     try:
         with store_mod.Store(dsn) as store:
             report = ingest(store, run_dir)
+            try:
+                spool = release_line(release_spool(store, run_dir, keep=args.keep_spool))
+            except store_mod.StoreError as exc:
+                spool = f"; spool kept: its ingest could not be checked ({exc})"
     except store_mod.StoreError as exc:
         raise CLIError(f"ingest failed, spool kept: {exc}") from None
     for problem in report.problems:
         err(problem)
     echo(
-        f"{report.run_id}: {fmt.count(report.rows_total)} rows from {report.files_ingested} files ({report.files_skipped} already ingested) into {dsn}"
+        f"{report.run_id}: {fmt.count(report.rows_total)} rows from {report.files_ingested} files ({report.files_skipped} already ingested) into {dsn}{spool}"
     )
     return 0
+
+
+def release_line(release: Any) -> str:
+    """The closing line's clause on the spool (a :class:`~gpu_trace.tracer.retention.
+    SpoolRelease`): removed, with its size, or kept and why; "" when there was none."""
+    if release.kept:
+        return f"; spool kept: {release.kept}"
+    if not release.removed_files:
+        return ""
+    return f"; spool removed ({release.removed_files} files, {fmt.size(release.removed_bytes)})"
+
+
+def _released(run_dir: Path) -> str:
+    """Why ``run_dir`` has nothing to ingest because its spool was removed after an ingest
+    (``ingested.json`` and no spool files), or ""."""
+    from gpu_trace.tracer.retention import INGESTED_FILE
+    from gpu_trace.tracer.spool import list_spool
+
+    marker = run_dir / INGESTED_FILE
+    if not marker.is_file() or list_spool(run_dir):
+        return ""
+    try:
+        store = json.loads(marker.read_text()).get("store", "the store")
+    except (OSError, ValueError, AttributeError):
+        store = "the store"
+    return (
+        f"{run_dir}: its spool was removed after it was ingested into {store}; "
+        "there is nothing left to ingest"
+    )
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -78,6 +115,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not runs:
         echo("no runs yet: gpu-trace record -- python your_script.py")
         return 0
+    from gpu_trace.tracer.run import describe_recording
+
     rows = []
     for r in runs:
         rows.append(
@@ -88,12 +127,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 fmt.count(int(r.get("spans", 0)) + int(r.get("counters", 0))),
                 r.get("status", ""),
                 ",".join(r.get("hosts") or []),
+                describe_recording(r.get("attrs") or {}, compact=True),
                 _clip(r.get("command", ""), 60),
             ]
         )
     echo(
         fmt.table(
-            ["RUN", "STARTED", "DURATION", "EVENTS", "STATUS", "HOSTS", "COMMAND"],
+            ["RUN", "STARTED", "DURATION", "EVENTS", "STATUS", "HOSTS", "RECORDING", "COMMAND"],
             rows,
             right={2, 3},
         )
@@ -221,6 +261,8 @@ def _wall_ns(run: dict) -> int | None:
 
 
 def render_summary(run: dict, summary: dict) -> str:
+    from gpu_trace.tracer.run import describe_recording
+
     lines = []
     dur = (run.get("ended_ns") or 0) - (run.get("started_ns") or 0)
     lines.append(
@@ -231,6 +273,7 @@ def render_summary(run: dict, summary: dict) -> str:
         lines.append(f"status: {run.get('status', '')}: {reason}")
     lines.append(f"command: {run.get('command', '')}")
     lines.append(f"trace id: {run.get('trace_id', '')}  hosts: {','.join(run.get('hosts') or [])}")
+    lines.append(f"recording: {describe_recording(run.get('attrs') or {})}")
     for lane in summary.get("lanes", []):
         lines.append("")
         lines.append(
