@@ -38,23 +38,38 @@ Event = tuple[int, int, int, "int | None"]
 Range = tuple[int, int, int, int, int, int, int]
 
 
-def owners(calls: Sequence[tuple[int, int, Any]]) -> tuple[list[int], list[int], list[int]]:
-    """Index the calls: ``starts`` (sorted firsts), ``order`` (call index per start) and
-    ``parent`` (enclosing call index per call, -1 at the top)."""
-    order = sorted(range(len(calls)), key=lambda i: (calls[i][0], -calls[i][1]))
+def owners(calls: Sequence[Sequence[Any]]) -> tuple[list[int], list[int], list[int]]:
+    """Index the calls ``(first, end, module, anchor)``, listed as they returned: ``starts``
+    (sorted firsts), ``order`` (call index per start) and ``parent`` (enclosing call index per
+    call, -1 at the top).
+
+    Of two calls with the same numbers (a module whose forward only calls another), the one
+    that returned later is the outer one. An outermost call run inside a backward node
+    (checkpointing's recomputation) has that node's sequence number as ``anchor`` (else -1):
+    its parent is the innermost call holding the anchor, so its backward nests in theirs."""
+    order = sorted(range(len(calls)), key=lambda i: (calls[i][0], -calls[i][1], -i))
     parent = [-1] * len(calls)
     open_: list[int] = []
+    anchored = False
     for i in order:
-        first, end, _ = calls[i]
+        first, end = calls[i][0], calls[i][1]
         while open_ and calls[open_[-1]][1] <= first:
             open_.pop()
         if open_ and end <= calls[open_[-1]][1]:
             parent[i] = open_[-1]
         open_.append(i)
-    return [calls[i][0] for i in order], order, parent
+        anchored = anchored or calls[i][3] >= 0
+    index = [calls[i][0] for i in order], order, parent
+    if anchored:  # in order: an anchor's calls were made, and anchored, before the call
+        for i in order:
+            if parent[i] < 0 and calls[i][3] >= 0:
+                found = chain(calls[i][3], calls, index)
+                if found:
+                    parent[i] = found[-1]
+    return index
 
 
-def chain(seq: int, calls: Sequence[tuple[int, int, Any]], index: tuple) -> list[int]:
+def chain(seq: int, calls: Sequence[Sequence[Any]], index: tuple) -> list[int]:
     """Call indexes holding ``seq``, outermost first (empty: made outside any module).
 
     Calls on one thread nest, and so do their ranges of numbers: the innermost call holding
@@ -79,7 +94,7 @@ def _first(p: Sequence) -> int:
 
 def ranges(
     events: Sequence[Event],
-    calls: Sequence[tuple[int, int, Any]],
+    calls: Sequence[Sequence[Any]],
     passes: Sequence[Sequence[Any]],
     next_id: Callable[[], int],
 ) -> list[Range]:

@@ -12,14 +12,20 @@ when it was imported; it is pointed at the real one, so it traces through our wr
 installed (doing nothing inside compiled code) and knows the real one again after :func:`unpatch`.
 
 Backward: no module backward hooks (their identity functions make in-place ops on a module's
-output fail). Instead the wrapper notes the autograd node that produced each input (read before
-forward: an in-place op may replace it) and each output, and when the outermost module call
-returns, one pre-hook goes on each noted node: a module's backward starts when the gradient of
-its output is about to be computed, and ends when its input's node is about to run (the gradient
-of the input is complete) or, for inputs no gradient flows into, when the backward pass ends
-(when ``Tensor.backward`` returns, or the engine's end-of-pass callback for passes started some
-other way). Several modules that share a node open outer-first and close inner-first, so ranges
-nest. ``Tensor.backward`` called inside a module's forward first places the hooks noted so far.
+output fail). Instead the wrapper notes, per call, the range of autograd sequence numbers its
+forward took (two reads of a thread-local counter) and the autograd nodes of its inputs (read
+before forward: an in-place op may replace them) and outputs. When the outermost module call
+returns, one pre-hook goes on each noted node, carrying the calls that node was made in,
+outermost first (found by its sequence number). In backward each hook makes this thread's open
+module ranges that list: ranges of calls not in it close (innermost first), the missing ones open
+(outermost first). So ranges are per call, not per module, and nest by construction: a cell
+called in a loop gets one range per call, whichever of its outputs' nodes runs first; a module's
+range ends when a node made outside it is about to run (its input's, usually), or when the
+engine finishes the pass (a callback queued on the pass when its first range opens). A call
+whose range has closed is not opened again in the same pass: where the engine interleaves two
+calls' nodes, the second part gets no range rather than a second one. A forward run during a
+backward (activation checkpointing's recomputation) puts its calls under the ranges open when it
+ran. ``Tensor.backward`` called inside a module's forward first places the hooks noted so far.
 
 At op level the profiler's collection already records every backward node as it runs, with the
 sequence number of the forward op that made it, so no hooks are placed: the wrapper notes the
@@ -35,7 +41,7 @@ and found again by ``id`` (:class:`_Module`, a weak reference that forgets the e
 module dies). Hooks are placed in one batch per outermost call because between module calls the
 model's own work evicts this code from the CPU caches: placing a hook right after a module's
 compute costs several times what the next one costs. An autograd node gets one pre-hook however
-many modules meet there. See docs/frameworks.md, "Cost".
+many calls meet there. See docs/frameworks.md, "Cost".
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ from typing import Any
 
 from gpu_trace._imports import discard, when_imported
 from gpu_trace.framework_patches import spans
+from gpu_trace.framework_patches.torch.backward import chain as _chain
+from gpu_trace.framework_patches.torch.backward import owners as _owners
 from gpu_trace.tracer import recorder as _recorder
 from gpu_trace.tracer.clock import now_ns
 from gpu_trace.tracer.records import MODULE
@@ -55,18 +63,17 @@ from gpu_trace.tracer.records import MODULE
 log = logging.getLogger(__name__)
 
 DOMAIN = spans.Domain("torch")
-_META = "gpu_trace"  # key in an autograd node's metadata dict: (opens, closes)
+_META = "gpu_trace"  # key in an autograd node's metadata dict: set once the node is hooked
 #: Where torch._dynamo keeps the ``nn.Module.__call__`` it saw at import.
 _DYNAMO = ("torch._dynamo.utils", "torch._dynamo.variables.nn_module")
 
 _attrs: dict[str, dict[str, str]] = {}
 _local = threading.local()
-#: Backward ranges open now, by module (lists: a module may run more than once per pass). A
-#: module's entry is removed when its last range closes, so ``not _open_bw`` means none is open.
-_open_bw: dict[_Module, list[list]] = {}
 _bw_attrs = {"pass": "backward"}
 #: One entry per ``Tensor.backward`` call in progress (list: append and pop are atomic).
 _in_backward: list[None] = []
+#: Each thread's module backward ranges open now (see :class:`_Backward`), by thread id.
+_bw_threads: dict[int, _Backward] = {}
 _torch: Any = None
 _is_compiling: Any = lambda: False  # noqa: E731 (torch.compiler.is_compiling once patched)
 _grad_enabled: Any = None
@@ -79,11 +86,12 @@ on_root: Any = None
 #: At op level, the op collection that makes module backward ranges (see :func:`backward_from`).
 _calls_sink: Any = None
 _seq: Any = None  # torch._C._autograd._get_sequence_nr once patched
+_current_node: Any = None  # torch._C._current_autograd_node once patched
 
 
 def patch(torch: Any) -> None:
     """Wrap ``nn.Module.__call__`` (first undoing an earlier patch)."""
-    global _torch, _is_compiling, _grad_enabled, _Tensor, _engine, _patched, _seq
+    global _torch, _is_compiling, _grad_enabled, _Tensor, _engine, _patched, _seq, _current_node
     unpatch()
     module_cls = torch.nn.Module
     original = module_cls.__dict__["__call__"]
@@ -94,6 +102,7 @@ def patch(torch: Any) -> None:
     _Tensor = torch.Tensor
     _engine = torch.autograd.Variable._execution_engine
     _seq = torch._C._autograd._get_sequence_nr
+    _current_node = getattr(torch._C, "_current_autograd_node", None) or (lambda: None)
     wrapper = _wrap_call(original)
     _patched = (module_cls, original, wrapper)
     module_cls.__call__ = wrapper
@@ -108,7 +117,9 @@ def unpatch() -> None:
     global _torch, _patched, _calls_sink
     _torch = None
     _calls_sink = None
-    _open_bw.clear()
+    for b in _bw_threads.values():
+        b.open.clear()
+    _bw_threads.clear()
     _in_backward.clear()
     for name in _DYNAMO:
         discard(name, _dynamo_sees_original)
@@ -130,7 +141,8 @@ def backward_from(sink: Any) -> None:
     """Op level: make module backward ranges from the op collection ``sink`` instead of hooks.
 
     ``sink`` has ``owner`` (the thread whose ops it collects), ``calls`` (a list the wrapper
-    appends ``(first, end, module)`` sequence-number ranges of that thread's module calls to) and
+    appends ``(first, end, module, anchor)`` sequence-number ranges of that thread's module calls
+    to: see :func:`.backward.owners`) and
     ``passes`` (one ``[start_ns, end_ns, parent span id, depth, modules running]`` per
     ``Tensor.backward`` on that thread); None goes back to hooks."""
     global _calls_sink
@@ -217,16 +229,21 @@ def _module_attrs(module: Any) -> dict[str, str]:
 
 
 class _Thread:
-    """This thread's module calls in progress, and the autograd nodes noted since the outermost
-    began (placed when it returns: see :func:`_place_hooks`)."""
+    """This thread's module calls in progress, and since the outermost began the autograd nodes
+    noted and the calls that made nodes (hooked when it returns: see :func:`_place_hooks`)."""
 
-    __slots__ = ("stack", "marks", "calls")
+    __slots__ = ("stack", "marks", "made", "calls", "anchor")
 
     def __init__(self) -> None:
         self.stack: list[Any] = []
-        self.marks: list[tuple[Any, _Module, int]] = []
+        self.marks: list[Any] = []
+        #: Module level: ``[first, end, _Module, -1, pass its range closed in]`` per call, as
+        #: they return (sequence numbers ``[first, end)``; see :mod:`.backward`).
+        self.made: list[list] = []
         #: At op level on the collected thread: where module calls' sequence ranges go.
         self.calls: list | None = None
+        #: The sequence number of the backward node the outermost call runs in, else -1.
+        self.anchor = -1
 
 
 def _wrap_call(original: Any) -> Any:
@@ -238,25 +255,32 @@ def _wrap_call(original: Any) -> Any:
         except AttributeError:
             t = _local.t = _Thread()
         stack = t.stack
-        token = m = calls = None
+        token = m = calls = first = None
         try:
             if not stack:
-                if on_root is not None:
+                node = _current_node()  # a backward node (checkpointing recomputes forward)
+                t.anchor = node._sequence_nr() if node is not None else -1
+                if on_root is not None and node is None:  # no op in flight: may cycle sessions
                     on_root()
                 sink = _calls_sink
                 t.calls = sink.calls if sink is not None and sink.owner == _thread_id() else None
             m = _modules.get(id(self)) or _lookup(self)
-            token = spans.begin(DOMAIN, MODULE, m.name, m.attrs)
             calls = t.calls
+            if calls is None or t.anchor < 0:
+                token = spans.begin(DOMAIN, MODULE, m.name, m.attrs)
+            # else op level inside a backward node: its backward ranges, made later, could not
+            # hold a forward range recorded now (they would overlap under the pass's range)
             if calls is not None:
                 first = _seq()
-            elif token is not None and args and _grad_enabled():
-                if len(args) == 1 and isinstance(args[0], _Tensor):  # the common case, inline
-                    node = args[0].grad_fn
-                    if node is not None:
-                        t.marks.append((node, m, 1))
-                else:
-                    _mark_nodes(args, m, 1, t.marks)
+            elif token is not None and _grad_enabled():
+                first = _seq()
+                if args:
+                    if len(args) == 1 and isinstance(args[0], _Tensor):  # the common case, inline
+                        node = args[0].grad_fn
+                        if node is not None:
+                            t.marks.append(node)
+                    else:
+                        _mark_nodes(args, t.marks)
         except Exception:
             spans.warn_once("module forward")
         stack.append(self)
@@ -267,6 +291,7 @@ def _wrap_call(original: Any) -> Any:
             spans.end(token)
             if not stack:
                 t.marks.clear()  # a failed forward's graph is not kept alive by us
+                t.made.clear()
             raise
         stack.pop()
         spans.end(token)
@@ -274,16 +299,19 @@ def _wrap_call(original: Any) -> Any:
             if calls is not None:
                 end = _seq()
                 if end != first:  # it made autograd nodes
-                    calls.append((first, end, m))
-            elif token is not None and result is not None and _grad_enabled():
-                if isinstance(result, _Tensor):
-                    node = result.grad_fn
-                    if node is not None:
-                        t.marks.append((node, m, 0))
-                else:  # m is set whenever token is
-                    _mark_nodes(result, m, 0, t.marks)  # type: ignore[arg-type]
-            if not stack and t.marks:
-                _place_hooks(t.marks)
+                    calls.append((first, end, m, t.anchor if not stack else -1))
+            elif first is not None:
+                end = _seq()
+                if end != first:  # it made autograd nodes (else its outputs' are not its own)
+                    t.made.append([first, end, m, -1, -1])
+                    if isinstance(result, _Tensor):
+                        node = result.grad_fn
+                        if node is not None:
+                            t.marks.append(node)
+                    elif result is not None:
+                        _mark_nodes(result, t.marks)
+            if not stack and (t.marks or t.made):
+                _place_hooks(t)
         except Exception:
             spans.warn_once("module forward end")
         return result
@@ -304,7 +332,7 @@ def backward_begins() -> None:
     t = getattr(_local, "t", None)
     if t is not None and t.marks:
         try:
-            _place_hooks(t.marks)
+            _place_hooks(t)
         except Exception:
             spans.warn_once("module backward hooks")
 
@@ -318,8 +346,10 @@ def backward_ends() -> None:
         p = sink.passes[-1]
         if not p[1]:
             p[1] = now_ns()
-    if _open_bw and not _in_backward:
-        _close_all()
+    if not _in_backward:  # the engine's end-of-pass callback closed them, unless it raised
+        b = _bw_threads.get(_thread_id())
+        if b is not None and b.open:
+            b.close_all()
 
 
 def _note_pass(sink: Any) -> None:
@@ -341,8 +371,8 @@ def _note_pass(sink: Any) -> None:
 # ---- backward -----------------------------------------------------------------------------------
 
 
-def _mark_nodes(value: Any, m: _Module, which: int, marks: list) -> None:
-    """Note ``m`` for the autograd nodes of the tensors in ``value`` (0 opens, 1 closes there).
+def _mark_nodes(value: Any, marks: list) -> None:
+    """Note the autograd nodes of the tensors in ``value`` (a module's inputs or outputs).
 
     Only the node is read now (an in-place op may give the tensor another one later); the
     hooks are placed by :func:`_place_hooks`."""
@@ -350,7 +380,7 @@ def _mark_nodes(value: Any, m: _Module, which: int, marks: list) -> None:
     if isinstance(value, Tensor):
         node = value.grad_fn
         if node is not None:
-            marks.append((node, m, which))
+            marks.append(node)
         return
     if isinstance(value, (tuple, list)):
         if len(value) == 1:  # most modules' args
@@ -358,103 +388,122 @@ def _mark_nodes(value: Any, m: _Module, which: int, marks: list) -> None:
             if isinstance(v, Tensor):
                 node = v.grad_fn
                 if node is not None:
-                    marks.append((node, m, which))
+                    marks.append(node)
                 return
-        for v in value:  # a node seen twice is noted once (_note checks)
+        for v in value:  # a node seen twice is hooked once (_place_hooks checks)
             if isinstance(v, Tensor):
                 node = v.grad_fn
                 if node is not None:
-                    marks.append((node, m, which))
+                    marks.append(node)
             elif isinstance(v, (tuple, list)):  # LSTM: (output, (h, c))
                 for w in v:
                     if isinstance(w, Tensor):
                         node = w.grad_fn
                         if node is not None:
-                            marks.append((node, m, which))
+                            marks.append(node)
     elif isinstance(value, dict):
         for v in value.values():
             if isinstance(v, Tensor):
                 node = v.grad_fn
                 if node is not None:
-                    marks.append((node, m, which))
+                    marks.append(node)
 
 
-def _place_hooks(marks: list[tuple[Any, _Module, int]]) -> None:
-    """Put the noted modules on their nodes, with one pre-hook per node, and forget them (in
-    one go per outermost call: see the module docstring, "Cost")."""
+def _place_hooks(t: _Thread) -> None:
+    """Hook the noted nodes, each with the calls it was made in, outermost first, and forget
+    them (in one go per outermost call: see the module docstring, "Cost").
+
+    A node's calls are found by its sequence number among this forward's calls (a node made
+    before them, or outside every module, has none: its hook closes the ranges open). A forward
+    run inside a backward node (checkpointing recomputes one there) is part of the ranges open
+    on this thread then: its nodes' lists start with those calls."""
+    marks, made = t.marks, t.made
     try:
-        for node, m, which in marks:
-            _note(node, m, which)
+        index = _owners(made) if made else None
+        b = _bw_threads.get(_thread_id())
+        prefix = tuple(o[0] for o in b.open) if b is not None and b.open else ()
+        for node in marks:
+            meta = node.metadata
+            if _META in meta:
+                continue
+            meta[_META] = True
+            calls = prefix
+            if index is not None:
+                found = _chain(node._sequence_nr(), made, index)
+                if found:
+                    calls = prefix + tuple(made[i] for i in found)
+            node.register_prehook(_NodeHook(calls))
     finally:
         marks.clear()
+        if not t.stack:
+            made.clear()
 
 
-def _outer_first(m: _Module) -> int:
-    return m.depth
+class _Backward:
+    """One thread's module backward ranges open now: ``open`` holds ``(call, token)``,
+    outermost first, and ``pass_no`` counts the backward passes that ended (a call's range is
+    opened at most once per pass)."""
 
+    __slots__ = ("open", "pass_no")
 
-def _inner_first(m: _Module) -> int:
-    return -m.depth
+    def __init__(self) -> None:
+        self.open: list[tuple[list, list | None]] = []
+        self.pass_no = 0
 
+    def enter(self, calls: tuple[list, ...]) -> None:
+        """A node made in ``calls`` is about to run: close the ranges of calls not in them,
+        open the missing ones (not those already closed in this pass)."""
+        open_ = self.open
+        n = len(calls)
+        keep = 0
+        while keep < len(open_) and keep < n and open_[keep][0] is calls[keep]:
+            keep += 1
+        pass_no = self.pass_no
+        while len(open_) > keep:
+            call, token = open_.pop()
+            call[4] = pass_no
+            spans.end(token)
+        if keep == n:
+            return
+        if not open_:
+            # The pass's first range: close what is left when the engine finishes the pass.
+            _engine.queue_callback(self.close_all)
+        for call in calls[keep:]:
+            if call[4] == pass_no:  # its range closed in this pass: no second one
+                return
+            open_.append((call, spans.begin(DOMAIN, MODULE, call[2].bw_name, _bw_attrs)))
 
-def _note(node: Any, m: _Module, which: int) -> None:
-    meta = node.metadata
-    entry = meta.get(_META)
-    if entry is None:
-        meta[_META] = entry = ([], [])
-        node.register_prehook(_NodeHook(entry))
-    ms = entry[which]
-    if m not in ms:
-        ms.append(m)
-        if len(ms) > 1:  # opens outer-first, closes inner-first (a stable sort keeps call order)
-            ms.sort(key=_outer_first if which == 0 else _inner_first)
+    def close_all(self) -> None:
+        """End of a backward pass: close what is still open, innermost first."""
+        try:
+            open_ = self.open
+            while open_:
+                call, token = open_.pop()
+                call[4] = self.pass_no
+                spans.end(token)
+            self.pass_no += 1
+        except Exception:
+            spans.warn_once("module backward end")
 
 
 class _NodeHook:
-    """Runs just before an autograd node: closes the backward ranges of modules whose input it
-    produced (innermost first), then opens those of modules whose output it produced
-    (outermost first)."""
+    """Runs just before an autograd node: makes this thread's open module backward ranges the
+    calls the node was made in (see :meth:`_Backward.enter`)."""
 
-    __slots__ = ("entry",)
+    __slots__ = ("calls",)
 
-    def __init__(self, entry: tuple[list[_Module], list[_Module]]) -> None:
-        self.entry = entry
+    def __init__(self, calls: tuple[list, ...]) -> None:
+        self.calls = calls
 
     def __call__(self, grad_outputs: Any) -> None:
         if _torch is None:
             return None
         try:
-            opens, closes = self.entry
-            for m in closes:
-                tokens = _open_bw.get(m)
-                if tokens:
-                    spans.end(tokens.pop())
-                    if not tokens:
-                        del _open_bw[m]
-            if opens:
-                if not _open_bw and not _in_backward:
-                    # The pass's first range, outside Tensor.backward: close what is left
-                    # when the engine finishes (Tensor.backward does that when it returns).
-                    _engine.queue_callback(_close_all)
-                for m in opens:
-                    token = spans.begin(DOMAIN, MODULE, m.bw_name, _bw_attrs)
-                    if token is not None:
-                        tokens = _open_bw.get(m)
-                        if tokens is None:
-                            _open_bw[m] = [token]
-                        else:
-                            tokens.append(token)
+            tid = _thread_id()
+            b = _bw_threads.get(tid)
+            if b is None:
+                b = _bw_threads[tid] = _Backward()
+            b.enter(self.calls)
         except Exception:
             spans.warn_once("module backward")
         return None
-
-
-def _close_all() -> None:
-    """End of a backward pass: close what is still open, innermost first."""
-    try:
-        tokens = [t for ts in _open_bw.values() for t in ts]
-        _open_bw.clear()
-        for token in sorted(tokens, key=lambda t: t[3], reverse=True):
-            spans.end(token)
-    except Exception:
-        spans.warn_once("module backward end")

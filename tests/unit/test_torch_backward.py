@@ -8,7 +8,7 @@ from gpu_trace.framework_patches.torch.backward import chain, owners, ranges
 
 # Forward: Net [0, 10) holds a [0, 4) (a.x [1, 3)) and b [5, 9); seq 4 and 9 are Net's own ops.
 NET, A, AX, B = "Net", "a", "a.x", "b"
-CALLS = [(1, 3, AX), (0, 4, A), (5, 9, B), (0, 10, NET)]  # appended as calls return
+CALLS = [(1, 3, AX, -1), (0, 4, A, -1), (5, 9, B, -1), (0, 10, NET, -1)]  # as calls return
 
 
 def made(events, passes=(), calls=CALLS):
@@ -63,7 +63,7 @@ def test_nodes_outside_modules_and_forward_ops_end_ranges() -> None:
 
 
 def test_a_module_called_twice_gets_a_range_per_call_and_threads_are_apart() -> None:
-    calls = [(0, 2, "cell"), (2, 4, "cell")]
+    calls = [(0, 2, "cell", -1), (2, 4, "cell", -1)]
     events = [(1, 0, 10, 3), (1, 11, 20, 1), (2, 0, 5, 1)]
     assert made(events, calls=calls) == [
         ("cell", 0, 5, 0, 0),
