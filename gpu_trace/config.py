@@ -67,6 +67,10 @@ ENVIRONMENT: dict[str, str] = {
     "and RSS) in `gpu-trace record`. Default 2; 0 turns the host sampler off.",
     "GPU_TRACE_NVML_REPLAY": "An NVML sample file to play back instead of reading NVML (tests, "
     "demos without a GPU); see docs/collectors.md.",
+    "GPU_TRACE_NVML_FAMILIES": "Which NVML families `gpu-trace record` samples: `default`, `all`, "
+    "a list of names, or changes to the default (`+pcie`, `-processes`). PCIe throughput (blocks "
+    "~41 ms a call) and NVML's sample buffers (`buffers`, 1.37 ms a call) are off by default; "
+    "docs/collectors.md lists the families.",
     "GPU_TRACE_KEEP_SPOOL": "1: keep a run's spool files after it is ingested (`record`, "
     "`ingest`; like --keep-spool). Default 0: once the store is checked to hold every row the "
     "spool held, the spool files under GPU_TRACE_HOME/runs are removed (run.json, stats/ and "
@@ -216,6 +220,15 @@ def _anything(text: str) -> str:
     return text
 
 
+def _nvml_families(text: str) -> frozenset[str]:
+    from gpu_trace.collectors.nvml.families import ALL, parse
+
+    try:
+        return parse(text)
+    except ValueError:
+        raise _Invalid(f"NVML families from {', '.join(sorted(ALL))}, default, all") from None
+
+
 #: The parser of every variable in ENVIRONMENT. TRACEPARENT is never refused: a malformed
 #: propagated context is ignored (W3C Trace Context), the run then starts a trace of its own.
 CHECKS: dict[str, Callable[[str], object]] = {
@@ -242,6 +255,7 @@ CHECKS: dict[str, Callable[[str], object]] = {
     "GPU_TRACE_NVML_HZ": _number(0, 1000, "samples per second"),
     "GPU_TRACE_HOST_HZ": _number(0, 1000, "samples per second"),
     "GPU_TRACE_NVML_REPLAY": _file,
+    "GPU_TRACE_NVML_FAMILIES": _nvml_families,
     "GPU_TRACE_KEEP_SPOOL": _flag,
     "TRACEPARENT": _anything,
     # The program's own OpenTelemetry SDK reads these too: never refused up front; `--otlp`
@@ -363,6 +377,11 @@ def nvml_replay(explicit: Path | None = None) -> Path | None:
     """An NVML sample file to play back instead of NVML (``GPU_TRACE_NVML_REPLAY``)."""
     value = explicit or _env("GPU_TRACE_NVML_REPLAY")
     return Path(value).expanduser() if value else None
+
+
+def nvml_families() -> frozenset[str]:
+    """NVML families to sample (``GPU_TRACE_NVML_FAMILIES``; default: the cheap ones)."""
+    return frozenset(_get("GPU_TRACE_NVML_FAMILIES", _nvml_families("default")))  # type: ignore[arg-type]
 
 
 def _rate(name: str, explicit: float | None, default: float) -> float:
