@@ -98,7 +98,7 @@ def peer_json_dumps(path: Path, batches: Iterator[pa.Table]) -> None:
                     "tid": row["tid"],
                     "ts": (row["start_ns"] - base) / 1000,
                     "dur": (row["end_ns"] - row["start_ns"]) / 1000,
-                    "args": {"span_id": str(row["span_id"]), **dict(row["attrs"] or [])},
+                    "args": {"span_id": f"{row['span_id']:016x}", **dict(row["attrs"] or [])},
                 }
             )
     path.write_text(json.dumps({"traceEvents": events}))

@@ -193,12 +193,12 @@ def test_golden_small_run(tmp_path: Path) -> None:
     assert (step["pid"], step["tid"], step["cat"]) == (10, 10, "user_annotation")  # real tid
     assert x["aten::mm"]["cat"] == "cpu_op" and x["aten::mm"]["args"]["category"] == "op"
     assert x["forward"]["args"] == {
-        "span_id": "2",
+        "span_id": "0000000000000002",  # 16 hex digits, as the dashboard and OpenTelemetry
         "category": "nvtx",
         "lane": "nvtx/gpu_trace",
         "batch": "3",
     }
-    assert x["aten::mm"]["args"]["parent_span_id"] == "2"
+    assert x["aten::mm"]["args"]["parent_span_id"] == "0000000000000002"
     assert x["sgemm"]["cat"] == "kernel" and (
         x["sgemm"]["args"]["device"],
         x["sgemm"]["args"]["stream"],
@@ -513,7 +513,7 @@ def test_export_of_a_real_recording(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     # Durations equal the recorded ones to the nanosecond.
     rec = {r["span_id"]: r["end_ns"] - r["start_ns"] for r in all_spans.to_pylist()}
     for e in x:
-        assert round(Decimal(str(e["dur"])) * 1000) == rec[int(e["args"]["span_id"])]
+        assert round(Decimal(str(e["dur"])) * 1000) == rec[int(e["args"]["span_id"], 16)]
 
 
 def test_big_batches_are_formatted_in_slices(tmp_path: Path) -> None:

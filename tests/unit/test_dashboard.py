@@ -753,3 +753,21 @@ def test_a_counter_holds_its_value_in_a_window_narrower_than_its_sampling_interv
         source, "minute", ["nvml/gpu_util_pct"], 10_100_000_000, 11_900_000_000, MINUTE_WIDTH
     )["nvml/gpu_util_pct"]
     assert [r["value"] for r in rows] == [20.0, 21.0, 22.0, 23.0, 24.0]
+
+
+def test_a_span_id_reads_the_same_in_the_page_and_in_its_export(source: ReadOnlyStore) -> None:
+    """One form of a span id (16 hex digits) in the details panel and in the export's args; the
+    export wrote decimal before."""
+    w = timeline.window(source, "fwd", 0, 1_000_000, 2000)
+    bar = next(b for b in w.bars if b["lane"] == "server/execute")
+    s = timeline.span(source, "fwd", bar["span_id"], bar["start_ns"])
+    assert s is not None and s["parent"] is not None
+    shown = text_of(panels.details(s, [], 0)).split()
+    text, _ = callbacks.export_window(source, "fwd", 0, 1_000_000)
+    (event,) = [
+        e
+        for e in json.loads(text)["traceEvents"]
+        if e.get("ph") == "X" and e["name"] == "execute" and e["args"]["span_id"] in shown
+    ]
+    assert event["args"]["span_id"] == f"{int(s['span_id']):016x}"
+    assert event["args"]["parent_span_id"] == f"{int(s['parent_span_id']):016x}"
