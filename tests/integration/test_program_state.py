@@ -25,6 +25,18 @@ from tests.integration.test_record import gpu_trace
 SEEDED = Path(__file__).resolve().parent / "seeded"
 RECORD = ("record", "--no-ingest", "--no-nvml", "--host-hz", "0")
 CLOSING = "gpu-trace: run "  # the closing line `gpu-trace record` itself writes to stderr
+#: What recording adds to the program's environment (docs/frameworks.md, "What recording leaves
+#: untouched"): each one is there so child processes are recorded too.
+ENVIRONMENT = {
+    "GPU_TRACE_NVTX",
+    "GPU_TRACE_RUN_DIR",
+    "GPU_TRACE_RUN_ID",
+    "GPU_TRACE_TF",
+    "GPU_TRACE_TORCH",
+    "NVTX_INJECTION64_PATH",  # when the NVTX injection library could be built
+    "PYTHONPATH",  # when it was not set already
+    "TRACEPARENT",
+}
 
 
 def plain(prog: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -86,14 +98,15 @@ def test_recorder_ids_leave_random_alone() -> None:
 def test_boot_steps_aside(tmp_path: Path) -> None:
     """Recording starts from a ``sitecustomize`` on PYTHONPATH, yet the program's ``sys.path`` and
     ``sys.modules["sitecustomize"]`` are what they are plain: none, or the user's own (which still
-    runs, after recording started)."""
+    runs, after recording started). Its environment gains only the documented variables."""
     prog = tmp_path / "where.py"
     prog.write_text(
-        "import sys\n"
+        "import os, sys\n"
         "import gpu_trace\n"
         "with gpu_trace.range('first'):\n"
         "    site = sys.modules.get('sitecustomize')\n"
         "print(sys.path, getattr(site, '__file__', None), getattr(site, 'MARK', None))\n"
+        "print(*sorted(os.environ), file=sys.stderr)\n"
     )
     user = tmp_path / "user"
     user.mkdir()
@@ -107,6 +120,8 @@ def test_boot_steps_aside(tmp_path: Path) -> None:
         )  # fmt: skip
         assert (got.returncode, got.stdout) == (0, want.stdout), got.stderr
         assert [s["name"] for s in recorded(run_dir)] == ["first"]
+        added = set(program_stderr(got).split()) - set(want.stderr.split())
+        assert {"GPU_TRACE_RUN_DIR", "TRACEPARENT"} <= added <= ENVIRONMENT
 
 
 def test_numpy_program_unchanged() -> None:
