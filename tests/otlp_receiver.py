@@ -112,7 +112,7 @@ def otlp_receiver(status: list[int] | None = None) -> Iterator[Receiver]:
             pass
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
     thread.start()
     receiver.url = f"http://127.0.0.1:{server.server_address[1]}"
     try:

@@ -82,7 +82,8 @@ def export(args: argparse.Namespace, store: Store, run_id: str) -> int:
     collector, target, kinds = _collector(args)
     run = store.run(run_id)
     exporter = OtlpExporter(collector, run, kinds)
-    ok = export_run(exporter, store.iter_spans(run_id))
+    # The last requests go at shutdown, whose failure export_run cannot see: the exporter's error.
+    ok = export_run(exporter, store.iter_spans(run_id)) and exporter.error is None
     sent = exporter.stats["sent"]
     if not ok:
         reason = exporter.error or "the exporter failed"

@@ -1,0 +1,290 @@
+"""OTLP out: the span mapping (kinds, nearest sent ancestor, ids, times, the run's root span), the
+flags' parsing, and the transport against real endpoints (an HTTP server decoding with
+OpenTelemetry's proto package, a grpcio server with the proto's TraceService)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+
+import pyarrow as pa
+import pytest
+
+from gpu_trace.tracer import endpoint as ep
+from gpu_trace.tracer.exporter import SPAN_BATCH_SCHEMA, export_run
+from gpu_trace.tracer.otlp import (
+    DEFAULT_KINDS,
+    KINDS,
+    OtlpExporter,
+    Row,
+    RunFacts,
+    SpanMapper,
+    parse_kinds,
+)
+from tests.otlp_receiver import otlp_receiver
+
+TRACE = "0af7651916cd43dd8448eb211c80319c"
+ROOT = 0x1111
+INCOMING = 0xABCDEF
+RUN = {
+    "run_id": "20261124-000000-abcdef",
+    "trace_id": TRACE,
+    "command": "python train.py --epochs 1",
+    "started_ns": 1_000,
+    "ended_ns": 90_000,
+    "status": "finished",
+    "attrs": {
+        "anchor_mono_ns": "0",
+        "anchor_wall_ns": "1700000000000000000",
+        "root_span_id": f"{ROOT:016x}",
+        "parent_span_id": f"{INCOMING:016x}",
+        "recorder_host": "box",
+        "gpus": "gpu0=NVIDIA H100",
+    },
+}
+
+
+def row(
+    sid: int,
+    parent: int,
+    lane: str,
+    category: str,
+    name: str,
+    start: int = 2_000,
+    end: int = 3_000,
+    host: str = "box",
+    pid: int = 10,
+    attrs: tuple[tuple[str, str], ...] = (),
+) -> Row:
+    return Row(sid, parent, host, pid, 1, lane, category, name, start, end, attrs)
+
+
+#: A step holding a module holding a submodule holding an op; a user range; a forwarded batch with
+#: its op and the server's spans (another host), the server op recorded without a span id.
+TREE = [
+    row(1, 0, "steps", "step", "ProfilerStep#0", 2_000, 9_000),
+    row(2, 1, "nvtx/torch", "module", "Net", 2_100, 8_000),
+    row(3, 2, "nvtx/torch", "module", "Linear", 2_200, 7_000),
+    row(4, 3, "torch/ops", "op", "aten::addmm", 2_300, 6_000),
+    row(5, 4, "nvtx/gpu_trace", "nvtx", "inside-op", 2_400, 5_000),
+    row(6, 0, "forward/batch", "forward", "batch", 10_000, 20_000, attrs=(("error", "1"),)),
+    row(7, 6, "forward/op", "forward", "aten::mm", 10_000, 10_100),
+    row(8, 6, "server/execute", "server", "execute", 12_000, 15_000, host="gpu", pid=99),
+    row(0, 8, "server/op", "server", "aten::mm", 12_100, 14_000, host="gpu", pid=99),
+]
+
+
+def parents(mapped: list, kinds: frozenset[str] = DEFAULT_KINDS) -> dict[str, str]:
+    return {span.name: span.parent_span_id.hex() for _, span in mapped}
+
+
+def hx(value: int) -> str:
+    return f"{value:016x}"
+
+
+def test_default_kinds_send_steps_ranges_top_modules_and_batches_with_nearest_sent_parents() -> (
+    None
+):
+    mapper = SpanMapper(RunFacts.of(RUN))
+    got = parents(mapper.add(TREE) + mapper.finish())
+    assert got == {
+        "ProfilerStep#0": hx(ROOT),
+        "Net": hx(1),  # a top-level module
+        "inside-op": hx(2),  # its parents Linear (a submodule) and the op are not sent
+        "batch": hx(ROOT),
+        "execute": hx(6),  # the server's span under the client's batch, across hosts
+    }
+
+
+def test_all_sends_every_span_and_a_span_without_an_id_gets_a_stable_one() -> None:
+    first = SpanMapper(RunFacts.of(RUN), parse_kinds("all")).add(TREE)
+    again = SpanMapper(RunFacts.of(RUN), parse_kinds("all")).add(TREE)
+    assert len(first) == len(TREE)
+    server_op = [s for r, s in first if r.lane == "server/op"][0]
+    assert server_op.span_id != bytes(8) and server_op.parent_span_id.hex() == hx(8)
+    assert server_op.span_id == [s for r, s in again if r.lane == "server/op"][0].span_id
+    assert parents(first)["Linear"] == hx(2) and parents(first)["aten::addmm"] == hx(3)
+
+
+def test_children_that_come_before_their_parents_wait_for_them() -> None:
+    """The spool holds a span when it ends: children first. A child is sent once its parent is
+    known, and a submodule is not taken for a top-level module meanwhile."""
+    mapper = SpanMapper(RunFacts.of(RUN))
+    early = mapper.add(reversed(TREE[:5]))
+    assert parents(early) == {"ProfilerStep#0": hx(ROOT), "Net": hx(1), "inside-op": hx(2)}
+    assert mapper.finish() == []
+
+
+def test_a_parent_that_never_comes_is_named_at_the_end() -> None:
+    mapper = SpanMapper(RunFacts.of(RUN))
+    assert mapper.add([row(5, 77, "nvtx/gpu_trace", "nvtx", "orphan")]) == []
+    assert parents(mapper.finish()) == {"orphan": hx(77)}
+    assert mapper.stats.held_out == 1
+
+
+def test_ids_times_kinds_status_and_the_run_root() -> None:
+    mapper = SpanMapper(RunFacts.of(RUN))
+    mapped = dict((s.name, s) for _, s in mapper.add(TREE))
+    batch = mapped["batch"]
+    assert batch.trace_id.hex() == TRACE and batch.span_id.hex() == hx(6)
+    assert batch.start_time_unix_nano == 1700000000000000000 + 10_000
+    assert batch.end_time_unix_nano == 1700000000000000000 + 20_000
+    assert batch.kind == 3 and mapped["execute"].kind == 2  # CLIENT, SERVER
+    assert batch.status.code == 2  # ERROR: the batch failed
+    attrs = {kv.key: kv.value for kv in batch.attributes}
+    assert attrs["gpu_trace.lane"].string_value == "forward/batch"
+    assert attrs["error"].string_value == "1"
+    _, root = mapper.root_span()
+    assert root.span_id.hex() == hx(ROOT) and root.parent_span_id.hex() == hx(INCOMING)
+    assert root.name == "python train.py"
+    assert root.end_time_unix_nano - root.start_time_unix_nano == 89_000
+
+
+def test_parse_kinds() -> None:
+    assert parse_kinds("default") == DEFAULT_KINDS
+    assert parse_kinds("all") == frozenset(KINDS)
+    assert parse_kinds("steps, ops") == {"steps", "ops"}
+    with pytest.raises(ValueError, match="unknown span kind 'layers'; accepted: steps"):
+        parse_kinds("steps,layers")
+
+
+@pytest.mark.parametrize(
+    "url, message",
+    [
+        ("localhost:4318", "must start with http://"),
+        ("ftp://collector:21", "must start with http://"),
+        ("http://:4318", "has no host"),
+        ("http://collector:99999", "bad port"),
+        ("grpc://collector:4317/v1/traces", "without a path"),
+    ],
+)
+def test_bad_urls_are_one_clear_line(url: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ep.parse_url(url)
+
+
+def test_urls_headers_and_the_standard_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert ep.parse_url("http://c:4318").url == "http://c:4318/v1/traces"
+    assert ep.parse_url("https://c/otlp/traces").url == "https://c/otlp/traces"
+    assert ep.parse_url("grpc://c").url == "c:4317"
+    with pytest.raises(ValueError, match="needs a URL"):
+        ep.from_settings(None)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://base:4318/")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "api-key=a%20b,x=1")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "x=2")
+    target, headers = ep.from_settings("", ["Authorization=Basic a,b=="])
+    assert target.url == "http://base:4318/v1/traces"
+    assert headers == {"api-key": "a b", "x": "2", "authorization": "Basic a,b=="}
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "novalue")
+    with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_HEADERS: a header is KEY=VALUE"):
+        ep.from_settings("http://c:4318")
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_HEADERS")
+    with pytest.raises(ValueError, match="--otlp-header takes KEY=VALUE"):
+        ep.from_settings("http://c:4318", ["bad header=1"])
+
+
+def spans_table(rows: list[Row]) -> pa.Table:
+    data = {name: [] for name in SPAN_BATCH_SCHEMA.names}
+    for r in rows:
+        data["run_id"].append(RUN["run_id"])
+        data["trace_id"].append(TRACE)
+        data["depth"].append(0)
+        for name in Row._fields:
+            value = list(r.attrs) if name == "attrs" else getattr(r, name)
+            data[name].append(value)
+    return pa.table(data, schema=SPAN_BATCH_SCHEMA)
+
+
+class NoWait:
+    def __init__(self) -> None:
+        self.waits: list[float] = []
+
+    def __call__(self, seconds: float) -> None:
+        self.waits.append(seconds)
+
+
+def test_busy_answers_are_retried_with_backoff_then_delivered() -> None:
+    with otlp_receiver(status=[503, 429, 200]) as receiver:
+        sleep = NoWait()
+        collector = ep.Collector(ep.parse_url(receiver.url), {"x-team": "ml"}, sleep=sleep)
+        exporter = OtlpExporter(collector, RUN, batch_spans=2)
+        assert export_run(exporter, [spans_table(TREE)])
+        assert sleep.waits == [0.5, 1.0]
+        assert receiver.paths[0] == "/v1/traces"
+        assert set(receiver.content_types) == {"application/x-protobuf"}
+        assert all(h["x-team"] == "ml" for h in receiver.headers)
+        got = receiver.spans()
+        assert len(got) == 6 and exporter.stats == {"sent": 6, "requests": 3}
+        assert {s.trace_id for s in got} == {TRACE}
+        by_name = {s.name: s for s in got}
+        assert by_name["execute"].resource["service.name"] == "gpu-trace serve"
+        assert by_name["execute"].resource["host.name"] == "gpu"
+        assert by_name["Net"].resource["process.pid"] == 10
+        assert by_name["Net"].resource["gpu_trace.gpus"] == "gpu0=NVIDIA H100"
+
+
+@pytest.mark.parametrize("status, retried", [(400, False), (503, True)])
+def test_a_refused_request_fails_the_export_with_one_line(status: int, retried: bool) -> None:
+    with otlp_receiver(status=[status] * 10) as receiver:
+        sleep = NoWait()
+        collector = ep.Collector(ep.parse_url(receiver.url), deadline_s=2.0, sleep=sleep)
+        exporter = OtlpExporter(collector, RUN)
+        export_run(exporter, [spans_table(TREE)])  # the one request goes at shutdown
+        assert exporter.error is not None and f"HTTP {status}" in exporter.error
+        assert "\n" not in exporter.error
+        assert bool(sleep.waits) == retried
+
+
+def test_a_dead_endpoint_is_one_line_without_retries() -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sleep = NoWait()
+    collector = ep.Collector(ep.parse_url(f"http://127.0.0.1:{port}"), sleep=sleep)
+    exporter = OtlpExporter(collector, RUN)
+    export_run(exporter, [spans_table(TREE)])
+    assert exporter.error is not None and "connection refused" in exporter.error
+    assert sleep.waits == []
+
+
+@pytest.fixture
+def grpc_collector() -> Iterator[tuple[str, list]]:
+    grpc = pytest.importorskip("grpc")
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    got: list = []
+    lock = threading.Lock()
+
+    class Service(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):  # noqa: N802 (the proto's name)
+            with lock:
+                got.append((request, dict(context.invocation_metadata())))
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"grpc://127.0.0.1:{port}", got
+    finally:
+        server.stop(None).wait(5)
+
+
+def test_grpc_export_reaches_a_real_grpc_collector(grpc_collector: tuple[str, list]) -> None:
+    url, got = grpc_collector
+    collector = ep.Collector(ep.parse_url(url), {"x-team": "ml"})
+    exporter = OtlpExporter(collector, RUN)
+    assert export_run(exporter, [spans_table(TREE)]), exporter.error
+    names = {
+        s.name
+        for request, _ in got
+        for rs in request.resource_spans
+        for ss in rs.scope_spans
+        for s in ss.spans
+    }
+    assert names == {"ProfilerStep#0", "Net", "inside-op", "batch", "execute", "python train.py"}
+    assert got[0][1]["x-team"] == "ml"
