@@ -1,8 +1,11 @@
-"""Module backward ranges made from backward-node events (op level), on made-up events."""
+"""Module backward ranges: made from backward-node events (op level) on made-up events, and
+recorded at both levels on models whose modules are called many times per step."""
 
 from __future__ import annotations
 
 import itertools
+
+import pytest
 
 from gpu_trace.framework_patches.torch.backward import chain, owners, ranges
 
@@ -33,6 +36,16 @@ def test_chain_finds_the_innermost_call_and_its_parents() -> None:
     assert names[0] == [NET, A] and names[2] == [NET, A, AX] and names[3] == [NET, A]
     assert names[4] == [NET] and names[7] == [NET, B] and names[9] == [NET]
     assert names[10] == [] and names[11] == []
+
+
+def test_a_wrapper_with_its_childs_numbers_is_outside_it_and_a_recompute_under_its_anchor():
+    # wrap's forward only calls inner (same numbers, returned later); block was recomputed in
+    # backward (checkpointing) inside the node numbered 1, which Net made.
+    calls = [(0, 2, "inner", -1), (0, 2, "wrap", -1), (0, 4, NET, -1), (10, 12, "block", 1)]
+    index = owners(calls)
+    assert [calls[i][2] for i in chain(1, calls, index)] == [NET, "wrap", "inner"]
+    assert [calls[i][2] for i in chain(11, calls, index)] == [NET, "wrap", "inner", "block"]
+    assert chain(12, calls, index) == []
 
 
 def test_nodes_in_reverse_forward_order_nest_like_the_modules() -> None:
@@ -87,3 +100,133 @@ def test_a_pass_puts_its_ranges_under_its_range_and_skips_calls_still_running() 
 
 def test_no_calls_no_ranges() -> None:
     assert ranges([(1, 0, 1, 0)], [], [], iter(range(5)).__next__) == []
+
+
+# ---- recorded: module level (hooks) and op level (collected ops) on shapes that re-enter ------
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+
+class Cells(nn.Module):
+    """PyTorch's time-sequence-prediction example, small: two LSTMCells and a Linear per step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm1, self.lstm2, self.linear = nn.LSTMCell(1, 8), nn.LSTMCell(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x):
+        outs = []
+        h1 = c1 = h2 = c2 = torch.zeros(x.size(0), 8)
+        for t in x.split(1, dim=1):
+            h1, c1 = self.lstm1(t, (h1, c1))
+            h2, c2 = self.lstm2(h1, (h2, c2))
+            outs.append(self.linear(h2))
+        return torch.cat(outs, 1)
+
+
+class Shared(nn.Module):
+    """The same modules called twice in one forward: in a row, and on one input side by side."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.block = nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+
+    def forward(self, x):
+        h = self.lin(x)
+        return self.lin(self.block(h) + self.block(h))
+
+
+class Recursive(nn.Module):
+    """A module calling itself (its submodule re-entered at each depth)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, depth=2):
+        y = self.lin(x)
+        return self(y, depth - 1) if depth else y
+
+
+class Checkpointed(nn.Module):
+    """A block under activation checkpointing: recomputed in backward."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.pre, self.head = nn.Linear(4, 4), nn.Linear(4, 1)
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        y = checkpoint(self.block, self.pre(x), use_reentrant=self.reentrant)
+        return self.head(y)
+
+
+def one_step(model, x, grad: bool) -> None:
+    if grad:  # a gradient penalty: torch.autograd.grad with a graph, then backward through it
+        (g,) = torch.autograd.grad(model(x).square().sum(), x, create_graph=True)
+        g.square().sum().backward()
+    else:
+        model(x).square().mean().backward()
+
+
+SHAPES = {
+    "cell loop": (Cells, (3, 5), False),
+    "shared": (Shared, (2, 4), False),
+    "recursion": (Recursive, (2, 4), False),
+    "checkpoint": (lambda: Checkpointed(True), (2, 4), False),
+    "checkpoint, not reentrant": (lambda: Checkpointed(False), (2, 4), False),
+    "autograd.grad": (Shared, (2, 4), True),
+}
+#: Backward ranges per forward call: passes per step (autograd.grad makes two).
+PASSES = {"autograd.grad": 2}
+
+
+def record_steps(tmp_path, monkeypatch, shape: str, level: str) -> list[dict]:
+    import gpu_trace
+    from tests.conftest import recorded
+
+    make, size, grad = SHAPES[shape]
+    monkeypatch.setenv("GPU_TRACE_TORCH", level)
+    torch.manual_seed(0)
+    model, x = make(), torch.randn(*size, requires_grad=grad)
+    run = tmp_path / f"run-{level}"
+    gpu_trace.start(run)
+    try:
+        for _ in range(2):
+            one_step(model, x, grad)
+    finally:
+        gpu_trace.stop()
+    return sorted(recorded(run), key=lambda r: (r["start_ns"], r["depth"]))
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_backward_ranges_nest_one_per_call_at_both_levels(shape, tmp_path, monkeypatch) -> None:
+    """One backward range per forward call that made a graph, each under its caller's, the
+    same at module level and op level, and nothing overlapping partially or negative."""
+    from tests.span_checks import problems
+
+    got = {}
+    for level in ("module", "op"):
+        rows = record_steps(tmp_path, monkeypatch, shape, level)
+        assert problems(rows) == [], level
+        by_id = {r["span_id"]: r for r in rows}
+        mods = [r for r in rows if r["category"] == "module" and r["name"] != "Tensor.backward"]
+        bw = [r for r in mods if r["name"].endswith(".backward")]
+        calls: dict[str, int] = {}  # forward calls that made nodes, outside any backward
+        for r in mods:
+            if r not in bw and not any(b["start_ns"] <= r["start_ns"] < b["end_ns"] for b in bw):
+                calls[r["name"] + ".backward"] = calls.get(r["name"] + ".backward", 0) + 1
+        counts = {n: sum(1 for r in bw if r["name"] == n) for n in calls}
+        assert counts == {n: c * PASSES.get(shape, 1) for n, c in calls.items()}, level
+        for r in bw:  # under its module's caller's backward (or its own, recursing)
+            parent = by_id.get(r["parent_span_id"], {}).get("name")
+            caller = r["name"].rsplit(".", 2)[0] + ".backward"
+            assert parent in (caller, r["name"], "Tensor.backward", None), (level, r["name"])
+        got[level] = sorted(
+            (r["name"], by_id.get(r["parent_span_id"], {}).get("name", ""), r["depth"]) for r in bw
+        )
+    assert got["op"] == got["module"]
