@@ -55,13 +55,15 @@ class SpoolRelease:
     rows: dict[str, int] = field(default_factory=dict)
 
 
-def release_spool(store: Store, run_dir: str | Path, *, keep: bool | None = None) -> SpoolRelease:
+def release_spool(
+    store: Store, run_dir: str | Path, *, keep: bool | None = None, dry_run: bool = False
+) -> SpoolRelease:
     """Remove ``run_dir``'s spool files if the store verifiably holds what they held.
 
     Call after :func:`~gpu_trace.tracer.ingest.ingest` of the same directory into ``store``.
     ``keep`` (``--keep-spool``; default ``GPU_TRACE_KEEP_SPOOL``) keeps them. Never raises for what
     it finds (the reason is in :attr:`SpoolRelease.kept`); StoreError when the store cannot be
-    asked, with every file kept.
+    asked, with every file kept. ``dry_run`` checks and counts what would go, removing nothing.
     """
     run_dir = Path(run_dir)
     release = SpoolRelease(run_dir)
@@ -87,6 +89,9 @@ def release_spool(store: Store, run_dir: str | Path, *, keep: bool | None = None
     if problem:
         release.kept = problem
         log.info("gpu-trace: %s: spool kept: %s", run_dir, problem)
+        return release
+    if dry_run:
+        release.removed_files, release.removed_bytes = len(files), sum(files.values())
         return release
     removed_files, removed_bytes = _remove_files(run_dir, files)
     release.removed_files, release.removed_bytes = removed_files, removed_bytes

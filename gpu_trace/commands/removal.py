@@ -155,11 +155,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
                 _remove(store, t, store_rows=True, directory=True)
             echo(f"{verb} run {t.run_id}: {t.sizes()}")
         for t in spools:
-            if args.dry_run:
-                echo(f"{verb} the spool of run {t.run_id}: {fmt.size(t.dir_bytes)}")
-                continue
             try:
-                release = retention.release_spool(store, t.run_dir, keep=False)
+                release = retention.release_spool(
+                    store, t.run_dir, keep=False, dry_run=args.dry_run
+                )
             except store_mod.StoreError as exc:
                 release = None
                 kept.append(f"the spool of run {t.run_id}: its ingest could not be checked ({exc})")
@@ -182,10 +181,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
         echo(f"gc: nothing older than {args.older_than} to remove")
         return 0
     _total(verb, runs)
-    if removed_spools or orphans:
-        n = len(removed_spools) + len(orphans)
-        size = sum(t.dir_bytes for t in removed_spools + orphans)
-        echo(f"gc: {verb} {n} spool(s) and run director(ies) of {fmt.size(size)}")
+    if removed_spools:
+        size = sum(t.dir_bytes for t in removed_spools)
+        echo(f"{verb} {len(removed_spools)} spool(s) of stored runs: {fmt.size(size)}")
+    if orphans:
+        size = sum(t.dir_bytes for t in orphans)
+        echo(f"{verb} {len(orphans)} run director(ies) not in the store: {fmt.size(size)}")
     return 0
 
 
