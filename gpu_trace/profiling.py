@@ -35,7 +35,7 @@ from gpu_trace import config
 from gpu_trace.run_view import Run
 from gpu_trace.tracer import context, recorder
 from gpu_trace.tracer.clock import anchor, now_ns
-from gpu_trace.tracer.run import RunInfo, new_run_id, recorder_attrs
+from gpu_trace.tracer.run import RunInfo, new_run_id, recorder_attrs, recording_attrs
 
 if TYPE_CHECKING:
     from gpu_trace.sampler_process import SamplerProcess
@@ -127,14 +127,22 @@ class Profile:
         _active = self
         try:
             self._samplers = self._start_samplers(run_dir, info)
-            info.attrs.update(self._samplers.attrs if self._samplers else {})
+            sampled = self._samplers.attrs if self._samplers else {}
+            info.attrs.update(sampled)
+            info.attrs.update(
+                recording_attrs(
+                    "profile", torch=self.torch, tf=self.tf, nvtx=self.nvtx, samplers=sampled
+                )
+            )
             from gpu_trace import _capture
             from gpu_trace.tracer.session import start_run
 
             attach = functools.partial(_capture.attach, torch=self.torch, tf=self.tf)
-            info.started_ns = now_ns()  # the block's start, not the samplers'
-            info.save(run_dir)
             start_run(run_dir, attach=attach, nvtx=self.nvtx)
+            # The run spans the block: not the samplers' start, nor a first build of the NVTX
+            # library in start_run.
+            info.started_ns = now_ns()
+            info.save(run_dir)
         except BaseException:
             _active = None
             if self._samplers is not None:
@@ -154,6 +162,8 @@ class Profile:
     ) -> None:
         """Stop, close and store the run; the block's exception (if any) goes on unchanged."""
         global _active
+        if self._info is not None:
+            self._info.ended_ns = now_ns()  # the block's end, before the flush
         try:
             self._finish(exc)
         except Exception:  # never replace the program's exception, nor raise one of ours
@@ -171,10 +181,7 @@ class Profile:
             "pid": str(os.getpid()),
             "cwd": os.getcwd(),
             "root_span_id": f"{secrets.randbits(63) | 1:016x}",
-            "recorded_by": "profile",
-            "torch": self.torch,
-            "tf": self.tf,
-            "nvtx": self.nvtx,
+            **recording_attrs("profile", torch=self.torch, tf=self.tf, nvtx=self.nvtx),
             **recorder_attrs(),  # this process closes the run; ingest marks it died if it is gone
         }
         if self.name:
@@ -207,12 +214,10 @@ class Profile:
             return
         try:
             stop_run(detach=_capture.detach)  # flushed before the samplers stop
-            info.ended_ns = now_ns()
         finally:
             if self._samplers is not None:
                 self._samplers.stop()
                 self._samplers = None
-        info.ended_ns = info.ended_ns or now_ns()
         if exc is None:
             info.status = "finished"
         else:

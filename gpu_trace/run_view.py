@@ -527,11 +527,12 @@ def _labels_as_text(figure: dict[str, object]) -> None:
         return
     labels = (layout.pop("meta", None) or {}).get("labels") or {}
     if labels.get("text"):
+        beside = labels.get("out") or [False] * len(labels["text"])
         data.append(
             {"type": "scatter", "mode": "text", "x": labels["x"], "y": labels["y"],
              "text": [esc(t) for t in labels["text"]], "textposition": "middle right",
-             "textfont": {"size": 10, "color": "white"}, "hoverinfo": "skip",
-             "showlegend": False}
+             "textfont": {"size": 10, "color": ["#222" if o else "white" for o in beside]},
+             "hoverinfo": "skip", "showlegend": False}
         )  # fmt: skip
 
 

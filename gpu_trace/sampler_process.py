@@ -81,9 +81,15 @@ class SamplerProcess:
                 env=env,
                 start_new_session=True,
             )
-            proc.wait(ready_timeout_s)  # the first fork exits as soon as it has forked again
-        except (OSError, subprocess.TimeoutExpired) as exc:
+        except OSError as exc:
             return cls(None, [f"samplers are off: cannot start their process: {exc}"])
+        try:
+            proc.wait(ready_timeout_s)  # the first fork exits as soon as it has forked again
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            cls(proc)._close()
+            proc.wait()
+            return cls(None, ["samplers are off: their process did not start"])
         self = cls(proc)
         line = _read_line(proc, ready_timeout_s)
         if line is None:
