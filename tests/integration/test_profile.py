@@ -24,8 +24,10 @@ pytest.importorskip("pandas")
 
 
 def quiet(**kwargs: object) -> gpu_trace.profiling.Profile:
-    """A block without samplers (most tests need none; one test checks them)."""
-    return gpu_trace.profile(nvml=False, host=False, **kwargs)  # type: ignore[arg-type]
+    """A block without samplers and NVTX capture (most tests need neither; one test checks the
+    samplers): a fresh GPU_TRACE_HOME would build the NVTX library first."""
+    settings: dict[str, object] = {"nvml": False, "host": False, "nvtx": "off", **kwargs}
+    return gpu_trace.profile(**settings)  # type: ignore[arg-type]
 
 
 def work(steps: int = 3) -> None:
@@ -36,10 +38,13 @@ def work(steps: int = 3) -> None:
         gpu_trace.counter("loss", 1.0 / (i + 1))
 
 
-@pytest.fixture
-def recorded_run() -> gpu_trace.Run:
-    with quiet(name="basic") as run:
-        work()
+@pytest.fixture(scope="module")
+def recorded_run(tmp_path_factory: pytest.TempPathFactory) -> gpu_trace.Run:
+    """One run the read-only tests share, in a store of its own (the Run keeps its DSN)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("GPU_TRACE_HOME", str(tmp_path_factory.mktemp("profile-home")))
+        with quiet(name="basic") as run:
+            work()
     return run
 
 
@@ -121,15 +126,17 @@ def test_timeline_and_export(recorded_run: gpu_trace.Run, tmp_path: Path) -> Non
         run.export(tmp_path / "trace.txt")
 
 
-def test_runs_and_run_by_reference(recorded_run: gpu_trace.Run) -> None:
+def test_runs_and_run_by_reference() -> None:
+    with quiet(name="first") as first:
+        gpu_trace.mark("m")
     with quiet(name="second") as second:
         gpu_trace.mark("m")
     listed = gpu_trace.runs()
-    assert list(listed["run_id"]) == [second.id, recorded_run.id]
-    assert list(listed["name"]) == ["second", "basic"]
+    assert list(listed["run_id"]) == [second.id, first.id]
+    assert list(listed["name"]) == ["second", "first"]
     assert gpu_trace.run("last").id == second.id
-    assert gpu_trace.run(recorded_run.id).row.command == "basic"
-    assert gpu_trace.runs(search="basic")["run_id"].tolist() == [recorded_run.id]
+    assert gpu_trace.run(first.id).row.command == "first"
+    assert gpu_trace.runs(search="first")["run_id"].tolist() == [first.id]
     with pytest.raises(LookupError, match=f"no run 'nope'.*{second.id}"):
         gpu_trace.run("nope")
 
