@@ -35,6 +35,10 @@ COLORS = {
 }
 ROW_PX = 18
 COUNTER_PX = 110
+#: Space between two panels (px): a counter panel's title and the ticks of the axis above it.
+GAP_PX = 36
+TITLE_FONT_PX = 13
+MARGIN_PX = {"r": 10, "t": 30, "b": 30}
 #: Bars at least this many pixels wide get their name written in them.
 LABEL_PX = 40
 LABEL_FONT_PX = 10
@@ -146,9 +150,13 @@ def timeline(
 
     tickvals, ticktext = ticks(win.t0, win.t1, base)
     labels = [track_label(t) for t in info]
+    # Panels are GAP_PX apart, whatever the figure's height: a counter's title sits in the gap
+    # above its panel, clear of the span plot's axis and ticks (a gap in paper units shrank with
+    # the figure and the title was drawn over that axis).
+    plot_px = sum(heights) + GAP_PX * (len(heights) - 1)
     layout: dict[str, Any] = {
-        "height": sum(heights) + 80,
-        "margin": {"l": label_margin(labels), "r": 10, "t": 30, "b": 30},
+        "height": plot_px + MARGIN_PX["t"] + MARGIN_PX["b"],
+        "margin": {"l": label_margin(labels), **MARGIN_PX},
         "barmode": "overlay",
         "dragmode": "zoom",
         "hovermode": "closest",
@@ -170,8 +178,8 @@ def timeline(
     # One column of subplots sharing the x axis (what plotly's make_subplots lays out), the
     # track rows on top. Every axis has a fixed margin and never hides labels that overflow:
     # both make plotly measure every tick label and draw again (seconds for 300 tracks).
-    gap = min(0.04, 30 / max(1, sum(heights)))
-    unit = (1 - gap * (len(heights) - 1)) / sum(heights)
+    unit = 1 / plot_px
+    gap = GAP_PX * unit
     top = 1.0
     for r, (h, title) in enumerate(zip(heights, titles), start=1):
         bottom = max(0.0, top - h * unit)
@@ -199,7 +207,7 @@ def timeline(
             layout["annotations"].append(
                 {"text": title, "x": 0.5, "y": top, "xref": "paper", "yref": "paper",
                  "xanchor": "center", "yanchor": "bottom", "showarrow": False,
-                 "font": {"size": 14}}
+                 "font": {"size": TITLE_FONT_PX}}
             )  # fmt: skip
         top = bottom - gap
     layout["yaxis"].update(
@@ -209,6 +217,9 @@ def timeline(
         tickfont={"size": 10},
         zeroline=False,
     )
+    for i, (name, _) in enumerate(panels):
+        if name.endswith("_bytes"):  # 40 GB, not plotly's 40B (for 40 billion)
+            layout[f"yaxis{_axis(i + 2)}"].update(tickformat="~s", ticksuffix="B")
     if clock:
         layout[f"yaxis{_axis(len(heights))}"]["title"] = {"text": "µs"}
     return {"data": data, "layout": layout}

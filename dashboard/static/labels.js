@@ -34,11 +34,6 @@
       layer.style.cssText = "position:absolute;pointer-events:none;overflow:hidden;" +
         "font-family:'Open Sans',verdana,arial,sans-serif;font-size:10px;fill:#fff;" +
         "dominant-baseline:central;white-space:pre";
-      // A name beside its (narrow) bar is dark on a white halo, readable over density too.
-      var style = document.createElementNS(SVG, "style");
-      style.textContent = "text.beside{fill:#222;stroke:#fff;stroke-width:3px;" +
-        "stroke-linejoin:round;paint-order:stroke}";
-      layer._style = style;
       main.parentNode.insertBefore(layer, main.nextSibling);
     }
     layer.style.left = xa._offset + "px";
@@ -52,7 +47,6 @@
     var texts = labels.text;
     var beside = labels.out || [];
     var frag = document.createDocumentFragment();
-    frag.appendChild(layer._style);
     for (var i = 0; i < texts.length; i++) {
       var x = (xs[i] - xr[0]) * sx;
       var y = (yr[1] - ys[i]) * sy; // SVG's y grows downwards, plotly's upwards
@@ -60,7 +54,15 @@
       var t = document.createElementNS(SVG, "text");
       t.setAttribute("x", x.toFixed(1));
       t.setAttribute("y", y.toFixed(1));
-      if (beside[i]) t.setAttribute("class", "beside");
+      if (beside[i]) {
+        // Beside its narrow bar: dark on a white halo, readable over density too.
+        t.setAttribute("class", "beside");
+        t.setAttribute("fill", "#222");
+        t.setAttribute("stroke", "#fff");
+        t.setAttribute("stroke-width", "3");
+        t.setAttribute("stroke-linejoin", "round");
+        t.setAttribute("paint-order", "stroke");
+      }
       t.textContent = texts[i];
       frag.appendChild(t);
     }

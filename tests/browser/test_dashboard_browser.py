@@ -19,7 +19,7 @@ from gpu_trace.dashboard.app import Server  # noqa: E402
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore  # noqa: E402
 from gpu_trace.tracer.store import Store  # noqa: E402
 from tests.browser.conftest import ARTIFACTS  # noqa: E402
-from tests.dashboard_data import XSS, forwarded_run, tenants_run  # noqa: E402
+from tests.dashboard_data import XSS, forwarded_run, minute_run, tenants_run  # noqa: E402
 
 TIMEOUT = 60_000
 
@@ -30,6 +30,7 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     samples.load_samples(store)
     forwarded_run(store, "xss")
     tenants_run(store, "tenants-xss", ("alice", XSS))
+    minute_run(store)
     source = ReadOnlyStore(store=store)
     server = Server(source, "127.0.0.1", 0).start()
     yield server
@@ -181,14 +182,18 @@ def test_script_names_render_as_text(page, app: Server) -> None:
 
 
 LABELS = "#timeline svg.gpu-trace-labels text"
-#: Each drawn name's text and whether its middle lies on a bar (static/labels.js draws them).
+#: Each drawn name's text and whether it is where it belongs (static/labels.js draws them): on
+#: its bar, or, for a name beside a narrow bar, starting just right of a bar's end.
 NAMES_ON_BARS = """() => {
     const bars = [...document.querySelectorAll('#timeline g.barlayer g.point path')]
         .map(b => b.getBoundingClientRect());
     return [...document.querySelectorAll('#timeline svg.gpu-trace-labels text')].map(t => {
         const r = t.getBoundingClientRect(), x = r.left + 2, y = r.top + r.height / 2;
-        return [t.textContent, bars.some(b => b.left <= x && x <= b.right && b.top <= y
-                                              && y <= b.bottom)];
+        const row = b => b.top <= y && y <= b.bottom;
+        if (t.classList.contains('beside'))
+            return [t.textContent, bars.some(b => row(b) && b.right <= r.left + 1
+                                                  && r.left - b.right <= 6)];
+        return [t.textContent, bars.some(b => b.left <= x && x <= b.right && row(b))];
     });
 }"""
 
@@ -281,3 +286,60 @@ def test_unreachable_store_is_a_message(browser) -> None:
         pg.close()
     finally:
         server.close()
+
+
+#: Boxes of every panel title and of what it must not cover: the plot areas, axis lines, tick
+#: marks and tick labels of every panel.
+TITLES_AND_AXES = """() => {
+    const box = e => { const r = e.getBoundingClientRect();
+                       return [r.left, r.top, r.right, r.bottom, e.textContent || ''] };
+    const all = s => [...document.querySelectorAll('#timeline ' + s)].map(box);
+    return {titles: all('g.annotation text'),
+            axes: all('g.draglayer rect.nsewdrag').concat(
+                all('path.xtick'), all('path.ytick'), all('g.xtick text'), all('g.ytick text'),
+                all('path.xlines-above'), all('path.ylines-above'))};
+}"""
+
+
+def overlaps(a: list, b: list) -> bool:
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
+def test_a_minute_runs_first_view_is_named_laid_out_and_keeps_its_counter(
+    page, app: Server
+) -> None:
+    """A one-minute run (60 steps, a module tree, 6,000 ops, batches, a counter sampled every
+    500 ms) opened on its whole duration: its steps, modules and batches are named without
+    zooming; no panel title covers an axis; zoomed to 100 ms between two counter samples, the
+    counter panel still draws the value held, on its axis."""
+    open_run(page, app, "minute")
+    names = page.evaluate(NAMES_ON_BARS)
+    drawn = [n for n, _ in names]
+    assert sum(n.startswith("ProfilerStep#") for n in drawn) >= 6
+    assert {"Net", "Net.backward", "batch"} <= set(drawn) and all(ok for _, ok in names)
+    found = page.evaluate(TITLES_AND_AXES)
+    assert [t[4] for t in found["titles"]] == ["nvml/gpu_util_pct"]
+    for title in found["titles"]:
+        assert not [a for a in found["axes"] if overlaps(title, a)], title
+    page.screenshot(path=str(ARTIFACTS / "minute-first-view.png"), full_page=True)
+    before = page.inner_text("#window-text")
+    page.evaluate(
+        """() => { const gd = document.querySelector('#timeline .js-plotly-plot');
+                   Plotly.relayout(gd, {'xaxis.range[0]': 10.1e9, 'xaxis.range[1]': 10.2e9}); }"""
+    )
+    page.wait_for_function(
+        "t => document.querySelector('#window-text').innerText !== t", arg=before
+    )
+    page.wait_for_timeout(500)
+    line = page.evaluate(
+        """() => { const drag = document.querySelector('#timeline g.draglayer g.x2y2 rect');
+                   if (!drag) return {ticks: 0, inside: false};  // no panel drawn at all
+                   const area = drag.getBoundingClientRect();
+                   const ticks = [...document.querySelectorAll('#timeline g.yaxislayer-above g.y2tick text')];
+                   const paths = [...document.querySelectorAll('#timeline g.x2y2 g.trace path.js-line')]
+                       .map(p => p.getBoundingClientRect()).filter(r => r.width > 0);
+                   return {ticks: ticks.length,
+                           inside: paths.some(r => r.left <= area.left + 1 && r.right >= area.right - 1)}; }"""
+    )
+    assert line == {"ticks": line["ticks"], "inside": True} and line["ticks"] >= 2
+    page.screenshot(path=str(ARTIFACTS / "minute-between-samples.png"), full_page=True)

@@ -771,3 +771,17 @@ def test_a_span_id_reads_the_same_in_the_page_and_in_its_export(source: ReadOnly
     ]
     assert event["args"]["span_id"] == f"{int(s['span_id']):016x}"
     assert event["args"]["parent_span_id"] == f"{int(s['parent_span_id']):016x}"
+
+
+def test_panels_keep_a_fixed_gap_for_the_titles_whatever_the_figures_height(
+    source: ReadOnlyStore,
+) -> None:
+    """A counter's title sits in the gap above its panel; the gap was a share of the figure
+    (4%), 10 px for a run of few tracks, and the title covered the span plot's axis."""
+    _, fig = minute_figure(source, 0, 60 * SECOND, ["nvml/gpu_util_pct"])
+    layout = fig["layout"]
+    plot_px = layout["height"] - layout["margin"]["t"] - layout["margin"]["b"]
+    gap = (layout["yaxis"]["domain"][0] - layout["yaxis2"]["domain"][1]) * plot_px
+    assert gap >= figures.GAP_PX - 0.5 >= figures.TITLE_FONT_PX * 1.4 + 8
+    (title,) = layout["annotations"]
+    assert title["y"] == layout["yaxis2"]["domain"][1] and title["yanchor"] == "bottom"
