@@ -83,7 +83,8 @@ print(
 weights = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
 print("weights", hashlib.sha256(weights).hexdigest())
 print("warnings", hashlib.sha256(repr(warnings.filters).encode()).hexdigest())
-print(
-    "threads", sorted(t.name for t in threading.enumerate() if not t.name.startswith("gpu-trace"))
-)
+# Not recording's (its threads are named gpu-trace-*), nor the DataLoader's queue feeders, which
+# end on their own shortly after the last batch, plain or not.
+others = ("gpu-trace", "QueueFeederThread")
+print("threads", sorted(t.name for t in threading.enumerate() if not t.name.startswith(others)))
 print("sigint", signal.getsignal(signal.SIGINT), "path", sys.path)
