@@ -148,17 +148,21 @@ class RunQueries:
                 counts[run_id][kind] = int(n)
         return [_run_dict(r, counts[r["run_id"]]) for r in rows]
 
-    def runs_started_before(self, wall_ns: int) -> list[dict[str, Any]]:
-        """Runs (``run_id, started_wall_ns, status, attrs``) whose wall-clock start is known and
-        before ``wall_ns``, oldest first (``gpu-trace gc``)."""
-        return self.dicts(
+    def runs_started_before(self, wall_ns: int) -> list[tuple[str, str, dict[str, str]]]:
+        """``(run_id, status, attrs)`` of the runs whose wall-clock start is known and before
+        ``wall_ns``, oldest first (``gpu-trace gc``)."""
+        result = self.query(
             """
-            SELECT run_id, started_wall_ns, status, attrs FROM __db__.runs FINAL
+            SELECT run_id, status, attrs FROM __db__.runs FINAL
             WHERE started_wall_ns > 0 AND started_wall_ns < {before:Int64}
             ORDER BY started_wall_ns, run_id
             """,
             {"before": int(wall_ns)},
         )
+        return [
+            (str(run_id), str(status), {str(k): str(v) for k, v in dict(attrs).items()})
+            for run_id, status, attrs in result.result_rows
+        ]
 
     def has_runs(self, run_ids: list[str]) -> set[str]:
         """Which of ``run_ids`` have a ``runs`` row."""

@@ -16,11 +16,15 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from gpu_trace import _format as fmt
 from gpu_trace.commands import CLIError, echo, err
 from gpu_trace.commands.runs import checked_dsn, store_module
+
+if TYPE_CHECKING:
+    from gpu_trace.tracer.run import RunInfo
+    from gpu_trace.tracer.store import Store
 
 _AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400, "": 86400}
@@ -118,9 +122,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
         dirs = retention.run_dirs()
         stored = store.has_runs(list(dirs))
         if not args.spools_only:
-            for row in store.runs_started_before(before):
-                t = _Target(row["run_id"], in_store=True, run_dir=dirs.get(row["run_id"]))
-                why = _live(store, t, row)
+            for run_id, status, attrs in store.runs_started_before(before):
+                t = _Target(run_id, in_store=True, run_dir=dirs.get(run_id))
+                why = _live(store, t, (status, attrs))
                 if not why and t.run_dir is not None and _last_write_ns(t.run_dir) >= before:
                     why = f"was written to less than {args.older_than} ago ({t.run_dir})"
                 if why:
@@ -132,7 +136,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
             if run_id in handled:
                 continue
             try:
-                info: Any = RunInfo.load(path)
+                info: RunInfo | None = RunInfo.load(path)
             except (OSError, ValueError, TypeError):
                 info = None
             if _started_wall_ns(info, path) >= before or _last_write_ns(path) >= before:
@@ -155,6 +159,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
                 _remove(store, t, store_rows=True, directory=True)
             echo(f"{verb} run {t.run_id}: {t.sizes()}")
         for t in spools:
+            if t.run_dir is None:  # every spool was found by its directory
+                continue
             try:
                 release = retention.release_spool(
                     store, t.run_dir, keep=False, dry_run=args.dry_run
@@ -193,7 +199,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 # ---- helpers ------------------------------------------------------------------------------------
 
 
-def _resolve(store: Any, ref: str, dirs: dict[str, Path], bad: list[str]) -> str | None:
+def _resolve(store: Store, ref: str, dirs: dict[str, Path], bad: list[str]) -> str | None:
     """The run id ``ref`` names in the store, or else among the run directories; None (and a
     line in ``bad``) when it names none or several."""
     store_mod = store_module()
@@ -213,7 +219,7 @@ def _resolve(store: Any, ref: str, dirs: dict[str, Path], bad: list[str]) -> str
     return None
 
 
-def _live(store: Any, t: _Target, row: dict[str, Any] | None = None) -> str:
+def _live(store: Store, t: _Target, row: tuple[str, dict[str, str]] | None = None) -> str:
     """Why a run may still be recording ("" if it is not): its run.json when it has a directory
     here, else its ``runs`` row."""
     from gpu_trace.tracer import retention
@@ -227,10 +233,9 @@ def _live(store: Any, t: _Target, row: dict[str, Any] | None = None) -> str:
             info = None
     if info is None and t.in_store:
         if row is None:
-            row = store.run(t.run_id)
-        info = RunInfo(
-            t.run_id, "", 0, status=str(row.get("status", "")), attrs=dict(row.get("attrs") or {})
-        )
+            stored = store.run(t.run_id)
+            row = (str(stored.get("status", "")), dict(stored.get("attrs") or {}))
+        info = RunInfo(t.run_id, "", 0, status=row[0], attrs=row[1])
     if info is None or not retention.is_live(info):
         return ""
     host = info.attrs.get("recorder_host", "")
@@ -239,7 +244,7 @@ def _live(store: Any, t: _Target, row: dict[str, Any] | None = None) -> str:
     return f"is still recording{who}"
 
 
-def _measure(store: Any, targets: list[_Target]) -> None:
+def _measure(store: Store, targets: list[_Target]) -> None:
     from gpu_trace.tracer import retention
 
     ids = [t.run_id for t in targets if t.in_store]
@@ -252,7 +257,7 @@ def _measure(store: Any, targets: list[_Target]) -> None:
             t.dir_bytes = retention.dir_bytes(t.run_dir)
 
 
-def _remove(store: Any, t: _Target, *, store_rows: bool, directory: bool) -> None:
+def _remove(store: Store, t: _Target, *, store_rows: bool, directory: bool) -> None:
     """The store's rows first: a failed delete leaves the directory, so nothing is lost unseen."""
     from gpu_trace.tracer import retention
 
@@ -295,7 +300,7 @@ def _spool_bytes(path: Path | None) -> int:
     return retention.dir_bytes(spool_dir(path))
 
 
-def _started_wall_ns(info: Any, path: Path) -> int:
+def _started_wall_ns(info: RunInfo | None, path: Path) -> int:
     """When a run started, wall clock: from run.json's clock anchor, else the directory's time."""
     if info is not None:
         try:

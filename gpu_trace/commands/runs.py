@@ -6,11 +6,14 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpu_trace import _format as fmt
 from gpu_trace import config
 from gpu_trace.commands import CLIError, echo, err, telemetry
+
+if TYPE_CHECKING:
+    from gpu_trace.tracer.retention import SpoolRelease
 
 
 def store_module() -> Any:
@@ -77,7 +80,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     return 0
 
 
-def release_line(release: Any) -> str:
+def release_line(release: SpoolRelease) -> str:
     """The closing line's clause on the spool (a :class:`~gpu_trace.tracer.retention.
     SpoolRelease`): removed, with its size, or kept and why; "" when there was none."""
     if release.kept:
