@@ -18,7 +18,7 @@ from pathlib import Path
 
 from gpu_trace import config
 from gpu_trace.collectors.host import HostSampler
-from gpu_trace.collectors.nvml import NvmlSampler, NvmlSource, open_sampler
+from gpu_trace.collectors.nvml import NvmlSampler, NvmlSource, open_sampler, wants_buffers
 from gpu_trace.collectors.periodic import Sampler
 from gpu_trace.collectors.processes import ProcessTree
 from gpu_trace.tracer.recorder import Recorder
@@ -72,11 +72,16 @@ class RunSamplers:
             settings, trace_id=trace_id, run_id=run_id, warn_write_errors=False
         )
         if nvml_hz:
-            source = self._nvml_source(nvml_replay)
-            sampler, note = open_sampler(self.recorder, source, nvml_hz, self.tree.labels)
+            families = config.nvml_families()
+            source = self._nvml_source(nvml_replay, families)
+            sampler, note = open_sampler(
+                self.recorder, source, nvml_hz, self.tree.labels, families=families
+            )
             if sampler is None and nvml_replay is None and nvml_fallback is not None:
-                source = self._nvml_source(nvml_fallback)
-                sampler, _ = open_sampler(self.recorder, source, nvml_hz, self.tree.labels)
+                source = self._nvml_source(nvml_fallback, families)
+                sampler, _ = open_sampler(
+                    self.recorder, source, nvml_hz, self.tree.labels, families=families
+                )
                 if sampler is not None:
                     note += f"; playing back {nvml_fallback.name} instead (not this machine's)"
                     self.notes.append(note)
@@ -87,13 +92,14 @@ class RunSamplers:
                 self.samplers.append(sampler)
                 self.attrs["nvml"] = source.description
                 self.attrs["nvml_hz"] = f"{nvml_hz:g}"
+                self.attrs["nvml_families"] = ",".join(sorted(sampler.families))
                 self.attrs["gpus"] = ",".join(f"{d.key}={d.info.name}" for d in sampler.devices)
         if host_hz:
             self.samplers.append(HostSampler(self.recorder, host_hz, tree=self.tree))
             self.attrs["host_hz"] = f"{host_hz:g}"
         return self
 
-    def _nvml_source(self, replay: Path | None) -> NvmlSource:
+    def _nvml_source(self, replay: Path | None, families: frozenset[str]) -> NvmlSource:
         if replay is not None:
             from gpu_trace.collectors.nvml.replay import ReplaySource
 
@@ -101,7 +107,7 @@ class RunSamplers:
             return ReplaySource(replay, root_pid=lambda: tree.root)
         from gpu_trace.collectors.nvml.live import PynvmlSource
 
-        return PynvmlSource()
+        return PynvmlSource(buffers=wants_buffers(families))
 
     @property
     def nvml(self) -> NvmlSampler | None:
@@ -121,7 +127,8 @@ class RunSamplers:
                 log.exception("gpu-trace: %s could not start", sampler.name)
 
     def stop(self) -> None:
-        """Stop every sampler, then flush their recorder (before ingest). Idempotent."""
+        """Stop every sampler, then flush their recorder (before ingest). Idempotent and bounded:
+        a sampler stuck in a call is reported in one line and left behind (NvmlSampler.stop)."""
         for sampler in self.samplers:
             try:
                 sampler.stop()

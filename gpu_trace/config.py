@@ -381,7 +381,8 @@ def nvml_replay(explicit: Path | None = None) -> Path | None:
 
 def nvml_families() -> frozenset[str]:
     """NVML families to sample (``GPU_TRACE_NVML_FAMILIES``; default: the cheap ones)."""
-    return frozenset(_get("GPU_TRACE_NVML_FAMILIES", _nvml_families("default")))  # type: ignore[arg-type]
+    value = _get("GPU_TRACE_NVML_FAMILIES", None)
+    return value if isinstance(value, frozenset) else _nvml_families("default")
 
 
 def _rate(name: str, explicit: float | None, default: float) -> float:

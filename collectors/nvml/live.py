@@ -1,10 +1,12 @@
 """The real NVML source: pynvml (``pip install 'gpu-trace[nvml]'``), imported only when opened.
 
 Each metric is one NVML call (docs/collectors.md lists them); a failing call is reported by the
-name of its NVML error and the sampler stops asking. Utilization and power come from NVML's own
+name of its NVML error and the sampler stops asking. With ``buffers`` (family ``buffers``, off by
+default: 1.37 ms a call on an H100, three a tick) utilization and power come from NVML's own
 sample buffers (``nvmlDeviceGetSamples``) where the device keeps them: the driver samples them
-faster than we poll, and each sample carries its time. A device without them falls back to
-polling. Buffer timestamps are CPU wall-clock microseconds; they are moved onto the recorder's
+faster than we poll, and each sample carries its time; a device without them falls back to
+polling. XID events are registered on the first poll that asks for them (on the sampler's slow
+thread), not at open. Buffer timestamps are CPU wall-clock microseconds; they are moved onto the recorder's
 clock (CLOCK_MONOTONIC ns) with a wall/monotonic anchor taken at open.
 """
 
@@ -44,7 +46,8 @@ class PynvmlSource:
 
     description = "nvml"
 
-    def __init__(self) -> None:
+    def __init__(self, *, buffers: bool = False) -> None:
+        self.buffers = buffers
         self._nvml: Any = None
         self._handles: list[Any] = []
         self._wall_minus_mono_ns = 0
@@ -52,6 +55,7 @@ class PynvmlSource:
         self._buffered: dict[tuple[int, str], bool] = {}
         self._event_set: Any = None
         self._events_ok: set[int] = set()
+        self._events_opened = False
         self._pending: dict[int, list[tuple[str, str]]] = {}
 
     def open(self) -> Sequence[DeviceInfo]:
@@ -82,11 +86,11 @@ class PynvmlSource:
         for i in range(len(self._handles)):
             for kind, _ in _BUFFERED.values():
                 self._last_seen[(i, kind)] = start_us
-        self._open_events()
         return infos
 
     def _open_events(self) -> None:
         nv = self._nvml
+        self._events_opened = True
         try:
             self._event_set = nv.nvmlEventSetCreate()
         except nv.NVMLError:
@@ -120,7 +124,11 @@ class PynvmlSource:
             if metric in (PROCESSES, EVENTS):
                 continue
             try:
-                if metric in _BUFFERED and self._buffered.get((index, metric), True):
+                if (
+                    self.buffers
+                    and metric in _BUFFERED
+                    and self._buffered.get((index, metric), True)
+                ):
                     samples = self._samples(index, h, metric)
                     if samples is not None:
                         if samples:
@@ -139,6 +147,8 @@ class PynvmlSource:
             except nv.NVMLError as exc:
                 out.errors[PROCESSES] = error_name(exc)
         if EVENTS in metrics:
+            if not self._events_opened:
+                self._open_events()
             if index in self._events_ok:
                 self._drain_events()
                 out.events = self._pending.pop(index, [])

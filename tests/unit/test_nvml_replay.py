@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpu_trace.collectors.nvml import NvmlSampler, NvmlUnavailable, Reading
+from gpu_trace.collectors.nvml.families import ALL
 from gpu_trace.collectors.nvml.live import PynvmlSource, error_name
 from gpu_trace.collectors.nvml.replay import RecordingSource, ReplaySource, to_record
 from tests.conftest import Sink
@@ -19,10 +20,23 @@ REPO = Path(__file__).resolve().parents[2]
 SYNTHETIC = REPO / "tests" / "data" / "nvml-synthetic-h100.jsonl"
 
 
-def test_recording_a_replay_gives_the_same_file(tmp_path: Path) -> None:
-    """Record mode over the replay source reproduces the synthetic file's polls exactly."""
-    now = [5_000_000_000]
+def _replayed(source, now: list[int], ticks: int = 200) -> list[tuple]:
+    sink = Sink()
+    sampler = NvmlSampler(sink, source, 10, clock=lambda: now[0], families=ALL)
+    for _ in range(ticks):
+        sampler.sample_once()
+        now[0] += 100_000_000
+    sampler.stop()
+    return sorted(
+        (c[1], c[2], c[3], c[4]) for b in sink.buffers for c in b.counters if "call_us" not in c[2]
+    )
+
+
+def test_recording_a_replay_plays_back_the_same_counters(tmp_path: Path) -> None:
+    """Record mode over the replay source writes a file (one line per lane and tick) that plays
+    back exactly the counters the original file gives."""
     out = io.StringIO()
+    now = [5_000_000_000]
     source = RecordingSource(
         ReplaySource(SYNTHETIC, root_pid=lambda: 77, loop=False),
         out,
@@ -31,15 +45,14 @@ def test_recording_a_replay_gives_the_same_file(tmp_path: Path) -> None:
         root_pid=77,
         clock=lambda: now[0],
     )
-    sampler = NvmlSampler(Sink(), source, 10, clock=lambda: now[0])
-    for _ in range(200):
-        sampler.sample_once()
-        now[0] += 100_000_000
-    sampler.stop()
-    original = [json.loads(line) for line in SYNTHETIC.read_text().splitlines()]
-    again = [json.loads(line) for line in out.getvalue().splitlines()]
-    assert again[0]["devices"] == original[0]["devices"] and again[0]["synthetic"] is False
-    assert again[1:] == original[1:]
+    original = _replayed(source, now)
+    copy = tmp_path / "copy.jsonl"
+    copy.write_text(out.getvalue())
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert lines[0]["synthetic"] is False and {r.get("lane") for r in lines[1:]} == {None, "slow"}
+    now = [5_000_000_000]
+    again = _replayed(ReplaySource(copy, root_pid=lambda: 77, loop=False), now)
+    assert original and again == original
 
 
 def test_to_record_makes_sample_times_relative_and_names_the_root() -> None:
