@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 import pytest
 
-from gpu_trace.collectors.periodic import Sampler
+from gpu_trace.collectors.periodic import NICE, Sampler, sampler_cpus
 from gpu_trace.tracer.records import MARK
 from tests.conftest import Sink
 
@@ -77,3 +78,27 @@ def test_start_stop_on_a_thread() -> None:
     assert s.closed == 2  # close() runs on every stop; sources make it idempotent
     counters = [c for b in sink.buffers for c in b.counters]
     assert counters and all(c[0] == "test" for c in counters)
+
+
+def test_the_sampling_thread_runs_nicer_than_the_process() -> None:
+    """A sampler must never take a core from the program's launch thread: its thread is niced
+    (per thread: the record process itself, which ingests afterwards, keeps its priority)."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    niced: list[int] = []
+
+    class Nice(Counting):
+        def sample(self, now: int) -> None:
+            niced.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+            super().sample(now)
+
+    s = Nice(Sink())
+    s.start()
+    assert s.seen.wait(10)
+    s.stop()
+    assert niced and niced[0] == min(19, base + NICE) and s.calmed.startswith(f"nice+{NICE}")
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base
+
+
+def test_pinned_to_the_last_cpu_only_where_there_are_spare_ones() -> None:
+    assert sampler_cpus({0, 1}) is None and sampler_cpus({0, 1, 2}) is None
+    assert sampler_cpus(set(range(16))) == {15} and sampler_cpus({2, 5, 9, 11}) == {11}
