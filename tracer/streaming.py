@@ -108,6 +108,8 @@ class RunStream:
         self._cond = threading.Condition()
         self._stop_reading = threading.Event()
         self._reader_done = False
+        self._in_flight = 0  # spans of the request the sender is making
+        self._closed = False  # close() has counted what is left: the sender adds nothing more
         self._reader = threading.Thread(
             target=self._read_loop, name="gpu-trace-otlp-read", daemon=True
         )
@@ -142,9 +144,11 @@ class RunStream:
             self._cond.notify_all()
         self._sender.join(max(0.0, deadline - time.monotonic()))
         with self._cond:
-            left = len(self._queue)
+            # A request still in flight counts as dropped: whether the collector took it is unknown.
+            left = len(self._queue) + self._in_flight
             self._queue.clear()
             self.report.dropped += left
+            self._closed = True
             self._cond.notify_all()
         if left and self.report.error is None:
             self.report.error = f"not all sent within {timeout_s:g} s"
@@ -235,11 +239,15 @@ class RunStream:
                     return
                 n = min(self.batch_spans, len(self._queue))
                 chunk = [self._queue.popleft() for _ in range(n)]
+                self._in_flight = n
             try:
                 problem = self.endpoint.send(self.builder.request(chunk))
             except Exception as exc:  # the endpoint never raises; this is the boundary anyway
                 problem = str(exc)
             with self._cond:
+                self._in_flight = 0
+                if self._closed:  # close() gave up on this request and counted it
+                    return
                 if problem is None:
                     self.report.sent += len(chunk)
                     self.report.requests += 1

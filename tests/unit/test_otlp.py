@@ -7,11 +7,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from concurrent import futures
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
 
 from gpu_trace.tracer import endpoint as ep
+from gpu_trace.tracer.columns import spans_to_table
 from gpu_trace.tracer.exporter import SPAN_BATCH_SCHEMA, export_run
 from gpu_trace.tracer.otlp import (
     DEFAULT_KINDS,
@@ -22,6 +24,9 @@ from gpu_trace.tracer.otlp import (
     SpanMapper,
     parse_kinds,
 )
+from gpu_trace.tracer.run import RunInfo
+from gpu_trace.tracer.spool import SpoolWriter
+from gpu_trace.tracer.streaming import RunStream
 from tests.otlp_receiver import otlp_receiver
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
@@ -288,3 +293,85 @@ def test_grpc_export_reaches_a_real_grpc_collector(grpc_collector: tuple[str, li
     }
     assert names == {"ProfilerStep#0", "Net", "inside-op", "batch", "execute", "python train.py"}
     assert got[0][1]["x-team"] == "ml"
+
+
+# ---- streaming from a spool ------------------------------------------------------------------------
+
+
+def spooled_run(tmp_path: Path) -> Path:
+    """A run directory as `record` leaves it mid-run: run.json and two span files, the children
+    in the first (a span is written when it ends) and their parents in the second."""
+    run_dir = tmp_path / "run"
+    info = RunInfo(
+        run_id=RUN["run_id"],
+        trace_id=TRACE,
+        started_ns=1_000,
+        command=RUN["command"],
+        attrs=dict(RUN["attrs"]),
+    )
+    info.save(run_dir)
+    writer = SpoolWriter(run_dir, {"run_id": info.run_id, "host": "box", "pid": "10"})
+    records = [
+        (
+            r.span_id,
+            r.parent_span_id,
+            r.lane,
+            r.category,
+            r.name,
+            r.start_ns,
+            r.end_ns,
+            0,
+            dict(r.attrs) or None,
+        )
+        for r in TREE[:5]
+    ]
+    writer.write("spans", spans_to_table(records[:0:-1], 10, [1] * 4))  # children first
+    writer.write("spans", spans_to_table(records[:1], 10, [1]))
+    return run_dir
+
+
+def test_a_stream_sends_a_spooled_run_with_parents_that_came_late(tmp_path: Path) -> None:
+    run_dir = spooled_run(tmp_path)
+    with otlp_receiver() as receiver:
+        stream = RunStream(run_dir, ep.Collector(ep.parse_url(receiver.url)), poll_s=0.01)
+        report = stream.start().close()
+        got = {s.name: s.parent_span_id for s in receiver.spans()}
+    assert report.error is None and (report.sent, report.dropped) == (4, 0)
+    assert got == {
+        "ProfilerStep#0": hx(ROOT),
+        "Net": hx(1),
+        "inside-op": hx(2),
+        "python train.py": hx(INCOMING),
+    }
+
+
+class Blocked:
+    """A collector that takes the first request and never answers it (until released)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.requests = 0
+
+    def send(self, request: object) -> str | None:
+        self.requests += 1
+        self.release.wait(30)
+        return None
+
+    def close(self) -> None:
+        self.release.set()
+
+
+def test_a_stuck_collector_fills_the_queue_and_the_rest_is_counted_dropped(
+    tmp_path: Path,
+) -> None:
+    """The record process never waits on the collector past close's deadline, and what could not
+    go is counted, never lost silently."""
+    run_dir = spooled_run(tmp_path)
+    stuck = Blocked()
+    stream = RunStream(
+        run_dir, stuck, parse_kinds("all"), poll_s=0.01, queue_spans=2, batch_spans=1
+    )
+    report = stream.start().close(timeout_s=0.2)
+    assert stuck.requests == 1 and report.sent == 0
+    assert report.dropped == 6  # 5 spans and the root, the one stuck in flight included
+    assert report.error is not None and "not all sent" in report.error
