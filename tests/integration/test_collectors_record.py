@@ -166,3 +166,45 @@ def test_faults_in_the_nvml_source_become_marks_and_the_run_goes_on(tmp_path: Pa
     stats = {(c["device"], c["metric"]): c for c in shown["summary"]["counters"]}
     assert stats[("gpu0", "temperature_c")]["count"] == 1  # lost after its first poll
     assert stats[("gpu1", "temperature_c")]["count"] > 2  # the other device went on
+
+
+def test_a_hung_nvml_never_holds_up_record_or_the_program(tmp_path: Path) -> None:
+    """PCIe never returns and closing waits for it (as a driver lock does): the program runs to
+    its end, record ingests and exits with its status, and one line names the stuck call."""
+    header = {
+        "format": FORMAT,
+        "version": 1,
+        "synthetic": True,
+        "hz": 10,
+        "made_by": "test",
+        "latency_s": {"pcie": "forever"},
+        "devices": [{"index": 0, "name": "Test GPU 0", "uuid": "GPU-0"}],
+    }
+    record = {"device": 0, "values": {"temperature_c": 40, "pcie_tx_bytes_per_s": 1e6}}
+    path = tmp_path / "hung.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [header, record]) + "\n")
+    out = gpu_trace(  # its timeout only catches a hang
+        "record",
+        "--nvml-replay",
+        str(path),
+        "--host-hz",
+        "0",
+        "--",
+        sys.executable,
+        "-c",
+        "import time, sys; time.sleep(0.8); sys.exit(3)",
+        env={"GPU_TRACE_NVML_FAMILIES": "default,+pcie"},
+    )
+    assert out.returncode == 3, out.stderr
+    lines = out.stderr.strip().splitlines()
+    stuck = [line for line in lines if "NVML" in line]
+    assert len(stuck) == 1 and "pcie call on gpu0" in stuck[0], out.stderr
+    assert "stored in chdb://" in lines[-1]
+    shown = json.loads(gpu_trace("show", "last", "--json").stdout)
+    stats = {(c["device"], c["metric"]): c for c in shown["summary"]["counters"]}
+    assert stats[("gpu0", "temperature_c")]["count"] >= 2  # the tick families went on
+    assert ("gpu0", "pcie_tx_bytes_per_s") not in stats
+    assert shown["run"]["attrs"]["nvml_families"].split(",") == sorted(
+        ["clocks", "ecc", "events", "memory", "memory_total", "pcie", "power"]
+        + ["processes", "temperature", "throttle", "utilization"]
+    )
