@@ -76,6 +76,7 @@ class Profile:
         store: str | None = None,
         name: str | None = None,
         ingest: bool = True,
+        keep_spool: bool | None = None,
     ) -> None:
         from gpu_trace.tracer.store import check_writable, parse_dsn
 
@@ -96,6 +97,11 @@ class Profile:
         except ValueError as exc:
             raise ValueError(f"profile(store={self.dsn!r}): {exc}") from None
         self.ingest = bool(ingest)
+        if keep_spool is not None and not isinstance(keep_spool, bool):
+            raise ValueError(
+                f"profile(keep_spool=...) must be True, False or None, got {keep_spool!r}"
+            )
+        self.keep_spool = keep_spool
         if self.ingest:
             problem = check_writable(self.dsn)
             if problem:
@@ -229,19 +235,27 @@ class Profile:
         except OSError as exc_save:
             log.warning("gpu-trace: %s not updated: %s", run.dir, exc_save)
         if self.ingest:
-            run._stored(_ingest(run.dir, self.dsn))
+            run.end_recording(_ingest(run.dir, self.dsn, self.keep_spool))
         else:
-            run._stored(f"not ingested (ingest=False): gpu-trace ingest {run.dir}")
+            run.end_recording(f"not ingested (ingest=False): gpu-trace ingest {run.dir}")
 
 
-def _ingest(run_dir: Path, dsn: str) -> str | None:
-    """Ingest the run; None when it is stored, else why not (logged; the spool is kept)."""
+def _ingest(run_dir: Path, dsn: str, keep_spool: bool | None) -> str | None:
+    """Ingest the run, then remove its spool once the store is checked to hold it (as `gpu-trace
+    record` does; ``keep_spool``); None when it is stored, else why not (logged; spool kept)."""
     from gpu_trace.tracer.ingest import ingest
+    from gpu_trace.tracer.retention import release_spool
     from gpu_trace.tracer.store import Store, StoreError
 
     try:
         with Store(dsn) as store:
             report = ingest(store, run_dir)
+            try:
+                release = release_spool(store, run_dir, keep=keep_spool)
+                if release.kept:
+                    log.info("gpu-trace: run %s: spool kept: %s", run_dir.name, release.kept)
+            except StoreError as exc:
+                log.warning("gpu-trace: spool kept: its ingest could not be checked (%s)", exc)
     except StoreError as exc:
         why = f"NOT stored: {exc}; the spool is kept: load it later with gpu-trace ingest {run_dir}"
         log.warning("gpu-trace: run %s %s", run_dir.name, why)
@@ -268,6 +282,7 @@ def profile(
     store: str | None = None,
     name: str | None = None,
     ingest: bool = True,
+    keep_spool: bool | None = None,
 ) -> Profile:
     """Record the ``with`` block in this process and store it: ``with gpu_trace.profile() as run:``.
 
@@ -276,7 +291,9 @@ def profile(
     ``True`` (their configured rate), ``False`` or samples per second, run in a process of their
     own; ``nvtx``: ``native``, ``python`` or ``off``; ``store``: a store DSN (default
     ``GPU_TRACE_STORE``, else the embedded one); ``name``: a name for the run (its command in
-    ``gpu-trace ls``); ``ingest=False`` keeps the run in its spool only.
+    ``gpu-trace ls``); ``ingest=False`` keeps the run in its spool only; once the store is
+    checked to hold the run its spool is removed, as `gpu-trace record` does (``keep_spool=True``,
+    or ``GPU_TRACE_KEEP_SPOOL``, keeps it).
 
     Bad arguments raise ``ValueError`` here, before the block runs. The ``as`` target is the
     block's :class:`~gpu_trace.run_view.Run`, readable once the block has ended; an exception in
@@ -291,4 +308,5 @@ def profile(
         store=store,
         name=name,
         ingest=ingest,
+        keep_spool=keep_spool,
     )

@@ -211,8 +211,9 @@ class Run:
         self._problem: str | None = None
         self._row: RunRow | None = None
 
-    def _stored(self, problem: str | None) -> None:
-        """The recording ended: stored (``problem`` None), or not, and why."""
+    def end_recording(self, problem: str | None) -> None:
+        """Called by ``profile()`` when its block has ended: stored (``problem`` None), or not and
+        why (the reads then raise it)."""
         self._recording, self._problem, self._row = False, problem, None
 
     def _check(self) -> None:

@@ -201,6 +201,7 @@ def test_blocks_do_not_nest_nor_mix_with_start(tmp_path: Path) -> None:
         ({"nvml": -1}, "samples per second"),
         ({"host": "fast"}, "samples per second"),
         ({"name": 3}, "name"),
+        ({"keep_spool": "yes"}, "keep_spool"),
         ({"store": "ftp://store.example:21"}, "chdb://, http:// or https://"),
         ({"store": "nowhere"}, "not a store DSN"),
     ],
@@ -229,6 +230,16 @@ def test_a_store_that_fails_at_the_end_keeps_the_spool(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match=f"NOT stored.*gpu-trace ingest {run.dir}"):
         run.spans()
     assert "NOT stored" in repr(run)
+
+
+def test_the_spool_goes_once_the_store_holds_the_run() -> None:
+    with quiet() as run:
+        gpu_trace.mark("stored")
+    assert run.dir is not None and not list((run.dir / "spool").glob("*.arrow"))
+    assert (run.dir / "ingested.json").is_file() and list(run.spans()["name"]) == ["stored"]
+    with quiet(keep_spool=True) as kept:
+        gpu_trace.mark("kept")
+    assert kept.dir is not None and list((kept.dir / "spool").glob("spans-*.arrow"))
 
 
 def test_samplers_run_in_a_process_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
