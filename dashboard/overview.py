@@ -87,9 +87,9 @@ class Overview:
         """Bars, density (span count and busy ns per timeline row and bucket) and the bar
         threshold for ``[t0, t1)`` in ``bucket`` ns buckets; ``bucket`` must be at least
         ``cell_ns``. ``grid_row`` and ``long_row`` give the timeline row of each grid cell and
-        long span (-1: not drawn). ``pins`` is (per row, cap): the longest spans of each row
-        and the steps and forwarded batches (up to cap) are bars however narrow
-        (:func:`pick_pins`)."""
+        long span (-1: not drawn). ``pins`` is (parts, cap): the longest span of each row in
+        each of ``parts`` parts of the window and the steps and forwarded batches (up to cap)
+        are bars however narrow (:func:`pick_pins`)."""
         nb = max(1, -(-(t1 - t0) // bucket))
         start = self.long["start_ns"].to_numpy()
         end = self.long["end_ns"].to_numpy()
@@ -109,9 +109,10 @@ class Overview:
             pc.is_in(self.long["lane"], pa.array(PIN_LANES)),
         )
         kind = kinds.to_numpy(zero_copy_only=False).astype(bool)
+        part = window_part(start[rest], t0, t1, pins[0])
         pinned = rest[
             pick_pins(
-                long_row[rest], end[rest] - start[rest], kind[rest], pins[0], pins[1], start[rest]
+                long_row[rest], part, end[rest] - start[rest], kind[rest], pins[1], start[rest]
             )
         ]
         bars = self.long.take(pa.array(np.concatenate([wide, pinned]), pa.int64())).to_pylist()
@@ -161,23 +162,27 @@ class Overview:
 
 
 def pick_pins(
-    row: np.ndarray, dur: np.ndarray, kind: np.ndarray, per_row: int, cap: int,
-    start: np.ndarray | None = None,
+    row: np.ndarray, part: np.ndarray, dur: np.ndarray, kind: np.ndarray, cap: int,
+    start: np.ndarray,
 ) -> np.ndarray:  # fmt: skip
     """Which of these spans (narrower than the bar threshold) are drawn as bars anyway: the
-    ``per_row`` longest of each timeline row, and steps and forwarded batches (``kind``), the
-    longest ``cap`` of them; of equally long ones the earliest (``start``). Returns their
-    indices; rows below 0 (not drawn) never count."""
+    longest of each timeline row in each part of the window (``part``), and steps and
+    forwarded batches (``kind``), the longest ``cap`` of them; of equally long ones the
+    earliest. Returns their indices; rows below 0 (not drawn) never count."""
     ok = row >= 0
-    start = np.zeros(len(row), np.int64) if start is None else start
-    order = np.lexsort((start, -dur, row))
+    order = np.lexsort((start, -dur, part, row))
     order = order[ok[order]]
-    first = np.r_[True, row[order][1:] != row[order][:-1]] if len(order) else np.zeros(0, bool)
-    group_start = np.maximum.accumulate(np.where(first, np.arange(len(order)), 0))
-    top = order[np.arange(len(order)) - group_start < per_row]
+    r, p = row[order], part[order]
+    first = np.r_[True, (r[1:] != r[:-1]) | (p[1:] != p[:-1])] if len(order) else ok[:0]
     marked = np.flatnonzero(kind & ok)
     marked = marked[np.lexsort((start[marked], -dur[marked]))[:cap]]
-    return np.union1d(top, marked).astype(np.int64)
+    return np.union1d(order[first], marked).astype(np.int64)
+
+
+def window_part(start: np.ndarray, t0: int, t1: int, parts: int) -> np.ndarray:
+    """Which of ``parts`` equal parts of ``[t0, t1)`` each span starts in (or overlaps first)."""
+    size = max(1, -(-(t1 - t0) // max(1, parts)))
+    return (np.maximum(start, t0) - t0) // size
 
 
 def bin_cells(
@@ -251,4 +256,13 @@ def plain(schema: pa.Schema) -> pa.Schema:
     )
 
 
-__all__ = ["CELLS", "Overview", "bin_cells", "overview", "pick_pins", "plain", "track_totals"]
+__all__ = [
+    "CELLS",
+    "Overview",
+    "bin_cells",
+    "overview",
+    "pick_pins",
+    "plain",
+    "track_totals",
+    "window_part",
+]

@@ -33,8 +33,8 @@ MAX_LEVELS = 4
 #: Flow lines drawn at most per window.
 MAX_FLOWS = 1500
 #: Spans narrower than the bar threshold drawn as bars anyway (docs/dashboard.md, "Always
-#: drawn"): the longest few of each timeline row in the window, so every row shows what takes
-#: its time, named, at any zoom...
+#: drawn"): the longest of each timeline row in each of this many equal parts of the window, so
+#: every row shows what takes its time, named, at any zoom...
 PINS_PER_ROW = 3
 #: ...and every step and forwarded batch in the window, the longest this many.
 MAX_PINNED_KINDS = 1000
@@ -326,40 +326,59 @@ def _pins(
     tracks: list[TrackInfo],
 ) -> list[dict[str, object]]:  # fmt: skip
     """The spans of a zoomed-in window narrower than ``threshold`` that are drawn as bars
-    anyway: the :data:`PINS_PER_ROW` longest of each row and the :data:`MAX_PINNED_KINDS`
-    longest steps and forwarded batches (:func:`overview.pick_pins`, the same rule as zoomed out)."""
-    cols = "toString(span_id) AS id, host, pid, tid, lane, category, name, depth, start_ns, end_ns"
+    anyway: the longest of each row in each of :data:`PINS_PER_ROW` parts of the window and
+    the :data:`MAX_PINNED_KINDS` longest steps and forwarded batches (:func:`overview.pick_pins`,
+    the rule of zoomed-out windows). One ``argMax`` per track, depth and part (a sort of the
+    window's spans by length, ``LIMIT BY``, took ten times as long)."""
+    t0, t1 = int(str(params["t0"])), int(str(params["t1"]))
     narrow = f"{where} AND end_ns >= start_ns AND end_ns - start_ns < {{thr:Int64}}"
-    found = source.arrow(
+    query = {**params, "thr": threshold, "cap": MAX_PINNED_KINDS,
+             "part": max(1, -(-(t1 - t0) // PINS_PER_ROW)),
+             "cats": list(overview.PIN_CATEGORIES), "lanes": list(overview.PIN_LANES)}  # fmt: skip
+    longest = source.arrow(
         f"""
-        SELECT * FROM (
-            SELECT {cols} FROM __db__.spans WHERE {narrow}
-            ORDER BY end_ns - start_ns DESC, start_ns
-            LIMIT {{per:UInt32}} BY host, pid, tid, lane, depth
-        ) UNION DISTINCT SELECT * FROM (
-            SELECT {cols} FROM __db__.spans WHERE {narrow}
-              AND (category IN {{cats:Array(String)}} OR lane IN {{lanes:Array(String)}})
-            ORDER BY end_ns - start_ns DESC, start_ns LIMIT {{cap:UInt32}}
+        SELECT toString(top.1) AS id, host, pid, tid, lane, top.2 AS category, top.3 AS name,
+               depth, top.4 AS start_ns, top.5 AS end_ns
+        FROM (
+            SELECT host, pid, tid, lane, depth,
+                   argMax((span_id, category, name, start_ns, end_ns),
+                          (end_ns - start_ns, -start_ns)) AS top
+            FROM __db__.spans WHERE {narrow}
+            GROUP BY host, pid, tid, lane, depth,
+                     intDiv(greatest(start_ns, {{t0:Int64}}) - {{t0:Int64}}, {{part:Int64}})
         )
         """,
-        {**params, "thr": threshold, "per": PINS_PER_ROW, "cap": MAX_PINNED_KINDS,
-         "cats": list(overview.PIN_CATEGORIES), "lanes": list(overview.PIN_LANES)},
-    )  # fmt: skip
-    if not found.num_rows:
+        query,
+    )
+    kinds = source.arrow(
+        f"""
+        SELECT toString(span_id) AS id, host, pid, tid, lane, category, name, depth, start_ns,
+               end_ns
+        FROM __db__.spans WHERE {narrow}
+          AND (category IN {{cats:Array(String)}} OR lane IN {{lanes:Array(String)}})
+        ORDER BY end_ns - start_ns DESC, start_ns LIMIT {{cap:UInt32}}
+        """,
+        query,
+    )
+    tables = [t.cast(overview.plain(t.schema)) for t in (longest, kinds) if t.num_rows]
+    if not tables:
         return []
-    found = found.cast(overview.plain(found.schema))
+    found = pa.concat_tables([t.cast(tables[0].schema) for t in tables])
     start, end = found["start_ns"].to_numpy(), found["end_ns"].to_numpy()
     kind = pc.or_(
         pc.is_in(found["category"], pa.array(overview.PIN_CATEGORIES)),
         pc.is_in(found["lane"], pa.array(overview.PIN_LANES)),
     ).to_numpy(zero_copy_only=False)
     keep = overview.pick_pins(
-        track_rows(found, tracks), end - start, kind.astype(bool), PINS_PER_ROW,
-        MAX_PINNED_KINDS, start,
+        track_rows(found, tracks), overview.window_part(start, t0, t1, PINS_PER_ROW),
+        end - start, kind.astype(bool), MAX_PINNED_KINDS, start,
     )  # fmt: skip
-    out = _ids(found.take(pa.array(keep, pa.int64())).to_pylist())
-    for b in out:
-        b["pinned"] = True
+    out: list[dict[str, object]] = []
+    seen = set()
+    for b in _ids(found.take(pa.array(keep, pa.int64())).to_pylist()):
+        if (b["span_id"], b["start_ns"]) not in seen:  # a step or batch found twice
+            seen.add((b["span_id"], b["start_ns"]))
+            out.append({**b, "pinned": True})
     return out
 
 

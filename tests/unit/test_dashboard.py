@@ -723,17 +723,19 @@ def test_a_zoomed_in_window_draws_each_rows_longest_spans(source: ReadOnlyStore)
     assert {"aten::addmm", "aten::relu"} & {text for *_, text in written(fig)}
 
 
-def test_pick_pins_takes_each_rows_longest_and_the_marked_kinds() -> None:
-    row = np.array([0, 0, 0, 1, 1, -1, 2])
-    dur = np.array([5, 9, 7, 1, 2, 100, 3])
-    kind = np.array([False, False, True, False, False, True, True])
-    assert list(overview.pick_pins(row, dur, kind, 1, 10)) == [1, 2, 4, 6]
-    assert list(overview.pick_pins(row, dur, kind, 2, 1)) == [1, 2, 3, 4, 6]
-    assert list(overview.pick_pins(row, dur, kind, 0, 1)) == [2]  # the longest marked one
+def test_pick_pins_takes_each_rows_longest_per_part_and_the_marked_kinds() -> None:
+    row = np.array([0, 0, 0, 1, 1, -1, 2, 0])
+    part = np.array([0, 0, 0, 0, 0, 0, 0, 1])
+    dur = np.array([5, 9, 7, 1, 2, 100, 3, 1])
+    kind = np.array([False, False, True, False, False, True, True, False])
+    start = np.arange(8)
+    assert list(overview.pick_pins(row, part, dur, kind, 10, start)) == [1, 2, 4, 6, 7]
+    assert list(overview.pick_pins(row, part, dur, kind, 1, start)) == [1, 2, 4, 6, 7]
+    assert list(overview.pick_pins(row, part, dur, kind, 0, start)) == [1, 4, 6, 7]
     same = np.array([4, 4, 4])  # equally long: the earliest
-    assert list(
-        overview.pick_pins(np.zeros(3, int), same, same < 0, 1, 0, np.array([9, 3, 5]))
-    ) == [1]
+    zero = np.zeros(3, int)
+    assert list(overview.pick_pins(zero, zero, same, same < 0, 0, np.array([9, 3, 5]))) == [1]
+    assert list(overview.window_part(np.array([-5, 0, 33, 34, 99]), 0, 100, 3)) == [0, 0, 0, 1, 2]
 
 
 def test_a_counter_holds_its_value_in_a_window_narrower_than_its_sampling_interval(
