@@ -4,18 +4,28 @@ A Python hook per op (a ``TorchDispatchMode`` adds ~6.5 µs an op, a ``TorchFunc
 ~1.5 µs) costs more than the op on small models, and the NVTX ranges of ``emit_nvtx`` need a CUDA
 build. The profiler's own collection (Kineto, CPU activity only) records each op in C++ for a
 fraction of that, with nesting, and optionally input shapes and dtypes. So op level runs that
-collection in sessions: at a step boundary or a top-level module call at least
-:data:`HARVEST_INTERVAL_S` after the last, the session is stopped and a new one started (a few
-milliseconds), and the finished session's result waits for the recorder's flusher, which turns its
-event tree into spans (``category`` ``op``, lane ``torch/ops``) on the run's clock. The last
-session is harvested when recording stops.
+collection in sessions: at a top-level module call at least :data:`HARVEST_INTERVAL_S` after
+the last, the session is stopped and a new one started, and the recorder's flusher turns the
+finished session's event tree into spans (``category`` ``op``, lane ``torch/ops``) on the run's
+clock. The last session is harvested when recording stops.
+
+Why sessions are short, and when their spans are made: stopping a session is where PyTorch
+processes what it collected (about 2-4 µs an event, in C++ on the program's thread, with the
+GIL released), so a session of 2 s of small ops stopped the program for seconds at once. Short
+sessions (:data:`HARVEST_INTERVAL_S`, 0.1 s; starting and stopping an empty one costs about
+0.3 ms) spread that cost evenly over the steps. The flusher's conversion of the previous
+session (Python, about 1.5 µs an event, holding the GIL) is done while the program's thread is
+inside the next stop, which releases the GIL: the program is waiting then anyway, so the
+conversion does not contend with it (:meth:`OpSource.harvest` wakes the flusher just before the
+stop; a session waits at most :data:`MAX_WAIT_S` for one). Kineto's ``profiler_start`` and
+``profiler_stop`` lines are kept off the program's stderr (:mod:`.kineto`).
 
 Module backward ranges come from the same collection at this level (no autograd hooks, see
 :mod:`.backward`): the module wrapper notes each module call's range of autograd sequence
 numbers in :attr:`OpSource.calls`, and a session's backward-node events are matched to them when
-its spans are made. A graph whose backward runs more than one session after its forward (over
-:data:`HARVEST_INTERVAL_S` later, with top-level module calls in between) gets op ranges but no
-module backward ranges.
+its spans are made, with the calls of the :data:`KEEP_SESSIONS` sessions before it. A graph
+whose backward runs more sessions after its forward than that (top-level module calls more
+than :data:`HARVEST_INTERVAL_S` apart in between) gets op ranges but no module backward ranges.
 
 The profiler records the thread that started it and the autograd threads working for it; ops of
 other threads are not captured. A program that starts ``torch.profiler`` itself while op level
@@ -26,8 +36,8 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import threading
+from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
@@ -36,6 +46,7 @@ import pyarrow as pa
 
 from gpu_trace.framework_patches.torch import backward as torch_backward
 from gpu_trace.framework_patches.torch.backward import EVALUATE
+from gpu_trace.framework_patches.torch.kineto import quietly
 from gpu_trace.framework_patches.torch.modules import DOMAIN
 from gpu_trace.tracer import recorder as _recorder
 from gpu_trace.tracer.clock import anchor, now_ns
@@ -48,7 +59,16 @@ from gpu_trace.tracer.records import (
 log = logging.getLogger(__name__)
 
 LANE = "torch/ops"
-HARVEST_INTERVAL_S = 2.0
+#: Seconds a session runs at least before a top-level module call cycles it.
+HARVEST_INTERVAL_S = 0.1
+#: Seconds a finished session waits at most for the next stop before the flusher converts it.
+MAX_WAIT_S = 1.0
+#: Earlier sessions whose module calls a session's backward nodes are matched to.
+KEEP_SESSIONS = 3
+#: The flusher looks whether the owner is inside a stop every SLICE_MASK + 1 events, and waits
+#: for one at most PAUSE_S seconds a session (holding the flush lock, which a fork waits for).
+SLICE_MASK = (1 << 11) - 1
+PAUSE_S = 0.2
 _MARKER = "gpu_trace#thread"
 _BW = {"pass": "backward"}  # a module backward range's attrs, as module level's
 
@@ -64,7 +84,6 @@ class OpSource:
 
         self._torch = torch
         self._A = A
-        self._TorchOp = P._EventType.TorchOp
         self._config = P.ProfilerConfig(
             P.ProfilerState.KINETO,
             bool(shapes),
@@ -85,12 +104,17 @@ class OpSource:
         self.calls: list[tuple[int, int, Any]] = []
         #: The owner's Tensor.backward passes: [start_ns, end_ns, parent, depth, running].
         self.passes: list[list[int]] = []
-        self._last_calls: list[tuple[int, int, Any]] = []  # the previous session's, for _table
-        self._results: list[tuple[Any, int, int, list, list]] = []
+        # the calls of the sessions before the one _table converts, oldest first
+        self._last_calls: deque[list[tuple[int, int, Any]]] = deque(maxlen=KEEP_SESSIONS)
+        # finished sessions: (result, offset, tid, calls, passes, stopped_ns)
+        self._results: list[tuple[Any, int, int, list, list, int]] = []
         self._lock = threading.Lock()
+        self._due = False  # the flusher converts now: the owner is about to stop a session
+        self._in_stop = threading.Event()  # set while the owner is inside a stop
         self._on = False
         self._last = 0
         self._dropped = 0
+        self.converted = 0  # sessions turned into spans, for tests and the bench
 
     # ---- sessions -----------------------------------------------------------------------------
 
@@ -101,7 +125,7 @@ class OpSource:
         try:
             self._A._prepare_profiler(self._config, self._activities)
             a = anchor()
-            self._A._enable_profiler(self._config, self._activities)
+            quietly(lambda: self._A._enable_profiler(self._config, self._activities))
         except Exception as exc:
             log.warning("gpu-trace: PyTorch op ranges are not captured: %s", exc)
             return False
@@ -119,15 +143,18 @@ class OpSource:
         if not self._on or threading.get_ident() != self.owner:
             return
         self._on = False
+        self._in_stop.set()
         try:
-            result = self._A._disable_profiler()
+            result = quietly(self._A._disable_profiler)
         except Exception:
             log.exception("gpu-trace: stopping PyTorch op collection failed")
             return
+        finally:
+            self._in_stop.clear()
         calls, self.calls = self.calls, []
         passes, self.passes = self.passes, []
         with self._lock:
-            self._results.append((result, self._offset, self._tid, calls, passes))
+            self._results.append((result, self._offset, self._tid, calls, passes, now_ns()))
 
     def harvest(self, force: bool = False) -> None:
         """Stop the session and start the next if it has run long enough (or ``force``)."""
@@ -135,18 +162,29 @@ class OpSource:
             return
         if not force and now_ns() - self._last < HARVEST_INTERVAL_S * 1e9:
             return
+        if self._results:  # convert the last session while this thread waits in the stop
+            self._due = True
+            rec = _recorder.active
+            if rec is not None:
+                rec.wake()
         self.stop()
         self.start()
 
     # ---- Source protocol ----------------------------------------------------------------------
 
     def drain(self) -> Iterable[tuple[str, pa.Table]]:
-        if threading.get_ident() == self.owner and _recorder.active is None:
+        closing = _recorder.active is None
+        if closing and threading.get_ident() == self.owner:
             self.stop()  # the recorder is closing on the program's thread: take the last session
         with self._lock:
+            waited = bool(self._results) and now_ns() - self._results[0][5] > MAX_WAIT_S * 1e9
+            if not (closing or self._due or waited):
+                return  # wait for the owner's next stop (see the module docstring)
+            self._due = False
             results, self._results = self._results, []
-        for result, offset, tid, calls, passes in results:
-            table = self._table(result, offset, tid, calls, passes)
+        for result, offset, tid, calls, passes, _ in results:
+            table = self._table(result, offset, tid, calls, passes, patient=not closing)
+            self.converted += 1
             if table is not None:
                 yield "spans", table
 
@@ -154,57 +192,84 @@ class OpSource:
         return self._dropped
 
     def after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
+        self._in_stop = threading.Event()
         with self._lock:
             self._results = []
-        self.calls, self.passes, self._last_calls = [], [], []
+        self.calls, self.passes = [], []
+        self._last_calls.clear()
 
     def close(self) -> None:
         self.stop()
         with self._lock:
             self._results = []
-        self._last_calls = []
+        self._last_calls.clear()
 
     # ---- events to spans ----------------------------------------------------------------------
 
+    def _pause_budget(self, patient: bool) -> float:
+        """Seconds this conversion may wait for the owner's stops (0: convert straight on)."""
+        return PAUSE_S if patient and _recorder.active is not None else 0.0
+
+    def _pause(self, budget: float) -> float:
+        """Wait (the GIL released) until the owner is inside a stop, within ``budget`` seconds;
+        returns what is left of it (0 once spent: the conversion then goes straight on)."""
+        if _recorder.active is None:
+            return 0.0  # the recorder is closing: no more stops to wait for
+        if self._in_stop.is_set():
+            return budget
+        t = now_ns()
+        self._in_stop.wait(budget)
+        return max(0.0, budget - (now_ns() - t) / 1e9)
+
     def _table(
-        self, result: Any, offset: int, tid: int, calls: list, passes: list
+        self, result: Any, offset: int, tid: int, calls: list, passes: list, patient: bool = False
     ) -> pa.Table | None:
+        """The spans of a finished session. ``patient``: convert while the owner's thread is
+        inside a stop (the GIL is free then), waiting for them at most :data:`PAUSE_S` in all."""
         rows: list[tuple] = []  # Span records
         rtids: list[int] = []  # the thread of each
         marker_tid = None
-        todo = [(e, 0, 0, -1) for e in reversed(result.experimental_event_tree())]
+        # A node's children run on its thread: only the roots' thread is read (each attribute
+        # read costs about a microsecond). With CPU activity only, and neither memory nor
+        # stacks, every event is a TorchOp: the tag is not read either.
+        todo = [(e, 0, 0, -1, e.start_tid) for e in reversed(result.experimental_event_tree())]
         seq = 0
-        prefix = (random.getrandbits(31) | 1) << 32  # as a ThreadBuffer's: odd, never the C ids
-        TorchOp = self._TorchOp
+        # as a ThreadBuffer's: odd, never the C ids; from the OS, not the program's random state
+        prefix = (int.from_bytes(os.urandom(4), "little") >> 1 | 1) << 32
         # For module backward ranges: backward nodes, and top-level forward ops (made with
         # grad on, so outside any backward pass: they end the ranges) unless a backward node is
         # inside them (a program's own range around forward and backward).
         nodes: list[tuple] = []
         tops: list[list] = []
+        pause = self._pause_budget(patient)
         while todo:
-            event, parent, depth, top = todo.pop()
-            if event.tag != TorchOp:
-                continue
+            event, parent, depth, top, etid = todo.pop()
             name = event.name
             if name == _MARKER:
-                marker_tid = event.start_tid
+                marker_tid = etid
                 continue
             seq += 1
+            if not seq & SLICE_MASK and pause:
+                pause = self._pause(pause)
             sid = prefix + seq
             start, end = event.start_time_ns - offset, event.end_time_ns - offset
             if name.startswith(EVALUATE):
-                nodes.append((event.start_tid, start, end, event.extra_fields.sequence_number))
+                nodes.append((etid, start, end, event.extra_fields.sequence_number))
                 if top >= 0:
                     tops[top][3] = -1
             elif depth == 0 and event.extra_fields.sequence_number >= 0:
                 top = len(tops)
-                tops.append([event.start_tid, start, end, None])
+                tops.append([etid, start, end, None])
             attrs = self._shapes(event) if self.shapes else None
             rows.append((sid, parent, LANE, OP, name, start, end, depth, attrs))
-            rtids.append(event.start_tid)
-            for child in reversed(event.children):
-                todo.append((child, sid, depth + 1, top))
-        last, self._last_calls = self._last_calls, calls
+            rtids.append(etid)
+            children = event.children
+            if children:
+                depth += 1
+                todo.extend([(c, sid, depth, top, etid) for c in reversed(children)])
+        last = [c for kept in self._last_calls for c in kept]
+        self._last_calls.append(calls)
         if nodes and (calls or last):
             # tops are lists (marked in place above); ranges only reads them
             nodes.extend(t for t in tops if t[3] is None)  # type: ignore[misc]
