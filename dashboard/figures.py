@@ -218,6 +218,8 @@ def timeline(
         zeroline=False,
     )
     for i, (name, _) in enumerate(panels):
+        # From zero: a flat counter is a flat line at its value, not five ticks of one number.
+        layout[f"yaxis{_axis(i + 2)}"]["rangemode"] = "tozero"
         if name.endswith("_bytes"):  # 40 GB, not plotly's 40B (for 40 billion)
             layout[f"yaxis{_axis(i + 2)}"].update(tickformat="~s", ticksuffix="B")
     if clock:

@@ -787,3 +787,17 @@ def test_panels_keep_a_fixed_gap_for_the_titles_whatever_the_figures_height(
     assert gap >= figures.GAP_PX - 0.5 >= figures.TITLE_FONT_PX * 1.4 + 8
     (title,) = layout["annotations"]
     assert title["y"] == layout["yaxis2"]["domain"][1] and title["yanchor"] == "bottom"
+
+
+def test_counter_axes_start_at_zero_and_bytes_read_as_bytes(source: ReadOnlyStore) -> None:
+    """A flat memory counter had five ticks of one number; plotly wrote 40B for 40 GB."""
+    run = source.run("local-training")
+    t0, t1 = run["started_ns"], run["ended_ns"]
+    picked = ["nvml/gpu_util_pct", "nvml/mem_used_bytes"]
+    found = timeline.counters(source, "local-training", picked, t0, t1, 1000)
+    w = timeline.window(source, "local-training", t0, t1, 1000)
+    tr = timeline.tracks(source, "local-training")
+    layout = figures.timeline(run, tr, w, None, found, [], 1000)["layout"]
+    assert layout["yaxis2"]["rangemode"] == layout["yaxis3"]["rangemode"] == "tozero"
+    assert (layout["yaxis3"]["tickformat"], layout["yaxis3"]["ticksuffix"]) == ("~s", "B")
+    assert "ticksuffix" not in layout["yaxis2"]
