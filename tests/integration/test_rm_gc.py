@@ -6,6 +6,7 @@ clear error that removes nothing for bad input."""
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -149,7 +150,10 @@ def test_gc_spools_only_keeps_stored_runs(capsys: pytest.CaptureFixture[str]) ->
 def test_gc_never_touches_directories_outside_runs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    sample = REPO / "sample_traces" / "runs" / "local-training"
+    sample = (
+        tmp_path / "sample_traces" / "runs" / "local-training"
+    )  # a copy: see test_spool_removal
+    shutil.copytree(REPO / "sample_traces" / "runs" / "local-training", sample)
     files = sorted(p.name for p in list_spool(sample))
     with Store() as store:
         ingest(store, sample)

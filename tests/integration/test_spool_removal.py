@@ -131,8 +131,10 @@ def test_a_live_run_keeps_its_spool() -> None:
 def test_sample_runs_and_other_directories_are_never_emptied(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`gpu-trace demo` ingests the repository's sample_traces/runs: they must stay whole."""
-    sample = REPO / "sample_traces" / "runs" / "local-training"
+    """`gpu-trace demo` ingests the repository's sample_traces/runs: they must stay whole (a copy
+    of one, so that a broken check costs the checkout nothing)."""
+    sample = tmp_path / "sample_traces" / "runs" / "local-training"
+    shutil.copytree(REPO / "sample_traces" / "runs" / "local-training", sample)
     before = sorted(p.name for p in list_spool(sample))
     with Store() as store:
         ingest(store, sample)
