@@ -4,10 +4,12 @@ It runs in the `gpu-trace record` process, never in the program: a reader thread
 run's spool (``spool/spans-*.arrow`` files appear as the program's recorders flush, every 0.5 s
 by default), maps new spans (:class:`~gpu_trace.tracer.otlp.SpanMapper`) and puts them in a
 bounded queue; a sender thread takes up to :data:`~gpu_trace.tracer.otlp.BATCH_SPANS` at a time
-and sends them. A slow or dead collector costs the program nothing: when the queue is full new
-spans are dropped and counted, and a batch the collector refuses is counted as dropped too (the
-first error is kept for the closing line). Everything stays in the spool and the store either way;
-``gpu-trace export RUN --otlp URL`` sends it again later.
+and sends them. A slow or dead collector costs the program nothing: the program only writes its
+spool, as always, and never waits on this. When the queue is full the reader waits (the spool on
+disk is the buffer, so a slow collector makes the stream fall behind, not lose spans); a batch the
+collector refuses is dropped and counted (the first error is kept for the closing line), and what
+is not sent when :meth:`RunStream.close`'s deadline passes is dropped and counted. Everything
+stays in the spool and the store either way; ``gpu-trace export RUN --otlp URL`` sends it again.
 
 Spans are sent when they end (that is when they reach the spool); a span's parent id is known
 from its start, but whether that parent is sent is not, so a span waits in the mapper until its
@@ -53,7 +55,7 @@ log = logging.getLogger(__name__)
 
 #: Seconds between looks at the spool.
 POLL_S = 0.25
-#: Spans waiting to be sent; beyond it new ones are dropped.
+#: Spans mapped and waiting to be sent; when full the reader waits (until close's deadline).
 QUEUE_SPANS = 64 * 1024
 #: Seconds `close` gives the rest of the run to be sent.
 CLOSE_TIMEOUT_S = 15.0
@@ -109,6 +111,7 @@ class RunStream:
         self._stop_reading = threading.Event()
         self._reader_done = False
         self._in_flight = 0  # spans of the request the sender is making
+        self._deadline: float | None = None  # set by close(): waits for room end then
         self._closed = False  # close() has counted what is left: the sender adds nothing more
         self._reader = threading.Thread(
             target=self._read_loop, name="gpu-trace-otlp-read", daemon=True
@@ -126,8 +129,12 @@ class RunStream:
         """Read what is left, send it and the run's root span; whatever is not sent within
         ``timeout_s`` counts as dropped."""
         deadline = time.monotonic() + timeout_s
+        with self._cond:
+            self._deadline = deadline
+            self._cond.notify_all()
         self._stop_reading.set()
-        self._reader.join(max(0.0, deadline - time.monotonic()))
+        # The reader's waits for room end by the deadline; the last read below is local work.
+        self._reader.join()
         if not self._reader.is_alive():
             try:
                 self._read_new(final=True)
@@ -220,13 +227,26 @@ class RunStream:
         self._enqueue(self.mapper.add(rows(table)))
 
     def _enqueue(self, spans: list[tuple[Row, OtlpSpan]]) -> None:
-        if not spans:
-            return
+        """Queue ``spans``, waiting for room: the spool on disk is the buffer while the program
+        runs, so a slow collector only makes the reader fall behind. After close's deadline what
+        has no room is dropped and counted."""
+        done = 0
         with self._cond:
-            room = max(0, self.queue_spans - len(self._queue))
-            self._queue.extend(spans[:room])
-            self.report.dropped += len(spans) - min(room, len(spans))
-            self._cond.notify_all()
+            while done < len(spans):
+                room = self.queue_spans - len(self._queue)
+                if room > 0:
+                    self._queue.extend(spans[done : done + room])
+                    done += min(room, len(spans) - done)
+                    self._cond.notify_all()
+                    continue
+                if self._deadline is None:
+                    self._cond.wait(0.5)
+                    continue
+                left = self._deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(min(left, 0.5))
+            self.report.dropped += len(spans) - done
 
     # ---- sending ----------------------------------------------------------------------------------
 
@@ -240,6 +260,7 @@ class RunStream:
                 n = min(self.batch_spans, len(self._queue))
                 chunk = [self._queue.popleft() for _ in range(n)]
                 self._in_flight = n
+                self._cond.notify_all()  # room for the reader
             try:
                 problem = self.endpoint.send(self.builder.request(chunk))
             except Exception as exc:  # the endpoint never raises; this is the boundary anyway

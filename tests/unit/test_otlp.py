@@ -345,6 +345,19 @@ def test_a_stream_sends_a_spooled_run_with_parents_that_came_late(tmp_path: Path
     }
 
 
+def test_a_queue_smaller_than_a_flush_makes_the_reader_wait_not_drop(tmp_path: Path) -> None:
+    """The spool on disk is the buffer: a burst larger than the queue is sent whole."""
+    run_dir = spooled_run(tmp_path)
+    with otlp_receiver() as receiver:
+        collector = ep.Collector(ep.parse_url(receiver.url))
+        stream = RunStream(
+            run_dir, collector, parse_kinds("all"), poll_s=0.01, queue_spans=2, batch_spans=1
+        )
+        report = stream.start().close()
+        assert len(receiver.spans()) == 6
+    assert (report.sent, report.dropped, report.error) == (6, 0, None)
+
+
 class Blocked:
     """A collector that takes the first request and never answers it (until released)."""
 
