@@ -49,6 +49,7 @@ from gpu_trace.framework_patches.torch.backward import EVALUATE
 from gpu_trace.framework_patches.torch.kineto import quietly
 from gpu_trace.framework_patches.torch.modules import DOMAIN
 from gpu_trace.tracer import recorder as _recorder
+from gpu_trace.tracer.buffer import private_bits
 from gpu_trace.tracer.clock import anchor, now_ns
 from gpu_trace.tracer.columns import spans_to_table
 from gpu_trace.tracer.records import (
@@ -235,8 +236,7 @@ class OpSource:
         # stacks, every event is a TorchOp: the tag is not read either.
         todo = [(e, 0, 0, -1, e.start_tid) for e in reversed(result.experimental_event_tree())]
         seq = 0
-        # as a ThreadBuffer's: odd, never the C ids; from the OS, not the program's random state
-        prefix = (int.from_bytes(os.urandom(4), "little") >> 1 | 1) << 32
+        prefix = (private_bits(31) | 1) << 32  # as a ThreadBuffer's: odd, never the C ids
         # For module backward ranges: backward nodes, and top-level forward ops (made with
         # grad on, so outside any backward pass: they end the ranges) unless a backward node is
         # inside them (a program's own range around forward and backward).
