@@ -17,6 +17,8 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -245,21 +247,21 @@ def run(launch: Launch) -> int:
         finish(launch, 126, f"could not start: {exc.strerror or exc}")
         raise LaunchError(f"cannot run {launch.argv[0]}: {exc.strerror or exc}", 126) from None
 
-    def forward(signum: int, _frame: object) -> None:
+    def forward(signum: int, _frame: object = None) -> None:
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signum)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    if samplers is not None:
-        samplers.start(proc.pid)
+    previous = {s: signal.signal(s, forward) for s in FORWARDED}
+    # Blocked before the samplers' threads start, so they inherit the mask and every forwarded
+    # signal reaches _wait's sigtimedwait, which says who sent it.
+    blocked = _block_signals()
     try:
-        while True:
-            try:
-                returncode = proc.wait()
-                break
-            except KeyboardInterrupt:  # pragma: no cover - the handler above replaces it
-                continue
+        if samplers is not None:
+            samplers.start(proc.pid)
+        returncode = _wait(proc, forward) if blocked else _wait_plain(proc)
     finally:
+        if blocked:  # a signal still pending now goes to `forward` (the program has ended)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _WATCHED)
         if samplers is not None:  # stopped and flushed before anything is ingested
             samplers.stop()
         for s, h in previous.items():
@@ -270,6 +272,54 @@ def run(launch: Launch) -> int:
         return 128 - returncode
     finish(launch, returncode, "" if returncode == 0 else f"exited with status {returncode}")
     return returncode
+
+
+#: What `gpu-trace record` passes on to the program.
+FORWARDED = (signal.SIGINT, signal.SIGTERM)
+_WATCHED = {*FORWARDED, signal.SIGCHLD}
+#: ``si_code`` of a signal the kernel sent: a terminal's ^C goes to its whole foreground process
+#: group, the program included (Linux ``SI_KERNEL``).
+SI_KERNEL = 0x80
+
+
+def _block_signals() -> bool:
+    """Block the forwarded signals and SIGCHLD in this thread, for :func:`_wait`; False where
+    that is not possible (no ``sigtimedwait``, or not the main thread)."""
+    if not hasattr(signal, "sigtimedwait") or threading.current_thread() is not (
+        threading.main_thread()
+    ):
+        return False
+    signal.pthread_sigmask(signal.SIG_BLOCK, _WATCHED)
+    return True
+
+
+def _wait(proc: subprocess.Popen[bytes], forward: Callable[[int], None]) -> int:
+    """Wait for the program, forwarding each SIGINT and SIGTERM sent to this process alone.
+
+    One that the kernel sent (a terminal's ^C) reached the program too, since it shares our
+    process group: forwarding it as well gave the program two, so a program cleaning up after
+    its first ``KeyboardInterrupt`` (saving a checkpoint) was interrupted again.
+    """
+    while (returncode := proc.poll()) is None:
+        info = signal.sigtimedwait(_WATCHED, 1.0)  # SIGCHLD wakes it when the program ends
+        if info is None or info.si_signo not in FORWARDED:
+            continue
+        name = signal.Signals(info.si_signo).name
+        if info.si_code == SI_KERNEL:
+            log.debug("%s from the terminal reached the program too: not forwarded", name)
+        else:
+            log.debug("forwarding %s (sent by pid %d) to the program", name, info.si_pid)
+            forward(info.si_signo)
+    return returncode
+
+
+def _wait_plain(proc: subprocess.Popen[bytes]) -> int:
+    """:func:`_wait` where signals cannot be examined: each one is forwarded by the handler."""
+    while True:
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:  # pragma: no cover - the handler replaces it
+            continue
 
 
 def finish(launch: Launch, exit_code: int, reason: str) -> None:

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import difflib
 import os
+import pty
 import random
+import select
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import recorded
-from tests.integration.test_record import gpu_trace
+from tests.integration.test_record import gpu_trace, script
 
 SEEDED = Path(__file__).resolve().parent / "seeded"
 RECORD = ("record", "--no-ingest", "--no-nvml", "--host-hz", "0")
@@ -160,3 +163,72 @@ def test_keras_program_unchanged_at_every_level() -> None:
         },
         stderr=False,  # TensorFlow's own log lines carry timestamps
     )
+
+
+COUNT_SIGINTS = """
+import signal, time
+n = 0
+def count(signum, frame):
+    global n
+    n += 1
+signal.signal(signal.SIGINT, count)
+print("ready", flush=True)
+deadline = time.monotonic() + 60
+while not n and time.monotonic() < deadline:
+    time.sleep(0.01)
+time.sleep(0.5)  # where a second SIGINT would land
+print("sigints", n, flush=True)
+"""
+
+# Makes the pty it was given as stdin its controlling terminal, then runs the command: a real
+# terminal, whose ^C the kernel sends to the whole foreground process group.
+WITH_TERMINAL = "import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+WITH_TERMINAL += "os.execvp(sys.argv[1], sys.argv[1:])"
+NOT_FORWARDED = "SIGINT from the terminal reached the program too: not forwarded"
+
+
+def at_terminal(argv: list[str]) -> str:
+    """Run ``argv`` in a new session on a pseudo-terminal, type ^C once it printed ``ready``;
+    everything it wrote."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WITH_TERMINAL, *argv],
+        stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
+    )  # fmt: skip
+    os.close(slave)
+    out = b""
+    try:
+        while select.select([master], [], [], 120)[0]:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # the session ended
+                break
+            if not chunk:
+                break
+            if b"ready" not in out and b"ready" in out + chunk:
+                os.write(master, b"\x03")
+            out += chunk
+    finally:
+        os.close(master)
+        proc.wait(timeout=120)
+    return out.decode(errors="replace")
+
+
+def test_interrupt_reaches_the_program_once(tmp_path: Path) -> None:
+    """^C at a terminal reaches the program once under `gpu-trace record`, as plain: the kernel
+    sends it to the whole process group, the program included, so the runner does not forward it
+    again (a program cleaning up after its first KeyboardInterrupt was interrupted again; whether
+    the program sees two depends on timing, so the runner's debug log says what it did). A
+    SIGINT sent to the runner alone is still forwarded."""
+    prog = script(tmp_path, COUNT_SIGINTS)
+    record = [sys.executable, "-m", "gpu_trace", "-v", *RECORD, "--", sys.executable, str(prog)]
+    at_tty = at_terminal(record)
+    assert "sigints 1" in at_tty and NOT_FORWARDED in at_tty, at_tty
+    assert "forwarding SIGINT" not in at_tty
+    runner = subprocess.Popen(
+        record, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    assert runner.stdout is not None and runner.stdout.readline() == "ready\n"
+    runner.send_signal(signal.SIGINT)
+    out, err = runner.communicate(timeout=120)
+    assert out == "sigints 1\n" and f"forwarding SIGINT (sent by pid {os.getpid()})" in err, err
