@@ -218,8 +218,10 @@ class Profile:
         run, info = self.run, self._info
         if run is None or info is None or run.dir is None:
             return
+        if self._samplers is not None:
+            self._samplers.ask_to_stop()  # they stop and flush while the recorder does
         try:
-            stop_run(detach=_capture.detach)  # flushed before the samplers stop
+            stop_run(detach=_capture.detach)
         finally:
             if self._samplers is not None:
                 self._samplers.stop()

@@ -107,15 +107,22 @@ class SamplerProcess:
             self.notes.append(f"samplers said something unexpected: {line[:200]!r}")
         return self
 
+    def ask_to_stop(self) -> None:
+        """Tell the child to stop (close its stdin) without waiting: it stops and flushes while
+        the caller does its own part (the program's recorder flushes meanwhile)."""
+        proc = self.proc
+        if proc is not None and proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
-        """Close the child's stdin and wait until it has flushed and exited (its stdout closes);
+        """Tell the child to stop and wait until it has flushed and exited (its stdout closes);
         killed past ``timeout_s``. Idempotent; never raises."""
         proc = self.proc
         if proc is None:
             return
         try:
-            if proc.stdin is not None:
-                proc.stdin.close()
+            self.ask_to_stop()
             if not _drained(proc, timeout_s) and self.sampler_pid:
                 log.warning(
                     "gpu-trace: the sampler process did not stop in %.0f s; killed", timeout_s
@@ -199,8 +206,8 @@ def main(argv: list[str]) -> int:
     try:
         sys.stdin.buffer.read()  # until the parent closes it (or is gone)
     finally:
-        samplers.stop()
-    return 0
+        samplers.stop()  # flushed and closed: the samples are on disk
+    os._exit(0)  # the parent waits for this exit; the interpreter's teardown would only delay it
 
 
 if __name__ == "__main__":
