@@ -67,10 +67,11 @@ def _collector(args: argparse.Namespace) -> tuple[Collector, Target, frozenset[s
 
 
 def check(args: argparse.Namespace) -> None:
-    """Refuse bad ``--otlp`` flags before anything runs (exit 2)."""
+    """Refuse bad ``--otlp`` flags before anything runs (exit 2). A namespace built without
+    them (a caller of the command functions) has none."""
     if wanted(args):
         _collector(args)
-    elif args.otlp_header or args.otlp_spans != "default":
+    elif getattr(args, "otlp_header", None) or getattr(args, "otlp_spans", "default") != "default":
         raise CLIError("--otlp-spans and --otlp-header need --otlp", 2)
 
 
