@@ -137,6 +137,20 @@ def test_bad_export_flags_are_refused_before_the_store_is_opened(
     assert message in err and err.count("\n") == 1, err
 
 
+def test_bad_otlp_settings_stop_record_before_the_program_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    marker = tmp_path / "ran"
+    program = ["--", sys.executable, "-c", f"open({str(marker)!r}, 'w')"]
+    assert main(["record", "--otlp", "collector:4318", *program]) == 2
+    assert "must start with http://" in capsys.readouterr().err
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "api-key")
+    assert main(["record", "--otlp", "http://127.0.0.1:4318", *program]) == 2
+    err = capsys.readouterr().err
+    assert "OTEL_EXPORTER_OTLP_HEADERS: a header is KEY=VALUE, got 'api-key'" in err
+    assert err.count("\n") == 1 and not marker.exists()
+
+
 def test_forwarded_run_links_server_spans_under_client_batches(
     tmp_path: Path,
     server: str,  # noqa: F811 (the fixture)
