@@ -87,7 +87,10 @@ def is_patched() -> bool:
 
 
 def _on_root() -> None:
-    # A top-level module call is where a session is cycled: no op is in flight there.
+    # A top-level module call is where a session is cycled: no op is in flight there, unless
+    # it runs inside an optimizer step (an LBFGS closure). PyTorch's range around the step,
+    # opened in this session, would end in the next one, which writes its end into another
+    # op's event (seen: ops ending seconds after their parent) or crashes.
     torch_training.iteration_starts()
-    if _ops is not None:
+    if _ops is not None and not torch_training.in_optimizer_step():
         _ops.harvest()

@@ -13,8 +13,10 @@ any module, like a loss computed with functions, end the runs of those they are 
 with no forward op (``AccumulateGrad``) extend the ranges open around them; other ops don't
 (the optimizer's, the gradient sums between nodes), and a forward op made with grad on (the next
 forward's) ends them all. A module's forward called several times (a shared layer, a loop) gets
-a backward range per call; one whose backward interleaves with another's shows as several
-ranges with the same name.
+a backward range per call. A call's range is opened at most once per pass: where another
+call's node runs between two of its nodes, its later nodes go to the calls around it (as at
+module level: no second range, none overlapping its neighbour). A call made inside a backward
+node (checkpointing's recomputation) nests under that node's calls (see :func:`owners`).
 
 Ranges of a ``Tensor.backward`` on the collected thread go under its range (its span id and
 depth, noted when it began); other passes' ranges are roots. A module call still running when a
@@ -122,36 +124,47 @@ class _Walk:
         self.next_id = next_id
         self.cache: dict[tuple[int, int], list[int]] = {}  # (seq, pass) -> chain
         self.out: list[Range] = []
-        self.open: list[list[int]] = []  # [call, start, last end, span id, parent, depth]
+        #: [call, start, last end, span id, parent, depth, pass key]
+        self.open: list[list[Any]] = []
+        #: The pass key each call's range closed in: it is not opened again in that pass.
+        self.closed: dict[int, tuple[int, int]] = {}
+        self.gen = 0  # counts the forward ops seen: those between two passes tell them apart
         self.tid = 0
 
     def close(self, keep: int) -> None:
         open_ = self.open
         while len(open_) > keep:
-            call, start, last, sid, parent, depth = open_.pop()
+            call, start, last, sid, parent, depth, key = open_.pop()
             self.out.append((sid, parent, self.tid, call, start, last, depth))
+            self.closed[call] = key
 
-    def chain(self, seq: int, start: int) -> tuple[list[int], Any]:
-        """The calls a node belongs to, and the pass it runs in (None: not a recorded one)."""
+    def chain(self, seq: int, start: int) -> tuple[list[int], Any, int]:
+        """The calls a node belongs to, and the pass it runs in (None: not a recorded one) and
+        its index (-1)."""
         k = bisect_right(self.starts, start) - 1
         p = self.windows[k] if k >= 0 and self.windows[k][1] >= start else None
-        key = (seq, k if p is not None else -1)
+        if p is None:
+            k = -1
+        key = (seq, k)
         c = self.cache.get(key)
         if c is None:
             c = chain(seq, self.calls, self.index)
             if p is not None and p[4]:  # calls running when the pass began are not in it
                 c = [i for i in c if self.calls[i][2] not in p[4]]
             self.cache[key] = c
-        return c, p
+        return c, p, k
 
     def thread(self, tid: int, events: list[Event]) -> None:
-        self.tid, open_ = tid, self.open
+        self.tid, open_, closed = tid, self.open, self.closed
+        self.gen += 1
         for _, start, end, seq in events:
             if seq is None:
                 self.close(0)
+                self.gen += 1
                 continue
             if seq >= 0:
-                c, p = self.chain(seq, start)
+                c, p, k = self.chain(seq, start)
+                key = (k, self.gen)
                 keep = 0
                 while keep < len(open_) and keep < len(c) and open_[keep][0] == c[keep]:
                     keep += 1
@@ -164,8 +177,10 @@ class _Walk:
                     else:
                         parent, depth = 0, 0
                     for call in c[keep:]:
+                        if closed.get(call) == key:  # closed in this pass: not a second range
+                            break
                         sid = self.next_id()
-                        open_.append([call, start, end, sid, parent, depth])
+                        open_.append([call, start, end, sid, parent, depth, key])
                         parent, depth = sid, depth + 1
             for o in open_:  # a node of the open ranges, or one with no forward op
                 if end > o[2]:

@@ -69,6 +69,11 @@ def is_patched() -> bool:
     return bool(_handles or _originals)
 
 
+def in_optimizer_step() -> bool:
+    """Whether an ``optimizer.step`` is running (or raised: until the next step ends)."""
+    return _optimizer_token is not None
+
+
 def _wrap(owner: Any, attr: str, make: Callable[[Any], Any]) -> None:
     original = owner.__dict__[attr]
     _originals[(owner, attr)] = original

@@ -75,6 +75,19 @@ def test_nodes_outside_modules_and_forward_ops_end_ranges() -> None:
     ]
 
 
+def test_a_call_interleaved_with_another_gets_no_second_range_in_a_pass() -> None:
+    # b's nodes run on both sides of a's: the second goes to Net (a second b would be wrong).
+    events = [(1, 10, 20, 7), (1, 21, 30, 2), (1, 31, 40, 8), (1, 41, 45, None), (1, 50, 60, 7)]
+    assert made(events) == [
+        (NET, 10, 40, 0, 0),
+        (NET, 50, 60, 0, 0),
+        (A, 21, 30, NET, 1),
+        (AX, 21, 30, A, 2),
+        (B, 10, 20, NET, 1),
+        (B, 50, 60, NET, 1),  # after a forward op: another pass, another range
+    ]
+
+
 def test_a_module_called_twice_gets_a_range_per_call_and_threads_are_apart() -> None:
     calls = [(0, 2, "cell", -1), (2, 4, "cell", -1)]
     events = [(1, 0, 10, 3), (1, 11, 20, 1), (2, 0, 5, 1)]
@@ -230,3 +243,35 @@ def test_backward_ranges_nest_one_per_call_at_both_levels(shape, tmp_path, monke
             (r["name"], by_id.get(r["parent_span_id"], {}).get("name", ""), r["depth"]) for r in bw
         )
     assert got["op"] == got["module"]
+
+
+def test_lbfgs_closure_at_op_level_keeps_every_op_inside_its_parent(tmp_path, monkeypatch):
+    """Module calls inside ``optimizer.step`` (LBFGS's closure) do not cycle the op collection:
+    the optimizer's profiler range would end in the next session, and PyTorch would then write
+    its end into another op (ops ending after their parents)."""
+    import gpu_trace
+    from gpu_trace.framework_patches.torch import ops as torch_ops
+    from tests.conftest import recorded
+    from tests.span_checks import problems
+
+    monkeypatch.setattr(torch_ops, "HARVEST_INTERVAL_S", 0.0)  # every top-level call may cycle
+    monkeypatch.setenv("GPU_TRACE_TORCH", "op")
+    torch.manual_seed(0)
+    model, x = Cells(), torch.randn(2, 4)
+    optimizer = torch.optim.LBFGS(model.parameters(), max_iter=4)
+
+    def closure():
+        optimizer.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+
+    gpu_trace.start(tmp_path / "run")
+    try:
+        for _ in range(3):
+            optimizer.step(closure)
+    finally:
+        gpu_trace.stop()
+    rows = recorded(tmp_path / "run")
+    assert sum(r["name"] == "Cells.backward" for r in rows) >= 3
+    assert problems(rows) == []
