@@ -81,6 +81,12 @@ def parse_url(url: str) -> Target:
         raise ValueError(f"OTLP URL has a bad port: {url!r}") from None
     if not parts.hostname:
         raise ValueError(f"OTLP URL has no host: {url!r}")
+    if parts.username is not None or parts.password is not None:
+        # Not sent by urllib, and the URL is printed in closing lines: credentials go in headers.
+        raise ValueError(
+            "an OTLP URL takes no user:password@; give credentials as a header "
+            "(--otlp-header Authorization=... or OTEL_EXPORTER_OTLP_HEADERS)"
+        )
     if not proto_available():
         raise ValueError(PROTO_MISSING)
     if scheme.startswith("grpc"):

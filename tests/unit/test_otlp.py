@@ -162,6 +162,7 @@ def test_parse_kinds() -> None:
         ("http://:4318", "has no host"),
         ("http://collector:99999", "bad port"),
         ("grpc://collector:4317/v1/traces", "without a path"),
+        ("https://key:secret@collector:4318", "takes no user:password@"),
     ],
 )
 def test_bad_urls_are_one_clear_line(url: str, message: str) -> None:
