@@ -260,7 +260,7 @@ class SpanMapper:
         self._offset = run.wall_offset_ns()
         self._seen: OrderedDict[int, _Seen] = OrderedDict()
         self._held: OrderedDict[int, Row] = OrderedDict()  # by a key of its own, oldest first
-        self._waiting: dict[int, list[int]] = {}  # parent id -> held keys
+        self._waiting: dict[int, dict[int, None]] = {}  # parent id -> held keys, in order
         self._held_seq = 0
         self.last_end_ns = 0
 
@@ -316,7 +316,7 @@ class SpanMapper:
         key = self._held_seq
         self._held_seq += 1
         self._held[key] = row
-        self._waiting.setdefault(row.parent_span_id, []).append(key)
+        self._waiting.setdefault(row.parent_span_id, {})[key] = None
         while len(self._held) > MAX_HELD:
             self._release_oldest(out)
 
@@ -324,7 +324,7 @@ class SpanMapper:
         key, row = self._held.popitem(last=False)
         keys = self._waiting.get(row.parent_span_id)
         if keys is not None:
-            keys.remove(key)
+            del keys[key]
             if not keys:
                 del self._waiting[row.parent_span_id]
         self.stats.held_out += 1
@@ -354,7 +354,7 @@ class SpanMapper:
                 self._seen[sid] = here
                 if len(self._seen) > MAX_SEEN:
                     self._seen.popitem(last=False)
-                for key in self._waiting.pop(sid, ()):
+                for key in self._waiting.pop(sid, {}):
                     stack.append((self._held.pop(key), False))
 
     # ---- one span -----------------------------------------------------------------------------------
