@@ -289,7 +289,7 @@ class Run:
     ) -> pd.DataFrame:
         """Spans overlapping ``[start, end)`` (ns on the run's clock), in start order.
 
-        ``lane`` and ``name`` are exact, or globs with ``*`` and ``?`` (``lane="torch/*"``);
+        ``lane`` and ``name`` are exact, or globs with ``*`` and ``?`` (``lane="nvtx/*"``);
         ``category`` is exact (``module``, ``op``, ``step``, ``nvtx``...). At most ``limit`` rows
         (None: all); a cut result is logged. Columns: the store's, ``dur_ns``, and ``start_ms``
         and ``dur_ms`` relative to the run's start.
