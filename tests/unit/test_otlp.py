@@ -389,3 +389,14 @@ def test_a_stuck_collector_fills_the_queue_and_the_rest_is_counted_dropped(
     assert stuck.requests == 1 and report.sent == 0
     assert report.dropped == 6  # 5 spans and the root, the one stuck in flight included
     assert report.error is not None and "not all sent" in report.error
+
+
+def test_without_the_grpc_packages_a_grpc_url_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "grpc", None)  # what an interpreter without grpcio sees
+    with pytest.raises(ValueError, match=r"pip install 'gpu-trace\[otlp-grpc\]'"):
+        ep.parse_url("grpc://collector:4317")
+    assert ep.parse_url("http://collector:4318").protocol == "http"
