@@ -43,6 +43,25 @@ def test_background_flush_writes_spool_while_the_program_runs(tmp_path: Path) ->
         gpu_trace.stop()
 
 
+def test_wake_flushes_now_not_at_the_interval(tmp_path: Path) -> None:
+    """A source that knows when draining is cheapest (op level: while the program's thread is
+    inside a stop) has the flusher flush then, however long its interval."""
+    gpu_trace.start(tmp_path / "run", flush_interval_s=60)
+    try:
+        rec = recorder.active
+        assert rec is not None
+        rec.flush()  # the start-up flush is behind us; the next is 60 s away
+        with gpu_trace.range("woken"):
+            pass
+        rec.wake()
+        deadline = time.monotonic() + 10
+        while "woken" not in span_names(rec.run_dir) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert "woken" in span_names(rec.run_dir), "wake() did not flush"
+    finally:
+        gpu_trace.stop()
+
+
 def test_full_buffer_drops_counts_and_warns_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
