@@ -71,10 +71,6 @@ class StreamReport:
     requests: int = 0
     error: str | None = None
 
-    def line(self, target: str) -> str:
-        text = f"OTLP {target}: {self.sent} spans sent, {self.dropped} dropped"
-        return f"{text} ({self.error})" if self.error else text
-
 
 class RunStream:
     """Follows one run directory's spool and streams its spans to ``endpoint``."""

@@ -122,4 +122,5 @@ def finish_stream(stream: RunStream | None) -> None:
     if stream is None:
         return
     report = stream.close()
-    err(report.line(stream.target))
+    text = f"OTLP {stream.target}: {fmt.count(report.sent)} spans sent, {fmt.count(report.dropped)} dropped"
+    err(f"{text} ({report.error})" if report.error else text)
