@@ -11,9 +11,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from tests.otlp_receiver import otlp_receiver
 
-#: Records two steps, then waits (without a deadline of its own beyond the test's) for a file the
+#: Records two steps, then waits (a minute at most) for a file the
 #: test writes once the endpoint has seen a span: spans arrive while the program still runs.
 WAITS = """
 import os, sys, time
@@ -101,3 +103,10 @@ def test_a_dead_collector_costs_the_program_nothing(tmp_path: Path) -> None:
     dropped = int(closing[0].split(" spans sent, ")[1].split(" dropped")[0].replace(",", ""))
     assert dropped >= 6  # 3 steps, 2 ranges, the run's root
     assert "stored in" in err  # the run itself is recorded as always
+
+
+@pytest.fixture(autouse=True)
+def _no_otel_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("OTEL_EXPORTER_OTLP"):
+            monkeypatch.delenv(name)
