@@ -43,6 +43,7 @@ BAD: dict[str, str | None] = {
     "GPU_TRACE_HOST_HZ": "abc",
     "GPU_TRACE_NVML_REPLAY": "{missing}",
     "GPU_TRACE_NVML_FAMILIES": "pcie,sideband",
+    "GPU_TRACE_KEEP_SPOOL": "maybe",
     # W3C Trace Context: a malformed traceparent is ignored, the run starts its own trace.
     "TRACEPARENT": None,
     # OpenTelemetry's own variables, read by the program's SDK too: `--otlp` checks them when it
