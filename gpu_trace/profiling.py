@@ -22,6 +22,7 @@ record` or ``gpu_trace.start()``, is refused before it starts, and so is ``start
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -149,10 +150,14 @@ class Profile:
             # library in start_run.
             info.started_ns = now_ns()
             info.save(run_dir)
-        except BaseException:
+        except BaseException as exc:
             _active = None
             if self._samplers is not None:
                 self._samplers.stop()
+            info.status, info.ended_ns = "failed", now_ns()  # not left "running" by a live pid
+            info.attrs["reason"] = f"could not start: {type(exc).__name__}: {exc}"[:300]
+            with contextlib.suppress(OSError):
+                info.save(run_dir)
             raise
         notes = self._samplers.notes if self._samplers else []
         for note in notes:

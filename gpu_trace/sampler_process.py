@@ -83,15 +83,18 @@ class SamplerProcess:
             )
         except OSError as exc:
             return cls(None, [f"samplers are off: cannot start their process: {exc}"])
+        self = cls(proc)
         try:
             proc.wait(ready_timeout_s)  # the first fork exits as soon as it has forked again
+            line = _read_line(proc, ready_timeout_s)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            cls(proc)._close()
-            proc.wait()
+            line = None
+        except BaseException:  # Ctrl-C while it starts: nothing is left running
+            self._abandon()
+            raise
+        if proc.returncode is None:
+            self._abandon()
             return cls(None, ["samplers are off: their process did not start"])
-        self = cls(proc)
-        line = _read_line(proc, ready_timeout_s)
         if line is None:
             self.notes.append("samplers are off: their process did not start")
             self._close()
@@ -133,6 +136,16 @@ class SamplerProcess:
             log.debug("stopping the sampler process", exc_info=True)
         finally:
             self._close()
+
+    def _abandon(self) -> None:
+        """Give up on a child that did not start: kill what is left and close the pipes (a
+        sampler that got as far as its own fork ends when its stdin closes)."""
+        proc = self.proc
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(OSError):
+                proc.kill()
+            proc.wait()
+        self._close()
 
     def _close(self) -> None:
         proc, self.proc = self.proc, None

@@ -11,6 +11,7 @@ import gzip
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import pytest
 
 import gpu_trace
 from gpu_trace import config
+from gpu_trace.tracer.run import RunInfo
 from tests.conftest import REPO
 
 pytest.importorskip("pandas")
@@ -218,6 +220,28 @@ def test_a_bad_setting_is_refused_before_the_block(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("GPU_TRACE_FLUSH_INTERVAL", "abc")
     with pytest.raises(ValueError, match="GPU_TRACE_FLUSH_INTERVAL"):
         quiet()
+
+
+def test_an_interrupt_while_the_block_starts_leaves_no_live_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Ctrl-C while the sampler process starts: a real SIGINT, from the process started in its
+    # place, arrives while profile() waits for it.
+    impatient = tmp_path / "impatient"
+    impatient.write_text("#!/bin/sh\nkill -INT $PPID\nexec sleep 30\n")
+    impatient.chmod(0o755)
+    python = sys.executable
+    monkeypatch.setattr(sys, "executable", str(impatient))
+    with pytest.raises(KeyboardInterrupt), gpu_trace.profile(nvml=False, nvtx="off"):
+        pytest.fail("the block ran")
+    [run_dir] = config.runs_dir().iterdir()
+    info = RunInfo.load(run_dir)
+    assert info.status == "failed", "a run left 'running' by this live process never closes"
+    assert info.attrs["reason"].startswith("could not start: KeyboardInterrupt")
+    monkeypatch.setattr(sys, "executable", python)
+    with quiet() as after:  # nothing is left recording
+        gpu_trace.mark("after")
+    assert list(after.spans()["name"]) == ["after"]
 
 
 def test_a_store_that_fails_at_the_end_keeps_the_spool(tmp_path: Path) -> None:
