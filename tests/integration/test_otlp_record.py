@@ -36,6 +36,11 @@ sys.exit(3)
 """
 
 
+#: The request that started the run (a CI job, a service handler running `gpu-trace record`).
+INCOMING_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+INCOMING_SPAN = "00f067aa0ba902b7"
+
+
 def record(tmp_path: Path, url: str, *extra: str) -> subprocess.Popen[str]:
     prog = tmp_path / "prog.py"
     prog.write_text(textwrap.dedent(WAITS))
@@ -59,7 +64,7 @@ def record(tmp_path: Path, url: str, *extra: str) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=dict(os.environ),
+        env={**os.environ, "TRACEPARENT": f"00-{INCOMING_TRACE}-{INCOMING_SPAN}-01"},
     )
 
 
@@ -78,7 +83,9 @@ def test_spans_arrive_while_the_program_runs(tmp_path: Path) -> None:
     assert "flag seen" in out
     assert early & {"ProfilerStep#0", "work"}
     names = sorted(s.name for s in spans)
-    root = [s for s in spans if s.parent_span_id == ""]
+    # The run joins the incoming trace, its root span under the span that started it.
+    assert {s.trace_id for s in spans} == {INCOMING_TRACE}
+    root = [s for s in spans if s.parent_span_id == INCOMING_SPAN]
     assert (
         len(root) == 1
         and root[0].name.startswith("python")
