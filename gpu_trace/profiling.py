@@ -121,8 +121,8 @@ class Profile:
         if recorder.active is not None:
             raise ValueError(
                 f"already recording into {recorder.active.run_dir} (gpu-trace record or "
-                "gpu_trace.start()): profile() records a run of its own; use gpu_trace.range() "
-                "inside that recording, or stop() it first"
+                "gpu_trace.start()): profile() records a run of its own, one run at a time; "
+                "inside that recording, mark the part with gpu_trace.range() instead"
             )
         config.check_environment()
         run_id = new_run_id()
