@@ -176,3 +176,21 @@ def test_delete_run_clears_every_table_keyed_by_run_id(tmp_path: Path) -> None:
                 f"SELECT count() FROM __db__.{table} WHERE run_id = '20260107-000000-aaaaaa'"
             ).result_rows[0]
             assert n == 0, table
+
+
+@pytest.mark.parametrize(
+    ("age", "seconds"),
+    [
+        ("30m", 1800),
+        ("12h", 43_200),
+        ("7d", 604_800),
+        ("2w", 1_209_600),
+        ("2", 172_800),
+        ("0", 0),
+        ("1.5h", 5400),
+    ],
+)
+def test_ages_in_their_units(age: str, seconds: int) -> None:
+    from gpu_trace.commands.removal import parse_age
+
+    assert parse_age(age) == seconds * 10**9
