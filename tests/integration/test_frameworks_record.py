@@ -7,7 +7,20 @@ from pathlib import Path
 
 import pytest
 
+from gpu_trace.tracer.store import Store
 from tests.integration.test_record import gpu_trace, last_run, script, sql_json
+from tests.span_checks import check_stored
+
+
+@pytest.fixture(autouse=True)
+def _every_run_nests():
+    """Every run a test here records nests as it ran: no partial overlap on a thread, no
+    negative self time in the spans or in what `gpu-trace show` prints (tests/span_checks.py)."""
+    yield
+    with Store() as store:
+        for run in store.runs(limit=1000):
+            check_stored(store, run["run_id"])
+
 
 TORCH_TRAIN = """
     import torch
@@ -36,6 +49,65 @@ TORCH_TRAIN = """
             optimizer.step()
     print("done", loss.item())
 """
+
+
+# PyTorch's time-sequence-prediction example, smaller: two LSTMCells and a Linear called per time
+# step in a Python loop, trained with LBFGS (several forward and backward passes per step).
+CELL_LOOP = """
+    import torch
+    from torch import nn
+
+    class Sequence(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm1 = nn.LSTMCell(1, 16)
+            self.lstm2 = nn.LSTMCell(16, 16)
+            self.linear = nn.Linear(16, 1)
+
+        def forward(self, input):
+            outputs = []
+            h_t = c_t = torch.zeros(input.size(0), 16)
+            h_t2 = c_t2 = torch.zeros(input.size(0), 16)
+            for input_t in input.split(1, dim=1):
+                h_t, c_t = self.lstm1(input_t, (h_t, c_t))
+                h_t2, c_t2 = self.lstm2(h_t, (h_t2, c_t2))
+                outputs.append(self.linear(h_t2))
+            return torch.cat(outputs, dim=1)
+
+    torch.manual_seed(0)
+    x = torch.sin(torch.arange(21.0).repeat(4, 1) / 3 + torch.arange(4.0)[:, None])
+    seq = Sequence()
+    optimizer = torch.optim.LBFGS(seq.parameters(), lr=0.8, max_iter=3)
+
+    def closure():
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(seq(x[:, :-1]), x[:, 1:])
+        loss.backward()
+        return loss
+
+    for i in range(2):
+        print("loss", optimizer.step(closure).item())
+"""
+
+
+@pytest.mark.parametrize("level", ["module", "op"])
+def test_record_cells_called_in_a_loop(tmp_path: Path, level: str) -> None:
+    """One module backward range per cell call (not one per output), each inside the model's."""
+    pytest.importorskip("torch")
+    out = gpu_trace(
+        "record", "--torch", level, "--", sys.executable, str(script(tmp_path, CELL_LOOP))
+    )
+    assert out.returncode == 0, out.stderr
+    with Store() as store:
+        rows = store.dicts(
+            "SELECT name, count() AS n FROM __db__.spans WHERE run_id = {run:String} "
+            "AND category = 'module' GROUP BY name",
+            {"run": store.resolve_run("last")},
+        )
+    got = {r["name"]: int(r["n"]) for r in rows}
+    assert got["Sequence.lstm1"] == got["Sequence.lstm2"] == 20 * got["Sequence"] > 0
+    for name in ("Sequence", "Sequence.lstm1", "Sequence.lstm2", "Sequence.linear"):
+        assert got[name + ".backward"] == got[name], name
 
 
 def names(shown: dict) -> set[str]:
