@@ -9,6 +9,7 @@ when there is none, nothing: ending with ``ImportError(name="sitecustomize")`` i
 is told there is no sitecustomize, and it says nothing.
 """
 
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -45,19 +46,16 @@ def _leave_path() -> None:
 
 
 def _chain() -> bool:
-    """Import the sitecustomize this one shadows as ``sitecustomize``; False if there is none.
-    Its errors propagate, as they would plain (``site`` prints them and goes on)."""
-    for entry in sys.path:
-        candidate = os.path.join(entry or os.curdir, "sitecustomize.py")
-        if entry and os.path.isfile(candidate):
-            spec = importlib.util.spec_from_file_location("sitecustomize", candidate)
-            if spec is None or spec.loader is None:
-                return False
-            module = importlib.util.module_from_spec(spec)
-            sys.modules["sitecustomize"] = module  # replaces this one (importlib allows it)
-            spec.loader.exec_module(module)
-            return True
-    return False
+    """Import the sitecustomize this one shadows (found on ``sys.path``, which no longer has this
+    folder) as ``sitecustomize``; False if there is none. Its errors propagate, as they would
+    plain (``site`` prints them and goes on)."""
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", sys.path)
+    if spec is None or spec.loader is None:
+        return False
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["sitecustomize"] = module  # replaces this one (importlib allows it)
+    spec.loader.exec_module(module)
+    return True
 
 
 _start()

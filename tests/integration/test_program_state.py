@@ -119,7 +119,10 @@ def test_boot_steps_aside(tmp_path: Path) -> None:
     user = tmp_path / "user"
     user.mkdir()
     (user / "sitecustomize.py").write_text("MARK = 'user'\n")
-    for n, pythonpath in enumerate(("", str(user))):
+    package = tmp_path / "package" / "sitecustomize"  # a package is a sitecustomize too
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("MARK = 'package'\n")
+    for n, pythonpath in enumerate(("", str(user), str(package.parent))):
         want = plain(prog, {"PYTHONPATH": pythonpath})
         run_dir = tmp_path / f"run{n}"
         got = gpu_trace(
