@@ -177,8 +177,13 @@ class Profile:
             self._info.ended_ns = now_ns()  # the block's end, before the flush
         try:
             self._finish(exc)
-        except Exception:  # never replace the program's exception, nor raise one of ours
+        except Exception as error:  # never replace the program's exception, nor raise one of ours
             log.exception("gpu-trace: finishing run %s failed", active_run())
+            if self.run is not None and self.run.dir is not None:
+                self.run.end_recording(
+                    f"not stored: finishing it failed ({type(error).__name__}: {error}); "
+                    f"its spool is in {self.run.dir} (gpu-trace ingest {self.run.dir})"
+                )
         finally:
             _active = None
 
@@ -235,8 +240,7 @@ class Profile:
             info.status = "finished"
         else:
             info.status = "killed" if isinstance(exc, KeyboardInterrupt) else "failed"
-            text = str(exc).splitlines()[0][:200] if str(exc) else ""
-            info.attrs["reason"] = type(exc).__name__ + (f": {text}" if text else "")
+            info.attrs["reason"] = _reason(exc)
         try:
             info.save(run.dir)
         except OSError as exc_save:
@@ -271,6 +275,15 @@ def _ingest(run_dir: Path, dsn: str, keep_spool: bool | None) -> str | None:
         log.warning("gpu-trace: %s", problem)
     log.info("gpu-trace: %s", report.summary())
     return None
+
+
+def _reason(exc: BaseException) -> str:
+    """``Type: first line of the message`` of the block's exception (whatever its ``__str__``)."""
+    try:
+        lines = str(exc).splitlines()
+    except Exception:
+        lines = []
+    return type(exc).__name__ + (f": {lines[0][:200]}" if lines else "")
 
 
 def _text(what: str, value: object) -> str | None:

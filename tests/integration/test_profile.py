@@ -174,6 +174,19 @@ def test_an_exception_in_the_block_is_stored_and_goes_on_unchanged() -> None:
     assert killed.row.status == "killed"
 
 
+class Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no text")
+
+
+def test_an_exception_without_text_still_closes_and_stores_the_run() -> None:
+    with pytest.raises(Unprintable), quiet() as run:
+        gpu_trace.mark("before")
+        raise Unprintable
+    assert run.row.status == "failed" and run.row.attrs["reason"] == "Unprintable"
+    assert list(run.spans()["name"]) == ["before"]
+
+
 def test_blocks_do_not_nest_nor_mix_with_start(tmp_path: Path) -> None:
     with quiet() as outer:
         with pytest.raises(ValueError, match="do not nest"), quiet():
