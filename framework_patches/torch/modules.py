@@ -259,9 +259,16 @@ def _wrap_call(original: Any) -> Any:
         try:
             if not stack:
                 node = _current_node()  # a backward node (checkpointing recomputes forward)
-                t.anchor = node._sequence_nr() if node is not None else -1
-                if on_root is not None and node is None:  # no op in flight: may cycle sessions
-                    on_root()
+                if node is None:
+                    t.anchor = -1
+                    if _bw_threads:
+                        b = _bw_threads.get(_thread_id())
+                        if b is not None and b.open:  # left by a pass that raised
+                            b.close_all()
+                    if on_root is not None:  # no op in flight: may cycle sessions
+                        on_root()
+                else:
+                    t.anchor = node._sequence_nr()
                 sink = _calls_sink
                 t.calls = sink.calls if sink is not None and sink.owner == _thread_id() else None
             m = _modules.get(id(self)) or _lookup(self)
@@ -420,7 +427,7 @@ def _place_hooks(t: _Thread) -> None:
     marks, made = t.marks, t.made
     try:
         index = _owners(made) if made else None
-        b = _bw_threads.get(_thread_id())
+        b = _bw_threads.get(_thread_id()) if t.anchor >= 0 else None
         prefix = tuple(o[0] for o in b.open) if b is not None and b.open else ()
         for node in marks:
             meta = node.metadata

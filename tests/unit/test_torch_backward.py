@@ -275,3 +275,33 @@ def test_lbfgs_closure_at_op_level_keeps_every_op_inside_its_parent(tmp_path, mo
     rows = recorded(tmp_path / "run")
     assert sum(r["name"] == "Cells.backward" for r in rows) >= 3
     assert problems(rows) == []
+
+
+def test_a_pass_that_raises_leaves_no_range_open_for_the_next_step(tmp_path, monkeypatch):
+    """A backward pass that raises skips the engine's end-of-pass callback: its open module
+    backward ranges close when the next forward starts, not around the next step's ranges."""
+    import gpu_trace
+    from tests.conftest import recorded
+    from tests.span_checks import problems
+
+    monkeypatch.setenv("GPU_TRACE_TORCH", "module")
+    model, x = Shared(), torch.randn(2, 4)
+
+    def fail(grad):
+        raise RuntimeError("hook")
+
+    gpu_trace.start(tmp_path / "run")
+    try:
+        y = model(x)
+        model.lin.weight.register_hook(fail)  # raises once the pass reaches the first lin
+        with pytest.raises(RuntimeError, match="hook"):
+            torch.autograd.grad(y.sum(), list(model.block.parameters()) + [model.lin.weight])
+        model.lin.weight._backward_hooks.clear()
+        model(x).sum().backward()
+    finally:
+        gpu_trace.stop()
+    rows = recorded(tmp_path / "run")
+    by_id = {r["span_id"]: r for r in rows}
+    second = max((r for r in rows if r["name"] == "Shared"), key=lambda r: r["start_ns"])
+    assert second["parent_span_id"] not in by_id  # not inside a backward range left open
+    assert problems(rows) == []
