@@ -3,9 +3,10 @@ directories `gpu-trace rm` and `gpu-trace gc` may remove.
 
 A run's spool is its data until the store holds it: after an ingest, :func:`release_spool` checks
 that every spool file is logged ``done`` in the store's ``ingest_log`` (same name and size), that
-no file had damaged batches or other problems, and that the store holds at least as many rows of
-the run per table as the log says the files gave (the files' rows were read with their CRC-32s
-checked); only then are those files removed. ``run.json``, ``stats/`` and a small
+no file had damaged batches or other problems, that each file holds as many rows (counted from
+the file again) as its ingest logged, and that the store holds at least as many rows of the run
+per table as the log says the files gave (the files' rows were read with their CRC-32s checked);
+only then are those files removed. ``run.json``, ``stats/`` and a small
 ``ingested.json`` (which store, how many rows, how many bytes removed) stay, so a later `gpu-trace
 ingest` and `gpu-trace gc` know the run was stored. Anything short of that keeps every file and
 says why.
@@ -32,7 +33,7 @@ from gpu_trace import config
 from gpu_trace.tracer.files import replace_text
 from gpu_trace.tracer.records import SCHEMAS
 from gpu_trace.tracer.run import RunInfo, recorder_died
-from gpu_trace.tracer.spool import list_spool, spool_dir
+from gpu_trace.tracer.spool import count_rows, list_spool, spool_dir
 
 if TYPE_CHECKING:
     from gpu_trace.tracer.store import Store
@@ -84,7 +85,7 @@ def release_spool(
     files = {p.name: p.stat().st_size for p in list_spool(run_dir)}
     if not files:
         return release  # nothing to remove (removed before, or the run recorded nothing)
-    rows, problem = verify(store, info.run_id, files)
+    rows, problem = verify(store, info.run_id, files, spool_dir(run_dir))
     release.rows = rows
     if problem:
         release.kept = problem
@@ -110,9 +111,14 @@ def release_spool(
     return release
 
 
-def verify(store: Store, run_id: str, files: dict[str, int]) -> tuple[dict[str, int], str | None]:
+def verify(
+    store: Store, run_id: str, files: dict[str, int], spool_dir_of: Path | None = None
+) -> tuple[dict[str, int], str | None]:
     """Rows per kind that ``files`` (spool file name -> size) gave the store, per its
-    ``ingest_log``, and why the store does not verifiably hold them all (None when it does)."""
+    ``ingest_log``, and why the store does not verifiably hold them all (None when it does).
+
+    With ``spool_dir_of`` (the files' directory), each file's rows are also counted from the file
+    itself and must equal what its ingest logged."""
     logged = store.query(
         """
         SELECT file, size, argMax(status, ingested_ns), argMax(kind, ingested_ns),
@@ -131,6 +137,10 @@ def verify(store: Store, run_id: str, files: dict[str, int]) -> tuple[dict[str, 
         status, kind, n, problem = entry
         rows[kind] = rows.get(kind, 0) + n
         damaged += bool(problem)
+        if not problem and spool_dir_of is not None:
+            held = count_rows(spool_dir_of / name)
+            if held != n:
+                return rows, f"{name} holds {held} rows, its ingest stored {n}"
     if damaged:
         return rows, f"{damaged} spool file(s) had damaged or incomplete batches (see ingest)"
     stored = store.table_rows([run_id]).get(run_id, {})

@@ -223,6 +223,23 @@ def _damaged(batch: pa.RecordBatch, custom: pa.KeyValueMetadata | None, summed: 
     return None
 
 
+def count_rows(path: Path) -> int | None:
+    """Rows a spool file holds, read from its batches' headers (memory-mapped, not checked or
+    decoded); None when the file does not read to its end. A count independent of ingest's, to
+    check the store against before a spool is removed."""
+    try:
+        with pa.memory_map(str(path), "r") as source:
+            reader = ipc.open_stream(source)
+            rows = 0
+            while True:
+                try:
+                    rows += reader.read_next_batch().num_rows
+                except StopIteration:
+                    return rows
+    except (pa.ArrowInvalid, OSError, pa.ArrowException):
+        return None
+
+
 def list_spool(run_dir: Path) -> list[Path]:
     """Whole spool files of a run, oldest first (temporary files are ignored)."""
     d = spool_dir(run_dir)

@@ -96,6 +96,23 @@ def test_rows_missing_from_the_store_keep_the_spool(tmp_path: Path) -> None:
     assert len(list_spool(run_dir)) == 1 and not (run_dir / INGESTED_FILE).exists()
 
 
+def test_a_file_whose_log_disagrees_with_its_rows_keeps_the_spool() -> None:
+    """The file is counted again: an ingest that logged fewer rows than the file holds (a bug in
+    ingest's bookkeeping) is not taken at its word."""
+    run_dir = make_run("miscounted", rows=120)
+    (path,) = list_spool(run_dir)
+    with Store() as store:
+        ingest(store, run_dir)
+        store.insert_rows(
+            "ingest_log",
+            ["run_id", "file", "size", "kind", "rows", "status", "problem", "ingested_ns"],
+            [["miscounted", path.name, path.stat().st_size, "spans", 110, "done", "", 2**62]],
+        )
+        release = release_spool(store, run_dir)
+    assert release.kept == f"{path.name} holds 120 rows, its ingest stored 110"
+    assert list_spool(run_dir) == [path]
+
+
 def test_a_file_not_yet_ingested_keeps_the_spool() -> None:
     run_dir = make_run("late")
     with Store() as store:
