@@ -19,6 +19,7 @@ import pytest
 
 import gpu_trace
 from gpu_trace import config
+from gpu_trace.framework_patches import hooks
 from gpu_trace.tracer.run import RunInfo
 from tests.conftest import REPO
 
@@ -152,6 +153,7 @@ def test_repeated_blocks_are_runs_of_their_own() -> None:
             model(torch.randn(2, 4)).sum().backward()
         ids.append(run.id)
         modules.append(run.spans(category="module"))
+        assert not hooks.is_patched(), "patches go in with a block and out at its end"
     assert len(set(ids)) == 2
     for found in modules:
         assert {"Sequential", "Sequential.0", "Sequential.2"} <= set(found["name"])
