@@ -287,10 +287,13 @@ class NvmlSampler(Sampler):
             for family in families:
                 if not dev.alive:
                     break
-                if family.period_ns:
-                    if now < dev.due.get(family.name, now):
+                if family.period_ns:  # on its own grid, so the lane's jitter does not add up
+                    due = dev.due.get(family.name)
+                    if due is not None and now < due:
                         continue
-                    dev.due[family.name] = now + family.period_ns
+                    due = now if due is None else due
+                    due += family.period_ns
+                    dev.due[family.name] = due if due > now else now + family.period_ns
                 self._poll(dev, family, lane, now)
         if now - self._window_at.setdefault(lane, now) >= STATS_PERIOD_NS:
             self._window_at[lane] = now
