@@ -105,3 +105,23 @@ def test_record_mode_without_nvml_says_so(tmp_path: Path) -> None:
         pytest.skip("NVML works here: tests/gpu covers recording")
     assert out.returncode == 1
     assert out.stderr.startswith("gpu-trace: cannot record: "), out.stderr
+
+
+def test_the_real_h100_recording_plays_through_the_default_families() -> None:
+    """sample_traces/nvml-h100.jsonl is a real H100's: not synthetic, and at the default families
+    (no buffers asked for) its buffered utilization and power still play with their own times."""
+    real = REPO / "sample_traces" / "nvml-h100.jsonl"
+    header = json.loads(real.read_text().splitlines()[0])
+    assert header["synthetic"] is False and header["devices"][0]["name"] == "NVIDIA H100 80GB HBM3"
+    now = [0]
+    sink = Sink()
+    sampler = NvmlSampler(sink, ReplaySource(real, loop=False), 10, clock=lambda: now[0])
+    for _ in range(251):
+        sampler.sample_once()
+        now[0] += 100_000_000
+    power = sink.counters("power_w")
+    util = sink.counters("gpu_util_pct")
+    assert len(power) > 251 and len({c[3] for c in power}) == len(power)  # several a poll
+    assert max(c[4] for c in util) > 90 and max(c[4] for c in power) > 300  # it trained
+    assert len(sink.counters("temperature_c")) == 251
+    assert not sink.counters("pcie_tx_bytes_per_s")  # off by default
