@@ -17,10 +17,10 @@ ROOT = Path(__file__).resolve().parents[2]
 CALLERS = [
     *(
         ROOT / "tracer" / f
-        for f in ("store.py", "reads.py", "ingest.py", "exporter.py", "chrome.py")
+        for f in ("store.py", "reads.py", "ingest.py", "retention.py", "exporter.py", "chrome.py")
     ),
     *sorted((ROOT / "dashboard").glob("*.py")),
-    *(ROOT / "gpu_trace" / "commands" / f for f in ("runs.py", "ui.py", "record.py")),
+    *(ROOT / "gpu_trace" / "commands" / f for f in ("runs.py", "ui.py", "record.py", "removal.py")),
 ]
 #: Private names of other projects we must reach (Dash keeps its script list there).
 ALLOWED = {"_js_dist_dependencies"}
