@@ -238,16 +238,20 @@ def window(source: ReadOnlyStore, run_id: str, t0: int, t1: int, width_px: int =
             t0, t1, bucket, MAX_BARS, grid_row, long_row, tr["rows"],
             (PINS_PER_ROW, MAX_PINNED_KINDS),
         )  # fmt: skip
+        extra = _cell_pins(source, run_id, found["grid_pins"], found["bars"])
+        for _, row, cell, dur in extra:  # drawn as bars: out of the cell that counted them
+            found["count"][row, cell] -= 1
+            found["busy_ns"][row, cell] -= dur
         return Window(
             t0=t0,
             t1=t1,
             bucket_ns=bucket,
-            bars=found["bars"],
+            bars=found["bars"] + [b for b, *_ in extra],
             count=found["count"],
             busy_ns=found["busy_ns"],
             bar_threshold_ns=found["threshold"],
             capped=found["capped"],
-            pinned=found["pinned"],
+            pinned=found["pinned"] + len(extra),
         )
     lo = t0 - tr["max_dur"] - 1  # lets the primary key prune by start_ns
     base = {"run": run_id, "t0": t0, "t1": t1, "lo": lo}
@@ -319,6 +323,47 @@ def window(source: ReadOnlyStore, run_id: str, t0: int, t1: int, width_px: int =
         capped=capped,
         pinned=len(pinned),
     )
+
+
+def _cell_pins(
+    source: ReadOnlyStore, run_id: str, wanted: overview.CellPins, drawn: list[dict[str, object]]
+) -> list[tuple[dict[str, object], int, int, int]]:
+    """The overview cells' longest spans that a zoomed-out window draws anyway, read from the
+    store by where they start (the primary key: a few granules), with the row and bucket of
+    the density cell each was counted in and its length. One already drawn (a short step or batch) is left out."""
+    if not len(wanted.start_ns):
+        return []
+    rows = _ids(
+        source.rows(
+            """
+            SELECT toString(span_id) AS id, host, pid, tid, lane, category, name, depth,
+                   start_ns, end_ns
+            FROM __db__.spans
+            WHERE run_id = {run:String} AND start_ns IN {starts:Array(Int64)}
+            """,
+            {"run": run_id, "starts": sorted({int(x) for x in wanted.start_ns})},
+        )
+    )
+    by_key: dict[tuple[object, ...], list[dict[str, object]]] = {}
+    for r in rows:
+        key = (r["host"], r["pid"], r["tid"], r["lane"], r["depth"], r["start_ns"],
+               r["end_ns"] - r["start_ns"])  # fmt: skip
+        by_key.setdefault(key, []).append(r)
+    seen = {(b["span_id"], b["start_ns"]) for b in drawn}
+    out = []
+    for k, start, dur, row, cell in zip(
+        wanted.keys, wanted.start_ns, wanted.dur_ns, wanted.row, wanted.bucket
+    ):
+        key = (k["host"], k["pid"], k["tid"], k["lane"], k["depth"], int(start), int(dur))
+        found = by_key.get(key)
+        if not found:
+            continue
+        b = found.pop(0)
+        if (b["span_id"], b["start_ns"]) in seen:
+            continue
+        seen.add((b["span_id"], b["start_ns"]))
+        out.append(({**b, "pinned": True}, int(row), int(cell), int(dur)))
+    return out
 
 
 def _pins(
