@@ -149,6 +149,7 @@ class Profile:
             # The run spans the block: not the samplers' start, nor a first build of the NVTX
             # library in start_run.
             info.started_ns = now_ns()
+            info.attrs["nvtx"] = self._nvtx_in_effect()
             info.save(run_dir)
         except BaseException as exc:
             _active = None
@@ -205,6 +206,15 @@ class Profile:
         command = self.name or "gpu_trace.profile() in " + " ".join(sys.argv)[:200]
         trace_id = context.trace_id_from_env() or context.new_trace_id()
         return RunInfo(run_id, trace_id, now_ns(), command=command, attrs=attrs)
+
+    def _nvtx_in_effect(self) -> str:
+        """The NVTX capture this block got: ``native`` falls back to ``python`` (the package's
+        functions patched) when NVTX was initialized in this process before the first block."""
+        patch = sys.modules.get("gpu_trace.collectors.nvtx.patch")
+        patched = patch is not None and bool(patch.is_patched())
+        if self.nvtx == "off" or (self.nvtx == "python" and not patched):
+            return "off"
+        return "python" if patched else self.nvtx
 
     def _start_samplers(self, run_dir: Path, info: RunInfo) -> SamplerProcess | None:
         if not self.nvml_hz and not self.host_hz:

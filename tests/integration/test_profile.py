@@ -11,6 +11,7 @@ import gzip
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -257,6 +258,31 @@ def test_an_interrupt_while_the_block_starts_leaves_no_live_run(
     with quiet() as after:  # nothing is left recording
         gpu_trace.mark("after")
     assert list(after.spans()["name"]) == ["after"]
+
+
+NVTX_IN_A_KERNEL = """
+import gpu_trace, nvtx
+if {before}:
+    with nvtx.annotate("before any block"):
+        pass
+for _ in range(2):
+    with gpu_trace.profile(nvml=False, host=False) as run:
+        with nvtx.annotate("inside", domain="mine"):
+            pass
+    print(run.row.attrs["nvtx"], *run.spans()["lane"])
+"""
+
+
+@pytest.mark.parametrize(("before", "mode"), [(False, "native"), (True, "python")])
+def test_nvtx_native_capture_needs_the_first_block_before_nvtx_is_used(
+    before: bool, mode: str, python: str
+) -> None:
+    # A process of its own: NVTX reads its injection variable once per process.
+    script = NVTX_IN_A_KERNEL.format(before=before)
+    out = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == [f"{mode} nvtx/mine"] * 2
+    assert ("NVTX was initialized in this process before recording started" in out.stderr) == before
 
 
 def test_a_store_that_fails_at_the_end_keeps_the_spool(tmp_path: Path) -> None:
