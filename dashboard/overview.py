@@ -18,7 +18,7 @@ The same scan gives the tracks (spans, depths, longest span per track).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -89,6 +89,24 @@ class Overview:
     #: id, host, pid, tid, lane, category, name, depth, start_ns, end_ns, short: the spans at
     #: least a cell long, then short steps and forwarded batches (``short``: also in the grid).
     long: pa.Table
+    #: Columns as numpy arrays, made once (a chunked column is copied by each ``to_numpy``).
+    arrays: dict[tuple[str, str], np.ndarray] = field(default_factory=dict, repr=False)
+
+    def column(self, table: str, name: str) -> np.ndarray:
+        """A column of ``grid`` or ``long`` as numpy (``kind`` of ``long``: a step or a
+        forwarded batch), made on first use."""
+        key = (table, name)
+        if key not in self.arrays:
+            t = self.grid if table == "grid" else self.long
+            if key == ("long", "kind"):
+                col = pc.or_(
+                    pc.is_in(t["category"], pa.array(PIN_CATEGORIES)),
+                    pc.is_in(t["lane"], pa.array(PIN_LANES)),
+                )
+            else:
+                col = t[name]
+            self.arrays[key] = col.to_numpy(zero_copy_only=False)
+        return self.arrays[key]
 
     def window(
         self,
@@ -108,9 +126,8 @@ class Overview:
         each of ``parts`` parts of the window and the steps and forwarded batches (up to cap)
         are bars however narrow (:func:`pick_pins`)."""
         nb = max(1, -(-(t1 - t0) // bucket))
-        start = self.long["start_ns"].to_numpy()
-        end = self.long["end_ns"].to_numpy()
-        short = self.long["short"].to_numpy(zero_copy_only=False).astype(bool)
+        start, end = self.column("long", "start_ns"), self.column("long", "end_ns")
+        short = self.column("long", "short").astype(bool)
         inside = np.flatnonzero((start < t1) & (end >= t0))
         dur = end[inside] - start[inside]
         threshold, capped = bucket, False
@@ -121,21 +138,17 @@ class Overview:
             threshold, capped = cut + 1, True
             wide = inside[(dur >= threshold) & ~short[inside]]
         rest = inside[(dur < threshold) | short[inside]]
-        kinds = pc.or_(
-            pc.is_in(self.long["category"], pa.array(PIN_CATEGORIES)),
-            pc.is_in(self.long["lane"], pa.array(PIN_LANES)),
-        )
-        kind = kinds.to_numpy(zero_copy_only=False).astype(bool)
+        kind = self.column("long", "kind").astype(bool)
         # The grid is ordered by cell: the window's cells are one slice of it.
-        cell = self.grid["cell"].to_numpy()
+        cell = self.column("grid", "cell")
         lo = int(np.searchsorted(cell, (t0 - self.origin) // self.cell_ns, "left"))
         hi = int(np.searchsorted(cell, -(-(t1 - self.origin) // self.cell_ns), "left"))
         cstart = self.origin + cell[lo:hi] * self.cell_ns
         # Candidates drawn anyway: the long spans not drawn as bars, and each grid cell's
         # longest span where it is shorter than a cell (known by its length and start only).
-        g_dur = self.grid["max_dur"].to_numpy()[lo:hi]
-        g_start = self.grid["top_start"].to_numpy()[lo:hi]
-        g_ok = (grid_row[lo:hi] >= 0) & (self.grid["n"].to_numpy()[lo:hi] > 0)
+        g_dur = self.column("grid", "max_dur")[lo:hi]
+        g_start = self.column("grid", "top_start")[lo:hi]
+        g_ok = (grid_row[lo:hi] >= 0) & (self.column("grid", "n")[lo:hi] > 0)
         g_ok &= (g_dur >= 0) & (g_dur < self.cell_ns) & (g_start < t1) & (g_start + g_dur >= t0)
         cand = np.flatnonzero(g_ok) if pins[0] else np.zeros(0, np.int64)
         c_start = np.r_[start[rest], g_start[cand]]
@@ -175,8 +188,8 @@ class Overview:
         busy = [(np.minimum(end[narrow], t1) - s0).astype(np.float64)]
         rows.append(grid_row[lo:hi])
         buckets.append(np.minimum((np.maximum(cstart, t0) - t0) // bucket, nb - 1))
-        counts.append(self.grid["n"].to_numpy()[lo:hi].astype(np.float64))
-        busy.append(self.grid["busy_ns"].to_numpy()[lo:hi].astype(np.float64))
+        counts.append(self.column("grid", "n")[lo:hi].astype(np.float64))
+        busy.append(self.column("grid", "busy_ns")[lo:hi].astype(np.float64))
         taken = pinned[short[pinned]]
         if len(taken):  # where the grid counted them: their cell's bucket, their whole length
             pcell = (start[taken] - self.origin) // self.cell_ns
