@@ -23,10 +23,27 @@ FORWARD = "forward"
 SERVER = "server"
 KERNEL = "kernel"
 MEMCPY = "memcpy"
+MEMSET = "memset"
+CUDA_API = "cuda_api"  # a CUDA runtime or driver call (collectors/gpu_activity)
+CUDA_SYNC = "cuda_sync"  # a CUPTI synchronization record: the CPU waiting on the GPU
 STEP = "step"
 MARK = "mark"
 OTEL = "otel"  # the program's own OpenTelemetry spans (tracer/otel.py)
-CATEGORIES = (NVTX, OP, MODULE, FORWARD, SERVER, KERNEL, MEMCPY, STEP, MARK, OTEL)
+CATEGORIES = (
+    NVTX,
+    OP,
+    MODULE,
+    FORWARD,
+    SERVER,
+    KERNEL,
+    MEMCPY,
+    MEMSET,
+    CUDA_API,
+    CUDA_SYNC,
+    STEP,
+    MARK,
+    OTEL,
+)
 
 #: Lane of `gpu_trace.range` and `gpu_trace.mark`: they are NVTX ranges in the domain "gpu_trace".
 API_DOMAIN = "gpu_trace"
