@@ -16,8 +16,11 @@ Configurations, each a fresh process, interleaved in rounds with the order rotat
 - ``none``: the program alone;
 - ``off``: ``gpu-trace record --torch off`` (NVML at 10 Hz and host at 2 Hz, the defaults);
 - ``off-nonvml``: ``gpu-trace record --torch off --no-nvml``;
-- ``off-allnvml``: ``--torch off`` with ``GPU_TRACE_NVML_FAMILIES=all`` (PCIe and the sample
-  buffers too: the families that are off by default, to see what they cost);
+- ``off-allnvml``: ``--torch off`` with ``GPU_TRACE_NVML_FAMILIES=all`` (PCIe, the sample
+  buffers and XID events too: the families that are off by default, to see what they cost);
+- ``off-events``: ``--torch off`` with the default families and XID events (registered with
+  the driver: the one thing the old sampler did that per-family polling from another process,
+  which cost nothing, did not);
 - ``module``, ``op``: ``gpu-trace record --torch module`` / ``--torch op``;
 - ``profiler-cpu``, ``profiler-cuda``: ``torch.profiler.profile`` around the timed steps with
   CPU activities, and with CPU and CUDA activities (GPU only);
@@ -55,6 +58,7 @@ CONFIGS = (
     "off",
     "off-nonvml",
     "off-allnvml",
+    "off-events",
     "module",
     "op",
     "profiler-cpu",
@@ -220,7 +224,7 @@ def command(
     record = [sys.executable, "-m", "gpu_trace", "record", "--no-ingest", "--run-dir", str(run_dir)]
     if config == "none":
         return me
-    if config in ("off", "off-allnvml"):
+    if config in ("off", "off-allnvml", "off-events"):
         return [*record, "--torch", "off", "--", *me]
     if config == "off-nonvml":
         return [*record, "--torch", "off", "--no-nvml", "--", *me]
@@ -249,6 +253,8 @@ def environment(config: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_TRACE_NVML_FAMILIES")}
     if config == "off-allnvml":
         env["GPU_TRACE_NVML_FAMILIES"] = "all"
+    elif config == "off-events":
+        env["GPU_TRACE_NVML_FAMILIES"] = "default,+events"
     return env
 
 

@@ -69,7 +69,8 @@ ENVIRONMENT: dict[str, str] = {
     "demos without a GPU); see docs/collectors.md.",
     "GPU_TRACE_NVML_FAMILIES": "Which NVML families `gpu-trace record` samples: `default`, `all`, "
     "a list of names, or changes to the default (`+pcie`, `-processes`). PCIe throughput (blocks "
-    "~41 ms a call) and NVML's sample buffers (`buffers`, 1.37 ms a call) are off by default; "
+    "~41 ms a call), NVML's sample buffers (`buffers`, 1.37 ms a call) and XID `events` are off by "
+    "default; "
     "docs/collectors.md lists the families.",
     "GPU_TRACE_KEEP_SPOOL": "1: keep a run's spool files after it is ingested (`record`, "
     "`ingest`; like --keep-spool). Default 0: once the store is checked to hold every row the "

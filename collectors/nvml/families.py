@@ -11,8 +11,9 @@ ECC and throttle reasons 1-4 µs, clocks 4-6 µs; ``nvmlDeviceGetSamples`` 1.37 
 - ``slow``: families that change slowly or may block, each on its own period, on a thread of
   their own, so a blocking call there never delays a tick.
 
-PCIe throughput (41 ms a call, two calls) and NVML's sample buffers (1.37 ms a call, three
-calls a tick) are off by default; ``GPU_TRACE_NVML_FAMILIES`` turns them on (docs/collectors.md).
+PCIe throughput (41 ms a call, two calls), NVML's sample buffers (1.37 ms a call, three calls a
+tick) and XID events (a registration with the driver) are off by default;
+``GPU_TRACE_NVML_FAMILIES`` turns them on (docs/collectors.md).
 """
 
 from __future__ import annotations
@@ -56,7 +57,10 @@ FAMILIES: tuple[Family, ...] = (
     Family(PROCESSES, (PROCESSES,), h100_us="9-10"),
     Family("memory_total", ("mem_total_bytes",), period_ns=10 * _S, h100_us="6-8"),
     Family("ecc", ("ecc_corrected_errors", "ecc_uncorrected_errors"), period_ns=_S, h100_us="1-4"),
-    Family(EVENTS, (EVENTS,), period_ns=_S),
+    # Off by default: registering for XID events is the one thing the sampler did that polling
+    # each family from a separate process (which cost the H100 step nothing) did not; until a
+    # GPU run of bench/gpu_overhead.py (configuration off-events) clears it, it is opt-in.
+    Family(EVENTS, (EVENTS,), period_ns=_S, default=False),
     Family(
         "pcie",
         ("pcie_tx_bytes_per_s", "pcie_rx_bytes_per_s"),

@@ -16,7 +16,7 @@ from gpu_trace.collectors.nvml import (
     Reading,
     open_sampler,
 )
-from gpu_trace.collectors.nvml.families import ALL
+from gpu_trace.collectors.nvml.families import ALL, DEFAULT
 from gpu_trace.collectors.nvml.replay import FORMAT, ReplaySource
 from gpu_trace.tracer.records import MARK
 from tests.conftest import Sink
@@ -198,7 +198,9 @@ def test_xid_events_and_new_ecc_errors_are_marks(tmp_path: Path) -> None:
         + [{"values": {"ecc_uncorrected_errors": 2}}],
     )
     sink, clock = Sink(), Clock()
-    sampler = NvmlSampler(sink, ReplaySource(path, loop=False), 10, clock=clock)
+    sampler = NvmlSampler(
+        sink, ReplaySource(path, loop=False), 10, clock=clock, families=DEFAULT | {"events"}
+    )
     run(sampler, clock, 11)
     assert sorted(marks(sink)) == ["ecc: 2 new uncorrected errors", "xid 79"]
 
