@@ -12,22 +12,31 @@ The programs (CPU, ``torch.set_num_threads(1)``):
 - ``transformer``: a two-layer ``nn.TransformerEncoder`` (width 32, 4 heads) on 8 sequences of
   16 tokens with a linear head, Adam.
 
-Configurations, each in a fresh process: ``plain``; ``module`` (``gpu-trace record --torch
-module``); ``op`` (``gpu-trace record --torch op``); ``op-2s`` (op level with 2 s sessions
+Configurations, each in a fresh process: ``plain``; ``module`` (recording at ``--torch module``);
+``op`` (recording at ``--torch op``); ``op-2s`` (op level with 2 s sessions
 converted at the flusher's interval, as before sessions were made short: the same code with
-``HARVEST_INTERVAL_S = 2`` and ``MAX_WAIT_S = 0``); ``torch.profiler`` (one
-``torch.profiler.profile(activities=[CPU])`` around the same steps, record_shapes off). Recording
-runs with ``--no-nvml --host-hz 0 --no-ingest`` (the bench looks at the PyTorch side only).
+``HARVEST_INTERVAL_S = 2``, ``MAX_WAIT_S = 0`` and ``PAUSE_S = 0``); ``op-eager`` (op level
+whose flusher converts straight on instead of waiting for the program's next stop, ``PAUSE_S =
+0``: what that wait saves); ``torch.profiler`` (one
+``torch.profiler.profile(activities=[CPU])`` around the same steps, record_shapes off). The
+worker records in its own process (``gpu_trace.start`` with ``GPU_TRACE_TORCH``, as ``gpu-trace
+record`` has its program do), NVML and host sampling off: the bench looks at the PyTorch side.
 
 Reported per configuration, as medians over rounds (configurations interleaved in rounds, order
 rotated each round; each ratio is to ``plain`` in the same round):
 
-- ``step``: the mean step (wall time of the measured steps / steps), and its ratio to plain;
-- ``window max/med``: the steps in windows of 10, the longest window over the median one (a stall
-  shows here; 1.5 is the target);
+- ``step ms`` and ``x plain``: the mean step (wall time of the measured steps / steps) and its
+  ratio to plain; ``cpu x``: the same ratio in CPU time of the training thread (PyTorch runs
+  with one thread: its ops, the autograd engine and PyTorch's processing at a session's stop run
+  there; not counted: waiting for the GIL or for a core);
+- ``window`` and ``cpu window``: the steps in windows of 10, the longest window over the median
+  one, in wall and in thread CPU time, the largest over rounds (a stall shows here; the target
+  is 1.5);
 - ``stop s``: what leaving took after the last step (torch.profiler building its results; the
-  recorder's last flush, which converts the last sessions), and ``total``: the ratio to plain of
-  steps plus leaving, the cost of profiling a fixed amount of work end to end.
+  recorder's last flush, which converts the last sessions);
+- ``total x``: CPU time of the whole process (the flusher's conversion included) for the steps
+  plus leaving, to plain's: the cost of profiling a fixed amount of work end to end, which the
+  machine's load does not move as much as wall time.
 
 The machine is shared: read ratios, not times, and compare only figures of the same run.
 """
@@ -37,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -46,7 +56,7 @@ from collections.abc import Callable
 
 WINDOW = 10
 WARMUP = 3
-CONFIGS = ("plain", "module", "op", "op-2s", "torch.profiler")
+CONFIGS = ("plain", "module", "op", "op-eager", "op-2s", "torch.profiler")
 
 
 # ---- the worker: one configuration, one process ---------------------------------------------------
@@ -99,15 +109,24 @@ def make_step(name: str) -> Callable[[], None]:
     return step
 
 
-def worker(model: str, steps: int, config: str, out: str) -> None:
+def worker(model: str, steps: int, config: str, out: str, run_dir: str) -> None:
     import contextlib
 
     import torch
 
-    if config == "op-2s":
+    import gpu_trace
+
+    recording = config in ("module", "op", "op-eager", "op-2s")
+    if recording:
+        os.environ["GPU_TRACE_TORCH"] = "module" if config == "module" else "op"
+        os.environ["GPU_TRACE_NVML_HZ"] = os.environ["GPU_TRACE_HOST_HZ"] = "0"
+        gpu_trace.start(run_dir)
+    if config in ("op-2s", "op-eager"):
         from gpu_trace.framework_patches.torch import ops
 
-        ops.HARVEST_INTERVAL_S, ops.MAX_WAIT_S = 2.0, 0.0
+        ops.PAUSE_S = 0.0
+        if config == "op-2s":
+            ops.HARVEST_INTERVAL_S, ops.MAX_WAIT_S = 2.0, 0.0
     step = make_step(model)
     for _ in range(WARMUP):
         step()
@@ -115,21 +134,21 @@ def worker(model: str, steps: int, config: str, out: str) -> None:
     if config == "torch.profiler":
         cpu = torch.profiler.ProfilerActivity.CPU
         ctx = torch.profiler.profile(activities=[cpu], record_shapes=False)
-    times = []
+    times, cpu, proc = [], [], []
     ctx.__enter__()
     for _ in range(steps):
-        t = time.perf_counter_ns()
+        t, c, p = time.perf_counter_ns(), time.thread_time_ns(), time.process_time_ns()
         step()
         times.append(time.perf_counter_ns() - t)
-    t = time.perf_counter_ns()
+        cpu.append(time.thread_time_ns() - c)
+        proc.append(time.process_time_ns() - p)
+    t, p = time.perf_counter_ns(), time.process_time_ns()
     ctx.__exit__(None, None, None)
-    if config in ("module", "op", "op-2s"):
-        import gpu_trace
-
-        gpu_trace.stop()  # the recorder's last flush, timed here rather than at exit
-    stop_ns = time.perf_counter_ns() - t
+    if recording:
+        gpu_trace.stop()  # the recorder's last flush
+    stop_ns, stop_cpu = time.perf_counter_ns() - t, time.process_time_ns() - p
     with open(out, "w") as f:
-        json.dump({"steps": times, "stop_ns": stop_ns}, f)
+        json.dump({"steps": times, "cpu": cpu, "proc": proc, "stop": [stop_ns, stop_cpu]}, f)
 
 
 # ---- the driver -----------------------------------------------------------------------------------
@@ -137,31 +156,29 @@ def worker(model: str, steps: int, config: str, out: str) -> None:
 
 def run(model: str, steps: int, config: str, tmp: str) -> dict[str, float]:
     out = os.path.join(tmp, "out.json")
-    me = [sys.executable, os.path.abspath(__file__), "--worker", config, "--models", model]
-    me += ["--steps", str(steps), "--out", out]
-    if config in ("plain", "torch.profiler"):
-        cmd = me
-    else:
-        level = "module" if config == "module" else "op"
-        run_dir = os.path.join(tmp, f"run-{time.monotonic_ns()}")
-        cmd = ["gpu-trace", "record", "--torch", level, "--no-nvml", "--host-hz", "0"]
-        cmd += ["--no-ingest", "--run-dir", run_dir, "--", *me]
+    run_dir = os.path.join(tmp, "run")
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", config, "--models", model]
+    cmd += ["--steps", str(steps), "--out", out, "--run-dir", run_dir]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0 or not os.path.exists(out):
         raise SystemExit(f"{config} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+    shutil.rmtree(run_dir, ignore_errors=True)
     with open(out) as f:
         got = json.load(f)
     os.remove(out)
-    for d in os.listdir(tmp):
-        if d.startswith("run-"):
-            subprocess.run(["rm", "-rf", os.path.join(tmp, d)], check=False)
-    times = got["steps"]
-    windows = [sum(times[i : i + WINDOW]) for i in range(0, len(times) - WINDOW + 1, WINDOW)]
+
+    def windows(times: list[int]) -> float:
+        w = [sum(times[i : i + WINDOW]) for i in range(0, len(times) - WINDOW + 1, WINDOW)]
+        return max(w) / statistics.median(w) if w else float("nan")
+
+    n = len(got["steps"])
     return {
-        "step": sum(times) / len(times) / 1e9,
-        "window": max(windows) / statistics.median(windows) if windows else float("nan"),
-        "stop": got["stop_ns"] / 1e9,
-        "total": (sum(times) + got["stop_ns"]) / 1e9,
+        "step": sum(got["steps"]) / n / 1e9,
+        "cpu": sum(got["cpu"]) / n / 1e9,
+        "window": windows(got["steps"]),
+        "window_cpu": windows(got["cpu"]),
+        "stop": got["stop"][0] / 1e9,
+        "total": (sum(got["proc"]) + got["stop"][1]) / 1e9,
         "stderr_lines": len([ln for ln in proc.stderr.splitlines() if "profiler_st" in ln]),
     }
 
@@ -175,9 +192,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one round of 20 steps: a smoke run")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--run-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker(args.models, args.steps, args.worker, args.out)
+        worker(args.models, args.steps, args.worker, args.out, args.run_dir)
         return
     if args.quick:
         args.rounds, args.steps = 1, 20
@@ -197,8 +215,8 @@ def report(model: str, configs: list[str], got: dict[str, list[dict[str, float]]
     plain = got.get("plain")
     print(f"\n{model}")
     print(
-        f"{'configuration':16} {'step ms':>8} {'x plain':>8} {'window max/med':>15} "
-        f"{'stop s':>7} {'total x':>8} {'stderr lines':>13}"
+        f"{'configuration':15} {'step ms':>8} {'x plain':>8} {'cpu x':>6} {'window':>7} "
+        f"{'cpu window':>10} {'stop s':>7} {'total x':>8} {'stderr':>6}"
     )
     for c in configs:
         rows = got[c]
@@ -206,13 +224,15 @@ def report(model: str, configs: list[str], got: dict[str, list[dict[str, float]]
         def med(key: str, rows: list[dict[str, float]] = rows) -> float:
             return statistics.median(r[key] for r in rows)
 
-        ratio = total = float("nan")
-        if plain:
-            ratio = statistics.median(r["step"] / p["step"] for r, p in zip(rows, plain))
-            total = statistics.median(r["total"] / p["total"] for r, p in zip(rows, plain))
+        def ratio(key: str, rows: list[dict[str, float]] = rows) -> float:
+            if not plain:
+                return float("nan")
+            return statistics.median(r[key] / p[key] for r, p in zip(rows, plain))
+
         print(
-            f"{c:16} {med('step') * 1e3:8.2f} {ratio:8.2f} {max(r['window'] for r in rows):15.2f} "
-            f"{med('stop'):7.2f} {total:8.2f} {max(r['stderr_lines'] for r in rows):13.0f}"
+            f"{c:15} {med('step') * 1e3:8.2f} {ratio('step'):8.2f} {ratio('cpu'):6.2f} "
+            f"{max(r['window'] for r in rows):7.2f} {max(r['window_cpu'] for r in rows):10.2f} "
+            f"{med('stop'):7.2f} {ratio('total'):8.2f} {max(r['stderr_lines'] for r in rows):6.0f}"
         )
 
 
