@@ -10,6 +10,10 @@ from gpu_trace.commands import CLIError, echo, err
 from gpu_trace.commands.record import finish_run
 from gpu_trace.commands.runs import checked_dsn, render_summary, store_module
 
+#: The sample run the demo's dashboard opens on: a real GPU run (an H100 training a GPT-style
+#: model, module ranges, real NVML counters; sample_traces/README.md).
+H100_RUN = "20261124-174647-9ad8eb"
+
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from gpu_trace import launch
@@ -51,8 +55,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     _load_samples(dsn)
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     if args.ui or (args.ui is None and interactive):
-        return _serve_ui(dsn, "127.0.0.1", args.port, "forwarded-two-tenants", browser=interactive)
-    echo("Dashboard: gpu-trace ui  (then open http://127.0.0.1:8050)")
+        return _serve_ui(dsn, "127.0.0.1", args.port, H100_RUN, browser=interactive)
+    echo(
+        f"Dashboard: gpu-trace ui  (then open http://127.0.0.1:8050/?run={H100_RUN}: a real H100"
+        " training run; ?run=forwarded-two-tenants: two tenants sharing one device)"
+    )
     return 0
 
 
