@@ -16,6 +16,9 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
+from collections.abc import Callable
+from typing import Protocol
 
 #: A thread whose buffer is over half full is outrunning the flusher: every GIVE_WAY_MASK + 1
 #: spans from then on (appended, or dropped once it is full) it releases the GIL and yields the
@@ -24,6 +27,55 @@ import time
 #: program but a flood of ranges) this never runs. The C range does the same.
 GIVE_WAY_MASK = 1023
 give_way = getattr(os, "sched_yield", lambda: time.sleep(0))
+
+
+class Alive(Protocol):
+    def is_alive(self) -> bool: ...
+
+
+#: What a buffer keeps of its thread: called, the thread (None once collected); the recorder drops
+#: a drained buffer whose thread is gone or no longer alive.
+ThreadRef = Callable[[], "Alive | None"]
+
+
+class _Foreign:
+    """The owner of a buffer on a thread that ``threading`` did not start (TensorFlow's and
+    tf.data's C++ threads, PyTorch's autograd device threads): its own reference, never taken
+    for ended, so the buffer stays (such threads mostly live as long as the process)."""
+
+    __slots__ = ()
+
+    def __call__(self) -> _Foreign:
+        return self
+
+    def is_alive(self) -> bool:
+        return True
+
+
+FOREIGN = _Foreign()
+
+
+def running_thread() -> threading.Thread | None:
+    """The :class:`threading.Thread` running this code, or None on a thread ``threading`` did not
+    start. Not ``threading.current_thread()``, which registers such a thread as a ``Dummy-N``
+    thread: the program then saw it in ``threading.enumerate()``, and it took a number from
+    threading's counter, so the program's next ``threading.Thread()`` was ``Thread-3``, not
+    ``Thread-1`` (docs/frameworks.md, "What recording leaves untouched")."""
+    ident = threading.get_ident()
+    for thread in threading.enumerate():
+        if thread.ident == ident:
+            return thread
+    return None
+
+
+def native_name(tid: int) -> str:
+    """The name the OS has for this process's thread ``tid`` (``tf_data_private``), else
+    ``thread-<tid>``."""
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return f.read().strip() or f"thread-{tid}"
+    except OSError:
+        return f"thread-{tid}"
 
 
 def private_bits(k: int) -> int:
@@ -44,6 +96,7 @@ class ThreadBuffer:
         "dropped",
         "tid",
         "thread_name",
+        "owner",
         "prefix",
         "seq",
         "__weakref__",
@@ -57,7 +110,9 @@ class ThreadBuffer:
         self.capacity = capacity
         self.dropped = 0
         self.tid = threading.get_native_id()
-        self.thread_name = threading.current_thread().name
+        thread = running_thread()
+        self.thread_name = thread.name if thread is not None else native_name(self.tid)
+        self.owner: ThreadRef = weakref.ref(thread) if thread is not None else FOREIGN
         # Span ids: a random 32-bit thread prefix and a sequence number, unique within a run with
         # overwhelming probability and allocated without any shared state.
         # The hot path inlines next_id: ``buf.seq += 1; sid = buf.prefix + buf.seq``.

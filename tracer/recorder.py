@@ -23,7 +23,6 @@ import socket
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
@@ -32,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 
 from gpu_trace.config import RecorderSettings
-from gpu_trace.tracer.buffer import ThreadBuffer
+from gpu_trace.tracer.buffer import ThreadBuffer, ThreadRef
 from gpu_trace.tracer.clock import now_ns
 from gpu_trace.tracer.columns import spans_to_table
 from gpu_trace.tracer.files import disk_full, replace_text
@@ -99,7 +98,7 @@ class Recorder:
         self.host = socket.gethostname()
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._buffers: list[tuple[weakref.ref[threading.Thread], ThreadBuffer]] = []
+        self._buffers: list[tuple[ThreadRef, ThreadBuffer]] = []
         self._sources: list[Source] = []
         self._clock_samples: list[tuple[str, int, int, int, int]] = []
         # (number, start_ns, buffer, span_id)
@@ -171,7 +170,7 @@ class Recorder:
         buf = ThreadBuffer(self.settings.buffer_events)
         self._local.buf = buf
         with self._lock:
-            self._buffers.append((weakref.ref(threading.current_thread()), buf))
+            self._buffers.append((buf.owner, buf))
         return buf
 
     def begin_step(self, number: int | None) -> int:
@@ -369,7 +368,7 @@ class Recorder:
 
     def _write_stats(
         self,
-        buffers: list[tuple[weakref.ref[threading.Thread], ThreadBuffer]],
+        buffers: list[tuple[ThreadRef, ThreadBuffer]],
         sources: list[Source],
     ) -> None:
         """Per-process totals, rewritten at every flush so a killed process still reports them."""

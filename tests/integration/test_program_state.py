@@ -10,6 +10,7 @@ samplers: the store plays no part in what the program sees.
 
 from __future__ import annotations
 
+import _thread
 import difflib
 import os
 import pty
@@ -19,6 +20,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -101,6 +103,34 @@ def test_recorder_ids_leave_random_alone() -> None:
     client.new_span_id()
     assert random.getstate() == state
     assert len(prefixes) == 64 and all(p & 1 for p in prefixes)  # odd, never the C ids
+
+
+def test_foreign_threads_stay_unregistered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A range on a thread that ``threading`` did not start (tf.data's C++ threads running eager
+    ops at ``--tf op``; here one from ``_thread``) registers no ``Dummy-N`` thread: the program's
+    ``threading.enumerate()``, and the number in its next ``Thread-N``, are as plain."""
+    import gpu_trace
+
+    monkeypatch.setenv("GPU_TRACE_NVTX", "off")
+    run_dir = gpu_trace.start(tmp_path / "run")
+    try:
+        before = threading.Thread().name
+        done = threading.Event()
+
+        def foreign() -> None:
+            with gpu_trace.range("foreign"):
+                pass
+            done.set()
+
+        _thread.start_new_thread(foreign, ())
+        assert done.wait(60)
+        after = threading.Thread().name
+        names = [t.name for t in threading.enumerate()]
+    finally:
+        gpu_trace.stop()
+    assert [n for n in names if n.startswith("Dummy")] == []
+    assert int(after.removeprefix("Thread-")) == int(before.removeprefix("Thread-")) + 1
+    assert [s["name"] for s in recorded(run_dir)] == ["foreign"]
 
 
 def test_boot_steps_aside(tmp_path: Path) -> None:
