@@ -291,6 +291,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smoke test: CPU model, 2 short rounds")
     ap.add_argument("--cpu", action="store_true", help="the CPU model even where there is a GPU")
     ap.add_argument("--timeout", type=float, default=300.0, help="per run (a hang is a failure)")
+    ap.add_argument("--json", type=Path, help="also write every run's step times here")
     args = ap.parse_args()
     gpu = has_gpu() and not args.cpu and not args.quick
     configs = [c for c in args.configs.split(",") if c]
@@ -352,6 +353,8 @@ def main() -> None:
                 )
             rounds.append(got)
 
+    if args.json is not None:
+        args.json.write_text(json.dumps({"model": model, "rounds": rounds}))
     print(f"\n{'configuration':14} {'ms/step':>9} {'x none':>8} {'worst/med':>10} {'rounds':>7}")
     for name, median, ratio, worst, n in summarize(rounds):
         print(f"{name:14} {median:9.2f} {ratio:8.3f} {worst:10.2f} {n:7d}")
