@@ -21,6 +21,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 from gpu_trace.collectors.nvml import EVENTS, PROCESSES, DeviceInfo, NvmlSampler, Reading
+from gpu_trace.collectors.nvml.families import ALL
 from gpu_trace.collectors.nvml.replay import RecordingSource, _Discard
 
 HZ = 10.0
@@ -112,7 +113,7 @@ def main(out_path: Path) -> None:
             root_pid=ROOT_PID,
             clock=lambda: clock_now[0],
         )
-        sampler = NvmlSampler(_Discard(), source, HZ, clock=lambda: clock_now[0])
+        sampler = NvmlSampler(_Discard(), source, HZ, clock=lambda: clock_now[0], families=ALL)
         for _ in range(int(SECONDS * HZ)):
             sampler.sample_once()
             clock_now[0] += int(1e9 / HZ)
