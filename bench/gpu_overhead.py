@@ -192,9 +192,12 @@ def run_figures(times: list[float]) -> tuple[float, float]:
     return median, max(w) / median
 
 
-def summarize(rounds: list[dict[str, list[float]]]) -> list[tuple[str, float, float, float, int]]:
+def summarize(
+    rounds: list[dict[str, list[float]]],
+) -> list[tuple[str, float, float, float, float, int]]:
     """Per configuration: median over rounds of the median window, mean ratio to ``none`` in
-    the same round, the worst window/median of any round, and how many rounds it ran."""
+    the same round and the half-width of its 95% interval over rounds (2 standard errors; nan
+    below two rounds), the worst window/median of any round, and how many rounds it ran."""
     names = [c for c in CONFIGS if any(c in r for r in rounds)]
     rows = []
     for name in names:
@@ -208,7 +211,10 @@ def summarize(rounds: list[dict[str, list[float]]]) -> list[tuple[str, float, fl
             if "none" in r:
                 ratios.append(median / run_figures(r["none"])[0])
         ratio = statistics.fmean(ratios) if ratios else float("nan")
-        rows.append((name, statistics.median(medians), ratio, worst, len(medians)))
+        spread = (
+            2 * statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else float("nan")
+        )
+        rows.append((name, statistics.median(medians), ratio, spread, worst, len(medians)))
     return rows
 
 
@@ -355,12 +361,17 @@ def main() -> None:
 
     if args.json is not None:
         args.json.write_text(json.dumps({"model": model, "rounds": rounds}))
-    print(f"\n{'configuration':14} {'ms/step':>9} {'x none':>8} {'worst/med':>10} {'rounds':>7}")
-    for name, median, ratio, worst, n in summarize(rounds):
-        print(f"{name:14} {median:9.2f} {ratio:8.3f} {worst:10.2f} {n:7d}")
+    print(
+        f"\n{'configuration':14} {'ms/step':>9} {'x none':>8} {'+-95%':>7} {'worst/med':>10}"
+        f" {'rounds':>7}"
+    )
+    for name, median, ratio, spread, worst, n in summarize(rounds):
+        print(f"{name:14} {median:9.2f} {ratio:8.3f} {spread:7.3f} {worst:10.2f} {n:7d}")
     print(
         "ms/step: median over rounds of each run's median 10-step window; x none: mean ratio to"
-        " `none` of the same round; worst/med: the worst window over the median one, any round."
+        " `none` of the same round, +-95%: two standard errors of it over rounds (a cost is told"
+        " from noise when the ratio minus this stays above 1); worst/med: the worst window over"
+        " the median one, any round."
         "\nThe machine may be shared: compare ratios of this run only."
     )
 

@@ -36,9 +36,13 @@ def test_figures_are_windows_medians_and_ratios_to_none_of_the_same_round() -> N
         {"none": [5.0] * 30, "op": stalled},
     ]
     rows = {name: rest for name, *rest in bench.summarize(rounds)}
-    assert rows["none"] == [7.5, 1.0, 1.0, 2]  # the median of 10 and 5 ms
-    median, ratio, worst, n = rows["op"]
-    assert median == 15.0 and ratio == pytest.approx((2.0 + 2.0) / 2) and worst == 1.3 and n == 2
+    assert rows["none"] == [7.5, 1.0, 0.0, 1.0, 2]  # the median of 10 and 5 ms
+    median, ratio, spread, worst, n = rows["op"]
+    assert median == 15.0 and ratio == pytest.approx(2.0) and spread == pytest.approx(0.0)
+    assert worst == 1.3 and n == 2
+    noisy = [{"none": [10.0] * 10, "off": [10.0 + d] * 10} for d in (0.0, 0.2, 0.4)]
+    (_, _, ratio, spread, _, _) = bench.summarize(noisy)[1]
+    assert ratio == pytest.approx(1.02) and spread == pytest.approx(2 * 0.02 / 3**0.5)
 
 
 def test_every_configuration_has_a_command_and_gpu_ones_are_skipped_without_a_gpu(
