@@ -306,12 +306,12 @@ def _bars(
         for category, g in sorted(groups.items())
     ]
     placed = place_labels(named, win.t1 - win.t0, ns_per_px)
-    labels: dict[str, list] = {"x": [], "y": [], "text": [], "out": []}
-    for row, x_px, text, out in placed:
+    labels: dict[str, list] = {"x": [], "y": [], "text": [], "beside": []}
+    for row, x_px, text, beside in placed:
         labels["x"].append(win.t0 - base + x_px * ns_per_px)
         labels["y"].append(row)
         labels["text"].append(text)
-        labels["out"].append(out)
+        labels["beside"].append(beside)
     return traces, labels
 
 

@@ -1,7 +1,8 @@
 // The names written on the timeline's bars, drawn as one SVG layer over the plot.
 //
-// figures.py puts them in the figure's layout.meta.labels ({x, y, text}: the left end of the
-// visible part of a bar plus padding, in data coordinates, its row, and its name cut to fit). As
+// figures.py puts them in the figure's layout.meta.labels ({x, y, text, beside}: the left end
+// of the visible part of a bar plus padding, or of the room right of a narrow bar, in data
+// coordinates, its row, its name cut to fit, and whether it is beside its bar). As
 // a plotly text trace they cost plotly a third of its drawing time (each text element styled one
 // by one); here they are plain <text> nodes styled once by their layer. Names are set as
 // textContent, never parsed: a span named like a script tag shows those characters.
@@ -45,7 +46,7 @@
     var xs = labels.x;
     var ys = labels.y;
     var texts = labels.text;
-    var beside = labels.out || [];
+    var beside = labels.beside || [];
     var frag = document.createDocumentFragment();
     for (var i = 0; i < texts.length; i++) {
       var x = (xs[i] - xr[0]) * sx;

@@ -386,7 +386,8 @@ def test_wide_bars_are_labelled_with_their_name_cut_to_fit(source: ReadOnlyStore
     # Narrower than LABEL_PX at 1/10 of the width: not written inside the bar (beside it, where
     # the row has room: test_narrow_bars_are_named_beside_them_where_there_is_room).
     narrow = figures.timeline(run, tr, w, None, {}, [], 200)["layout"]["meta"]["labels"]
-    assert not [t for t, out in zip(narrow["text"], narrow["out"]) if "batch" in t and not out]
+    inside = [t for t, beside in zip(narrow["text"], narrow["beside"]) if not beside]
+    assert not [t for t in inside if "batch" in t]
     assert figures.fit_label("ProfilerStep#0", figures.LABEL_PX - 1) == ""
     cut = figures.fit_label("aten::convolution_backward", 60)
     assert cut.endswith("…") and len(cut) * figures.LABEL_FONT_PX * figures.CHAR_EM <= 60
