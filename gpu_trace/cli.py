@@ -14,6 +14,7 @@ from pathlib import Path
 
 from gpu_trace import __version__, _format
 from gpu_trace.commands import CLIError, err, telemetry
+from gpu_trace.commands.imports import cmd_import
 from gpu_trace.commands.record import cmd_record
 from gpu_trace.commands.remote import cmd_serve, cmd_tenants
 from gpu_trace.commands.removal import cmd_gc, cmd_rm
@@ -249,6 +250,18 @@ def build_parser() -> argparse.ArgumentParser:
         "once the store is checked to hold them; GPU_TRACE_KEEP_SPOOL)",
     )
     p.set_defaults(func=cmd_ingest)
+
+    p = sub.add_parser(
+        "import",
+        help="load a PyTorch profiler (Kineto) trace, TRACE.json[.gz], into the store as a run",
+        description="Load a Chrome trace written by torch.profiler (export_chrome_trace) into the "
+        "store as a new run: CPU ops, annotations, steps, kernels, copies, memsets, CUDA calls and "
+        "their launch links. A file imported before is not imported again (its run is named).",
+    )
+    p.add_argument("trace", type=Path, metavar="TRACE")
+    p.add_argument("--name", help="the run's command line in ls (default: import TRACE's name)")
+    _store_arg(p)
+    p.set_defaults(func=cmd_import)
 
     p = sub.add_parser(
         "rm",

@@ -1,0 +1,556 @@
+"""PyTorch profiler (Kineto) Chrome traces into the store as runs: `gpu-trace import`.
+
+Users already have traces that ``torch.profiler`` wrote; importing one makes ``show``, ``sql``,
+``export`` and the dashboard work on it, with the same categories, lanes and attributes that
+gpu-trace's own recording gives (docs/import.md has the mapping):
+
+- ``cpu_op`` -> ``op`` on lane ``torch/ops``; ``user_annotation`` -> ``nvtx`` on lane
+  ``torch/annotations``, ``ProfilerStep#N`` -> ``step`` on lane ``steps``; ``python_function`` ->
+  ``module`` on lane ``torch/modules``. Each CPU event's parent is the innermost event that holds
+  it on its thread (the profiler's own nesting), and its depth follows.
+- ``kernel``, ``gpu_memcpy``, ``gpu_memset`` -> ``kernel``, ``memcpy``, ``memset`` on lane
+  ``gpu<device>/stream<stream>``, each the child of the CUDA call that launched it (the same
+  ``correlation``: what the trace's ``ac2g`` flows draw); ``gpu_user_annotation`` -> ``nvtx`` on
+  ``gpu<device>/stream<stream>/annotations``.
+- ``cuda_runtime``, ``cuda_driver`` -> ``cuda_api`` on lane ``cuda_api`` of the calling thread,
+  attribute ``api`` ``runtime`` or ``driver``.
+- Every ``args`` entry is kept as a string attribute, with its original text (floats are parsed
+  as their text, not as binary floats).
+
+Times: Kineto's ``ts`` and ``dur`` are microseconds with three decimals; they become integer
+nanoseconds from their text, exactly. ``ts`` is relative to the trace's ``baseTimeNanoseconds``
+(Unix ns), so the run's clock anchor is ``anchor_mono_ns = 0`` at ``anchor_wall_ns = base``: the
+dashboard and exports show wall-clock time.
+
+A run appears whole or not at all: spans and threads go in first, the ``runs`` row last, and a
+failure in between removes what was written. A file already imported (same SHA-256) is refused
+with the id of its run.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import logging
+import time
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyarrow as pa
+
+from gpu_trace.tracer.records import (
+    CUDA_API,
+    KERNEL,
+    MEMCPY,
+    MEMSET,
+    MODULE,
+    NVTX,
+    OP,
+    SPAN_SCHEMA,
+    STEP,
+    STEP_LANE,
+    attrs_column,
+    dict_column,
+    numeric_column,
+)
+from gpu_trace.tracer.run import RunInfo, new_run_id, new_trace_id
+
+if TYPE_CHECKING:
+    from gpu_trace.tracer.store import Store
+
+log = logging.getLogger(__name__)
+
+#: Lanes of imported CPU events (the thread's lanes, as gpu-trace names them when it records).
+OPS_LANE = "torch/ops"
+ANNOTATIONS_LANE = "torch/annotations"
+MODULES_LANE = "torch/modules"
+API_LANE = "cuda_api"
+#: Kineto categories of CPU events: (our category, lane).
+CPU_CATEGORIES = {
+    "cpu_op": (OP, OPS_LANE),
+    "user_annotation": (NVTX, ANNOTATIONS_LANE),
+    "python_function": (MODULE, MODULES_LANE),
+    "cuda_runtime": (CUDA_API, API_LANE),
+    "cuda_driver": (CUDA_API, API_LANE),
+}
+#: Kineto categories of device events: our category.
+DEVICE_CATEGORIES = {"kernel": KERNEL, "gpu_memcpy": MEMCPY, "gpu_memset": MEMSET}
+GPU_ANNOTATION = "gpu_user_annotation"
+#: Top-level keys kept as run attributes (``kineto.<key>``).
+META_KEYS = (
+    "schemaVersion",
+    "trace_id",
+    "cuda_driver_version",
+    "cuda_runtime_version",
+    "cupti_version",
+    "traceName",
+    "baseTimeNanoseconds",
+)
+#: Run attribute holding the file's SHA-256 (a second import of the same file is refused).
+SOURCE_SHA = "import_sha256"
+
+
+class TraceImportError(ValueError):
+    """The file cannot be imported; the message says why in one line. Nothing was stored."""
+
+
+@dataclass
+class Converted:
+    """A trace as the store's rows: the run, its spans and threads, and what was left out."""
+
+    info: RunInfo
+    spans: pa.Table
+    threads: list[tuple[int, int, str, str]]  # pid, tid, process name, thread name
+    counts: dict[str, int]
+    skipped: Counter[str] = field(default_factory=Counter)
+    linked: int = 0  # device spans whose launching call is in the trace
+
+
+@dataclass
+class ImportReport:
+    """What one import did."""
+
+    run_id: str
+    counts: dict[str, int]
+    skipped: dict[str, int]
+    linked: int
+    seconds: float
+    existing: bool = False  # the file was imported before: run_id is that run
+
+    def summary(self) -> str:
+        """One line for the CLI."""
+        if self.existing:
+            return f"already imported as run {self.run_id} (gpu-trace rm it to import again)"
+        parts = ", ".join(f"{n} {c}" for c, n in self.counts.items() if n)
+        text = f"run {self.run_id}: {parts or 'no spans'}; {self.linked} launches linked"
+        if self.skipped:
+            text += "; left out: " + ", ".join(f"{n} {k}" for k, n in self.skipped.items())
+        return f"{text} ({self.seconds:.1f} s)"
+
+
+# ---- reading ------------------------------------------------------------------------------------
+
+
+def read_trace(path: str | Path) -> tuple[dict[str, object], str]:
+    """The parsed trace (a dict with ``traceEvents``) and the SHA-256 of the file's bytes.
+
+    Floats are kept as their text so times convert to nanoseconds exactly. Raises
+    :class:`TraceImportError` with one line for a file that is missing, not gzip or JSON, truncated,
+    or not a Chrome trace.
+    """
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise TraceImportError(f"cannot read {path}: {exc.strerror or exc}") from None
+    digest = hashlib.sha256(raw).hexdigest()
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            raw = gzip.decompress(raw)
+        except EOFError:
+            raise TraceImportError(f"{path.name}: the gzip stream is truncated") from None
+        except (OSError, zlib.error) as exc:
+            raise TraceImportError(f"{path.name}: not a readable gzip file ({exc})") from None
+    try:
+        data = json.loads(raw, parse_float=str)
+    except UnicodeDecodeError:
+        raise TraceImportError(f"{path.name}: not JSON (not UTF-8 text)") from None
+    except json.JSONDecodeError as exc:
+        raise TraceImportError(
+            f"{path.name}: not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
+    if isinstance(data, list):  # the Trace Event Format's array form
+        data = {"traceEvents": data}
+    if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
+        raise TraceImportError(f"{path.name}: not a Chrome trace (no traceEvents list)")
+    return data, digest
+
+
+def to_ns(value: object) -> int:
+    """Kineto microseconds (an int, or a float's text as parsed) as integer nanoseconds,
+    exactly; ValueError for anything else."""
+    if isinstance(value, bool):
+        raise ValueError(value)
+    if isinstance(value, int):
+        return value * 1000
+    if not isinstance(value, str):
+        raise ValueError(value)
+    whole, dot, frac = value.partition(".")
+    if dot and len(frac) <= 3 and frac.isdigit() and whole.lstrip("-").isdigit():
+        ns = int(whole) * 1000
+        part = int(frac.ljust(3, "0"))
+        return ns - part if whole.startswith("-") else ns + part
+    try:  # exponents, more than three decimals: exact decimal arithmetic, rounded half-even
+        return int((Decimal(value) * 1000).to_integral_value())
+    except (InvalidOperation, ValueError):
+        raise ValueError(value) from None
+
+
+# ---- converting ---------------------------------------------------------------------------------
+
+
+class _Columns:
+    """Growing span columns (one list each), turned into a ``spans`` table at the end."""
+
+    def __init__(self) -> None:
+        self.pid: list[int] = []
+        self.tid: list[int] = []
+        self.lane: list[str] = []
+        self.category: list[str] = []
+        self.name: list[str] = []
+        self.start: list[int] = []
+        self.end: list[int] = []
+        self.attrs: list[dict[str, str] | None] = []
+
+    def add(
+        self,
+        pid: int,
+        tid: int,
+        lane: str,
+        category: str,
+        name: str,
+        start: int,
+        end: int,
+        attrs: dict[str, str] | None,
+    ) -> int:
+        self.pid.append(pid)
+        self.tid.append(tid)
+        self.lane.append(lane)
+        self.category.append(category)
+        self.name.append(name)
+        self.start.append(start)
+        self.end.append(end)
+        self.attrs.append(attrs)
+        return len(self.pid) - 1
+
+
+def _text(value: object) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    if isinstance(value, int):
+        return str(value)
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _int(value: object, what: str, index: int) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lstrip("-").isdigit():
+        return int(value)
+    raise TraceImportError(f"event {index}: {what} is {value!r}, not an integer")
+
+
+def convert(data: dict[str, object], *, name: str, command: str) -> Converted:
+    """The trace as the store's rows (see the module docstring); TraceImportError for events that
+    lack what they need (a ``ts``, a ``dur``, an integer ``pid``)."""
+    events = data["traceEvents"]
+    assert isinstance(events, list)
+    cols = _Columns()
+    skipped: Counter[str] = Counter()
+    process_names: dict[int, str] = {}
+    thread_names: dict[tuple[int, int], str] = {}
+    corr_row: dict[int, int] = {}  # correlation -> row of its CUDA call
+    device_rows: list[tuple[int, int]] = []  # (row, correlation)
+    for index, ev in enumerate(events):
+        if not isinstance(ev, dict):
+            raise TraceImportError(f"event {index} is a {type(ev).__name__}, not an object")
+        ph = ev.get("ph")
+        if ph == "M":
+            _metadata(ev, process_names, thread_names)
+            continue
+        if ph != "X":
+            if ph not in ("s", "f"):  # flows are the launch links, kept as parents
+                skipped[f"'{ph}' events"] += 1
+            continue
+        cat = ev.get("cat")
+        device_cat = DEVICE_CATEGORIES.get(cat) if isinstance(cat, str) else None
+        cpu = CPU_CATEGORIES.get(cat) if isinstance(cat, str) else None
+        if device_cat is None and cpu is None and cat != GPU_ANNOTATION:
+            skipped[f"{cat} events"] += 1
+            continue
+        for key in ("ts", "dur", "name", "pid", "tid"):
+            if key not in ev:
+                raise TraceImportError(f"event {index} ({cat}) has no {key!r}")
+        try:
+            start = to_ns(ev["ts"])
+            dur = to_ns(ev["dur"])
+        except ValueError as exc:
+            raise TraceImportError(f"event {index} ({cat}): ts/dur {exc} is not a number") from None
+        if dur < 0:
+            raise TraceImportError(f"event {index} ({cat}): negative dur {ev['dur']}")
+        pid = _int(ev["pid"], "pid", index)
+        tid = _int(ev["tid"], "tid", index)
+        args = ev.get("args")
+        attrs = {str(k): _text(v) for k, v in args.items()} if isinstance(args, dict) else {}
+        label = str(ev["name"])
+        if cpu is not None:
+            category, lane = cpu
+            if category == NVTX and label.startswith("ProfilerStep#"):
+                category, lane = STEP, STEP_LANE
+            if category == CUDA_API:
+                attrs["api"] = "runtime" if cat == "cuda_runtime" else "driver"
+            row = cols.add(pid, tid, lane, category, label, start, start + dur, attrs or None)
+            if category == CUDA_API and "correlation" in attrs:
+                corr = _correlation(attrs)
+                if corr:
+                    corr_row.setdefault(corr, row)
+            continue
+        device = _int(args.get("device", pid), "device", index) if isinstance(args, dict) else pid
+        stream = _int(args.get("stream", tid), "stream", index) if isinstance(args, dict) else tid
+        if device_cat is None:  # a GPU user annotation: the range over its kernels
+            lane = f"gpu{pid}/stream{tid}/annotations"
+            row = cols.add(pid, tid, lane, NVTX, label, start, start + dur, attrs or None)
+        else:
+            lane = f"gpu{device}/stream{stream}"
+            row = cols.add(pid, tid, lane, device_cat, label, start, start + dur, attrs or None)
+        device_rows.append((row, _correlation(attrs)))
+    if not cols.pid:
+        raise TraceImportError("no events of a PyTorch profiler trace (cpu_op, kernel, ...)")
+    return _finish(
+        data, cols, skipped, process_names, thread_names, corr_row, device_rows, name, command
+    )
+
+
+def _correlation(attrs: dict[str, str]) -> int:
+    text = attrs.get("correlation", "")
+    return int(text) if text.isdigit() else 0
+
+
+def _metadata(
+    ev: dict[str, object],
+    process_names: dict[int, str],
+    thread_names: dict[tuple[int, int], str],
+) -> None:
+    args = ev.get("args")
+    label = args.get("name") if isinstance(args, dict) else None
+    pid, tid = ev.get("pid"), ev.get("tid")
+    if not isinstance(label, str) or not isinstance(pid, int):
+        return
+    if ev.get("name") == "process_name":
+        process_names[pid] = label
+    elif ev.get("name") == "thread_name" and isinstance(tid, int):
+        thread_names[(pid, tid)] = label
+
+
+def _finish(
+    data: dict[str, object],
+    cols: _Columns,
+    skipped: Counter[str],
+    process_names: dict[int, str],
+    thread_names: dict[tuple[int, int], str],
+    corr_row: dict[int, int],
+    device_rows: list[tuple[int, int]],
+    name: str,
+    command: str,
+) -> Converted:
+    n = len(cols.pid)
+    start = np.array(cols.start, np.int64)
+    end = np.array(cols.end, np.int64)
+    span_id = np.arange(1, n + 1, dtype=np.uint64)
+    parent = np.zeros(n, np.uint64)
+    depth = np.zeros(n, np.int64)
+    pid = np.array(cols.pid, np.int64)
+    tid = np.array(cols.tid, np.int64)
+
+    # CPU events: the innermost event holding each one on its thread is its parent.
+    device = np.zeros(n, bool)
+    device_idx = np.array([r for r, _ in device_rows], np.int64)
+    device[device_idx] = True
+    cpu = np.flatnonzero(~device)
+    order = cpu[np.lexsort((-end[cpu], start[cpu], tid[cpu], pid[cpu]))]
+    _nest(order.tolist(), cols.start, cols.end, cols.pid, cols.tid, parent, depth)
+
+    # Device work: the CUDA call with the same correlation launched it (Kineto's ac2g flow).
+    linked = 0
+    pids, per_pid = np.unique(pid[cpu], return_counts=True)
+    main_pid = int(pids[per_pid.argmax()]) if len(pids) else 0  # for work whose call is missing
+    for row, corr in device_rows:
+        call = corr_row.get(corr) if corr else None
+        if call is not None:
+            parent[row] = span_id[call]
+            depth[row] = depth[call] + 1
+            cols.pid[row] = cols.pid[call]
+            linked += 1
+        else:
+            cols.pid[row] = main_pid
+        cols.tid[row] = 0
+
+    table = pa.table(
+        {
+            "span_id": numeric_column(span_id, pa.uint64()),
+            "parent_span_id": numeric_column(parent, pa.uint64()),
+            "pid": numeric_column(np.array(cols.pid, np.int64).astype(np.uint32), pa.uint32()),
+            "tid": numeric_column(np.array(cols.tid, np.int64).astype(np.uint64), pa.uint64()),
+            "lane": dict_column(cols.lane),
+            "category": dict_column(cols.category),
+            "name": dict_column(cols.name),
+            "start_ns": numeric_column(start, pa.int64()),
+            "end_ns": numeric_column(end, pa.int64()),
+            "depth": numeric_column(np.minimum(depth, 65535).astype(np.uint16), pa.uint16()),
+            "attrs": attrs_column(cols.attrs),
+        },
+        schema=SPAN_SCHEMA,
+    )
+    table = table.take(numeric_column(np.argsort(start, kind="stable"), pa.int64()))
+    counts = Counter(cols.category)
+    info = RunInfo(
+        run_id=new_run_id(),
+        trace_id=_trace_id(data.get("trace_id")),
+        started_ns=int(start.min()),
+        ended_ns=int(end.max()),
+        command=command,
+        hosts=[],
+        status="finished",
+        attrs=_run_attrs(data, name),
+    )
+    threads = [
+        (p, t, process_names.get(p, ""), label) for (p, t), label in sorted(thread_names.items())
+    ]
+    named = {p for p, *_ in threads}
+    threads += [(p, 0, label, "") for p, label in sorted(process_names.items()) if p not in named]
+    # Kineto names its device "processes" too; the store's threads are the program's.
+    threads = [t for t in threads if t[0] in set(pids.tolist())]
+    return Converted(info, table, threads, dict(counts), skipped, linked)
+
+
+def _nest(
+    order: list[int],
+    starts: list[int],
+    ends: list[int],
+    pids: list[int],
+    tids: list[int],
+    parent: np.ndarray,
+    depth: np.ndarray,
+) -> None:
+    """Parent and depth of each row of ``order`` (rows sorted by thread, start, longest first):
+    the innermost earlier row of its thread whose interval holds it."""
+    stack: list[int] = []
+    thread = None
+    out_parent = [0] * len(order)
+    out_depth = [0] * len(order)
+    for i, row in enumerate(order):
+        key = (pids[row], tids[row])
+        if key != thread:
+            thread, stack = key, []
+        s, e = starts[row], ends[row]
+        while stack and not (starts[stack[-1]] <= s and e <= ends[stack[-1]]):
+            stack.pop()
+        if stack:
+            out_parent[i] = stack[-1] + 1  # span ids are row + 1
+            out_depth[i] = len(stack)
+        stack.append(row)
+    if order:
+        idx = np.array(order, np.int64)
+        parent[idx] = np.array(out_parent, np.uint64)
+        depth[idx] = np.array(out_depth, np.int64)
+
+
+def _trace_id(value: object) -> str:
+    """Kineto's trace id as a W3C one (32 lower-case hex digits), a new one when it is not."""
+    text = str(value or "").lower()
+    if len(text) == 32 and all(c in "0123456789abcdef" for c in text) and int(text, 16):
+        return text
+    return new_trace_id()
+
+
+def _run_attrs(data: dict[str, object], name: str) -> dict[str, str]:
+    attrs = {"source": "kineto", "source_file": name}
+    for key in META_KEYS:
+        if key in data:
+            attrs[f"kineto.{key}"] = _text(data[key])
+    base = data.get("baseTimeNanoseconds")
+    if isinstance(base, int) and not isinstance(base, bool):
+        attrs["anchor_mono_ns"] = "0"
+        attrs["anchor_wall_ns"] = str(base)
+    props = data.get("deviceProperties")
+    if isinstance(props, list) and props:
+        attrs["device_properties"] = json.dumps(props, separators=(",", ":"))
+    info = data.get("distributedInfo")
+    if isinstance(info, dict):
+        for key in ("rank", "world_size"):
+            if key in info:
+                attrs[key] = _text(info[key])
+    return attrs
+
+
+# ---- storing ------------------------------------------------------------------------------------
+
+
+def imported_run(store: Store, sha256: str) -> str | None:
+    """The run a file with this SHA-256 was imported as, None if none was."""
+    rows = store.query(
+        "SELECT run_id FROM __db__.runs FINAL WHERE attrs[{key:String}] = {sha:String} LIMIT 1",
+        {"key": SOURCE_SHA, "sha": sha256},
+    ).result_rows
+    return str(rows[0][0]) if rows else None
+
+
+def import_trace(store: Store, path: str | Path, *, name: str | None = None) -> ImportReport:
+    """Import a Kineto trace file into ``store`` as a new run (see the module docstring).
+
+    TraceImportError (one line) for a file that cannot be imported; StoreError when the store fails,
+    after removing what was written. A file imported before is not imported again: the report
+    names its run, with ``existing`` set.
+    """
+    t0 = time.perf_counter()
+    path = Path(path)
+    data, digest = read_trace(path)
+    existing = imported_run(store, digest)
+    if existing is not None:
+        return ImportReport(existing, {}, {}, 0, time.perf_counter() - t0, existing=True)
+    converted = convert(data, name=path.name, command=name or f"import {path.name}")
+    del data
+    info = converted.info
+    info.attrs[SOURCE_SHA] = digest
+    store_spans(store, info, converted.spans, converted.threads)
+    report = ImportReport(
+        info.run_id,
+        converted.counts,
+        dict(converted.skipped),
+        converted.linked,
+        time.perf_counter() - t0,
+    )
+    log.info("gpu-trace: imported %s: %s", path, report.summary())
+    return report
+
+
+def store_spans(
+    store: Store,
+    info: RunInfo,
+    spans: pa.Table,
+    threads: list[tuple[int, int, str, str]],
+) -> None:
+    """Spans and threads, then the ``runs`` row that makes the run visible; on a failure what
+    was written is removed again and the StoreError raised."""
+    n = spans.num_rows
+    added = {
+        "run_id": info.run_id,
+        "trace_id": info.trace_id,
+        "host": info.hosts[0] if info.hosts else "",
+    }
+    table = spans
+    for column, value in added.items():
+        table = table.append_column(column, dict_column([value]).take(np.zeros(n, np.int64)))
+    now = time.time_ns()
+    try:
+        store.insert_arrow("spans", table)
+        store.insert_rows(
+            "threads",
+            ["run_id", "host", "pid", "tid", "process_name", "thread_name", "updated_ns"],
+            [[info.run_id, added["host"], p, t, pn, tn, now] for p, t, pn, tn in threads],
+        )
+        store.upsert_run(info)
+    except Exception:
+        try:
+            store.delete_run(info.run_id)
+        except Exception:
+            log.warning("gpu-trace: could not remove the partly imported run %s", info.run_id)
+        raise
