@@ -1,4 +1,5 @@
-"""A seeded Keras program: `fit` with validation and shuffling, then a custom GradientTape loop.
+"""A seeded Keras program: `fit` with validation and shuffling, then a custom GradientTape loop,
+and eager ops on tf.data's own threads (a `py_function` in a parallel `map`).
 
 Run plain and under `gpu-trace record` by tests/integration/test_program_state.py: the output must
 be identical. One program for both, since each TensorFlow start costs seconds.
@@ -7,6 +8,7 @@ be identical. One program for both, since each TensorFlow start costs seconds.
 import hashlib
 import os
 import random
+import threading
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -43,3 +45,16 @@ weights = b"".join(np.asarray(w).tobytes() for w in model.get_weights())
 print("weights", hashlib.sha256(weights).hexdigest())
 print("random", random.random().hex(), np.random.rand().hex())
 print("tf", float(tf.random.uniform(())).hex())
+
+
+def plus_one(v):
+    return tf.constant(1.0) + v  # eager ops, run on a thread of tf.data's, not of `threading`
+
+
+mapped = tf.data.Dataset.range(4).map(
+    lambda i: tf.py_function(plus_one, [tf.cast(i, tf.float32)], tf.float32),
+    num_parallel_calls=2,
+)
+print("tf.data", [float(v).hex() for v in mapped])
+others = sorted(t.name for t in threading.enumerate() if not t.name.startswith("gpu-trace"))
+print("threads", threading.Thread().name, others)
