@@ -31,6 +31,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -126,9 +127,11 @@ def ingest(store: Store, run_dir: str | Path) -> IngestReport:
     run_dir = Path(run_dir)
     if not RunInfo.exists(run_dir) and not spool_dir(run_dir).is_dir():
         raise ValueError(f"{run_dir} is not a run directory (no run.json and no spool/)")
+    converted = convert_spool(run_dir)
     files = list_spool(run_dir)
     info, info_problem = _run_info(run_dir, files)
     report = IngestReport(info.run_id)
+    report.problems.extend(converted)
     if info_problem:
         report.problems.append(info_problem)
     died = recorder_died(info)
@@ -160,6 +163,24 @@ def ingest(store: Store, run_dir: str | Path) -> IngestReport:
     report.seconds = time.perf_counter() - t0
     log.info("gpu-trace: ingested %s in %.2f s", report.summary(), report.seconds)
     return report
+
+
+#: Entry point group of spool converters: ``fn(run_dir) -> list[str]`` turns raw files that a
+#: layer above this one writes into the spool (GPU activity, ``collectors/gpu_activity``) into
+#: spool files, and returns one line per problem. Found by name, so ingest imports nothing above.
+CONVERTERS = "gpu_trace.spool_converters"
+
+
+def convert_spool(run_dir: Path) -> list[str]:
+    """Run every spool converter on ``run_dir``; a failing one is a problem line, not an error."""
+    problems: list[str] = []
+    for ep in entry_points(group=CONVERTERS):
+        try:
+            problems.extend(ep.load()(run_dir))
+        except Exception as exc:  # a converter's bug must not lose the rest of the run
+            log.warning("gpu-trace: spool converter %s failed", ep.name, exc_info=True)
+            problems.append(f"spool converter {ep.name} failed: {exc}")
+    return problems
 
 
 def _ingest_files(

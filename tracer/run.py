@@ -191,7 +191,7 @@ def describe_recording(attrs: Mapping[str, str], *, compact: bool = False) -> st
     """How a run was recorded, from its attrs: ``torch=op tf=off nvml=10Hz host=2Hz`` (compact,
     for a column) or every setting (for ``show``); ``-`` for a run from before they were kept."""
     if "started_by" not in attrs:
-        return "-"
+        return "-" + _gpu_activity(attrs)
 
     def rate(key: str) -> str:
         hz = attrs.get(key, "0")
@@ -215,8 +215,22 @@ def describe_recording(attrs: Mapping[str, str], *, compact: bool = False) -> st
         f"started by {attrs['started_by']}; torch={attrs.get('torch', '-')}"
         f" (shapes {attrs.get('torch_shapes', 'off')}), tf={attrs.get('tf', '-')},"
         f" nvtx={attrs.get('nvtx', '-')}, nvml={nvml_full}, host={rate('host_hz')},"
-        f" remote={remote or 'off'}"
+        f" remote={remote or 'off'}{_gpu_activity(attrs)}"
     )
+
+
+def _gpu_activity(attrs: Mapping[str, str]) -> str:
+    """GPU activity records, and those CUPTI dropped or that found no API call
+    (collectors/gpu_activity writes these attrs; a drop must never go unseen)."""
+    if "gpu_activity_records" not in attrs:
+        return ""
+    text = (
+        f", gpu activity={attrs['gpu_activity_records']} records"
+        f" ({attrs.get('gpu_activity_dropped', '0')} dropped,"
+        f" {attrs.get('gpu_activity_unmatched', '0')} without an API call)"
+    )
+    note = attrs.get("gpu_activity_note")
+    return f"{text}; {note}" if note else text
 
 
 STATS_DIR = "stats"

@@ -1,0 +1,628 @@
+"""Raw GPU activity records to spans: clock, threads, names, lanes, attributes and correlation.
+
+Every record, live or replayed, arrives here as a :data:`~.activity.RECORD` array, and leaves as
+rows of the ``spans`` table (``tracer/records.py``), built column by column with numpy and Arrow
+compute: no per-record Python on this path (``bench/gpu_activity.py`` measures it).
+
+- **Device work** (kernels, copies, memsets) goes on lane ``gpu<device>/stream<stream>``, with
+  PyTorch's profiler's argument names as attributes (``correlation``, ``device``, ``context``,
+  ``stream``, ``grid`` as ``[x, y, z]``, ``registers per thread``, ``shared memory``, ``bytes``,
+  ``memory bandwidth (GB/s)``...), so an exporter in that dialect maps them one to one.
+- **API calls** (CUDA runtime and driver) go on lane ``cuda_api`` of the calling thread, named by
+  their function (``cbid_names.py``), with ``correlation``, ``cbid`` and ``api``
+  (``runtime``/``driver``).
+- **Synchronizations** (``cuda_sync``): the CPU waiting on a stream, event or context.
+
+Correlation: an API call's span id is a hash of its process and CUPTI correlation id, so the
+device work it issued names it as parent without a join, even from another buffer or file. The
+API call's own parent is the innermost span open on its thread when it was made (an op, module,
+NVTX range or step, from the recorder's spans, :func:`innermost`), a driver call's possibly the
+runtime call around it. Device records whose API call is missing keep ``parent_span_id = 0`` and
+are counted (``Conversion.unmatched``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from gpu_trace.collectors.gpu_activity import activity as act
+from gpu_trace.collectors.gpu_activity.cbid_names import DRIVER, RUNTIME
+from gpu_trace.collectors.gpu_activity.demangle import demangle
+from gpu_trace.tracer.records import (
+    ATTRS,
+    CUDA_API,
+    CUDA_SYNC,
+    KERNEL,
+    MEMCPY,
+    MEMSET,
+    SPAN_SCHEMA,
+    numeric_column,
+    string_column,
+)
+
+API_LANE = "cuda_api"
+#: Categories of recorder spans an API call can be the child of.
+PARENT_CATEGORIES = ("op", "module", "nvtx", "forward", "step", "otel")
+_SALT_API = np.uint64(0x9E3779B97F4A7C15)
+_SALT_DEVICE = np.uint64(0xC2B2AE3D27D4EB4F)
+_SALT_SYNC = np.uint64(0x165667B19E3779F9)
+
+
+@dataclass
+class Parents:
+    """Spans an API call can be nested in (the recorder's), as columns."""
+
+    pid: np.ndarray
+    tid: np.ndarray
+    lane: np.ndarray  # lane codes (any integer per lane)
+    span_id: np.ndarray
+    parent_span_id: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    depth: np.ndarray
+
+    @staticmethod
+    def none() -> Parents:
+        z = np.zeros(0, np.int64)
+        u = np.zeros(0, np.uint64)
+        return Parents(z, u, z, u, u, z, z, z)
+
+    @staticmethod
+    def from_table(table: pa.Table) -> Parents:
+        """The recorder's spans of ``table`` (a ``spans`` table) that can hold an API call."""
+        cats = table.column("category")
+        if pa.types.is_dictionary(cats.type):
+            cats = cats.cast(pa.string())
+        t = table.filter(pc.is_in(cats, value_set=pa.array(PARENT_CATEGORIES)))
+        lane = t.column("lane")
+        if pa.types.is_dictionary(lane.type):
+            lane = lane.cast(pa.string())
+        lane_codes = pc.dictionary_encode(lane.combine_chunks()).indices
+
+        def col(name: str, dtype: type) -> np.ndarray:
+            return np.asarray(t.column(name).to_numpy(), dtype=dtype)
+
+        return Parents(
+            col("pid", np.int64),
+            col("tid", np.uint64),
+            np.asarray(lane_codes.to_numpy(zero_copy_only=False), np.int64),
+            col("span_id", np.uint64),
+            col("parent_span_id", np.uint64),
+            col("start_ns", np.int64),
+            col("end_ns", np.int64),
+            col("depth", np.int64),
+        )
+
+
+@dataclass
+class Conversion:
+    """The spans made from a set of records, and what could not be tied together."""
+
+    table: pa.Table
+    counts: dict[str, int] = field(default_factory=dict)
+    unmatched: int = 0  # device or sync records whose API call is not among the records
+    api_without_parent: int = 0  # API calls outside every recorder span of their thread
+
+
+def mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer over uint64 values: stable, well-spread span ids."""
+    z = np.asarray(x, np.uint64).copy()
+    with np.errstate(over="ignore"):
+        z ^= z >> np.uint64(30)
+        z *= np.uint64(0xBF58476D1CE4E5B9)
+        z ^= z >> np.uint64(27)
+        z *= np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    z[z == 0] = 1  # 0 means "no parent"
+    return z
+
+
+def api_span_ids(pid: np.ndarray, correlation: np.ndarray) -> np.ndarray:
+    """The span id of the API call ``correlation`` of process ``pid``."""
+    key = (np.asarray(pid, np.uint64) << np.uint64(32)) | np.asarray(correlation, np.uint64)
+    return mix(key ^ _SALT_API)
+
+
+def to_monotonic(t: np.ndarray, anchors: np.ndarray) -> np.ndarray:
+    """CUPTI times to ``CLOCK_MONOTONIC`` ns through anchor pairs ``(cupti_ns, monotonic_ns)``.
+
+    One pair: a constant offset. Several: the offset interpolated linearly between the pairs
+    around each time (constant beyond the first and last), computed relative to the first pair
+    so that float64 never holds an absolute nanosecond time. No pairs: the times are taken as
+    monotonic already.
+    """
+    t = np.asarray(t, np.int64)
+    if len(anchors) == 0:
+        return t.copy()
+    a = anchors[np.argsort(anchors[:, 0], kind="stable")]
+    off = a[:, 1] - a[:, 0]
+    if len(a) == 1 or np.all(off == off[0]):
+        return t + off[0]
+    rel_t = (t - a[0, 0]).astype(np.float64)
+    rel_off = np.interp(
+        rel_t, (a[:, 0] - a[0, 0]).astype(np.float64), (off - off[0]).astype(np.float64)
+    )
+    return t + off[0] + np.rint(rel_off).astype(np.int64)
+
+
+def map_threads(tid: np.ndarray, thread_map: dict[int, int] | None) -> np.ndarray:
+    """CUPTI's thread ids to the OS thread ids the recorder stores (unmapped ones kept)."""
+    tid = np.asarray(tid, np.uint64)
+    if not thread_map:
+        return tid
+    keys = np.fromiter(thread_map.keys(), np.uint64, len(thread_map))
+    values = np.fromiter(thread_map.values(), np.uint64, len(thread_map))
+    order = np.argsort(keys)
+    keys, values = keys[order], values[order]
+    pos = np.clip(np.searchsorted(keys, tid), 0, len(keys) - 1)
+    hit = keys[pos] == tid
+    return np.where(hit, values[pos], tid)
+
+
+def convert(
+    records: np.ndarray,
+    names: dict[int, str],
+    *,
+    anchors: np.ndarray | None = None,
+    thread_map: dict[int, int] | None = None,
+    parents: Parents | None = None,
+) -> Conversion:
+    """Spans from raw records (see the module docstring)."""
+    records = np.asarray(records, act.RECORD)
+    anchors = np.zeros((0, 2), np.int64) if anchors is None else np.asarray(anchors, np.int64)
+    parents = parents or Parents.none()
+    kind = records["kind"]
+    start = to_monotonic(records["start"], anchors)
+    end = np.maximum(to_monotonic(records["end"], anchors), start)
+    pid = records["pid"].astype(np.uint64)
+    tid = map_threads(records["tid"], thread_map)
+    corr = records["correlation"]
+    device = _devices(records)
+
+    is_api = (kind == act.DRIVER) | (kind == act.RUNTIME)
+    at = np.flatnonzero(is_api)  # a record is 104 bytes: select columns, never whole records
+    a_pid, a_tid, a_start, a_end = pid[at], tid[at], start[at], end[at]
+    api_ids = api_span_ids(a_pid, corr[at])
+    known = np.sort(api_ids)
+    conv_counts: dict[str, int] = {}
+    tables: list[pa.Table] = []
+
+    a_kind = kind[at]
+    api_parent, api_depth, missing = _api_parents(
+        a_kind, a_pid, a_tid, a_start, a_end, api_ids, parents
+    )
+    a_cols = {f: records[f][at] for f in ("kind", "correlation", "code", "ret")}
+    tables.append(_api_table(a_cols, a_pid, a_tid, a_start, a_end, api_ids, api_parent, api_depth))
+    conv_counts[CUDA_API] = len(at)
+
+    unmatched = 0
+    for category, kinds in (
+        (KERNEL, (act.CONCURRENT_KERNEL,)),
+        (MEMCPY, (act.MEMCPY,)),
+        (MEMSET, (act.MEMSET,)),
+        (CUDA_SYNC, (act.SYNCHRONIZATION,)),
+    ):
+        sel = np.isin(kind, kinds)
+        if not sel.any():
+            continue
+        r = records[sel]
+        parent = api_span_ids(pid[sel], corr[sel])
+        matched = _isin_sorted(parent, known)
+        unmatched += int((~matched).sum())
+        parent = np.where(matched, parent, np.uint64(0))
+        salt = _SALT_SYNC if category == CUDA_SYNC else _SALT_DEVICE
+        if category == CUDA_SYNC:  # CUPTI names no thread for a sync: it is its API call's
+            by_id = np.argsort(api_ids)
+            at = (
+                by_id[
+                    np.clip(
+                        np.searchsorted(api_ids, parent, sorter=by_id), 0, max(len(by_id) - 1, 0)
+                    )
+                ]
+                if len(by_id)
+                else parent.astype(np.int64)
+            )
+            tid[sel] = np.where(matched, tid[is_api][at] if len(by_id) else 0, tid[sel])
+        ids = mix(
+            parent
+            ^ salt
+            ^ (start[sel].view(np.uint64) * np.uint64(31))
+            ^ r["stream"].astype(np.uint64)
+        )
+        tables.append(
+            _device_table(
+                category,
+                r,
+                pid[sel],
+                tid[sel],
+                device[sel],
+                start[sel],
+                end[sel],
+                ids,
+                parent,
+                names,
+            )
+        )
+        conv_counts[category] = int(sel.sum())
+    table = pa.concat_tables(tables) if tables else SPAN_SCHEMA.empty_table()
+    return Conversion(table, conv_counts, unmatched, missing)
+
+
+def _devices(records: np.ndarray) -> np.ndarray:
+    """Each record's device; synchronization records name only a context, so theirs comes from
+    the device records of the same context (``NONE_U32`` when none is known)."""
+    device = records["device"].copy()
+    sync = records["kind"] == act.SYNCHRONIZATION
+    if sync.any():
+        dev = np.isin(records["kind"], act.DEVICE_KINDS)
+        ctx, first = np.unique(records["context"][dev], return_index=True)
+        if len(ctx):
+            pos = np.clip(np.searchsorted(ctx, records["context"][sync]), 0, len(ctx) - 1)
+            hit = ctx[pos] == records["context"][sync]
+            device[sync] = np.where(hit, records["device"][dev][first][pos], act.NONE_U32)
+        else:
+            device[sync] = act.NONE_U32
+    return device
+
+
+def _isin_sorted(values: np.ndarray, sorted_keys: np.ndarray) -> np.ndarray:
+    if len(sorted_keys) == 0:
+        return np.zeros(len(values), bool)
+    pos = np.clip(np.searchsorted(sorted_keys, values), 0, len(sorted_keys) - 1)
+    return sorted_keys[pos] == values
+
+
+# ---- API calls and their parents -------------------------------------------------------------
+
+
+def innermost(
+    c_start: np.ndarray,
+    c_end: np.ndarray,
+    c_parent: np.ndarray,
+    start: np.ndarray,
+    end: np.ndarray,
+) -> np.ndarray:
+    """For each interval ``[start, end]``, the index of the innermost candidate containing it
+    (-1: none). Candidates are one lane of one thread, sorted by start (ties: outer first), with
+    ``c_parent`` the index of each one's parent (-1: a root): properly nested ranges.
+
+    The innermost container of an interval is the last candidate to start before it, or an
+    ancestor of that one (a container that started earlier and still contains it contains that
+    candidate too), so a walk up the parent links, all intervals at once, finds it in at most
+    the nesting depth's number of steps.
+    """
+    k = np.searchsorted(c_start, start, side="right") - 1
+    while True:
+        valid = k >= 0
+        bad = valid.copy()
+        bad[valid] = c_end[k[valid]] < end[valid]
+        if not bad.any():
+            return k
+        k[bad] = c_parent[k[bad]]
+
+
+def _api_parents(
+    kind: np.ndarray,
+    pid: np.ndarray,
+    tid: np.ndarray,
+    start: np.ndarray,
+    end: np.ndarray,
+    ids: np.ndarray,
+    parents: Parents,
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Parent span id and depth of each API call, and how many have no parent."""
+    n = len(kind)
+    best_start = np.full(n, np.iinfo(np.int64).min)
+    parent = np.zeros(n, np.uint64)
+    depth = np.zeros(n, np.int64)
+    thread = mix(pid.astype(np.uint64) << np.uint64(32) ^ tid)
+    by_thread = np.argsort(thread, kind="stable")
+    cuts = np.flatnonzero(np.diff(thread[by_thread])) + 1
+    for mine in np.split(by_thread, cuts) if n else []:
+        p, t = pid[mine[0]].astype(np.uint64), tid[mine[0]]
+        cand = (parents.pid.astype(np.uint64) == p) & (parents.tid == t)
+        for lane in np.unique(parents.lane[cand]):
+            _nest(
+                mine, cand & (parents.lane == lane), parents, start, end, best_start, parent, depth
+            )
+        # A driver call made inside a runtime call (cudaLaunchKernel -> cuLaunchKernel) is its child.
+        runtime = mine[kind[mine] == act.RUNTIME]
+        driver = mine[kind[mine] == act.DRIVER]
+        if len(runtime) and len(driver):
+            order = runtime[np.argsort(start[runtime], kind="stable")]
+            k = innermost(
+                start[order], end[order], np.full(len(order), -1), start[driver], end[driver]
+            )
+            hit = k >= 0
+            if hit.any():
+                outer = order[k[hit]]
+                later = start[outer] >= best_start[driver[hit]]
+                take, outer = driver[hit][later], outer[later]
+                parent[take] = ids[outer]
+                depth[take] = 1
+                best_start[take] = start[outer]
+    return parent, depth, int((parent == 0).sum())
+
+
+def _nest(
+    mine: np.ndarray,
+    cand: np.ndarray,
+    parents: Parents,
+    start: np.ndarray,
+    end: np.ndarray,
+    best_start: np.ndarray,
+    parent: np.ndarray,
+    depth: np.ndarray,
+) -> None:
+    """Take each API call's innermost container in one lane of its thread if it started later
+    than the best one found so far (in another lane)."""
+    idx = np.flatnonzero(cand)
+    order = idx[np.lexsort((parents.depth[idx], parents.start[idx]))]
+    c_start, c_end = parents.start[order], parents.end[order]
+    ids = parents.span_id[order]
+    by_id = np.argsort(ids)
+    pos = np.clip(
+        np.searchsorted(ids, parents.parent_span_id[order], sorter=by_id), 0, len(ids) - 1
+    )
+    c_parent = np.where(ids[by_id[pos]] == parents.parent_span_id[order], by_id[pos], -1)
+    k = innermost(c_start, c_end, c_parent, start[mine], end[mine])
+    hit = k >= 0
+    if not hit.any():
+        return
+    rows = mine[hit]
+    found = k[hit]
+    better = c_start[found] > best_start[rows]
+    rows, found = rows[better], found[better]
+    parent[rows] = ids[found]
+    best_start[rows] = c_start[found]
+    depth[rows] = 0
+
+
+# ---- tables ---------------------------------------------------------------------------------
+
+
+def _strings(values: np.ndarray) -> pa.Array:
+    """Numbers as decimal strings (Arrow's cast, in C++)."""
+    v = np.ascontiguousarray(values)
+    return pc.cast(
+        pa.Array.from_buffers(pa.from_numpy_dtype(v.dtype), len(v), [None, pa.py_buffer(v)]),
+        pa.string(),
+    )
+
+
+def _dictionary(codes: np.ndarray, values: list[str]) -> pa.Array:
+    return pa.DictionaryArray.from_arrays(numeric_column(codes, pa.int32()), string_column(values))
+
+
+def _small_codes(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct values of small non-negative integer keys and each key's index among them,
+    without sorting (a run has a few hundred distinct API calls or kernels, not millions)."""
+    key = np.asarray(key, np.int64)
+    if len(key) == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int32)
+    if key.max() > 1 << 24:  # not small after all
+        uniq, codes = np.unique(key, return_inverse=True)
+        return uniq, codes.ravel().astype(np.int32)
+    present = np.bincount(key) > 0
+    uniq = np.flatnonzero(present)
+    lut = np.zeros(len(present), np.int32)
+    lut[uniq] = np.arange(len(uniq), dtype=np.int32)
+    return uniq, lut[key]
+
+
+def _attrs(n: int, items: list[tuple[str, pa.Array]]) -> pa.Array:
+    """A map column whose every row has the keys of ``items`` in order, with their values."""
+    k = len(items)
+    values = pa.concat_arrays([v.cast(pa.string()) for _, v in items])
+    order = (np.arange(n)[:, None] + np.arange(k)[None, :] * n).ravel()
+    return _map(n, [key for key, _ in items], values.take(numeric_column(order, pa.int64())))
+
+
+def _int_attrs(keys: list[str], columns: list[np.ndarray]) -> pa.Array:
+    """Like :func:`_attrs` for integer values only: the (rows, keys) matrix read row by row is
+    already in map order, so one cast makes every value (the API calls' path: most records)."""
+    n = len(columns[0]) if columns else 0
+    matrix = np.empty((n, len(keys)), np.int64)
+    for j, c in enumerate(columns):
+        matrix[:, j] = c
+    return _map(n, keys, _strings(matrix.ravel()))
+
+
+def _map(n: int, keys: list[str], values: pa.Array) -> pa.Array:
+    k = len(keys)
+    offsets = numeric_column(np.arange(0, (n + 1) * k, k, dtype=np.int32), pa.int32())
+    key_column = string_column(keys).take(numeric_column(np.tile(np.arange(k), n), pa.int64()))
+    return pa.MapArray.from_arrays(offsets, key_column, values, type=ATTRS)
+
+
+def _table(
+    *,
+    span_id: np.ndarray,
+    parent: np.ndarray,
+    pid: np.ndarray,
+    tid: np.ndarray,
+    lane: pa.Array,
+    category: str,
+    name: pa.Array,
+    start: np.ndarray,
+    end: np.ndarray,
+    depth: np.ndarray,
+    attrs: pa.Array,
+) -> pa.Table:
+    n = len(span_id)
+    return pa.table(
+        {
+            "span_id": pa.array(span_id, pa.uint64()),
+            "parent_span_id": pa.array(parent, pa.uint64()),
+            "pid": pa.array(pid.astype(np.uint32), pa.uint32()),
+            "tid": pa.array(tid, pa.uint64()),
+            "lane": lane,
+            "category": _dictionary(np.zeros(n, np.int32), [category]),
+            "name": name,
+            "start_ns": pa.array(start, pa.int64()),
+            "end_ns": pa.array(end, pa.int64()),
+            "depth": pa.array(depth.astype(np.uint16), pa.uint16()),
+            "attrs": attrs,
+        },
+        schema=SPAN_SCHEMA,
+    )
+
+
+def _api_table(
+    r: dict[str, np.ndarray],
+    pid: np.ndarray,
+    tid: np.ndarray,
+    start: np.ndarray,
+    end: np.ndarray,
+    ids: np.ndarray,
+    parent: np.ndarray,
+    depth: np.ndarray,
+) -> pa.Table:
+    n = len(r["kind"])
+    driver = r["kind"] == act.DRIVER
+    key = r["code"].astype(np.int64) * 2 + driver
+    uniq, codes = _small_codes(key)
+    names = [
+        (DRIVER if k & 1 else RUNTIME).get(int(k >> 1), f"{'cu' if k & 1 else 'cuda'}Api#{k >> 1}")
+        for k in uniq
+    ]
+    failed = r["ret"] != 0  # the return value only where a call failed: rare, and kept short
+    keys = ["correlation", "cbid", "return"]
+    columns = [r["correlation"], r["code"], r["ret"]]
+    attrs = _int_attrs(keys[:2], columns[:2])
+    if failed.any():
+        rows = np.flatnonzero(failed)
+        bad = _int_attrs(keys, [c[rows] for c in columns])
+        attrs = _replace_rows(attrs, rows, bad)
+    return _table(
+        span_id=ids,
+        parent=parent,
+        pid=pid,
+        tid=tid,
+        lane=_dictionary(np.zeros(n, np.int32), [API_LANE]),
+        category=CUDA_API,
+        name=_dictionary(codes.ravel(), names),
+        start=start,
+        end=end,
+        depth=depth,
+        attrs=attrs,
+    )
+
+
+def _replace_rows(attrs: pa.Array, rows: np.ndarray, other: pa.Array) -> pa.Array:
+    """``attrs`` with the maps at ``rows`` replaced by ``other``'s, in order."""
+    n = len(attrs)
+    source = np.arange(n)
+    source[rows] = n + np.arange(len(rows))
+    return pa.concat_arrays([attrs, other]).take(numeric_column(source, pa.int64()))
+
+
+def _lanes(device: np.ndarray, stream: np.ndarray, sync_type: np.ndarray | None) -> pa.Array:
+    """``gpu<d>/stream<s>``; a context-wide synchronization on ``gpu<d>/sync``."""
+    stream = stream.astype(np.int64)
+    if sync_type is not None:
+        stream = np.where(stream == act.NONE_U32, -1, stream)
+    key = device.astype(np.int64) * (1 << 33) + stream + 1
+    uniq, codes = np.unique(key, return_inverse=True)  # few lanes, but keys are wide
+    labels = []
+    for k in uniq:
+        d, s = int(k) >> 33, (int(k) & ((1 << 33) - 1)) - 1
+        gpu = "gpu" if d == act.NONE_U32 else f"gpu{d}"
+        labels.append(f"{gpu}/sync" if s < 0 else f"{gpu}/stream{s}")
+    return _dictionary(codes.ravel(), labels)
+
+
+def _coded(values: np.ndarray, label: dict[int, str], fmt: str) -> pa.Array:
+    uniq, codes = _small_codes(values)
+    return _dictionary(codes.ravel(), [fmt.format(label.get(int(u), str(int(u)))) for u in uniq])
+
+
+def _device_table(
+    category: str,
+    r: np.ndarray,
+    pid: np.ndarray,
+    tid: np.ndarray,
+    device: np.ndarray,
+    start: np.ndarray,
+    end: np.ndarray,
+    ids: np.ndarray,
+    parent: np.ndarray,
+    names: dict[int, str],
+) -> pa.Table:
+    n = len(r)
+    common = [
+        ("correlation", _strings(r["correlation"])),
+        ("device", _strings(device.astype(np.int64))),
+        ("context", _strings(r["context"])),
+        ("stream", _strings(r["stream"])),
+    ]
+    dur = end - start
+    if category == KERNEL:
+        uniq, codes = _small_codes(r["code"])
+        labels = [demangle(names.get(int(u), f"kernel#{int(u)}")) for u in uniq]
+        name = _dictionary(codes.ravel(), labels)
+        smem = r["static_smem"].astype(np.int64) + r["dynamic_smem"]
+        items = [
+            *common,
+            ("registers per thread", _strings(r["registers"])),
+            ("shared memory", _strings(smem)),
+            ("static shared memory", _strings(r["static_smem"])),
+            ("dynamic shared memory", _strings(r["dynamic_smem"])),
+            ("grid", _triples(r["grid"])),
+            ("block", _triples(r["block"])),
+        ]
+    elif category == CUDA_SYNC:
+        name = _coded(r["sub"], act.SYNC_TYPES, "{}")
+        items = common
+    else:
+        if category == MEMCPY:
+            key = (
+                r["sub"].astype(np.int64) << 16
+                | r["src_kind"].astype(np.int64) << 8
+                | r["dst_kind"]
+            )
+            uniq, codes = _small_codes(key)
+            labels = [
+                "Memcpy {} ({} -> {})".format(
+                    act.MEMCPY_KINDS.get(int(k) >> 16, "?"),
+                    act.MEMORY_KINDS.get((int(k) >> 8) & 255, "?"),
+                    act.MEMORY_KINDS.get(int(k) & 255, "?"),
+                )
+                for k in uniq
+            ]
+            name = _dictionary(codes.ravel(), labels)
+        else:
+            name = _coded(r["sub"], act.MEMORY_KINDS, "Memset ({})")
+        bandwidth = np.divide(
+            r["bytes"].astype(np.float64), dur, out=np.zeros(n), where=dur > 0
+        )  # bytes per ns is GB/s
+        items = [
+            *common,
+            ("bytes", _strings(r["bytes"])),
+            ("memory bandwidth (GB/s)", _strings(bandwidth)),
+        ]
+    sync_type = r["sub"] if category == CUDA_SYNC else None
+    return _table(
+        span_id=ids,
+        parent=parent,
+        pid=pid,
+        tid=tid if category == CUDA_SYNC else np.zeros(n, np.uint64),
+        lane=_lanes(device, r["stream"], sync_type),
+        category=category,
+        name=name,
+        start=start,
+        end=end,
+        depth=np.zeros(n, np.int64),
+        attrs=_attrs(n, items),
+    )
+
+
+def _triples(v: np.ndarray) -> pa.Array:
+    """``[x, y, z]`` strings, as PyTorch's profiler writes grid and block."""
+    x, y, z = (_strings(v[:, i]) for i in range(3))
+    inner = pc.binary_join_element_wise(x, y, z, ", ")
+    return pc.binary_join_element_wise("[", inner, "]", "")
