@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import io
+import json
 import logging
 import os
 import re
@@ -61,9 +62,12 @@ from gpu_trace.tracer.json_fragments import (
     uint64,
 )
 from gpu_trace.tracer.records import (
+    CUDA_API,
+    CUDA_SYNC,
     KERNEL,
     MARK,
     MEMCPY,
+    MEMSET,
     MODULE,
     NVTX,
     OP,
@@ -83,7 +87,12 @@ KINETO_CATEGORIES = {
     STEP: "user_annotation",
     KERNEL: "kernel",
     MEMCPY: "gpu_memcpy",
+    MEMSET: "gpu_memset",
+    CUDA_API: "cuda_runtime",  # "cuda_driver" for a call whose attribute api is "driver"
+    CUDA_SYNC: "cuda_sync",
 }
+#: Device work: in the Kineto dialect, the flow from its launching call is an ``ac2g`` arrow.
+DEVICE_CATEGORIES = (KERNEL, MEMCPY, MEMSET)
 #: First synthetic tid (lane tracks) and pid (counter processes, renumbered pids). Linux pids and
 #: tids stay below 2**22, so these never meet a real one; both stay below 2**31 for old viewers.
 SYNTHETIC_BASE = 1 << 30
@@ -92,10 +101,30 @@ RESERVED_ARGS = ("span_id", "parent_span_id", "category", "lane", "device", "str
 #: Kineto argument names HTA reads as integers: attributes with these names and an integer value
 #: are written as JSON numbers (everything else stays a string, as recorded).
 INT_ARGS = ("correlation", "External id", "Sequence number", "Fwd thread id", "Ev Idx", "cbid")
+#: More of Kineto's numeric arguments, written as JSON numbers in the Kineto dialect as
+#: PyTorch's profiler writes them (HTA reads them as numbers): integers, numbers, integer lists.
+KINETO_INT_ARGS = (
+    *INT_ARGS,
+    "context",
+    "bytes",
+    "registers per thread",
+    "shared memory",
+    "static shared memory",
+    "dynamic shared memory",
+    "queued",
+    "est. achieved occupancy %",
+    "wait_on_stream",
+    "wait_on_cuda_event_record_corr_id",
+    "Record function id",
+)
+KINETO_NUMBER_ARGS = ("memory bandwidth (GB/s)", "blocks per SM", "warps per SM")
+KINETO_LIST_ARGS = ("grid", "block")
 #: Rows formatted at a time; bounds the exporter's memory whatever the batch size.
 CHUNK_ROWS = 1 << 14
 
 _GPU_LANE = re.compile(r"^gpu(\d+)/stream(\d+)$")
+#: A device lane, or the lane of a GPU annotation on one stream (imported traces).
+_DEVICE_TRACK = re.compile(r"^gpu(\d+)/stream(\d+)(/annotations)?$")
 
 
 _HEX_DIGITS = np.frombuffer(b"0123456789abcdef", np.uint8)
@@ -179,6 +208,8 @@ class ChromeTraceExporter:
         self._threads: dict[tuple[int, int], tuple[int, int]] = {}  # (cpid, tid) -> (rank, lanes)
         self._tracks: dict[tuple[int, int, int, int], tuple[int, int, str, str]] = {}
         self._counter_pids: dict[str, int] = {}
+        self._device_pids: dict[tuple[str, int], int] = {}
+        self._device_streams: set[tuple[int, int]] = set()
         self._next_pid = SYNTHETIC_BASE
         self._next_tid = SYNTHETIC_BASE
         self._flows = FlowLinker(self.flow_window)
@@ -294,6 +325,8 @@ class ChromeTraceExporter:
         is_mark = is_mark_cat[cat_codes] if len(cat_names) else np.zeros(n, dtype=bool)
         shown = [KINETO_CATEGORIES.get(c, c) if self._kineto else c for c in cat_names]
         cat_json = pa.array([dumps(c) for c in shown], pa.string()).take(pa.array(cat_codes))
+        if self._kineto:
+            cat_json = _kineto_rows(batch, cat_names, cat_codes, cat_json)
         our_cat = quote(cat_dict).take(pa.array(cat_codes))
         mark = pa.array(is_mark)
 
@@ -323,7 +356,13 @@ class ChromeTraceExporter:
             ',"category":',
             our_cat,
             lane_frag,
-            attrs_fragment(batch["attrs"], reserved=RESERVED_ARGS, integer_keys=INT_ARGS),
+            attrs_fragment(
+                batch["attrs"],
+                reserved=RESERVED_ARGS,
+                integer_keys=KINETO_INT_ARGS if self._kineto else INT_ARGS,
+                number_keys=KINETO_NUMBER_ARGS if self._kineto else (),
+                list_keys=KINETO_LIST_ARGS if self._kineto else (),
+            ),
             "}}",
             "",
         )
@@ -333,7 +372,10 @@ class ChromeTraceExporter:
         self.stats["spans"] += n - marks
 
         categories = np.array(cat_names, dtype=object)[cat_codes] if len(cat_names) else None
-        arrows = self._flows.link(sid, parent, has_parent, cpid, ctid, rel, categories)
+        launched = None
+        if self._kineto and categories is not None:
+            launched = np.isin(categories, DEVICE_CATEGORIES)
+        arrows = self._flows.link(sid, parent, has_parent, cpid, ctid, rel, categories, launched)
         if arrows is not None:
             starts, ends = arrows
             self._write_strings(starts)
@@ -425,11 +467,23 @@ class ChromeTraceExporter:
             f'"distributedInfo": {{"rank": {self.rank}, "world_size": {world_size}}},\n'
             '"schemaVersion": 1,\n'
             '"displayTimeUnit": "ns",\n'
-            '"deviceProperties": [],\n'
+            f'"deviceProperties": {self._device_properties()},\n'
             f'"traceName": {dumps(str(self.run.get("run_id", "")))},\n'
             '"traceEvents": [\n'
         )
         self._put(head.encode())
+
+    def _device_properties(self) -> str:
+        """The run's ``device_properties`` attribute (what an imported trace had), ``[]``
+        without one: HTA reads the GPUs' properties from here."""
+        attrs = self.run.get("attrs") or {}
+        if isinstance(attrs, list):
+            attrs = dict(attrs)
+        try:
+            props = json.loads(attrs.get("device_properties", "[]"))
+        except (TypeError, ValueError):
+            props = []
+        return dumps(props if isinstance(props, list) else [])
 
     def _write_trailer(self) -> None:
         base = self.base_ns if self.base_ns is not None else 0
@@ -509,6 +563,10 @@ class ChromeTraceExporter:
             return found
         host_name = next(h for h, i in self._hosts.items() if i == host)
         lane_name = self._lane_names[lane]
+        device = _DEVICE_TRACK.match(lane_name) if self._kineto else None
+        if device is not None:
+            found = self._tracks[key] = self._device_track(host_name, device)
+            return found
         cpid = self._process(host_name, pid)
         rank, lanes = self._threads.get(
             (cpid, tid), (sum(1 for c, _ in self._threads if c == cpid), 0)
@@ -532,6 +590,31 @@ class ChromeTraceExporter:
             lane_args += f',"device":{int(m.group(1))},"stream":{int(m.group(2))}'
         found = self._tracks[key] = (cpid, ctid, f'"pid":{cpid},"tid":{ctid}', lane_args)
         return found
+
+    def _device_track(self, host: str, m: re.Match[str]) -> tuple[int, int, str, str]:
+        """Kineto's place for device work: pid the device, tid the stream (a renumbered pid when
+        the device's number is taken), one process per device and host."""
+        dev, stream = int(m.group(1)), int(m.group(2))
+        cpid = self._device_pids.get((host, dev))
+        if cpid is None:
+            cpid = dev if dev not in self._used_pids and dev < SYNTHETIC_BASE else self._new_pid()
+            self._used_pids.add(cpid)
+            self._device_pids[(host, dev)] = cpid
+            label = f"{host} GPU {dev}" if host else f"GPU {dev}"
+            meta = self._meta("process_name", cpid, None, {"name": label})
+            meta += self._meta("process_sort_index", cpid, None, {"sort_index": 1 << 19})
+            self._put_meta(meta, 2)
+            self.stats["processes"] += 1
+        if (cpid, stream) not in self._device_streams:
+            self._device_streams.add((cpid, stream))
+            meta = self._meta("thread_name", cpid, stream, {"name": f"stream {stream}"})
+            meta += self._meta("thread_sort_index", cpid, stream, {"sort_index": stream})
+            self._put_meta(meta, 2)
+            self.stats["tracks"] += 1
+        lane_args = f',"lane":{dumps(m.string)}'
+        if not m.group(3):  # Kineto's GPU annotations carry neither
+            lane_args += f',"device":{dev},"stream":{stream}'
+        return cpid, stream, f'"pid":{cpid},"tid":{stream}', lane_args
 
     def _track_columns(self, batch: pa.Table) -> tuple[np.ndarray, np.ndarray, pa.Array, pa.Array]:
         """Per row: Chrome pid, Chrome tid, the ``"pid":..,"tid":..`` and lane args fragments."""
@@ -602,6 +685,34 @@ class ChromeTraceExporter:
         )
         data = arr.buffers()[2]
         self._put(memoryview(data)[offsets[0] : offsets[-1]])
+
+
+def _kineto_rows(
+    batch: pa.Table, cat_names: list[str], cat_codes: np.ndarray, cat_json: pa.Array
+) -> pa.Array:
+    """Kineto's category where ours depends on the row: ``cuda_driver`` for a CUDA call whose
+    ``api`` attribute says driver, ``gpu_user_annotation`` for a range on a stream's annotation
+    lane (an imported trace's)."""
+    if CUDA_API in cat_names:
+        is_api = cat_codes == cat_names.index(CUDA_API)
+        attrs = combined(batch["attrs"])
+        if not isinstance(attrs, pa.MapArray):  # (key, value) structs as some reads give them
+            attrs = pa.MapArray.from_arrays(
+                attrs.offsets, attrs.values.field(0), attrs.values.field(1)
+            )
+        api = pc.fill_null(pc.map_lookup(attrs, "api", "first"), "")
+        driver = is_api & np.asarray(pc.equal(api, "driver"), dtype=bool)
+        if driver.any():
+            cat_json = pc.if_else(pa.array(driver), '"cuda_driver"', cat_json)
+    if NVTX in cat_names:
+        lane_codes, lane_dict = dictionary(batch["lane"])
+        on_stream = np.array(
+            [bool(_DEVICE_TRACK.match(x or "")) for x in lane_dict.to_pylist()] or [False]
+        )
+        rows = on_stream[lane_codes] & (cat_codes == cat_names.index(NVTX))
+        if rows.any():
+            cat_json = pc.if_else(pa.array(rows), '"gpu_user_annotation"', cat_json)
+    return cat_json
 
 
 # ---- the convenience entry point ----------------------------------------------------------------

@@ -17,6 +17,8 @@ from gpu_trace.tracer.json_fragments import micros
 from gpu_trace.tracer.records import FORWARD
 
 FLOW_CATEGORY = "flow"
+#: Kineto's flow from a CUDA call to the kernel, copy or memset it launched.
+LAUNCH_CATEGORY = "ac2g"
 
 #: Span ids (sorted) with their Chrome pid, tid and relative start, in matching order.
 Chunk = tuple[np.ndarray, ...]
@@ -40,11 +42,14 @@ class FlowLinker:
         ctid: np.ndarray,
         rel: np.ndarray,
         categories: np.ndarray | None,
+        launched: np.ndarray | None = None,
     ) -> tuple[pa.Array, pa.Array] | None:
         """Remember one chunk of spans; return the ``s`` and ``f`` events of its flows, or None.
 
         Per row: span id, parent id (0 for none), whether it has one, Chrome pid and tid, start
-        relative to the time base (ns) and category (None: no ``forward`` spans).
+        relative to the time base (ns) and category (None: no ``forward`` spans). ``launched``
+        marks device work, whose flow from its parent (the CUDA call that launched it) is
+        PyTorch's profiler's ``ac2g`` arrow.
         """
         if self.window == 0:
             return None
@@ -83,7 +88,11 @@ class FlowLinker:
             pa.string()
         )
         self._next_flow += k
-        common = f',"cat":"{FLOW_CATEGORY}","name":"parent"'
+        common: str | pa.Array = f',"cat":"{FLOW_CATEGORY}","name":"parent"'
+        if launched is not None and launched[child].any():
+            common = pc.if_else(
+                pa.array(launched[child]), f',"cat":"{LAUNCH_CATEGORY}","name":"ac2g"', common
+            )
         starts = pc.binary_join_element_wise(
             ',\n{"ph":"s","id":',
             ids,

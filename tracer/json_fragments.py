@@ -20,6 +20,10 @@ import pyarrow.compute as pc
 _NEEDS_ESCAPE = r'[\x00-\x1f"\\]'
 #: A value written as a JSON number: at most 18 digits and no leading zero (JSON has none), so it fits an int64 in any reader.
 _INTEGER = r"^-?(0|[1-9][0-9]{0,17})$"
+#: A finite JSON number (integer or decimal, optional exponent).
+_NUMBER = r"^-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?$"
+#: A flat JSON list of integers, as PyTorch's profiler writes grid and block: ``[1, 2, 3]``.
+_INT_LIST = r"^\[(-?[0-9]{1,18}(, ?-?[0-9]{1,18})*)?\]$"
 
 
 def dumps(value: Any) -> str:
@@ -116,11 +120,15 @@ def attrs_fragment(
     *,
     reserved: Sequence[str] = (),
     integer_keys: Sequence[str] = (),
+    number_keys: Sequence[str] = (),
+    list_keys: Sequence[str] = (),
 ) -> pa.Array | str:
     """Per row ``,"key":"value",...`` for the attributes (``""`` for none).
 
     A key in ``reserved`` gets ``attr.`` in front; the value of a key in ``integer_keys`` is
-    written as a JSON number when it is an integer (other values stay strings, as recorded).
+    written as a JSON number when it is an integer, of a key in ``number_keys`` when it is a
+    number, of a key in ``list_keys`` as a JSON list when it is a list of integers (other values
+    stay strings, as recorded).
     """
     col = combined(col)
     if isinstance(col, pa.MapArray):
@@ -143,6 +151,15 @@ def attrs_fragment(
         pc.is_in(keys, pa.array(integer_keys, pa.string())),
         pc.match_substring_regex(items, _INTEGER),
     )
+    for names, pattern in ((number_keys, _NUMBER), (list_keys, _INT_LIST)):
+        if names:
+            numeric = pc.or_(
+                numeric,
+                pc.and_(
+                    pc.is_in(keys, pa.array(names, pa.string())),
+                    pc.match_substring_regex(items, pattern),
+                ),
+            )
     if pc.any(numeric).as_py():
         values = pc.if_else(numeric, items, values)
     pairs = pc.binary_join_element_wise(",", quote(keys), ":", values, "")

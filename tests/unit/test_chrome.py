@@ -221,7 +221,10 @@ def test_golden_small_run(tmp_path: Path) -> None:
         "name": "MainThread · nvtx/gpu_trace"
     }
     assert names[("thread_name", queue["pid"], queue["tid"])] == {"name": "worker · server/queue"}
-    assert names[("thread_name", 10, x["sgemm"]["tid"])] == {"name": "thread 11 · gpu0/stream7"}
+    # Device work sits where PyTorch's profiler puts it: pid the device, tid the stream.
+    assert (x["sgemm"]["pid"], x["sgemm"]["tid"]) == (0, 7)
+    assert names[("process_name", 0, 0)] == {"name": "h1 GPU 0"}
+    assert names[("thread_name", 0, 7)] == {"name": "stream 7"}
     sort = {e["tid"]: e["args"]["sort_index"] for e in meta if e["name"] == "thread_sort_index"}
     assert sort[10] < sort[x["forward"]["tid"]] < sort[x["send aten::mm"]["tid"]]
 
