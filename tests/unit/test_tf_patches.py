@@ -13,6 +13,7 @@ keras = pytest.importorskip("keras")
 import gpu_trace  # noqa: E402
 from gpu_trace.framework_patches import tensorflow as tf_patch  # noqa: E402
 from tests.conftest import recorded  # noqa: E402
+from tests.span_checks import problems  # noqa: E402
 
 
 def spans(run_dir: Path) -> list[dict]:
@@ -47,6 +48,8 @@ def record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
     yield start
     gpu_trace.stop()
+    for run in tmp_path.glob("run-*"):  # every run nests (tests/span_checks.py)
+        assert problems(recorded(run)) == [], run.name
 
 
 @pytest.mark.parametrize("level", ["layer", "op"])

@@ -18,6 +18,7 @@ import gpu_trace  # noqa: E402
 from gpu_trace.framework_patches import hooks  # noqa: E402
 from gpu_trace.framework_patches import torch as pytorch  # noqa: E402
 from tests.conftest import recorded  # noqa: E402
+from tests.span_checks import problems  # noqa: E402
 
 
 def spans(run_dir: Path) -> list[dict]:
@@ -81,6 +82,8 @@ def record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
     yield start
     gpu_trace.stop()
+    for run in tmp_path.glob("run-*"):  # every run nests (tests/span_checks.py)
+        assert problems(recorded(run)) == [], run.name
 
 
 @pytest.mark.parametrize("level", ["module", "op"])
