@@ -145,16 +145,22 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    from gpu_trace.commands.kernels import render_kernels
+    from gpu_trace.tracer.gpu_reads import gpu_summary
+
     with _open_store(args) as store:
         run_id = _resolve(store, args.run)
         run = store.run(run_id)
         summary = store.summary(run_id, top=args.top)
         forwarding = store.forwarding(run_id, top=args.top)
+        gpu = gpu_summary(store, run_id, top=args.top)
     if args.json:
-        out = {"run": run, "summary": summary, "forwarding": forwarding}
+        out = {"run": run, "summary": summary, "forwarding": forwarding, "gpu": gpu}
         echo(json.dumps(out, default=str, indent=2))
         return 0
     echo(render_summary(run, summary))
+    if gpu["devices"]:
+        echo(render_kernels(gpu))
     if forwarding["ops"]:
         echo(_render_forwarding(forwarding))
     return 0
