@@ -156,25 +156,18 @@ def add(
     end_ns: int,
     attrs: dict[str, str] | None = None,
 ) -> None:
-    """A finished range with known times, child of this thread's innermost open range."""
+    """A finished range with known times (a detected step), recorded as a root of its lane.
+
+    Not under this thread's innermost open range: that may have begun after this one (a user
+    range around the loop's body; a backward range when an optimizer steps in a gradient hook),
+    and the ranges recorded meanwhile are not this one's children, so a parent would get them
+    twice in its self time (negative) or this one would lie outside it. PyTorch's profiler also
+    writes ``ProfilerStep#N`` as a root."""
     rec = _recorder.active
     if rec is None:
         return
     try:
         buf = rec.buffer()
-        stack = buf.stack
-        buf.add_span(
-            (
-                buf.next_id(),
-                stack[-1] if stack else 0,
-                domain.lane,
-                category,
-                name,
-                start_ns,
-                end_ns,
-                len(stack),
-                attrs,
-            )
-        )
+        buf.add_span((buf.next_id(), 0, domain.lane, category, name, start_ns, end_ns, 0, attrs))
     except Exception:
         warn_once("range")

@@ -305,3 +305,35 @@ def test_a_pass_that_raises_leaves_no_range_open_for_the_next_step(tmp_path, mon
     second = max((r for r in rows if r["name"] == "Shared"), key=lambda r: r["start_ns"])
     assert second["parent_span_id"] not in by_id  # not inside a backward range left open
     assert problems(rows) == []
+
+
+def test_detected_steps_are_roots_so_ranges_around_or_inside_them_stay_nested(
+    tmp_path, monkeypatch
+):
+    """A step is known when it ends: inside a user range opened after it began, or inside a
+    module backward range when an optimizer steps in a gradient hook. It is a root of the
+    steps lane, not a child of either (which got a negative self time)."""
+    import gpu_trace
+    from tests.conftest import recorded
+    from tests.span_checks import problems
+
+    monkeypatch.setenv("GPU_TRACE_TORCH", "module")
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)
+    each = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+    gpu_trace.start(tmp_path / "run")
+    try:
+        for _ in range(2):  # the step begins at the forward, the user's range after it
+            out = model(torch.randn(2, 4))
+            with gpu_trace.range("update"):
+                out.sum().backward()
+                plain.step()
+        for p in model.parameters():  # optimizer in backward
+            p.register_post_accumulate_grad_hook(lambda p: each[p].step())
+        model(torch.randn(2, 4)).sum().backward()
+    finally:
+        gpu_trace.stop()
+    rows = recorded(tmp_path / "run")
+    steps = [r for r in rows if r["name"].startswith("ProfilerStep#")]
+    assert len(steps) >= 3 and all(r["parent_span_id"] == 0 for r in steps)
+    assert problems(rows) == []
