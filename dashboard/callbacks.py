@@ -16,7 +16,7 @@ from urllib.parse import parse_qs
 
 from dash import ALL, Dash, Input, Output, State, ctx, no_update
 
-from gpu_trace.dashboard import figures, panels, reports, timeline
+from gpu_trace.dashboard import figures, gpu_work, panels, reports, timeline
 from gpu_trace.dashboard.layout import TABS
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore
 from gpu_trace.tracer.reads import UnknownRunError
@@ -364,7 +364,12 @@ def register(app: Dash, source: ReadOnlyStore) -> None:
             if s is None:
                 return panels.message(f"span {sel['span_id']} is not in run {win['run']}")
             steps = timeline.same_range_in_steps(source, win["run"], s)
-            return panels.details(s, steps, win["base"])
+            chain = (
+                gpu_work.launch_chain(source, win["run"], s["span_id"], s["parent_span_id"])
+                if s["category"] in gpu_work.DEVICE_CATEGORIES
+                else None
+            )
+            return panels.details(s, steps, win["base"], chain)
         except Exception as exc:
             return _fail(exc)
 

@@ -12,6 +12,7 @@ import plotly.graph_objects as go
 
 from gpu_trace import _format as fmt
 from gpu_trace.dashboard.figures import empty, esc
+from gpu_trace.dashboard.gpu_work import StepBusy
 
 PARTS = (
     ("client_ns", "client", "#ff7f0e"),
@@ -93,6 +94,14 @@ def forwarding(fwd: dict[str, Any]) -> go.Figure:
             for key, label, color in PARTS
         ]
     )  # fmt: skip
+    if any(o.get("gpu_ns") is not None for o in ops):
+        # GPU time is part of execute: a marker on each op's bar, not a part of the stack.
+        fig.add_trace(
+            go.Scatter(x=[_ms(o.get("gpu_ns") or 0) for o in ops], y=names, mode="markers",
+                       name="GPU time (server kernels, copies, memsets)",
+                       marker={"symbol": "diamond", "color": "#8c564b", "size": 9},
+                       hovertemplate="%{y}: GPU %{x:.3f} ms<extra></extra>")
+        )  # fmt: skip
     title = "forwarded time per op (ms)"
     if bad:
         title += f" ({bad} negative values from malformed spans drawn as 0)"
@@ -391,3 +400,28 @@ def compare_bars(rows: list[dict[str, Any]], label: str, names: tuple[str, str],
         ]
     )  # fmt: skip
     return _layout(fig, title, height=140 + 22 * len(rows), barmode="group")
+
+
+def gpu_busy(rows: list[StepBusy]) -> go.Figure:
+    """Each step's GPU busy and idle share, per device (stacked to 100% of the step)."""
+    if not rows:
+        return empty("no GPU activity inside steps in this run")
+    fig = go.Figure()
+    devices = sorted({r["device"] for r in rows})
+    for d in devices:
+        mine = [r for r in rows if r["device"] == d]
+        # One bar per step (and device, where there are several): busy and idle stack to 100%.
+        on = f" · GPU {d}" if len(devices) > 1 else ""
+        x = [f"{esc(r['step'])} · pid {r['pid']}{on}" for r in mine]
+        for key, label, color in (("busy_ns", "busy", "#8c564b"), ("idle_ns", "idle", "#e5d8d3")):
+            ns = [r["busy_ns"] if key == "busy_ns" else r["idle_ns"] for r in mine]
+            fig.add_trace(
+                go.Bar(x=x, y=[100 * n / max(1, r["dur_ns"]) for n, r in zip(ns, mine)],
+                       name=f"GPU {d} {label}", marker_color=color,
+                       customdata=[fmt.duration(n) for n in ns],
+                       hovertemplate=f"%{{x}}: GPU {d} {label} %{{y:.1f}}% (%{{customdata}})"
+                       "<extra></extra>")
+            )  # fmt: skip
+    fig.update_yaxes(range=[0, 100], ticksuffix="%")
+    fig.update_xaxes(showticklabels=len(rows) <= 60)
+    return _layout(fig, "GPU busy and idle share of each step", barmode="stack")

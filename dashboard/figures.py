@@ -19,6 +19,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from gpu_trace import _format as fmt
+from gpu_trace.dashboard.gpu_work import DEVICE_CATEGORIES, device_lane, short_kernel_name
 from gpu_trace.dashboard.timeline import TrackInfo, Window
 
 #: Bar colour per span category.
@@ -31,8 +32,13 @@ COLORS = {
     "server": "#d62728",
     "kernel": "#8c564b",
     "memcpy": "#e377c2",
+    "memset": "#e6a100",
+    "cuda_api": "#6b8fb3",
+    "cuda_sync": "#c7787a",
     "mark": "#17becf",
 }
+#: Background of each GPU's group of stream rows (alternating, so two GPUs read apart).
+GPU_BANDS = ("rgba(140,86,75,0.07)", "rgba(140,86,75,0.13)")
 ROW_PX = 18
 COUNTER_PX = 110
 #: Space between two panels (px): a counter panel's title and the ticks of the axis above it.
@@ -55,6 +61,12 @@ def esc(text: Any) -> str:
 
 
 def track_label(t: TrackInfo) -> str:
+    gpu = device_lane(t.lane)
+    if gpu is not None:  # a GPU's stream: grouped under its GPU, whichever thread launched
+        proc = t.process.split(" ")[0].rsplit("/", 1)[-1] if t.process else "pid"
+        sub = t.lane.split("/", 2)[2] if t.lane.count("/") >= 2 else ""
+        label = f"{t.host} · GPU {gpu[0]} · stream {gpu[1]}{' · ' + sub if sub else ''}"
+        return esc(f"{label} · {proc} {t.pid}")
     who = t.thread or (f"tid {t.tid}" if t.tid != t.pid else "main")
     proc = t.process.split(" ")[0].rsplit("/", 1)[-1] if t.process else "pid"
     label = f"{t.host} · {proc} {t.pid} · {who} · {t.lane}"
@@ -173,7 +185,7 @@ def timeline(
              "y0": t.row - 0.5, "y1": t.row + t.levels - 0.5, "fillcolor": "rgba(255,160,0,0.08)",
              "line": {"width": 0}, "layer": "below"}
             for t in info if t.remote
-        ],
+        ] + _gpu_bands(info),
     }  # fmt: skip
     # One column of subplots sharing the x axis (what plotly's make_subplots lays out), the
     # track rows on top. Every axis has a fixed margin and never hides labels that overflow:
@@ -225,6 +237,20 @@ def timeline(
     if clock:
         layout[f"yaxis{_axis(len(heights))}"]["title"] = {"text": "µs"}
     return {"data": data, "layout": layout}
+
+
+def _gpu_bands(info: list[TrackInfo]) -> list[dict[str, object]]:
+    """A tinted band behind each GPU's stream rows (one group per host and GPU)."""
+    groups: dict[tuple[str, int], list[int]] = {}
+    for t in info:
+        if t.device is not None:
+            rows = groups.setdefault((t.host, t.device), [t.row, t.row + t.levels])
+            rows[0], rows[1] = min(rows[0], t.row), max(rows[1], t.row + t.levels)
+    return [
+        {"type": "rect", "xref": "x domain", "yref": "y", "x0": 0, "x1": 1, "y0": lo - 0.5,
+         "y1": hi - 0.5, "fillcolor": GPU_BANDS[i % 2], "line": {"width": 0}, "layer": "below"}
+        for i, (lo, hi) in enumerate(groups.values())
+    ]  # fmt: skip
 
 
 def _density(win: Window, base: int) -> list[dict[str, Any]]:
@@ -286,9 +312,13 @@ def _bars(
         g["hover"].append(f"{name}<br>{fmt.duration(dur)} · {esc(b['lane'])}")
         g["cd"].append([b["span_id"], start])
         left, right = max(start, win.t0), min(start + max(dur, int(ns_per_px)), win.t1)
-        named.append(
-            (row, (left - win.t0) / ns_per_px, (right - win.t0) / ns_per_px, str(b["name"]))
+        # Kernel names are long C++ (the full one is in the hover and the details).
+        text = (
+            short_kernel_name(str(b["name"]))
+            if b["category"] in DEVICE_CATEGORIES
+            else str(b["name"])
         )
+        named.append((row, (left - win.t0) / ns_per_px, (right - win.t0) / ns_per_px, text))
     traces: list[dict[str, Any]] = [
         {
             "type": "bar",

@@ -10,9 +10,11 @@ from typing import Any
 from urllib.parse import urlencode
 
 from dash import dcc, html
+from dash.development.base_component import Component
 
 from gpu_trace import _format as fmt
 from gpu_trace.dashboard import charts
+from gpu_trace.dashboard.gpu_work import DeviceKernels, SpanRef, StepBusy
 
 TENANTS_NOTE = (
     "Per tenant, from the sharing runtime's counters and the server's spans in this run: memory "
@@ -37,10 +39,15 @@ def message(text: str, kind: str = "error") -> html.Div:
     return html.Div(text, className=f"message {kind}", role="alert" if kind == "error" else None)
 
 
+def _cell(value: object) -> html.Td:
+    return html.Td(value if isinstance(value, Component) else str(value))
+
+
 def table(headers: list[str], rows: list[list[Any]], cls: str = "grid") -> html.Table:
+    """A table of text cells (a Dash component in a cell is kept as it is)."""
     return html.Table(
         [html.Thead(html.Tr([html.Th(h) for h in headers]))]
-        + [html.Tbody([html.Tr([html.Td(str(c)) for c in row]) for row in rows])],
+        + [html.Tbody([html.Tr([_cell(c) for c in row]) for row in rows])],
         className=cls,
     )
 
@@ -91,8 +98,48 @@ def _span_line(s: dict[str, Any], base: int) -> str:
     )
 
 
-def details(s: dict[str, Any] | None, steps: list[dict[str, Any]], base: int) -> html.Div:
-    """The span details panel: fields, attributes, parent, children, same range in other steps."""
+def _launch(start_ns: int, chain: list[SpanRef], base: int) -> list[Component]:
+    """What launched a kernel, copy or memset: its API call (name, duration, thread), then the
+    op, modules and ranges open on that thread, innermost first, each a link to it."""
+    parts: list[Component] = [html.H5("launched by")]
+    if not chain:
+        return [*parts, html.Div("no launching call recorded for it", className="hint")]
+    call = chain[0]
+    if call["category"] == "cuda_api":
+        parts.append(
+            html.Div(
+                f"{call['name']} · {fmt.duration(call['end_ns'] - call['start_ns'])} · "
+                f"{call['host']} pid {call['pid']} tid {call['tid']}, "
+                f"{fmt.duration(start_ns - call['start_ns'])} before it started",
+                id="details-launch-call",
+            )
+        )
+    op = next((c for c in chain if c["category"] not in ("cuda_api", "step")), None)
+    if op is not None:
+        parts.append(
+            html.Div(
+                ["at launch, inside ", html.B(op["name"], id="details-launch-op"),
+                 f" ({op['category']}, {op['lane']})"]
+            )
+        )  # fmt: skip
+    for c in chain:
+        line = (
+            f"{c['name']} · {c['lane']} · {c['host']} pid {c['pid']} tid {c['tid']} · "
+            f"+{fmt.duration(c['start_ns'] - base)} · {fmt.duration(c['end_ns'] - c['start_ns'])}"
+        )
+        parts.append(_goto(line, c["span_id"], c["start_ns"], c["end_ns"]))
+    return parts
+
+
+def details(
+    s: dict[str, Any] | None,
+    steps: list[dict[str, Any]],
+    base: int,
+    chain: list[SpanRef] | None = None,
+) -> html.Div:
+    """The span details panel: fields, attributes, what launched it (``chain``: GPU work's API
+    call and the ranges open at launch, :func:`gpu_work.launch_chain`), parent, children, same
+    range in other steps."""
     if s is None:
         return html.Div("Click a span to see its details.", className="hint", id="details-empty")
     dur = int(s["end_ns"]) - int(s["start_ns"])
@@ -122,6 +169,8 @@ def details(s: dict[str, Any] | None, steps: list[dict[str, Any]], base: int) ->
                 className="hint",
             )
         )
+    if chain is not None:
+        parts += _launch(int(s["start_ns"]), chain, base)
     parent = s.get("parent")
     parts.append(html.H5("parent"))
     if parent:
@@ -182,7 +231,43 @@ def summary(data: dict[str, Any]) -> html.Div:
             )
         )
     parts.append(dcc.Graph(figure=charts.steps(data["steps"]), id="summary-steps"))
+    parts += _gpu_tables(data.get("kernels") or [], data.get("gpu_steps") or [])
     return html.Div(parts)
+
+
+def _gpu_tables(devices: list[DeviceKernels], steps: list[StepBusy]) -> list[Component]:
+    """Top kernels by GPU time per device, and each step's GPU busy and idle share."""
+    if not devices:
+        return []
+    parts: list[Component] = [html.H4("Top kernels by GPU time")]
+    head = ["kernel", "count", "total", "mean", "max", "share of busy"]
+    for d in devices:
+        parts.append(
+            html.P(
+                f"GPU {d['device']}: {fmt.count(d['kernels'])} kernels, "
+                f"{fmt.duration(d['kernel_ns'])} of kernel time; busy "
+                f"{fmt.duration(d['busy_ns'])} (kernels, copies and memsets, overlaps once)"
+            )
+        )
+        rows = [
+            [html.Span(k["short"], title=k["name"]), fmt.count(k["count"]),
+             fmt.duration(k["total_ns"]), fmt.duration(k["mean_ns"]), fmt.duration(k["max_ns"]),
+             f"{100 * k['share']:.1f}%"]
+            for k in d["top"]
+        ]  # fmt: skip
+        parts.append(html.Div(table(head, rows), id=f"summary-kernels-gpu{d['device']}"))
+    parts.append(dcc.Graph(figure=charts.gpu_busy(steps), id="summary-gpu-busy"))
+    if steps:
+        rows = [
+            [r["step"], r["pid"], f"GPU {r['device']}", fmt.duration(r["dur_ns"]),
+             fmt.duration(r["busy_ns"]), fmt.duration(r["idle_ns"]),
+             f"{100 * r['busy_share']:.1f}%"]
+            for r in steps
+        ]  # fmt: skip
+        head = ["step", "pid", "device", "step time", "GPU busy", "GPU idle", "busy share"]
+        parts.append(html.Details([html.Summary("GPU busy and idle per step"),
+                                   table(head, rows)], id="summary-gpu-steps"))  # fmt: skip
+    return parts
 
 
 def _pair(a: Any, b: Any, show: Any) -> str:

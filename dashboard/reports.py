@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpu_trace.dashboard import gpu_work
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore
 
 #: Runtime counters (``source = 'runtime'``) the Tenants tab reads, with what they are
@@ -133,13 +134,28 @@ def step_times(source: ReadOnlyStore, run_id: str) -> list[dict[str, Any]]:
 def summary(source: ReadOnlyStore, run_id: str, top: int = 25) -> dict[str, Any]:
     """Everything the Summary tab shows."""
     base = source.summary(run_id, top=top)
+    fwd = source.forwarding(run_id, top=top)
+    if fwd.get("ops"):
+        # Each forwarded op's GPU time: the device work under its server op spans, by parent
+        # links (gpu_work.op_gpu_time); None when the server recorded no GPU activity.
+        gpu = gpu_work.op_gpu_time(source, run_id)
+        for op in fwd["ops"]:
+            op["gpu_ns"] = gpu.get(op["name"], 0) if gpu else None
+        fwd["totals"]["gpu_ns"] = sum(gpu.values()) if gpu else None
     return {
         "top": top_ranges(base, top),
         "counters": base["counters"],
         "modules": module_tree(source, run_id),
-        "forwarding": source.forwarding(run_id, top=top),
+        "forwarding": fwd,
         "steps": step_times(source, run_id),
+        "kernels": gpu_work.top_kernels(source, run_id, top),
+        "gpu_steps": gpu_work.busy_per_step(source, run_id),
     }
+    gpu = gpu_work.op_gpu_time(source, run_id)
+    for op in fwd["ops"]:
+        op["gpu_ns"] = gpu.get(op["name"], 0) if gpu else None
+    fwd["totals"]["gpu_ns"] = sum(gpu.values()) if gpu else None
+    return fwd
 
 
 # ---- tenants -------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from gpu_trace.dashboard import overview
+from gpu_trace.dashboard.gpu_work import device_lane
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore
 
 #: Bars drawn at most per window; narrower spans past this go into density cells.
@@ -61,6 +62,12 @@ class TrackInfo:
     @property
     def key(self) -> Track:
         return (self.host, self.pid, self.tid, self.lane)
+
+    @property
+    def device(self) -> int | None:
+        """The GPU of a device lane (``gpu<device>/stream<stream>``), else None."""
+        found = device_lane(self.lane)
+        return found[0] if found else None
 
     @property
     def remote(self) -> bool:
@@ -106,14 +113,22 @@ FROM __db__.spans WHERE run_id = {run:String} AND category = 'server'
 GROUP BY host, pid, tid, lane
 """
 
-_LANE_ORDER = ("steps", "nvtx/", "torch/", "cpu/", "forward/", "server/", "gpu", "nvml/")
+_LANE_ORDER = (
+    "steps", "nvtx/", "torch/", "cuda_api", "cpu/", "forward/", "server/", "gpu", "nvml/",
+)  # fmt: skip
 
 
 def _lane_rank(track: dict[str, Any]) -> tuple:
+    """Host, then its processes' threads and their lanes, then its GPUs (each GPU's streams in
+    order, whichever process launched on them: one group per GPU, next to the counter panels
+    under the timeline); the forwarding server's tracks last."""
     lane = track["lane"]
-    kind = next((i for i, p in enumerate(_LANE_ORDER) if lane.startswith(p)), len(_LANE_ORDER))
     server = 1 if lane.startswith("server/") else 0
-    return (server, track["host"], track["pid"], track["tid"], kind, lane)
+    gpu = device_lane(lane)
+    if gpu is not None:
+        return (server, track["host"], 1, gpu[0], gpu[1], lane, track["pid"], track["tid"])
+    kind = next((i for i, p in enumerate(_LANE_ORDER) if lane.startswith(p)), len(_LANE_ORDER))
+    return (server, track["host"], 0, track["pid"], track["tid"], kind, lane)
 
 
 def run(source: ReadOnlyStore, run_id: str) -> dict[str, Any]:
@@ -196,6 +211,10 @@ def tracks(source: ReadOnlyStore, run_id: str) -> dict[str, Any]:
         row = 0
         for t in sorted(found, key=_lane_rank):
             levels = min(MAX_LEVELS, int(t["max_depth"]) - int(t["min_depth"]) + 1)
+            if device_lane(t["lane"]) is not None:
+                # A stream runs its work in order: one row, whatever depth the launching
+                # call had (an imported trace nests device work under its call's depth).
+                levels = 1
             named = names.get((t["host"], int(t["pid"]), int(t["tid"]))) or {}
             info = TrackInfo(
                 host=t["host"],

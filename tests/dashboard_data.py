@@ -239,3 +239,88 @@ def minute_run(store: Store, run_id: str = "minute") -> None:
         for i in range(120)
     ]  # fmt: skip
     store.insert_arrow("counters", pa.Table.from_pylist(samples, schema=schema))
+
+
+#: A demangled kernel name as CUPTI and PyTorch's profiler give it, and its short form.
+FILL = (
+    "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, "
+    "at::detail::Array<char*, 1> >(int, at::native::FillFunctor<float>, "
+    "at::detail::Array<char*, 1>)"
+)
+FILL_SHORT = "vectorized_elementwise_kernel<4, FillFunctor, Array>"
+
+
+def gpu_run(store: Store, run_id: str = "gpu") -> None:
+    """Two steps of 1 ms on one thread (pid 10, tid 10) with GPU activity as the collector
+    records it (collectors/gpu_activity/conversion.py): each step has a module ``Net``, an op
+    ``aten::mm`` in it and a ``cudaLaunchKernel`` under the op; device work on lanes
+    ``gpu<d>/stream<s>`` (tid 0), each the child of its API call.
+
+    Exact GPU times: step 0 ``[0, 1 ms)``: GPU 0 runs ``FILL`` on stream 7 ``[200, 400) µs``, a
+    memcpy on stream 13 ``[300, 500) µs`` (overlapping: busy counts it once) and ``sgemm`` on
+    stream 7 ``[900, 1100) µs`` (half in each step): busy 400 µs. Step 1 ``[1, 2 ms)``: GPU 0
+    runs the rest of ``sgemm`` (100 µs) and ``FILL`` ``[1500, 1600) µs``: busy 200 µs; GPU 1 a
+    memset ``[1200, 1300) µs``: 100 µs."""
+    us = 1000
+    spans: list[dict[str, Any]] = []
+
+    def add(sid: int, name: str, lane: str, cat: str, t0: int, t1: int, parent: int = 0,
+            depth: int = 0, tid: int = 10, **attrs: str) -> None:  # fmt: skip
+        spans.append({"span_id": sid, "parent_span_id": parent, "name": name, "lane": lane,
+                      "category": cat, "start_ns": t0 * us, "end_ns": t1 * us, "depth": depth,
+                      "tid": tid, "attrs": attrs})  # fmt: skip
+
+    for k in range(2):
+        t, sid = 1000 * k, 100 * (k + 1)
+        add(sid, f"ProfilerStep#{k}", "steps", "step", t, t + 1000)
+        add(sid + 1, "Net", "torch/modules", "module", t + 50, t + 950, sid, 1)
+        add(sid + 2, "aten::mm", "torch/ops", "op", t + 100, t + 300, sid + 1, 2)
+        add(sid + 3, "cudaLaunchKernel", "cuda_api", "cuda_api", t + 150, t + 160, sid + 2, 3,
+            correlation=str(sid + 3), api="runtime")  # fmt: skip
+        add(sid + 4, "cudaMemcpyAsync", "cuda_api", "cuda_api", t + 170, t + 180, sid + 2, 3)
+        add(sid + 5, "cudaLaunchKernel", "cuda_api", "cuda_api", t + 800, t + 810, sid + 1, 2)
+    kernel = {"device": "0", "stream": "7", "grid": "[128, 1, 1]", "block": "[256, 1, 1]",
+              "registers per thread": "32", "shared memory": "0"}  # fmt: skip
+    add(1, FILL, "gpu0/stream7", "kernel", 200, 400, 103, 4, 0, correlation="103", **kernel)
+    add(2, "Memcpy HtoD (Pinned -> Device)", "gpu0/stream13", "memcpy", 300, 500, 104, 4, 0,
+        bytes="4096")  # fmt: skip
+    add(3, "ampere_sgemm_128x64_nn", "gpu0/stream7", "kernel", 900, 1100, 105, 3, 0, **kernel)
+    add(4, "Memset (Device)", "gpu1/stream7", "memset", 1200, 1300, 204, 4, 0)
+    add(5, FILL, "gpu0/stream7", "kernel", 1500, 1600, 203, 4, 0, **kernel)
+    add_run(store, run_id, spans, 0, 2000 * us)
+
+
+def forwarded_gpu_run(store: Store, run_id: str = "fwd-gpu") -> None:
+    """Two forwarded batches, each of ops ``aten::mm`` and ``aten::relu``, executed on a server
+    with GPU activity under its spans: execute -> op -> ``cudaLaunchKernel`` -> kernel.
+
+    Per batch: ``aten::mm`` launches a 50 µs kernel and ``aten::relu`` a 10 µs kernel named
+    ``aten::mm`` (so a sum by name would be wrong: it is relu's, by its parents); a 7 µs copy is
+    launched by the execute span itself, outside any op. GPU time per op: mm 100 µs, relu 20 µs.
+    """
+    us = 1000
+    spans: list[dict[str, Any]] = []
+
+    def add(sid: int, name: str, lane: str, cat: str, t0: int, t1: int, parent: int = 0,
+            server: bool = True) -> None:  # fmt: skip
+        where = {"host": "gpu-box", "pid": 99, "tid": 0 if lane.startswith("gpu") else 2}
+        spans.append({"span_id": sid, "parent_span_id": parent, "name": name, "lane": lane,
+                      "category": cat, "start_ns": t0 * us, "end_ns": t1 * us,
+                      **(where if server else {})})  # fmt: skip
+
+    for k in range(2):
+        t, sid = 1000 * k, 1000 * (k + 1)
+        add(sid, "batch", "forward/batch", "forward", t, t + 600, server=False)
+        add(sid + 1, "execute", "server/execute", "server", t + 100, t + 500, sid)
+        for j, (op, ns) in enumerate((("aten::mm", 50), ("aten::relu", 10))):
+            o = t + 120 + 150 * j
+            add(sid + 10 + j, op, "forward/op", "forward", t + 10 + 20 * j, t + 20 + 20 * j, sid,
+                server=False)  # fmt: skip
+            add(sid + 20 + j, op, "server/op", "server", o, o + 100, sid + 1)
+            add(sid + 30 + j, "cudaLaunchKernel", "cuda_api", "cuda_api", o + 5, o + 10,
+                sid + 20 + j)  # fmt: skip
+            add(sid + 40 + j, "aten::mm", "gpu0/stream7", "kernel", o + 20, o + 20 + ns,
+                sid + 30 + j)  # fmt: skip
+        add(sid + 50, "cudaMemcpyAsync", "cuda_api", "cuda_api", t + 450, t + 455, sid + 1)
+        add(sid + 51, "Memcpy DtoH", "gpu0/stream7", "memcpy", t + 460, t + 467, sid + 50)
+    add_run(store, run_id, spans, 0, 2000 * us)
