@@ -63,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="NVTX capture: native injection library (default), Python nvtx package only, or off",
     )
     p.add_argument(
+        "--gpu-activity",
+        choices=["auto", "on", "off"],
+        help="kernels, copies, memsets and CUDA calls through CUPTI: on where a driver is (auto)",
+    )
+    p.add_argument(
         "--torch",
         choices=["module", "op", "off"],
         help="PyTorch ranges: modules, optimizer, backward, steps (default); op adds every ATen op",

@@ -53,6 +53,11 @@ ENVIRONMENT: dict[str, str] = {
     "each flush; the default) or monotonic (clock_gettime on every event).",
     "GPU_TRACE_CC": "C compiler used to build the NVTX injection library and the C gpu_trace.range "
     "on first use. Default cc.",
+    "GPU_TRACE_GPU_ACTIVITY": "GPU activity capture (kernels, copies, memsets, CUDA calls through "
+    "CUPTI; docs/gpu-activity.md): auto (on where an NVIDIA driver is installed; the default), on "
+    "or off. `gpu-trace record --gpu-activity` sets it.",
+    "GPU_TRACE_CUPTI_LIBRARY": "libcupti the GPU activity library opens. Default: found in the "
+    "nvidia-cuda-cupti package or the CUDA toolkit; `gpu-trace record` sets it for the program.",
     "GPU_TRACE_TORCH": "PyTorch ranges when the program imports torch: module (every nn.Module's "
     "forward and backward, optimizer.step, backward, DataLoader waits, steps; the default), op "
     "(module plus every ATen op) or off. `gpu-trace record --torch` sets it.",
@@ -250,6 +255,8 @@ CHECKS: dict[str, Callable[[str], object]] = {
     "GPU_TRACE_NVTX": _choice("native", "python", "off"),
     "GPU_TRACE_NVTX_CLOCK": _choice("auto", "monotonic"),
     "GPU_TRACE_CC": _command,
+    "GPU_TRACE_GPU_ACTIVITY": _choice("auto", "on", "off"),
+    "GPU_TRACE_CUPTI_LIBRARY": _file,
     "GPU_TRACE_TORCH": _choice("module", "op", "off"),
     "GPU_TRACE_TORCH_SHAPES": _flag,
     "GPU_TRACE_TF": _choice("layer", "op", "off"),
@@ -329,6 +336,16 @@ def cluster(explicit: str | None = None) -> str | None:
 def c_compiler() -> str | None:
     """``GPU_TRACE_CC``, the compiler command for the NVTX library (None: use ``cc``)."""
     return _env("GPU_TRACE_CC")
+
+
+def gpu_activity(explicit: str | None = None) -> str:
+    """``--gpu-activity`` or ``GPU_TRACE_GPU_ACTIVITY``: ``auto`` (default), ``on`` or ``off``."""
+    if explicit is not None:
+        value = explicit.strip().lower()
+        if value not in ("auto", "on", "off"):
+            raise ValueError(f"GPU activity must be auto, on or off, got {explicit!r}")
+        return value
+    return str(_get("GPU_TRACE_GPU_ACTIVITY", "auto"))
 
 
 def nvtx_clock() -> str:

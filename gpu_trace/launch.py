@@ -70,6 +70,7 @@ def prepare(
     nvml_fallback: Path | None = None,
     remote: str | None = None,
     remote_sync: bool = False,
+    gpu_activity: str | None = None,
 ) -> Launch:
     """Create the run directory and the program's environment. Raises LaunchError."""
     if not argv:
@@ -169,6 +170,13 @@ def prepare(
         if not inject:
             env["GPU_TRACE_NVTX"] = "python"
     info.attrs["nvtx"] = env["GPU_TRACE_NVTX"]
+    # GPU activity: CUPTI's injection library in every CUDA process of the run (gpu-activity.md).
+    from gpu_trace.collectors import gpu_activity as activity
+
+    setting = gpu_activity or environ.get("GPU_TRACE_GPU_ACTIVITY")
+    inject, info.attrs["gpu_activity"], line = activity.prepare(setting)
+    env.update(inject)
+    notes.extend([line] if line else [])
     samplers = _prepare_samplers(info, run_dir, nvml_hz, host_hz, nvml_replay, nvml_fallback)
     notes.extend(samplers.notes)
     info.attrs.update(samplers.attrs)

@@ -65,9 +65,7 @@ def convert_run(run_dir: str | Path) -> list[str]:
             )
     if info is not None:
         _update_run(run_dir, totals, notes)
-    for note in dict.fromkeys(notes):
-        log.warning("gpu-trace: %s", note)
-    return problems
+    return [*dict.fromkeys(notes), *problems]  # what the library said (CUPTI missing...) first
 
 
 def _pid_of(path: Path) -> int:

@@ -36,6 +36,8 @@ BAD: dict[str, str | None] = {
     "GPU_TRACE_NVTX": "always",
     "GPU_TRACE_NVTX_CLOCK": "tsc",
     "GPU_TRACE_CC": 'cc "unterminated',
+    "GPU_TRACE_GPU_ACTIVITY": "sometimes",
+    "GPU_TRACE_CUPTI_LIBRARY": "/nonexistent/libcupti.so",
     "GPU_TRACE_TORCH": "layer",
     "GPU_TRACE_TORCH_SHAPES": "sometimes",
     "GPU_TRACE_TF": "module",
