@@ -73,12 +73,31 @@ def self_times(rows: Iterable[Row]) -> list[str]:
     return out
 
 
+def siblings(rows: Iterable[Row]) -> list[str]:
+    """Children of one parent on one thread that overlap in time, on any lanes: the parent's
+    self time counts the overlap twice (negative only when it is large enough)."""
+    kids: dict[tuple, list[Row]] = defaultdict(list)
+    for r in rows:
+        if r["parent_span_id"] and r["end_ns"] > r["start_ns"]:
+            kids[(*_thread(r), r["parent_span_id"])].append(r)
+    out = []
+    for spans in kids.values():
+        spans.sort(key=lambda r: (r["start_ns"], -r["end_ns"]))
+        last = None
+        for r in spans:
+            if last is not None and r["start_ns"] < last["end_ns"]:
+                out.append(f"{_label(r)} overlaps its sibling {_label(last)}")
+            if last is None or r["end_ns"] > last["end_ns"]:
+                last = r
+    return out
+
+
 def problems(rows: Iterable[Row]) -> list[str]:
-    """Every partial overlap, negative self time and child outside its parent in ``rows``
-    (span dicts with ``span_id, parent_span_id, tid, lane, name, start_ns, end_ns`` and
-    optionally ``host, pid``)."""
+    """Every partial overlap, negative self time, child outside its parent and overlapping
+    siblings in ``rows`` (span dicts with ``span_id, parent_span_id, tid, lane, name, start_ns,
+    end_ns`` and optionally ``host, pid``)."""
     rows = list(rows)
-    return overlaps(rows) + self_times(rows)
+    return overlaps(rows) + self_times(rows) + siblings(rows)
 
 
 def stored_spans(store: Any, run_id: str) -> list[dict]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.span_checks import overlaps, problems, self_times
+from tests.span_checks import overlaps, problems, self_times, siblings
 
 
 def span(sid: int, parent: int, start: int, end: int, tid: int = 1, lane: str = "a") -> dict:
@@ -44,3 +44,10 @@ def test_children_overrunning_or_overlapping_give_a_negative_self_time() -> None
     # a child outside its parent, and children on another thread do not count against it
     rows = [span(1, 0, 0, 10), span(2, 1, 5, 12, lane="b"), span(3, 1, 0, 10, tid=2)]
     assert self_times(rows) == ["'s2' [5, 12] lies outside its parent 's1' [0, 10]"]
+
+
+def test_overlapping_children_of_one_parent_are_reported_on_any_lane() -> None:
+    # a range made after the fact beside a live one it holds in time: self time counts both
+    rows = [span(1, 0, 0, 100), span(2, 1, 10, 60, lane="b"), span(3, 1, 20, 30, lane="c")]
+    assert siblings(rows) == ["'s3' [20, 30] overlaps its sibling 's2' [10, 60]"]
+    assert siblings([span(1, 0, 0, 100), span(2, 1, 10, 60), span(3, 1, 60, 70)]) == []
