@@ -1,0 +1,103 @@
+"""The CUPTI injection library, built and run here without a GPU: it exports the driver's entry
+point, writes chunks the Python reader checks (CRC, framing), and a machine without CUPTI or
+without a GPU gets one line while the program runs on unchanged."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from gpu_trace import _cbuild
+from gpu_trace.collectors import gpu_activity
+from gpu_trace.collectors.gpu_activity import activity_file, library
+from gpu_trace.collectors.gpu_activity.converter import convert_run
+from gpu_trace.tracer.run import RunInfo
+
+PROGRAM = textwrap.dedent(
+    """
+    import ctypes, sys
+    lib = ctypes.CDLL(sys.argv[1])
+    # what the CUDA driver does at cuInit when CUDA_INJECTION64_PATH names the library
+    print("init", lib.InitializeInjection(), flush=True)
+    print("the program goes on")
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if library.include_dirs() is None:
+        pytest.skip(
+            "CUPTI headers not installed here (CUDA toolkit or nvidia-cuda-cupti): not built"
+        )
+    try:
+        return library.build(tmp_path_factory.mktemp("lib") / library.library_name())
+    except _cbuild.BuildError as exc:
+        pytest.skip(f"no C compiler: {exc}")
+
+
+def _run_program(lib: Path, run_dir: Path, cupti: str | None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "GPU_TRACE_RUN_DIR": str(run_dir)}
+    env.pop("GPU_TRACE_CUPTI_LIBRARY", None)
+    if cupti is not None:
+        env["GPU_TRACE_CUPTI_LIBRARY"] = cupti
+    return subprocess.run(
+        [sys.executable, "-c", PROGRAM, str(lib)],
+        capture_output=True, text=True, env=env, timeout=120, check=False,
+    )  # fmt: skip
+
+
+def test_the_library_exports_the_drivers_entry_point(built: Path) -> None:
+    out = subprocess.run(["nm", "-D", "--defined-only", str(built)], capture_output=True, text=True)
+    exported = {line.split()[-1] for line in out.stdout.splitlines() if " T " in line}
+    assert "InitializeInjection" in exported
+
+
+def test_without_cupti_one_note_reaches_the_run_and_the_program_goes_on(
+    built: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    RunInfo(run_id="r", trace_id="ab" * 16, started_ns=0).save(run_dir)
+    out = _run_program(built, run_dir, "/nonexistent/libcupti.so")
+    assert out.returncode == 0 and out.stdout == "init 1\nthe program goes on\n", out.stderr
+    problems = convert_run(run_dir)  # the chunk the C library wrote passes Python's checksum
+    assert len(problems) == 1
+    assert problems[0].startswith("GPU activity is off: CUPTI not found (/nonexistent/libcupti.so")
+    assert RunInfo.load(run_dir).attrs["gpu_activity_note"] == problems[0]
+    assert not activity_file.activity_files(run_dir / "spool")
+
+
+def test_with_cupti_but_no_gpu_one_note(built: Path, tmp_path: Path) -> None:
+    cupti = library.cupti_library()
+    if cupti is None:
+        pytest.skip("libcupti is not installed here")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    out = _run_program(built, run_dir, str(cupti))
+    assert out.returncode == 0 and out.stdout == "init 1\nthe program goes on\n", out.stderr
+    data = activity_file.read(activity_file.activity_files(run_dir / "spool"))
+    assert not data.problems and len(data.records) == 0
+    assert len(data.notes) == 1 and data.notes[0].startswith("GPU activity is off: CUPTI ")
+
+
+def test_record_steps_aside_for_another_injection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nsight Systems names its own injection library; one process loads one."""
+    monkeypatch.setenv(library.ENV, "/opt/nsight/libToolsInjection64.so")
+    env, why = library.injection_env(Path("/nonexistent"))
+    assert env == {} and why is not None and "/opt/nsight/libToolsInjection64.so" in why
+
+
+def test_asked_for_without_a_driver_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu_activity, "driver_present", lambda: False)
+    assert gpu_activity.prepare("on") == (
+        {},
+        "off",
+        "GPU activity is off: no NVIDIA driver (libcuda) on this machine",
+    )
+    assert gpu_activity.prepare("auto") == ({}, "off", None)  # a CPU machine: nothing to say
+    assert gpu_activity.prepare("off") == ({}, "off", None)
