@@ -55,7 +55,7 @@ BESIDE_MIN_CHARS = 8
 CHAR_EM = 0.62
 
 
-def esc(text: Any) -> str:
+def esc(text: object) -> str:
     """Text for plotly labels and hovers, which render a subset of HTML: escaped, so it shows as is."""
     return html.escape(str(text), quote=False)
 

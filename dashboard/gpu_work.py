@@ -70,7 +70,6 @@ class KernelTotal(TypedDict):
     count: int
     total_ns: int
     mean_ns: int
-    max_ns: int
     share: float
 
 
@@ -79,6 +78,7 @@ class DeviceKernels(TypedDict):
 
     device: int
     busy_ns: int
+    window_ns: int  # first work's start to last work's end
     kernels: int
     kernel_ns: int
     top: list[KernelTotal]
@@ -251,53 +251,22 @@ def busy_per_step(source: ReadOnlyStore, run_id: str) -> list[StepBusy]:
 
 
 def top_kernels(source: ReadOnlyStore, run_id: str, top: int = 20) -> list[DeviceKernels]:
-    """The kernels that took the most GPU time, per device that ran kernels: its busy time,
-    kernel count and time, and its ``top`` kernel names by total time. A kernel's ``share`` is
-    its total over the device's busy time (kernels that ran at once on two streams both count,
-    so shares can add up past 1).
-    """
-    rows = source.rows(
-        """
-        SELECT toUInt32OrZero(extract(lane, '^gpu([0-9]+)/')) AS device, name,
-               count() AS count, sum(end_ns - start_ns) AS total_ns, max(end_ns - start_ns) AS max_ns
-        FROM __db__.spans
-        WHERE run_id = {run:String} AND category = 'kernel'
-          AND match(lane, '^gpu[0-9]+/stream[0-9]+$') AND end_ns >= start_ns
-        GROUP BY device, name
-        ORDER BY device, total_ns DESC, name
-        LIMIT {top:UInt32} BY device
-        """,
-        {"run": run_id, "top": max(1, int(top))},
-    )
-    totals = source.rows(
-        """
-        SELECT toUInt32OrZero(extract(lane, '^gpu([0-9]+)/')) AS device, count() AS kernels,
-               sum(end_ns - start_ns) AS kernel_ns
-        FROM __db__.spans
-        WHERE run_id = {run:String} AND category = 'kernel'
-          AND match(lane, '^gpu[0-9]+/stream[0-9]+$') AND end_ns >= start_ns
-        GROUP BY device ORDER BY device
-        """,
-        {"run": run_id},
-    )
-    intervals = _intervals(source, run_id)
+    """The kernels that took the most GPU time, per device, as ``gpu-trace show`` reads them
+    (:func:`gpu_trace.tracer.gpu_reads.gpu_summary`), with each name's short form. A kernel's
+    ``share`` is its total over the device's busy time (kernels that ran at once on two streams
+    both count, so shares can add up past 1)."""
     devices: list[DeviceKernels] = []
-    for t in totals:
-        d = int(t["device"])
-        s, e = intervals.get(d, (np.zeros(0, np.int64), np.zeros(0, np.int64)))
-        busy = int((e - s).sum())
-        mine = [r for r in rows if int(r["device"]) == d]
+    for d in source.gpu_summary(run_id, top)["devices"]:
         kernels = [
-            KernelTotal(name=str(r["name"]), short=short_kernel_name(str(r["name"])),
-                        count=int(r["count"]), total_ns=int(r["total_ns"]),
-                        mean_ns=int(r["total_ns"]) // max(1, int(r["count"])),
-                        max_ns=int(r["max_ns"]),
-                        share=int(r["total_ns"]) / busy if busy else 0.0)
-            for r in mine
+            KernelTotal(name=str(k["name"]), short=short_kernel_name(str(k["name"])),
+                        count=int(k["count"]), total_ns=int(k["total_ns"]),
+                        mean_ns=int(k["mean_ns"]), share=float(k["share"]))
+            for k in d["top"]
         ]  # fmt: skip
         devices.append(
-            DeviceKernels(device=d, busy_ns=busy, kernels=int(t["kernels"]),
-                          kernel_ns=int(t["kernel_ns"]), top=kernels)
+            DeviceKernels(device=int(d["device"]), busy_ns=int(d["busy_ns"]),
+                          window_ns=int(d["window_ns"]), kernels=int(d["kernels"]),
+                          kernel_ns=int(d["kernel_ns"]), top=kernels)
         )  # fmt: skip
     return devices
 

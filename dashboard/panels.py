@@ -240,19 +240,20 @@ def _gpu_tables(devices: list[DeviceKernels], steps: list[StepBusy]) -> list[Com
     if not devices:
         return []
     parts: list[Component] = [html.H4("Top kernels by GPU time")]
-    head = ["kernel", "count", "total", "mean", "max", "share of busy"]
+    head = ["kernel", "count", "total", "mean", "share of busy"]
     for d in devices:
+        idle = d["window_ns"] - d["busy_ns"]
         parts.append(
             html.P(
                 f"GPU {d['device']}: {fmt.count(d['kernels'])} kernels, "
                 f"{fmt.duration(d['kernel_ns'])} of kernel time; busy "
-                f"{fmt.duration(d['busy_ns'])} (kernels, copies and memsets, overlaps once)"
+                f"{fmt.duration(d['busy_ns'])}, idle {fmt.duration(idle)} between its first "
+                "and last work (busy: kernels, copies and memsets, overlaps once)"
             )
         )
         rows = [
             [html.Span(k["short"], title=k["name"]), fmt.count(k["count"]),
-             fmt.duration(k["total_ns"]), fmt.duration(k["mean_ns"]), fmt.duration(k["max_ns"]),
-             f"{100 * k['share']:.1f}%"]
+             fmt.duration(k["total_ns"]), fmt.duration(k["mean_ns"]), f"{100 * k['share']:.1f}%"]
             for k in d["top"]
         ]  # fmt: skip
         parts.append(html.Div(table(head, rows), id=f"summary-kernels-gpu{d['device']}"))

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 import pyarrow as pa
 
+from gpu_trace.tracer import gpu_reads
 from gpu_trace.tracer.store import Store, StoreError
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,11 @@ class ReadOnlyStore:
     def _read(self, read: Callable[[Store], T]) -> T:
         with self._lock:
             return read(self.store())
+
+    def gpu_summary(self, run_id: str, top: int = 10) -> dict[str, Any]:
+        """:func:`gpu_reads.gpu_summary <gpu_trace.tracer.gpu_reads.gpu_summary>`: per device,
+        top kernels, busy and idle time (what ``gpu-trace show`` prints)."""
+        return self._read(lambda s: gpu_reads.gpu_summary(s, run_id, top))
 
     def runs(self, limit: int = 50, search: str | None = None) -> list[dict[str, Any]]:
         """:meth:`Store.runs <gpu_trace.tracer.reads.RunQueries.runs>`."""

@@ -112,14 +112,15 @@ def test_a_kernels_launch_chain_goes_up_to_its_step(source: ReadOnlyStore) -> No
 
 def test_top_kernels_per_device_with_share_of_busy_time(source: ReadOnlyStore) -> None:
     found = gpu_work.top_kernels(source, "gpu")
-    assert [d["device"] for d in found] == [0]  # GPU 1 ran only a memset
+    assert [(d["device"], d["kernels"]) for d in found] == [(0, 3), (1, 0)]  # GPU 1: a memset
     d = found[0]
-    # Busy: union of [200,400), [300,500) memcpy, [900,1100), [1500,1600) = 300+200+100 µs.
-    assert (d["busy_ns"], d["kernels"], d["kernel_ns"]) == (600 * US, 3, 500 * US)
-    assert [(k["short"], k["count"], k["total_ns"], k["mean_ns"], k["max_ns"]) for k in d["top"]] == [
-        (FILL_SHORT, 2, 300 * US, 150 * US, 200 * US),
-        ("ampere_sgemm_128x64_nn", 1, 200 * US, 200 * US, 200 * US),
-    ]  # fmt: skip
+    # Busy: union of [200,400), [300,500) memcpy, [900,1100), [1500,1600) = 300+200+100 µs,
+    # over the device's window [200, 1600) µs.
+    assert (d["busy_ns"], d["window_ns"], d["kernel_ns"]) == (600 * US, 1400 * US, 500 * US)
+    assert [(k["short"], k["count"], k["total_ns"], k["mean_ns"]) for k in d["top"]] == [
+        (FILL_SHORT, 2, 300 * US, 150 * US),
+        ("ampere_sgemm_128x64_nn", 1, 200 * US, 200 * US),
+    ]
     assert [k["share"] for k in d["top"]] == [0.5, 200 / 600]
 
 
