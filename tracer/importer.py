@@ -375,8 +375,7 @@ def _finish(
     for row, corr in device_rows:
         call = corr_row.get(corr) if corr else None
         if call is not None:
-            parent[row] = span_id[call]
-            depth[row] = depth[call] + 1
+            parent[row] = span_id[call]  # depth stays 0: the first level of its stream's lane
             cols.pid[row] = cols.pid[call]
             linked += 1
         else:
