@@ -54,6 +54,7 @@ def format_listing(listing: dict[str, Any]) -> str:
             fmt.size(t["memory_peak_bytes"]),
             fmt.size(t["evicted_bytes"]),
             fmt.duration(t["busy_ns"]),
+            _gpu_busy(t),
             fmt.duration(t["queue_ns"]),
             fmt.count(t["ops"]),
             f"{t['weight']:g}",
@@ -61,8 +62,9 @@ def format_listing(listing: dict[str, Any]) -> str:
         ]
         for t in listing.get("tenants", [])
     ]
-    heads = ["TENANT", "SESSIONS", "MEMORY", "LIMIT", "PEAK", "PAGED OUT", "BUSY", "QUEUE WAIT"]
-    lines.append(fmt.table([*heads, "OPS", "WEIGHT", "PRIORITY"], rows, right=set(range(1, 11))))
+    heads = ["TENANT", "SESSIONS", "MEMORY", "LIMIT", "PEAK", "PAGED OUT", "BUSY", "GPU BUSY"]
+    heads += ["QUEUE WAIT"]
+    lines.append(fmt.table([*heads, "OPS", "WEIGHT", "PRIORITY"], rows, right=set(range(1, 12))))
     sessions = listing.get("sessions", [])
     lines.append("")
     if not sessions:
@@ -80,6 +82,7 @@ def format_listing(listing: dict[str, Any]) -> str:
             fmt.size(s["memory_peak_bytes"]),
             fmt.size(s["evicted_bytes"]),
             fmt.duration(s["busy_ns"]),
+            _gpu_busy(s),
             fmt.duration(s["queue_ns"]),
             fmt.count(s["ops"]),
             fmt.size(s["bytes_in"]),
@@ -89,8 +92,8 @@ def format_listing(listing: dict[str, Any]) -> str:
         for s in sessions
     ]
     heads = ["SESSION", "TENANT", "CLIENT", "CONNECTED", "STATE", "MEMORY", "LIMIT", "PEAK"]
-    heads += ["PAGED OUT", "BUSY", "QUEUE WAIT", "OPS", "IN", "OUT", "EVICT/RESTORE"]
-    lines.append(fmt.table(heads, rows, right={0, *range(3, 4), *range(5, 15)}))
+    heads += ["PAGED OUT", "BUSY", "GPU BUSY", "QUEUE WAIT", "OPS", "IN", "OUT", "EVICT/RESTORE"]
+    lines.append(fmt.table(heads, rows, right={0, *range(3, 4), *range(5, 16)}))
     return "\n".join(lines)
 
 
@@ -147,3 +150,12 @@ def evict(address: str, session: int, token: str | None = None) -> None:
     """Close session ``session`` (needs an admin tenant's token): its client gets
     "session evicted by an administrator" at its next sync point, and its memory is freed."""
     request(address, {"op": "evict", "session": int(session)}, token)
+
+
+def _gpu_busy(row: dict[str, object]) -> str:
+    """GPU busy time from kernels; ``-`` where it is not measured (no GPU activity capture),
+    which is not the same as no time."""
+    from gpu_trace import _format as fmt
+
+    value = row.get("gpu_busy_ns")
+    return fmt.duration(value) if isinstance(value, int) else "-"

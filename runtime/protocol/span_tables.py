@@ -27,28 +27,40 @@ SERVER_TIDS = {
     "server/quota-wait": 2,
 }
 SERVER_THREADS = {"1": "receive", "2": "executor"}
+#: GPU activity categories made on a thread (the CUDA calls, the waits): the executor's row.
+THREAD_CATEGORIES = ("cuda_api", "cuda_sync")
 
 
 def span_table(spans: list[list[Any]], pid: int, new_id: Any) -> pa.Table:
     """TRACE/SpanLog spans ``[id, parent, lane, name, start, end, attrs]`` as a spool table.
 
     Times stay on the server's clock; attrs get ``raw_start_ns``/``raw_end_ns``. Spans without
-    an id (``server/op``) get one from ``new_id()``.
+    an id get one from ``new_id()``. A row with an eighth element is the server's GPU activity
+    (``runtime/server/device_activity.py``): its category (``kernel``, ``memcpy``, ``memset``,
+    ``cuda_api``, ``cuda_sync``), on its own lane (``gpu<d>/stream<s>``, ``cuda_api``): CUDA
+    calls on the executor's thread row under their op (depth 3), device work on thread 0.
     """
     from gpu_trace.tracer.columns import spans_to_table
     from gpu_trace.tracer.records import SERVER
 
     rows: list[tuple] = []  # Span records
     tids: list[int] = []
-    for span_id, parent_id, span_lane, span_name, t0, t1, span_attrs in spans:
+    for row in spans:
+        span_id, parent_id, span_lane, span_name, t0, t1, span_attrs = row[:7]
         a = dict(span_attrs or {})
         a["raw_start_ns"] = str(t0)
         a["raw_end_ns"] = str(t1)
-        depth = 2 if span_lane == "server/op" else 1
+        if len(row) > 7:
+            category = str(row[7])
+            on_thread = category in THREAD_CATEGORIES
+            depth, tid = (3, SERVER_TIDS["server/op"]) if on_thread else (0, 0)
+        else:
+            category, tid = SERVER, SERVER_TIDS.get(span_lane, 2)
+            depth = 2 if span_lane == "server/op" else 1
         rows.append(
-            (span_id or new_id(), parent_id, span_lane, SERVER, span_name, t0, t1, depth, a)
+            (span_id or new_id(), parent_id, span_lane, category, span_name, t0, t1, depth, a)
         )
-        tids.append(SERVER_TIDS.get(span_lane, 2))
+        tids.append(tid)
     return spans_to_table(rows, pid, tids)
 
 

@@ -67,6 +67,7 @@ from gpu_trace.runtime.sharing.scheduler import Parked, PolicyScheduler, Wait, W
 if TYPE_CHECKING:
     import torch
 
+    from gpu_trace.runtime.server.device_activity import DeviceActivity
     from gpu_trace.runtime.sharing.pager import Pager
     from gpu_trace.runtime.sharing.restore import Gate
 
@@ -112,6 +113,7 @@ class Executor:
         memory: Memory | None = None,
         pager: Pager | None = None,
         lock: threading.Lock | None = None,
+        activity: DeviceActivity | None = None,
     ) -> None:
         import torch
 
@@ -120,6 +122,9 @@ class Executor:
         self.scheduler = scheduler
         #: Where traced sessions' spans go (:mod:`gpu_trace.runtime.server.sink`).
         self.sink: Sink = sink if sink is not None else ReturnSink()
+        #: The server's GPU activity capture (:mod:`gpu_trace.runtime.server.device_activity`;
+        #: None: off).
+        self.activity = activity
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._rng_owner: Session | None = None
@@ -209,6 +214,8 @@ class Executor:
                 self._rng_owner = None
             self._read_events(session)
             if session.trace:
+                if self.activity is not None:
+                    self.activity.session_done(session, ended=True)
                 self.sink.session_closed(session)
             if self.pager is not None:
                 self.pager.forget(session)
@@ -233,6 +240,8 @@ class Executor:
                 try:
                     if session.trace:  # the run ends with the session's final numbers
                         self._read_events(session)
+                        if self.activity is not None:
+                            self.activity.session_done(session)
                         record_counters(session, now_ns(), self.scheduler.depth(), self.memory)
                     self.sink.export(session, session.log.take())
                     session.send(frame(MsgType.BYE))
@@ -317,6 +326,7 @@ class Executor:
                 self.scheduler.depth(),
                 self.sink,
                 memory=self.memory,
+                activity=self.activity,
             )
 
     def _run_ops(

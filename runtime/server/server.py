@@ -55,6 +55,7 @@ from gpu_trace.runtime.protocol.wire import (
     json_frame,
     tune,
 )
+from gpu_trace.runtime.server.device_activity import DeviceActivity
 from gpu_trace.runtime.server.executor import Executor
 from gpu_trace.runtime.server.handshakes import Handshakes
 from gpu_trace.runtime.server.sessions import Session
@@ -107,6 +108,7 @@ class Server:
         sink: Sink | None = None,
         idle_s: float | None = DEFAULT_IDLE_S,
         spin_us: float | None = None,
+        gpu_activity: DeviceActivity | None = None,
     ) -> None:
         self.host, self.port = parse_address(listen)
         if token is not None and tenants is not None:
@@ -153,8 +155,17 @@ class Server:
             idle_s=idle_s,
             before_restore=self.memory.make_room,
         )
+        #: GPU activity capture: kernels under the ops that launched them, tenants' GPU busy
+        #: time (:mod:`gpu_trace.runtime.server.device_activity`; None: off).
+        self.gpu_activity = gpu_activity
         self.executor = Executor(
-            self.device, self.scheduler, self.sink, memory=self.memory, pager=self.pager, lock=lock
+            self.device,
+            self.scheduler,
+            self.sink,
+            memory=self.memory,
+            pager=self.pager,
+            lock=lock,
+            activity=gpu_activity,
         )
         self.sessions: dict[int, Session] = {}
         #: Sessions' connection times and the usage of ended sessions
@@ -180,6 +191,8 @@ class Server:
         self._sock = sock
         self.executor.start()
         self.pager.start()
+        if self.gpu_activity is not None:
+            self.gpu_activity.start()
         t = threading.Thread(target=self._accept_loop, name="gpu-trace-accept", daemon=True)
         t.start()
         self._threads.append(t)
@@ -223,6 +236,8 @@ class Server:
             with self._lock:
                 sessions = list(self.sessions.values())
             why = f" ({self.stop_reason})" if self.stop_reason else ""
+            if self.gpu_activity is not None:
+                self.gpu_activity.close()  # its last spans join the sessions' logs first
             for session in sessions:
                 if session.trace:
                     try:

@@ -40,6 +40,7 @@ from gpu_trace.runtime.protocol.wire import MsgType, json_frame
 from gpu_trace.tracer.ingest import CLOCK_PEER
 
 if TYPE_CHECKING:
+    from gpu_trace.runtime.server.device_activity import DeviceActivity
     from gpu_trace.runtime.server.sessions import Session
 
 log = logging.getLogger(__name__)
@@ -65,11 +66,14 @@ def record_batch(
     queue_depth: int,
     sink: Any,
     memory: Any = None,
+    activity: DeviceActivity | None = None,
 ) -> None:
     """One batch's server spans into the session's log; hands the log to ``sink`` when due.
 
     With the counters go the session's tenant's numbers from ``memory``
     (:class:`~gpu_trace.runtime.sharing.memory.Memory`): its own tenant's only, never another's.
+    With GPU activity capture (``activity``), the batch's execute and op spans are where its
+    CUDA calls, and through them its kernels, are found (called on the thread that ran it).
     """
     from gpu_trace.tracer.context import parse_traceparent
 
@@ -87,8 +91,14 @@ def record_batch(
     span(new_id(), parent, "server/queue", "queue", recv[1], exec_start, seq)
     execute = {**seq, "ops": str(len(op_spans))}
     span(execute_id, parent, "server/execute", "execute", exec_start, exec_end, execute)
-    for name, t0, t1 in op_spans:
-        span(0, execute_id, "server/op", name, t0, t1)
+    if activity is None:
+        for name, t0, t1 in op_spans:
+            span(0, execute_id, "server/op", name, t0, t1)
+    else:  # ids now: the op spans are the parents of the batch's CUDA calls
+        ops = [(new_id(), t0, t1) for _name, t0, t1 in op_spans]
+        for (name, _t0, _t1), (op_id, t0, t1) in zip(op_spans, ops, strict=True):
+            span(op_id, execute_id, "server/op", name, t0, t1)
+        activity.batch(session, execute_id, exec_start, exec_end, ops)
     reply_end = now_ns()
     span(new_id(), parent, "server/reply", "reply", exec_end, reply_end, seq)
     if reply_end - slog.last_sent_ns > 200_000_000 or len(slog.spans) > 20000:
@@ -102,7 +112,7 @@ def record_counters(session: Session, ts: int, queue_depth: int, memory: Any = N
 
     Per session: ``session_memory_bytes``, ``session_handles``, ``queue_depth``, ``busy_ns``,
     ``queue_wait_ns``, ``bytes_in``, ``bytes_out``, ``quota_waits``, ``quota_errors`` (totals
-    since it connected). Per tenant (the session's own): ``tenant_memory_bytes`` (logical: on the
+    since it connected), and ``gpu_busy_ns`` where kernels are measured. Per tenant (the session's own): ``tenant_memory_bytes`` (logical: on the
     device and paged out), ``tenant_resident_bytes`` and ``quota_bytes`` (its limit; absent
     without a quota).
     """
@@ -122,6 +132,8 @@ def record_counters(session: Session, ts: int, queue_depth: int, memory: Any = N
         ("quota_errors", usage.quota_errors),
     ):
         counter(metric, ts, float(value), labels)
+    if usage.gpu_busy_ns is not None:  # measured from kernels (GPU activity capture on)
+        counter("gpu_busy_ns", ts, float(usage.gpu_busy_ns), labels)
     numbers = memory.tenant_numbers(tenant) if memory is not None else None
     if numbers is not None:
         tenant_labels = {"tenant": tenant}

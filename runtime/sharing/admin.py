@@ -44,6 +44,9 @@ COUNTERS = (
     "quota_waits",
     "quota_errors",
 )
+#: Counters that are None where not measured (GPU busy time: no GPU activity capture); a total
+#: is None only when no session's is measured.
+MEASURED = ("gpu_busy_ns",)
 EVICTED = "session evicted by an administrator"
 
 
@@ -78,7 +81,11 @@ class Ledger:
             usage = session.usage.snapshot()
             totals = self.ended.setdefault(session.tenant.name, dict.fromkeys(COUNTERS, 0))
             for key in COUNTERS:
-                totals[key] += int(usage.get(key, 0))
+                totals[key] += int(usage.get(key) or 0)
+            for key in MEASURED:
+                value = usage.get(key)
+                if value is not None:
+                    totals[key] = totals.get(key, 0) + int(value)
 
 
 # ---- the listing ---------------------------------------------------------------------------------
@@ -128,10 +135,11 @@ def session_row(
         "memory_bytes": int(account.bytes),
         "memory_peak_bytes": int(account.peak_bytes),
         "memory_limit_bytes": account.limit_bytes if account.limit_bytes is not None else limit,
-        "evicted_bytes": int(usage.get("evicted_bytes", 0)),
+        "evicted_bytes": int(usage.get("evicted_bytes") or 0),
         "queued": queued,
         "state": _state(session, getattr(server.executor, "current", None), parked, queued),
-        **{key: int(usage.get(key, 0)) for key in COUNTERS},
+        **{key: int(usage.get(key) or 0) for key in COUNTERS},
+        **{key: usage.get(key) for key in MEASURED},
     }
 
 
@@ -172,6 +180,9 @@ def _tenant_rows(
         }
         for key in COUNTERS:
             row[key] = ended.get(key, 0) + sum(r[key] for r in mine)
+        for key in MEASURED:
+            values = [v for v in (ended.get(key), *(r[key] for r in mine)) if v is not None]
+            row[key] = sum(values) if values else None
         out.append(row)
     return out
 

@@ -34,6 +34,12 @@ PREFIX = "gpu_trace_"
 #: Usage counters: (key in a listing row, metric name after the prefix, help, scale).
 COUNTERS = (
     ("busy_ns", "busy_seconds_total", "Device time of its batches", 1e-9),
+    (
+        "gpu_busy_ns",
+        "gpu_busy_seconds_total",
+        "GPU time its kernels kept the device busy (absent: not measured)",
+        1e-9,
+    ),
     ("queue_ns", "queue_wait_seconds_total", "Time its batches waited for the device", 1e-9),
     ("batches", "batches_total", "Batches run", 1),
     ("ops", "ops_total", "Ops run", 1),

@@ -18,7 +18,9 @@ class Usage:
     ``queue_ns``: time its batches waited for the executor; ``bytes_in``/``bytes_out``: tensor
     bytes uploaded and downloaded; ``evictions``/``restores``: times its tensors were paged out
     to host memory and back; ``evicted_bytes``: bytes currently paged out; ``quota_waits`` and
-    ``quota_errors``: ops that waited for memory, or failed on the quota.
+    ``quota_errors``: ops that waited for memory, or failed on the quota; ``gpu_busy_ns``: time
+    its kernels kept the GPU busy (the union of their intervals, from the server's GPU activity
+    capture; None where there is none: the CPU device, or capture off or unavailable).
     """
 
     busy_ns: int = 0
@@ -33,6 +35,7 @@ class Usage:
     quota_waits: int = 0
     quota_errors: int = 0
     last_active_ns: int = 0
+    gpu_busy_ns: int | None = None
 
-    def snapshot(self) -> dict[str, int]:
+    def snapshot(self) -> dict[str, int | None]:
         return asdict(self)

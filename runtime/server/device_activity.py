@@ -1,0 +1,417 @@
+"""The server's GPU activity, tied to the forwarded ops that launched it, and each session's GPU
+busy time.
+
+``gpu-trace serve`` on a CUDA device runs CUPTI's injection library in its own process
+(``collectors/gpu_activity``), which appends raw activity records to files in a directory of
+the server's (:class:`FileSource` reads what was added since the last read). The server records
+a span per executed op (``server/op``, under its batch's ``server/execute``), so the records
+become spans the way a recorded program's do (:func:`~gpu_trace.collectors.gpu_activity.
+conversion.convert`), with the server's recent execute and op spans as the parents: a CUDA call
+made while an op ran is that op's child, and the kernels, copies and memsets it issued are the
+call's (by CUPTI's correlation id). The op's span names its session, so each span goes to that
+session's log and travels with its other server spans (back to the client, or into the spool of
+``--store``), on the server's clock like them: the client's run maps them onto its own clock
+with the same measured offset (``docs/remote.md``).
+
+Conversion runs on a thread of its own every ``interval_s`` (never the executor's: a forwarded
+batch never waits for it), and once more, on the executor, when a session says goodbye, so its
+last kernels go out with its last spans. Each session's GPU busy time is the union of its kernels'
+intervals (:func:`union_ns`), added to its usage as they arrive; a kernel of a session that has
+already ended, or one no op of any session launched, is counted (``late``, ``unattributed``),
+never silently lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from gpu_trace.collectors.gpu_activity.activity_file import ActivityData
+    from gpu_trace.collectors.gpu_activity.conversion import Parents
+    from gpu_trace.runtime.server.sessions import Session
+
+log = logging.getLogger(__name__)
+
+#: Device work: the categories whose intervals make a session's GPU busy time (kernels only).
+BUSY_CATEGORY = "kernel"
+
+
+class Source(Protocol):
+    """Where raw activity records come from: :class:`FileSource`, or a test's."""
+
+    def read_new(self) -> list[ActivityData]:
+        """Records added since the last call, one :class:`ActivityData` per file (a file's
+        anchors and names with its records)."""
+        ...
+
+
+@dataclass
+class _Tail:
+    """How far one activity file has been read, and what its earlier chunks said."""
+
+    offset: int = 0
+    names: dict[int, str] = field(default_factory=dict)
+    anchors: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
+
+
+class FileSource:
+    """The activity files of a directory (``<dir>/spool/gpu_activity-*.bin``), read as they grow.
+
+    The injection library appends whole chunks to one file per process; each read takes the
+    chunks complete since the last one (a chunk being written is left for the next read) and
+    parses them with the file format's own reader. ``flush``, when given, is called first (it
+    asks CUPTI to hand over the buffers it holds).
+    """
+
+    def __init__(self, directory: str | Path, flush: Callable[[], None] | None = None) -> None:
+        self.directory = Path(directory)
+        self.flush = flush
+        self._tails: dict[Path, _Tail] = {}
+        self.problems: list[str] = []
+
+    @property
+    def spool(self) -> Path:
+        return self.directory / "spool"
+
+    def read_new(self) -> list[ActivityData]:
+        from gpu_trace.collectors.gpu_activity import activity_file
+
+        if self.flush is not None:
+            try:
+                self.flush()
+            except Exception:  # a flush that fails only delays the records
+                log.debug("gpu-trace serve: flushing GPU activity failed", exc_info=True)
+        out = []
+        for path in activity_file.activity_files(self.spool):
+            data = self._read(path)
+            if data is not None:
+                out.append(data)
+        return out
+
+    def _read(self, path: Path) -> ActivityData | None:
+        from gpu_trace.collectors.gpu_activity import activity_file
+
+        tail = self._tails.setdefault(path, _Tail())
+        try:
+            with open(path, "rb") as f:
+                f.seek(tail.offset)
+                blob = f.read()
+        except OSError as exc:
+            self.problems.append(f"{path.name}: unreadable ({exc})")
+            return None
+        start = len(activity_file.MAGIC) if tail.offset == 0 else 0
+        if tail.offset == 0 and not blob.startswith(activity_file.MAGIC):
+            if len(blob) >= len(activity_file.MAGIC):
+                self.problems.append(f"{path.name}: not a GPU activity file (bad magic)")
+                tail.offset = -1  # never read again
+            return None
+        if tail.offset < 0:
+            return None
+        end = _complete(blob, start, activity_file.HEADER.size, activity_file.HEADER.unpack_from)
+        if end == start:
+            return None
+        tail.offset += end
+        data = _parse(activity_file.MAGIC + blob[start:end], path.name)
+        self.problems.extend(data.problems)
+        data.problems = []
+        tail.names.update(data.names)
+        if len(data.anchors):
+            tail.anchors = np.concatenate([tail.anchors, data.anchors])
+        data.names, data.anchors = dict(tail.names), tail.anchors
+        return data
+
+
+def _complete(blob: bytes, pos: int, header: int, unpack: Callable) -> int:
+    """The end of the last whole chunk in ``blob`` from ``pos``."""
+    while pos + header <= len(blob):
+        size = unpack(blob, pos)[2]
+        if pos + header + size > len(blob):
+            break
+        pos += header + size
+    return pos
+
+
+def _parse(blob: bytes, name: str) -> ActivityData:
+    """Whole chunks read by the format's reader (which reads files: a temporary one)."""
+    from gpu_trace.collectors.gpu_activity import activity_file
+
+    with tempfile.TemporaryDirectory(prefix="gpu-trace-activity-") as tmp:
+        path = Path(tmp) / name
+        path.write_bytes(blob)
+        return activity_file.read([path])
+
+
+def union_ns(start: np.ndarray, end: np.ndarray, covered_until: int = 0) -> tuple[int, int]:
+    """Nanoseconds covered by the intervals ``[start, end)`` and not before ``covered_until``,
+    and the new ``covered_until``: a session's busy time, added to as its kernels arrive (in
+    time order across calls; overlapping kernels on several streams count once)."""
+    if len(start) == 0:
+        return 0, covered_until
+    order = np.argsort(start, kind="stable")
+    s = np.asarray(start, np.int64)[order]
+    e = np.maximum(np.asarray(end, np.int64)[order], s)
+    before = np.maximum.accumulate(np.concatenate([[covered_until], e[:-1]]))
+    total = int(np.maximum(e - np.maximum(s, before), 0).sum())
+    return total, max(covered_until, int(e.max()))
+
+
+@dataclass
+class ExecutedBatch:
+    """One executed batch's spans, as the parents its CUDA calls are found in (times on the
+    server's clock, ``CLOCK_MONOTONIC``)."""
+
+    session: Session
+    tid: int  # the OS thread that ran it
+    execute_id: int
+    start: int
+    end: int
+    ops: list[tuple[int, int, int]]  # (span id, start, end)
+
+
+@dataclass
+class Counts:
+    """What the server's GPU activity came to (its status and ``serve``'s closing line)."""
+
+    records: int = 0
+    spans: int = 0
+    unattributed: int = 0  # spans launched outside every traced session's ops
+    late: int = 0  # spans of a session that had already ended
+    dropped: int = 0  # records CUPTI dropped (buffers full)
+
+
+class DeviceActivity:
+    """The server's GPU activity, converted under its sessions' op spans (see the module)."""
+
+    def __init__(
+        self,
+        source: Source,
+        *,
+        pid: int | None = None,
+        interval_s: float = 0.2,
+        window_s: float = 60.0,
+        max_batches: int = 100_000,
+    ) -> None:
+        self.source = source
+        self.pid = os.getpid() if pid is None else pid
+        self.interval_s = interval_s
+        self.window_ns = int(window_s * 1e9)
+        self.counts = Counts()
+        #: Batches executed lately (appended by the executor: one append per batch).
+        self._batches: deque[ExecutedBatch] = deque(maxlen=max_batches)
+        self._covered: dict[int, int] = {}  # session id -> end of its busy time so far
+        self._ended: set[int] = set()  # sessions whose last spans have gone out
+        self._lock = threading.Lock()  # one conversion at a time
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- the executor's side ---------------------------------------------------------------
+
+    def batch(
+        self,
+        session: Session,
+        execute_id: int,
+        start: int,
+        end: int,
+        ops: list[tuple[int, int, int]],
+    ) -> None:
+        """A traced batch ran on this thread: its execute span and op spans ``(id, t0, t1)``."""
+        if session.usage.gpu_busy_ns is None:
+            session.usage.gpu_busy_ns = 0
+        self._batches.append(
+            ExecutedBatch(session, threading.get_native_id(), execute_id, start, end, ops)
+        )
+
+    def batches(self) -> list[ExecutedBatch]:
+        """The batches executed lately, oldest first (what a test's source lays records in)."""
+        return list(self._batches)
+
+    def session_done(self, session: Session, *, ended: bool = False) -> None:
+        """``session`` says goodbye (or ended): convert what has arrived, so its last kernels go
+        out with its last spans. Once it has ``ended``, its spans arriving later are ``late``."""
+        self.poll()
+        if ended:
+            self._ended.add(session.id)
+            self._covered.pop(session.id, None)
+
+    # ---- the conversion thread -------------------------------------------------------------
+
+    def start(self) -> DeviceActivity:
+        self._thread = threading.Thread(
+            target=self._loop, name="gpu-trace-serve-gpu-activity", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self.poll()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.poll()
+
+    def poll(self) -> int:
+        """Convert the records that arrived and hand each span to its session; the spans made.
+        Nothing raises: a failure is logged and the records are lost, counted."""
+        with self._lock:
+            try:
+                return self._poll()
+            except Exception:  # the server serves on without its GPU activity
+                log.exception("gpu-trace serve: converting GPU activity failed")
+                return 0
+
+    def _poll(self) -> int:
+        parts = self.source.read_new()
+        for problem in getattr(self.source, "problems", [])[:]:
+            log.warning("gpu-trace serve: GPU activity: %s", problem)
+        if hasattr(self.source, "problems"):
+            self.source.problems.clear()
+        if not parts:
+            return 0
+        batches = self._recent()
+        parents, owner = _parents(batches, self.pid)
+        made = 0
+        for data in parts:
+            self.counts.dropped += data.dropped
+            self.counts.records += len(data.records)
+            if data.dropped:
+                log.warning(
+                    "gpu-trace serve: CUPTI dropped %d GPU activity records (buffers full)",
+                    data.dropped,
+                )
+            if len(data.records):
+                made += self._route(data, parents, owner)
+        return made
+
+    def _recent(self) -> list[ExecutedBatch]:
+        batches = list(self._batches)
+        if batches:
+            newest = max(b.end for b in batches)
+            while self._batches and self._batches[0].end < newest - self.window_ns:
+                self._batches.popleft()
+            batches = [b for b in batches if b.end >= newest - self.window_ns]
+        return batches
+
+    def _route(self, data: ActivityData, parents: Parents, owner: dict[int, Session]) -> int:
+        from gpu_trace.collectors.gpu_activity.conversion import convert
+
+        conv = convert(data.records, data.names, anchors=data.anchors, parents=parents)
+        table = conv.table
+        if table.num_rows == 0:
+            return 0
+        index = _sessions_of(
+            table.column("span_id").to_numpy(),
+            table.column("parent_span_id").to_numpy(),
+            owner,
+        )
+        sessions = list(dict.fromkeys(owner.values()))
+        by_session: dict[int, np.ndarray] = {}
+        self.counts.unattributed += int((index < 0).sum())
+        for k in np.unique(index[index >= 0]).tolist():
+            session = sessions[k]
+            rows = np.flatnonzero(index == k)
+            if session.id in self._ended:
+                self.counts.late += len(rows)
+            else:
+                by_session[k] = rows
+        for k, rows in by_session.items():
+            part = table.take(rows)
+            self._busy(sessions[k], part)
+            sessions[k].log.add_rows(_rows(part))
+            self.counts.spans += len(rows)
+        return sum(len(r) for r in by_session.values())
+
+    def _busy(self, session: Session, part: pa.Table) -> None:
+        import pyarrow.compute as pc
+
+        kernels = part.filter(pc.equal(part.column("category").cast("string"), BUSY_CATEGORY))
+        if kernels.num_rows == 0:
+            return
+        busy, self._covered[session.id] = union_ns(
+            kernels.column("start_ns").to_numpy(),
+            kernels.column("end_ns").to_numpy(),
+            self._covered.get(session.id, 0),
+        )
+        session.usage.gpu_busy_ns = (session.usage.gpu_busy_ns or 0) + busy
+
+
+def _sessions_of(ids: np.ndarray, parent: np.ndarray, owner: dict[int, Session]) -> np.ndarray:
+    """Each span's session, as an index into ``owner``'s distinct sessions (-1: none): its
+    parent op's or execute's, else its parent call's (a kernel's runtime call, a driver call's
+    runtime call, that call's driver call: three steps at most)."""
+    sessions = {s: k for k, s in enumerate(dict.fromkeys(owner.values()))}
+    known_ids = np.fromiter(owner.keys(), np.uint64, len(owner))
+    known_idx = np.fromiter((sessions[s] for s in owner.values()), np.int64, len(owner))
+    index = np.full(len(ids), -1, np.int64)
+    for _ in range(3):
+        todo = np.flatnonzero(index < 0)
+        if not len(todo) or not len(known_ids):
+            break
+        order = np.argsort(known_ids)
+        keys = known_ids[order]
+        pos = np.clip(np.searchsorted(keys, parent[todo]), 0, len(keys) - 1)
+        hit = keys[pos] == parent[todo]
+        if not hit.any():
+            break
+        found = todo[hit]
+        index[found] = known_idx[order][pos[hit]]
+        known_ids = np.concatenate([known_ids, ids[found].astype(np.uint64)])
+        known_idx = np.concatenate([known_idx, index[found]])
+    return index
+
+
+def _parents(batches: list[ExecutedBatch], pid: int) -> tuple[Parents, dict[int, Session]]:
+    """The batches' execute and op spans as conversion's parents (lane 1: execute, 0: ops), and
+    which session each span id belongs to."""
+    from gpu_trace.collectors.gpu_activity.conversion import Parents  # noqa: F811 (at run time)
+
+    owner: dict[int, Session] = {}
+    cols: list[tuple[int, int, int, int, int, int, int]] = []  # tid lane id parent t0 t1 depth
+    for b in batches:
+        owner[b.execute_id] = b.session
+        cols.append((b.tid, 1, b.execute_id, 0, b.start, b.end, 1))
+        for op_id, t0, t1 in b.ops:
+            owner[op_id] = b.session
+            cols.append((b.tid, 0, op_id, b.execute_id, t0, t1, 2))
+    if not cols:
+        return Parents.none(), owner
+    a = np.array(cols, dtype=np.int64).reshape(-1, 7)
+    return (
+        Parents(
+            pid=np.full(len(a), pid, np.int64),
+            tid=a[:, 0].astype(np.uint64),
+            lane=a[:, 1],
+            span_id=a[:, 2].astype(np.uint64),
+            parent_span_id=a[:, 3].astype(np.uint64),
+            start=a[:, 4],
+            end=a[:, 5],
+            depth=a[:, 6],
+        ),
+        owner,
+    )
+
+
+def _rows(part: pa.Table) -> list[list[object]]:
+    """Spans as the server's span log holds them: ``[id, parent, lane, name, start, end, attrs,
+    category]`` (:func:`gpu_trace.runtime.protocol.span_tables.span_table` reads them)."""
+    cols = [
+        part.column(name).to_pylist()
+        for name in ("span_id", "parent_span_id", "lane", "name", "start_ns", "end_ns")
+    ]
+    attrs = [dict(a) if a else None for a in part.column("attrs").to_pylist()]
+    category = part.column("category").to_pylist()
+    return [list(r) for r in zip(*cols, attrs, category, strict=True)]

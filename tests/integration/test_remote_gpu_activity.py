@@ -1,0 +1,257 @@
+"""The server's GPU activity under its forwarded ops, without a GPU: a real server on loopback (CPU
+device), a real client forwarding a small model, the real chDB store; activity records are laid
+into the server's activity directory the way the injection library writes them, with the thread
+and times of the ops the server executed (the replay seam: records in, spans out, by the same
+code a CUDA server runs)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import gpu_trace
+from gpu_trace import runtime
+from gpu_trace.collectors.gpu_activity import activity as act
+from gpu_trace.collectors.gpu_activity import activity_file
+from gpu_trace.collectors.gpu_activity.activity_file import ActivityData
+from gpu_trace.runtime.client import tensor as rt
+from gpu_trace.runtime.client.admin_requests import format_listing
+from gpu_trace.runtime.server.device_activity import DeviceActivity, FileSource
+from gpu_trace.runtime.server.server import Server
+from gpu_trace.runtime.server.sink import SpoolSink
+from gpu_trace.runtime.sharing import admin, metrics
+from gpu_trace.tracer.clocksync import ClockModel
+from gpu_trace.tracer.ingest import CLOCK_WINDOW_NS, ingest
+from gpu_trace.tracer.run import RunInfo
+from gpu_trace.tracer.store import Store
+
+TOKEN = "gpu-activity-token-0123"
+#: CUPTI's clock in these records is the server's CLOCK_MONOTONIC plus this (an anchor says so).
+CUPTI_OFFSET = 7_000_000_000_000
+KERNEL_NS = 3_000  # long enough that some kernels overlap the next op's
+
+
+class LaidRecords:
+    """A source that, before each read, writes an activity file for the batches executed since
+    the last one (an API call inside each op on the op's thread, its kernel just after), then
+    reads the directory as the server always does."""
+
+    def __init__(self, directory: Path) -> None:
+        self.files = FileSource(directory)
+        self.problems = self.files.problems
+        self.activity: DeviceActivity | None = None
+        self.seen = 0
+        self.kernels: list[tuple[int, int, int]] = []  # (op span id, start, end), monotonic
+        self.correlation = 0
+
+    def read_new(self) -> list[ActivityData]:
+        assert self.activity is not None
+        batches = self.activity.batches()
+        new = [b for b in batches if b.execute_id > self.seen]
+        if new:
+            self.seen = max(b.execute_id for b in new)
+            self._write(new)
+        return self.files.read_new()
+
+    def _write(self, batches: list) -> None:
+        """Per op two launches, inside it, whose kernels on two streams overlap by half."""
+        assert self.activity is not None
+        pid = self.activity.pid  # the library names its process on every record
+        ops = [(b.tid, *op) for b in batches for op in b.ops]
+        records = act.empty(4 * len(ops))
+        for i, (tid, op_id, t0, t1) in enumerate(ops):
+            quarter = (t1 - t0) // 4
+            for j in range(2):
+                self.correlation += 1
+                api, kernel = records[4 * i + 2 * j], records[4 * i + 2 * j + 1]
+                a0, a1 = t0 + (j + 1) * quarter, t0 + (j + 2) * quarter
+                api["kind"], api["pid"], api["tid"] = act.RUNTIME, pid, tid
+                api["start"], api["end"] = a0 + CUPTI_OFFSET, a1 + CUPTI_OFFSET
+                api["correlation"], api["code"] = self.correlation, 211  # cudaLaunchKernel
+                k0 = t0 + 3 * quarter + 500 + j * KERNEL_NS // 2
+                kernel["kind"], kernel["pid"], kernel["device"] = act.CONCURRENT_KERNEL, pid, 0
+                kernel["stream"], kernel["correlation"] = 7 + j, self.correlation
+                kernel["start"], kernel["end"] = k0 + CUPTI_OFFSET, k0 + KERNEL_NS + CUPTI_OFFSET
+                kernel["grid"], kernel["block"] = (4, 1, 1), (128, 1, 1)
+                self.kernels.append((op_id, k0, k0 + KERNEL_NS))
+        blob = activity_file.encode(records, {0: "_Z10gemm_smallPfS_"}, anchors=[(CUPTI_OFFSET, 0)])
+        name = f"{activity_file.PREFIX}{self.activity.pid}-laid{self.correlation}{activity_file.SUFFIX}"
+        activity_file.write(self.files.spool / name, blob)
+
+
+def union(intervals: list[tuple[int, int]]) -> int:
+    total, covered = 0, 0
+    for start, end in sorted(intervals):
+        total += max(0, end - max(start, covered))
+        covered = max(covered, end)
+    return total
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    with Store(f"chdb://{tmp_path / 'store'}") as s:
+        yield s
+
+
+def _capture(tmp_path: Path) -> tuple[DeviceActivity, LaidRecords]:
+    source = LaidRecords(tmp_path / "activity")
+    activity = DeviceActivity(source, interval_s=0.05)
+    source.activity = activity
+    return activity, source
+
+
+def _forward(server: Server, run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small model's training steps, forwarded, in a recorded run."""
+    monkeypatch.setenv("GPU_TRACE_NVTX", "off")
+    gpu_trace.start(run_dir)
+    try:
+        dev = runtime.connect(server.address, token=TOKEN)
+        try:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(
+                torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)
+            )
+            model = model.to(dev)
+            x, y = torch.randn(16, 8).to(dev), torch.zeros(16, 1).to(dev)
+            for _ in range(3):
+                model.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+            rt.conn.trace.clock_exchange(4)
+        finally:
+            runtime.disconnect()
+    finally:
+        gpu_trace.stop()
+
+
+KERNELS = """
+SELECT k.name, k.lane, k.pid, k.start_ns, toInt64(k.attrs['raw_start_ns']),
+       toInt64(k.attrs['clock_offset_ns']), a.category, a.name, o.span_id, o.lane,
+       toInt64(o.attrs['clock_offset_ns']), e.lane, o.start_ns, toInt64(o.attrs['raw_start_ns'])
+FROM spans AS k
+  LEFT JOIN (SELECT span_id, parent_span_id, category, name FROM spans
+             WHERE run_id = {run:String}) AS a ON k.parent_span_id = a.span_id
+  LEFT JOIN (SELECT span_id, parent_span_id, lane, start_ns, attrs FROM spans
+             WHERE run_id = {run:String}) AS o ON a.parent_span_id = o.span_id
+  LEFT JOIN (SELECT span_id, lane FROM spans WHERE run_id = {run:String}) AS e
+    ON o.parent_span_id = e.span_id
+WHERE k.run_id = {run:String} AND k.category = 'kernel'
+"""
+
+
+def _check_kernels(store: Store, run_id: str, source: LaidRecords, server_pid: int) -> None:
+    rows = store.sql(KERNELS, {"run": run_id})[1]
+    samples = store.sql(
+        "SELECT ts_ns, offset_ns, rtt_ns FROM clock_sync WHERE run_id = {run:String}",
+        {"run": run_id},
+    )[1]
+    model = ClockModel.from_measurements(sorted(samples), window_ns=CLOCK_WINDOW_NS)
+    assert len(rows) == len(source.kernels) > 0
+    laid = {(op, t0) for op, t0, _ in source.kernels}
+    for (
+        name,
+        lane,
+        pid,
+        start,
+        raw,
+        offset,
+        a_cat,
+        a_name,
+        op,
+        o_lane,
+        o_off,
+        e_lane,
+        o0,
+        o_raw,
+    ) in rows:
+        assert (
+            name == "gemm_small(float*, float*)"
+            and lane in ("gpu0/stream7", "gpu0/stream8")
+            and pid == server_pid
+        )
+        assert (a_cat, a_name) == ("cuda_api", "cudaLaunchKernel")
+        assert o_lane == "server/op" and e_lane == "server/execute"
+        # On the server's clock as laid, put on the client's by the op's measured offset.
+        assert (op, raw) in laid
+        # and mapped by the run's clock model, as its op was (the same offset at the same time).
+        assert start == raw - offset == model.map_to_client(np.array([raw]))[0][0]
+        assert o0 == o_raw - o_off == model.map_to_client(np.array([o_raw]))[0][0]
+
+
+def test_forwarded_kernels_land_under_their_ops_in_the_clients_run(
+    tmp_path: Path, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    activity, source = _capture(tmp_path)
+    with Server("127.0.0.1:0", token=TOKEN, gpu_activity=activity) as server:
+        _forward(server, tmp_path / "run", monkeypatch)
+        listing = admin.snapshot(server)
+        text = metrics.render(server)
+    info = RunInfo.load(tmp_path / "run")
+    ingest(store, tmp_path / "run")
+    _check_kernels(store, info.run_id, source, activity.pid)
+    assert activity.counts.late == activity.counts.unattributed == 0
+
+    # Tenant GPU busy time: the union of its kernels' intervals, beside its device time.
+    busy = union([(t0, t1) for _, t0, t1 in source.kernels])
+    assert busy < KERNEL_NS * len(source.kernels)  # some overlap: a sum would be wrong
+    (tenant,) = listing["tenants"]
+    assert tenant["gpu_busy_ns"] == busy and tenant["busy_ns"] > 0
+    assert f'gpu_trace_tenant_gpu_busy_seconds_total{{tenant="default"}} {busy / 1e9:g}' in text
+    counters = store.sql(
+        "SELECT max(value) FROM counters WHERE run_id = {run:String} AND metric = 'gpu_busy_ns'",
+        {"run": info.run_id},
+    )[1]
+    assert counters == [(float(busy),)]
+    assert "GPU BUSY" in format_listing(listing)
+
+
+def test_forwarded_kernels_go_to_the_shared_store_with_the_server_spans(
+    tmp_path: Path, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    activity, source = _capture(tmp_path)
+    spool = tmp_path / "server-spool"
+    with Server("127.0.0.1:0", token=TOKEN, sink=SpoolSink(spool), gpu_activity=activity) as server:
+        _forward(server, tmp_path / "run", monkeypatch)
+    info = RunInfo.load(tmp_path / "run")
+    ingest(store, tmp_path / "run")
+    ingest(store, spool / info.run_id)
+    _check_kernels(store, info.run_id, source, activity.pid)
+
+
+def test_without_capture_gpu_busy_is_not_measured_not_zero(tmp_path: Path) -> None:
+    with Server("127.0.0.1:0", token=TOKEN) as server:
+        dev = runtime.connect(server.address, token=TOKEN)
+        try:
+            (torch.ones(4, device=dev) * 2).sum().item()
+            listing = admin.snapshot(server)
+            text = metrics.render(server)
+        finally:
+            runtime.disconnect()
+    (tenant,), (session,) = listing["tenants"], listing["sessions"]
+    assert tenant["gpu_busy_ns"] is None and session["gpu_busy_ns"] is None
+    assert tenant["busy_ns"] > 0
+    assert "gpu_busy_seconds_total{" not in text
+    text = format_listing(listing)
+    lines = format_listing(listing).splitlines()
+    for head in ("TENANT ", "SESSION "):  # the GPU BUSY column of both tables says "-"
+        i = next(k for k, line in enumerate(lines) if line.startswith(head))
+        end = lines[i].index("GPU BUSY") + len("GPU BUSY")
+        assert lines[i + 2][:end].split()[-1] == "-"
+
+
+def test_records_no_op_launched_are_counted_not_lost(tmp_path: Path) -> None:
+    source = FileSource(tmp_path / "activity")
+    activity = DeviceActivity(source)
+    records = act.empty(2)
+    records["kind"] = (act.RUNTIME, act.CONCURRENT_KERNEL)
+    records["pid"], records["tid"], records["correlation"] = activity.pid, 1, 5
+    records["start"], records["end"] = (10, 100), (20, 200)
+    blob = activity_file.encode(records, {0: "k"}, dropped=3)
+    activity_file.write(source.spool / f"{activity_file.PREFIX}1-x{activity_file.SUFFIX}", blob)
+    assert activity.poll() == 0
+    assert activity.counts.unattributed == 2 and activity.counts.dropped == 3
+    assert activity.counts.records == 2
+    assert np.isclose(activity.counts.spans, 0)
