@@ -115,7 +115,7 @@ class ReadOnlyStore:
         with self._lock:
             return read(self.store())
 
-    def gpu_summary(self, run_id: str, top: int = 10) -> dict[str, Any]:
+    def gpu_summary(self, run_id: str, top: int = 10) -> gpu_reads.GpuSummary:
         """:func:`gpu_reads.gpu_summary <gpu_trace.tracer.gpu_reads.gpu_summary>`: per device,
         top kernels, busy and idle time (what ``gpu-trace show`` prints)."""
         return self._read(lambda s: gpu_reads.gpu_summary(s, run_id, top))

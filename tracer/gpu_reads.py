@@ -13,12 +13,15 @@ kernels running concurrently on several streams can add up to more than 100%.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol, TypedDict
 
 import numpy as np
 import pyarrow as pa
 
 from gpu_trace.tracer.records import KERNEL, MEMCPY, MEMSET
+
+if TYPE_CHECKING:
+    from clickhouse_connect.driver.query import QueryResult
 
 #: A device lane's device number (ClickHouse regular expression).
 _DEVICE = "toUInt32OrZero(extract(lane, '^gpu([0-9]+)/stream[0-9]+$'))"
@@ -43,9 +46,37 @@ ORDER BY device, start_ns
 class Queries(Protocol):
     """What these reads need of a store (``Store`` has it)."""
 
-    def query(self, template: str, params: dict[str, Any] | None = None) -> Any: ...
+    def query(self, template: str, params: dict[str, str] | None = None) -> QueryResult: ...
 
-    def query_arrow(self, template: str, params: dict[str, Any] | None = None) -> pa.Table: ...
+    def query_arrow(self, template: str, params: dict[str, str] | None = None) -> pa.Table: ...
+
+
+class KernelRow(TypedDict):
+    """One kernel name on one device."""
+
+    name: str
+    count: int
+    total_ns: int
+    mean_ns: int
+    share: float  # of the device's busy time
+
+
+class DeviceSummary(TypedDict):
+    """One device's work (see the module docstring)."""
+
+    device: int
+    work: int  # kernels, copies and memsets
+    busy_ns: int
+    window_ns: int
+    idle_ns: int
+    busy_share: float
+    kernels: int
+    kernel_ns: int
+    top: list[KernelRow]
+
+
+class GpuSummary(TypedDict):
+    devices: list[DeviceSummary]
 
 
 def busy_ns(start: np.ndarray, end: np.ndarray) -> int:
@@ -57,13 +88,13 @@ def busy_ns(start: np.ndarray, end: np.ndarray) -> int:
     return int((reach - np.maximum(start, before)).sum())
 
 
-def gpu_summary(store: Queries, run_id: str, top: int = 10) -> dict[str, Any]:
+def gpu_summary(store: Queries, run_id: str, top: int = 10) -> GpuSummary:
     """Per device: kernels, their total time, busy and idle time, and the top ``top`` kernels by
     total time (``name, count, total_ns, mean_ns, share``). ``{"devices": []}`` when the run
     has no device work."""
     per_name = store.query(_KERNELS, {"run_id": run_id}).result_rows
     work = store.query_arrow(_WORK, {"run_id": run_id})
-    devices: dict[int, dict[str, Any]] = {}
+    devices: dict[int, DeviceSummary] = {}
     if work.num_rows:
         dev = np.asarray(work.column("device").to_numpy(), np.int64)
         start = np.asarray(work.column("start_ns").to_numpy(), np.int64)

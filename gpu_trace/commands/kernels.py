@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from gpu_trace import _format as fmt
 
+if TYPE_CHECKING:
+    from gpu_trace.tracer.gpu_reads import GpuSummary
 
-def render_kernels(gpu: dict[str, Any], width: int = 60) -> str:
+
+def render_kernels(gpu: GpuSummary, width: int = 60) -> str:
     """Per device: busy and idle share of its window, then its top kernels by total GPU time
     (count, total, mean, share of the device's busy time)."""
     lines: list[str] = []
