@@ -65,8 +65,8 @@ def track_label(t: TrackInfo) -> str:
     if gpu is not None:  # a GPU's stream: grouped under its GPU, whichever thread launched
         proc = t.process.split(" ")[0].rsplit("/", 1)[-1] if t.process else "pid"
         sub = t.lane.split("/", 2)[2] if t.lane.count("/") >= 2 else ""
-        label = f"{t.host} · GPU {gpu[0]} · stream {gpu[1]}{' · ' + sub if sub else ''}"
-        return esc(f"{label} · {proc} {t.pid}")
+        label = f"GPU {gpu[0]} · stream {gpu[1]}{' · ' + sub if sub else ''} · {proc} {t.pid}"
+        return esc(f"{t.host} · {label}" if t.host else label)  # an imported trace has no host
     who = t.thread or (f"tid {t.tid}" if t.tid != t.pid else "main")
     proc = t.process.split(" ")[0].rsplit("/", 1)[-1] if t.process else "pid"
     label = f"{t.host} · {proc} {t.pid} · {who} · {t.lane}"

@@ -19,7 +19,13 @@ from gpu_trace.dashboard.app import Server  # noqa: E402
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore  # noqa: E402
 from gpu_trace.tracer.store import Store  # noqa: E402
 from tests.browser.conftest import ARTIFACTS  # noqa: E402
-from tests.dashboard_data import XSS, forwarded_run, minute_run, tenants_run  # noqa: E402
+from tests.dashboard_data import (  # noqa: E402
+    XSS,
+    forwarded_run,
+    gpu_run,
+    minute_run,
+    tenants_run,
+)
 
 TIMEOUT = 60_000
 
@@ -31,6 +37,7 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     forwarded_run(store, "xss")
     tenants_run(store, "tenants-xss", ("alice", XSS))
     minute_run(store)
+    gpu_run(store)
     source = ReadOnlyStore(store=store)
     server = Server(source, "127.0.0.1", 0).start()
     yield server
@@ -352,3 +359,40 @@ def test_a_minute_runs_first_view_is_named_laid_out_and_keeps_its_counter(
     )
     assert line == {"ticks": line["ticks"], "inside": True} and line["ticks"] >= 2
     page.screenshot(path=str(ARTIFACTS / "minute-between-samples.png"), full_page=True)
+
+
+def test_gpu_lanes_are_grouped_and_a_kernel_shows_its_launching_op(page, app: Server) -> None:
+    """A run with GPU activity: each GPU's stream rows together, under the thread's rows; a click
+    on a kernel shows its API call and the op open at launch, and a link goes to that op."""
+    open_run(page, app, "gpu")
+    labels = page.evaluate(
+        "[...document.querySelectorAll('#timeline g.yaxislayer-above g.ytick text')]"
+        ".map(t => t.textContent)"
+    )
+    gpu = [i for i, t in enumerate(labels) if " · GPU " in t]
+    assert [labels[i].split(" · ")[1:3] for i in gpu] == [
+        ["GPU 0", "stream 7"], ["GPU 0", "stream 13"], ["GPU 1", "stream 7"],
+    ]  # fmt: skip
+    assert gpu == list(range(len(labels) - 3, len(labels)))  # together, after the thread's rows
+    box = page.evaluate(
+        """() => { const gd = document.querySelector('#timeline .js-plotly-plot');
+                   const k = gd.data.findIndex(t => t.name === 'kernel');
+                   const i = gd.data[k].customdata.findIndex(c => String(c[0]) === '1');
+                   const trace = gd.querySelectorAll('g.barlayer g.trace')[k];
+                   const r = trace.querySelectorAll('g.point path')[i].getBoundingClientRect();
+                   return {x: r.x + r.width / 2, y: r.y + r.height / 2}; }"""
+    )
+    for attempt in range(3):  # a click while Dash is still redrawing can miss
+        page.mouse.click(box["x"], box["y"])
+        try:
+            page.locator("#details-launch-op").wait_for(timeout=15_000)
+            break
+        except Exception:
+            if attempt == 2:
+                raise
+    assert page.inner_text("#details-name").startswith("void at::native::vectorized_elementwise")
+    assert page.inner_text("#details-launch-op") == "aten::mm"
+    assert page.inner_text("#details-launch-call").startswith("cudaLaunchKernel · 10")
+    page.screenshot(path=str(ARTIFACTS / "gpu-kernel-details.png"), full_page=True)
+    page.locator("#details button.goto", has_text="aten::mm · torch/ops").click()
+    page.wait_for_function("() => document.querySelector('#details-name').innerText === 'aten::mm'")
