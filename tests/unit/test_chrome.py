@@ -579,3 +579,128 @@ def test_integer_looking_attributes_stay_valid_json(tmp_path: Path) -> None:
     got = [e["args"]["correlation"] for e in by_phase(load(path), "X")]
     # canonical integers become numbers (HTA needs them); anything else stays the string it was
     assert got == [0, -7, 123, "0123", 0, "12345678901234567890", "1e3", " 1"]
+
+
+def gpu_activity_rows() -> list[tuple]:
+    """An op launching a kernel through the runtime and a memset through the driver, as the
+    CUPTI collector and `gpu-trace import` store them, and a GPU annotation over the kernel."""
+    k_attrs = {"correlation": "11", "device": "0", "stream": "7", "context": "1",
+               "grid": "[4, 2, 1]", "block": "[128, 1, 1]", "registers per thread": "64",
+               "shared memory": "1024", "blocks per SM": "0.25"}  # fmt: skip
+    m_attrs = {"correlation": "12", "device": "0", "stream": "7", "bytes": "48",
+               "memory bandwidth (GB/s)": "0.0625"}  # fmt: skip
+    return [
+        ("h1", 1, 0, 10, 10, "torch/ops", "op", "aten::mm", BASE + 1_000, BASE + 90_000, None),
+        (
+            "h1",
+            2,
+            1,
+            10,
+            10,
+            "cuda_api",
+            "cuda_api",
+            "cudaLaunchKernel",
+            BASE + 2_000,
+            BASE + 7_000,
+            {"correlation": "11", "cbid": "211", "api": "runtime"},
+        ),  # fmt: skip
+        (
+            "h1",
+            3,
+            1,
+            10,
+            10,
+            "cuda_api",
+            "cuda_api",
+            "cuMemsetD32Async",
+            BASE + 8_000,
+            BASE + 9_000,
+            {"correlation": "12", "cbid": "1", "api": "driver"},
+        ),  # fmt: skip
+        (
+            "h1",
+            6,
+            0,
+            0,
+            7,
+            "gpu0/stream7/annotations",
+            "nvtx",
+            "Optimizer.step",
+            BASE + 9_500,
+            BASE + 40_000,
+            None,
+        ),  # fmt: skip
+        (
+            "h1",
+            4,
+            2,
+            10,
+            0,
+            "gpu0/stream7",
+            "kernel",
+            "sgemm",
+            BASE + 10_000,
+            BASE + 30_000,
+            k_attrs,
+        ),  # fmt: skip
+        (
+            "h1",
+            5,
+            3,
+            10,
+            0,
+            "gpu0/stream7",
+            "memset",
+            "Memset (Device)",
+            BASE + 31_000,
+            BASE + 31_768,
+            m_attrs,
+        ),  # fmt: skip
+    ]
+
+
+def test_gpu_activity_in_pytorch_profilers_dialect(tmp_path: Path) -> None:
+    props = [{"id": 0, "name": "NVIDIA H100 80GB HBM3", "numSms": 132}]
+    run = {**RUN, "attrs": {**RUN["attrs"], "device_properties": json.dumps(props)}}
+    write_chrome_trace(tmp_path / "t.json", run, THREADS, [spans(gpu_activity_rows())])
+    trace = load(tmp_path / "t.json")
+    assert trace["deviceProperties"] == props
+    x = {e["name"]: e for e in by_phase(trace, "X")}
+    assert x["cudaLaunchKernel"]["cat"] == "cuda_runtime"
+    assert x["cuMemsetD32Async"]["cat"] == "cuda_driver"
+    assert x["cuMemsetD32Async"]["args"]["correlation"] == 12
+    assert (x["Memset (Device)"]["cat"], x["Optimizer.step"]["cat"]) == (
+        "gpu_memset",
+        "gpu_user_annotation",
+    )
+    kernel = x["sgemm"]
+    # Where PyTorch's profiler puts device work, with its numbers as numbers.
+    assert (kernel["pid"], kernel["tid"]) == (0, 7) == (x["Optimizer.step"]["pid"], 7)
+    args = kernel["args"]
+    assert (args["device"], args["stream"], args["correlation"], args["context"]) == (0, 7, 11, 1)
+    assert (args["grid"], args["block"]) == ([4, 2, 1], [128, 1, 1])
+    assert (args["registers per thread"], args["shared memory"], args["blocks per SM"]) == (
+        64,
+        1024,
+        0.25,
+    )
+    memset = x["Memset (Device)"]["args"]
+    assert (memset["bytes"], memset["memory bandwidth (GB/s)"]) == (48, 0.0625)
+    assert "device" not in x["Optimizer.step"]["args"]  # as Kineto writes GPU annotations
+    # ac2g arrows from each launching call to its device work.
+    starts = {e["id"]: e for e in by_phase(trace, "s")}
+    ends = by_phase(trace, "f")
+    assert {e["cat"] for e in ends} == {"ac2g"} and len(ends) == 2
+    for f in ends:
+        s, child = starts[f["id"]], x["sgemm" if f["ts"] == kernel["ts"] else "Memset (Device)"]
+        call = x["cudaLaunchKernel" if child is kernel else "cuMemsetD32Async"]
+        assert (s["pid"], s["tid"], s["ts"]) == (call["pid"], call["tid"], call["ts"])
+        assert (f["pid"], f["tid"], f["bp"]) == (0, 7, "e")
+    assert_nested(trace["traceEvents"])
+
+    # Native categories keep ours, and values as recorded.
+    write_chrome_trace(tmp_path / "n.json", run, THREADS, [spans(gpu_activity_rows())],
+                       categories="native")  # fmt: skip
+    native = {e["name"]: e for e in by_phase(load(tmp_path / "n.json"), "X")}
+    assert native["cuMemsetD32Async"]["cat"] == "cuda_api"
+    assert native["sgemm"]["args"]["grid"] == "[4, 2, 1]"
