@@ -364,11 +364,14 @@ def _nest(
     order = idx[np.lexsort((parents.depth[idx], parents.start[idx]))]
     c_start, c_end = parents.start[order], parents.end[order]
     ids = parents.span_id[order]
-    by_id = np.argsort(ids)
-    pos = np.clip(
-        np.searchsorted(ids, parents.parent_span_id[order], sorter=by_id), 0, len(ids) - 1
-    )
-    c_parent = np.where(ids[by_id[pos]] == parents.parent_span_id[order], by_id[pos], -1)
+    wanted = parents.parent_span_id[order]
+    if not wanted.any():  # all roots (a flat lane): nothing to look up
+        c_parent = np.full(len(order), -1)
+    else:
+        by_id = np.argsort(ids)
+        sorted_ids = ids[by_id]
+        pos = np.clip(np.searchsorted(sorted_ids, wanted), 0, len(ids) - 1)
+        c_parent = np.where(sorted_ids[pos] == wanted, by_id[pos], -1)
     k = innermost(c_start, c_end, c_parent, start[mine], end[mine])
     hit = k >= 0
     if not hit.any():
