@@ -163,6 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
         "else 10)",
     )
     p.add_argument(
+        "--gpu-activity",
+        choices=["auto", "on", "off"],
+        help="kernels, copies and CUDA calls of forwarded ops through CUPTI, under their ops in the "
+        "clients' runs, and tenants' GPU busy time (default GPU_TRACE_GPU_ACTIVITY, else auto: "
+        "on a CUDA device where a driver is)",
+    )
+    p.add_argument(
         "--store",
         metavar="DSN",
         help="write the server's spans of every traced session into this ClickHouse server "

@@ -15,6 +15,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import signal
 
     from gpu_trace.runtime.protocol import auth
+    from gpu_trace.runtime.server.device_activity import start_capture
     from gpu_trace.runtime.server.server import Server
     from gpu_trace.runtime.sharing.policies import make_policy
     from gpu_trace.runtime.sharing.scheduler import PolicyScheduler
@@ -36,10 +37,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 raise ValueError("--device-memory must be more than 0 bytes")
         scheduler = PolicyScheduler(make_policy(args.policy))
         device = args.device
+        # GPU activity: the injection library is named before CUDA initializes in this process.
+        activity, activity_note = None, None
+        if device is None or device.startswith("cuda"):
+            activity, activity_note = start_capture(args.gpu_activity)
         if device is None:
             import torch
 
             device = "cuda:0" if torch.cuda.is_available() else "cpu"
+        if activity is not None and not device.startswith("cuda"):
+            activity = None
         sink = None
         if args.store:
             from gpu_trace.runtime.server.sink import StoreSink
@@ -58,6 +65,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             sink=sink,
             idle_s=args.idle_s,
             spin_us=args.spin_us,
+            gpu_activity=activity,
         )
         server.start()
     except (ValueError, OSError) as exc:
@@ -73,12 +81,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         where = f"token in {token_path}"
     else:
         where = "token from --token/GPU_TRACE_REMOTE_TOKEN"
-    where += f"; policy {args.policy}"
+    where += f"; policy {args.policy}; GPU activity {'on' if activity else 'off'}"
     if sink is not None:
         where += f"; spans to {sink.display}"
     if metrics is not None:
         where += f"; metrics at {metrics.url}"
     err(f"serving {server.device} on {server.address} ({where}); Ctrl-C stops")
+    if activity_note:
+        err(activity_note)
     signal.signal(signal.SIGTERM, lambda *_: server.stop("SIGTERM"))
     try:
         server.serve_forever()
@@ -89,7 +99,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
             metrics.close()
         server.close()
     why = f" ({server.stop_reason})" if server.stop_reason else ""
-    err(f"stopped{why}: served {server.executor.batches} batches")
+    gpu = ""
+    if activity is not None:
+        c = activity.counts
+        gpu = (
+            f"; {c.spans} GPU activity spans sent ({c.dropped} records dropped by CUPTI,"
+            f" {c.unattributed} outside traced ops, {c.late} after their session ended)"
+        )
+    err(f"stopped{why}: served {server.executor.batches} batches{gpu}")
     return 0
 
 

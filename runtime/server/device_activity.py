@@ -23,6 +23,7 @@ never silently lost.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -51,9 +52,13 @@ BUSY_CATEGORY = "kernel"
 class Source(Protocol):
     """Where raw activity records come from: :class:`FileSource`, or a test's."""
 
-    def read_new(self) -> list[ActivityData]:
+    def read_new(self, flush: bool = False) -> list[ActivityData]:
         """Records added since the last call, one :class:`ActivityData` per file (a file's
-        anchors and names with its records)."""
+        anchors and names with its records); ``flush``: ask the capture for what it holds."""
+        ...
+
+    def close(self) -> None:
+        """The server stops: nothing more is read."""
         ...
 
 
@@ -71,8 +76,11 @@ class FileSource:
 
     The injection library appends whole chunks to one file per process; each read takes the
     chunks complete since the last one (a chunk being written is left for the next read) and
-    parses them with the file format's own reader. ``flush``, when given, is called first (it
-    asks CUPTI to hand over the buffers it holds).
+    parses them with the file format's own reader. ``flush``, when given, is called first on a
+    read that asks for it (CUPTI hands over the buffers it holds; the library also flushes every
+    ``GPU_TRACE_FLUSH_INTERVAL`` seconds on its own). The bytes read are given back to the file
+    system (a hole punched where they were), so a server that runs for weeks does not fill its
+    disk with records it has already sent.
     """
 
     def __init__(self, directory: str | Path, flush: Callable[[], None] | None = None) -> None:
@@ -85,10 +93,10 @@ class FileSource:
     def spool(self) -> Path:
         return self.directory / "spool"
 
-    def read_new(self) -> list[ActivityData]:
+    def read_new(self, flush: bool = False) -> list[ActivityData]:
         from gpu_trace.collectors.gpu_activity import activity_file
 
-        if self.flush is not None:
+        if flush and self.flush is not None:
             try:
                 self.flush()
             except Exception:  # a flush that fails only delays the records
@@ -99,6 +107,15 @@ class FileSource:
             if data is not None:
                 out.append(data)
         return out
+
+    def close(self) -> None:
+        """Remove the files read (their records have gone out) and the directory if empty."""
+        for path in self._tails:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        for d in (self.spool, self.directory):
+            with contextlib.suppress(OSError):
+                d.rmdir()
 
     def _read(self, path: Path) -> ActivityData | None:
         from gpu_trace.collectors.gpu_activity import activity_file
@@ -122,6 +139,7 @@ class FileSource:
         end = _complete(blob, start, activity_file.HEADER.size, activity_file.HEADER.unpack_from)
         if end == start:
             return None
+        _punch(path, tail.offset, end)
         tail.offset += end
         data = _parse(activity_file.MAGIC + blob[start:end], path.name)
         self.problems.extend(data.problems)
@@ -131,6 +149,25 @@ class FileSource:
             tail.anchors = np.concatenate([tail.anchors, data.anchors])
         data.names, data.anchors = dict(tail.names), tail.anchors
         return data
+
+
+def _punch(path: Path, offset: int, length: int) -> None:
+    """Free the disk blocks of bytes already read (``fallocate``'s punch-hole; the file keeps
+    its size and the library its offsets). Best effort: where the file system cannot, the file
+    only keeps its size."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            punch_hole, keep_size = 0x02, 0x01
+            libc.fallocate(fd, punch_hole | keep_size, ctypes.c_long(offset), ctypes.c_long(length))
+        finally:
+            os.close(fd)
+    except (OSError, AttributeError, TypeError):
+        log.debug("gpu-trace serve: could not free read GPU activity bytes", exc_info=True)
 
 
 def _complete(blob: bytes, pos: int, header: int, unpack: Callable) -> int:
@@ -208,6 +245,8 @@ class DeviceActivity:
         self.interval_s = interval_s
         self.window_ns = int(window_s * 1e9)
         self.counts = Counts()
+        #: What the capture said (CUPTI missing, taken by another profiler...), once each.
+        self.notes: list[str] = []
         #: Batches executed lately (appended by the executor: one append per batch).
         self._batches: deque[ExecutedBatch] = deque(maxlen=max_batches)
         self._covered: dict[int, int] = {}  # session id -> end of its busy time so far
@@ -240,7 +279,7 @@ class DeviceActivity:
     def session_done(self, session: Session, *, ended: bool = False) -> None:
         """``session`` says goodbye (or ended): convert what has arrived, so its last kernels go
         out with its last spans. Once it has ``ended``, its spans arriving later are ``late``."""
-        self.poll()
+        self.poll(flush=True)
         if ended:
             self._ended.add(session.id)
             self._covered.pop(session.id, None)
@@ -258,24 +297,25 @@ class DeviceActivity:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
-        self.poll()
+        self.poll(flush=True)
+        self.source.close()
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
             self.poll()
 
-    def poll(self) -> int:
+    def poll(self, flush: bool = False) -> int:
         """Convert the records that arrived and hand each span to its session; the spans made.
         Nothing raises: a failure is logged and the records are lost, counted."""
         with self._lock:
             try:
-                return self._poll()
+                return self._poll(flush)
             except Exception:  # the server serves on without its GPU activity
                 log.exception("gpu-trace serve: converting GPU activity failed")
                 return 0
 
-    def _poll(self) -> int:
-        parts = self.source.read_new()
+    def _poll(self, flush: bool) -> int:
+        parts = self.source.read_new(flush)
         for problem in getattr(self.source, "problems", [])[:]:
             log.warning("gpu-trace serve: GPU activity: %s", problem)
         if hasattr(self.source, "problems"):
@@ -286,6 +326,10 @@ class DeviceActivity:
         parents, owner = _parents(batches, self.pid)
         made = 0
         for data in parts:
+            for note in data.notes:  # e.g. another profiler holds CUPTI: said once
+                if note not in self.notes:
+                    self.notes.append(note)
+                    log.warning("gpu-trace serve: %s", note)
             self.counts.dropped += data.dropped
             self.counts.records += len(data.records)
             if data.dropped:
@@ -415,3 +459,37 @@ def _rows(part: pa.Table) -> list[list[object]]:
     attrs = [dict(a) if a else None for a in part.column("attrs").to_pylist()]
     category = part.column("category").to_pylist()
     return [list(r) for r in zip(*cols, attrs, category, strict=True)]
+
+
+def start_capture(setting: str | None) -> tuple[DeviceActivity | None, str | None]:
+    """For ``gpu-trace serve``, before CUDA initializes in this process: name the injection
+    library to the CUDA driver (``CUDA_INJECTION64_PATH``, read at ``cuInit``) with a directory
+    of the server's for its files, and the capture that reads them; or None and why not, in one
+    line (None when not asked for and there is no driver). Never raises."""
+    from gpu_trace import config
+    from gpu_trace.collectors import gpu_activity
+    from gpu_trace.collectors.gpu_activity import library
+
+    env, _state, line = gpu_activity.prepare(setting)
+    if not env:
+        return None, line
+    try:
+        directory = config.home() / "serve-activity" / str(os.getpid())
+        (directory / "spool").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return None, f"GPU activity is off: {exc}"
+    os.environ.update(env)
+    os.environ["GPU_TRACE_RUN_DIR"] = str(directory)  # where the library writes
+    flush = _library_flush(env[library.ENV])
+    return DeviceActivity(FileSource(directory, flush=flush)), None
+
+
+def _library_flush(path: str) -> Callable[[], None]:
+    """The library's own flush (``gpu_trace_activity_flush``), found once CUDA has loaded it."""
+
+    def flush() -> None:
+        import ctypes
+
+        ctypes.CDLL(path).gpu_trace_activity_flush()
+
+    return flush

@@ -6,6 +6,10 @@ code a CUDA server runs)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,14 +52,17 @@ class LaidRecords:
         self.kernels: list[tuple[int, int, int]] = []  # (op span id, start, end), monotonic
         self.correlation = 0
 
-    def read_new(self) -> list[ActivityData]:
+    def read_new(self, flush: bool = False) -> list[ActivityData]:
         assert self.activity is not None
         batches = self.activity.batches()
         new = [b for b in batches if b.execute_id > self.seen]
         if new:
             self.seen = max(b.execute_id for b in new)
             self._write(new)
-        return self.files.read_new()
+        return self.files.read_new(flush)
+
+    def close(self) -> None:
+        self.files.close()
 
     def _write(self, batches: list) -> None:
         """Per op two launches, inside it, whose kernels on two streams overlap by half."""
@@ -255,3 +262,30 @@ def test_records_no_op_launched_are_counted_not_lost(tmp_path: Path) -> None:
     assert activity.counts.unattributed == 2 and activity.counts.dropped == 3
     assert activity.counts.records == 2
     assert np.isclose(activity.counts.spans, 0)
+
+
+def test_serve_asked_for_gpu_activity_without_a_driver_says_so_and_serves(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpu_trace", "serve", "--listen", "127.0.0.1:0"]
+        + ["--gpu-activity", "on", "--metrics", "off"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "GPU_TRACE_REMOTE_TOKEN": TOKEN},
+    )
+    assert proc.stderr is not None
+    try:
+        serving, note = proc.stderr.readline(), proc.stderr.readline()
+        assert "serving cpu on" in serving and "GPU activity off" in serving
+        assert note.strip().endswith(
+            "GPU activity is off: no NVIDIA driver (libcuda) on this machine"
+        )
+        address = serving.split(" on ")[1].split()[0]
+        dev = runtime.connect(address, token=TOKEN)
+        try:
+            assert (torch.ones(3, device=dev) * 2).sum().item() == 6.0
+        finally:
+            runtime.disconnect()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rest = proc.communicate(timeout=30)[1]
+    assert proc.returncode == 0 and "served" in rest and "GPU activity spans" not in rest
