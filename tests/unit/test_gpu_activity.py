@@ -167,3 +167,20 @@ def test_the_file_format_round_trips() -> None:
     assert data.records.tobytes() == records.tobytes()
     assert data.names == {0: "k"} and data.anchors.tolist() == [[1, 2]]
     assert data.dropped == 3 and data.notes == ["hello"] and not data.problems
+
+
+def test_the_bench_runs_its_conversion_part(capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/gpu_activity.py on a machine without a GPU: the conversion part, at the smallest
+    scale (its figures are the bench's business, not this test's)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "bench" / "gpu_activity.py"
+    spec = importlib.util.spec_from_file_location("bench_gpu_activity", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.conversion(scale=2, rounds=1)
+    out = capsys.readouterr().out
+    assert "26,658 records (2 x the H100 file)" in out
+    assert out.count("M records/s") == 2
