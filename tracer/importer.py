@@ -33,6 +33,7 @@ import gzip
 import hashlib
 import json
 import logging
+import re
 import time
 import zlib
 from collections import Counter
@@ -92,6 +93,8 @@ META_KEYS = (
     "traceName",
     "baseTimeNanoseconds",
 )
+#: Microseconds with three decimals: nanoseconds once the point is taken out.
+_THREE_DECIMALS = re.compile(r"-?[0-9]+\.[0-9]{3}")
 #: Run attribute holding the file's SHA-256 (a second import of the same file is refused).
 SOURCE_SHA = "import_sha256"
 
@@ -175,6 +178,8 @@ def read_trace(path: str | Path) -> tuple[dict[str, object], str]:
 def to_ns(value: object) -> int:
     """Kineto microseconds (an int, or a float's text as parsed) as integer nanoseconds,
     exactly; ValueError for anything else."""
+    if type(value) is str and _THREE_DECIMALS.fullmatch(value):  # what Kineto writes
+        return int(value[:-4] + value[-3:])
     if isinstance(value, bool):
         raise ValueError(value)
     if isinstance(value, int):
@@ -289,7 +294,14 @@ def convert(data: dict[str, object], *, name: str, command: str) -> Converted:
         pid = _int(ev["pid"], "pid", index)
         tid = _int(ev["tid"], "tid", index)
         args = ev.get("args")
-        attrs = {str(k): _text(v) for k, v in args.items()} if isinstance(args, dict) else {}
+        attrs = (
+            {
+                k: v if type(v) is str else str(v) if type(v) is int else _text(v)
+                for k, v in args.items()
+            }
+            if isinstance(args, dict)
+            else {}
+        )
         label = str(ev["name"])
         if cpu is not None:
             category, lane = cpu
