@@ -121,6 +121,8 @@ class FileSource:
         from gpu_trace.collectors.gpu_activity import activity_file
 
         tail = self._tails.setdefault(path, _Tail())
+        if tail.offset < 0:  # not an activity file: said once
+            return None
         try:
             with open(path, "rb") as f:
                 f.seek(tail.offset)
@@ -133,8 +135,6 @@ class FileSource:
             if len(blob) >= len(activity_file.MAGIC):
                 self.problems.append(f"{path.name}: not a GPU activity file (bad magic)")
                 tail.offset = -1  # never read again
-            return None
-        if tail.offset < 0:
             return None
         end = _complete(blob, start, activity_file.HEADER.size, activity_file.HEADER.unpack_from)
         if end == start:

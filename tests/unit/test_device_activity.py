@@ -1,0 +1,136 @@
+"""The server's GPU activity pieces: busy time as a union, the growing activity file read in whole
+chunks once each, GPU rows in the server's span tables, measured-or-not busy time per tenant."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpu_trace.collectors.gpu_activity import activity as act
+from gpu_trace.collectors.gpu_activity import activity_file
+from gpu_trace.runtime.protocol.span_tables import span_table
+from gpu_trace.runtime.server.device_activity import FileSource, union_ns
+from gpu_trace.runtime.server.sessions import Session, SpanLog
+from gpu_trace.runtime.sharing import admin
+
+
+def _union(intervals: list[tuple[int, int]]) -> int:
+    covered: set[int] = set()
+    for s, e in intervals:
+        covered.update(range(s, e))
+    return len(covered)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 200), st.integers(0, 40)), max_size=30),
+    st.integers(0, 30),
+)
+def test_busy_time_is_the_union_of_intervals_across_calls(
+    pairs: list[tuple[int, int]], cut: int
+) -> None:
+    intervals = sorted((s, s + d) for s, d in pairs)
+    first, second = intervals[:cut], intervals[cut:]
+    total, covered = 0, 0
+    for part in (first, second):
+        s = np.array([a for a, _ in part], np.int64)
+        e = np.array([b for _, b in part], np.int64)
+        got, covered = union_ns(s[::-1], e[::-1], covered)  # any order within a call
+        total += got
+    assert total == _union(intervals)
+
+
+def _records(n: int, start: int) -> np.ndarray:
+    r = act.empty(n)
+    r["kind"], r["correlation"] = act.CONCURRENT_KERNEL, np.arange(start, start + n)
+    return r
+
+
+def test_a_growing_file_is_read_in_whole_chunks_once_each(tmp_path: Path) -> None:
+    source = FileSource(tmp_path)
+    path = source.spool / f"{activity_file.PREFIX}1-a{activity_file.SUFFIX}"
+    whole = activity_file.encode(_records(3, 1), {0: "k0"}, anchors=[(100, 0)])
+    more = activity_file.encode(_records(2, 4), {1: "k1"})[len(activity_file.MAGIC) :]
+    path.parent.mkdir(parents=True)
+    path.write_bytes(whole + more[:30])  # the library is half way through a chunk
+    (first,) = source.read_new()
+    assert first.records["correlation"].tolist() == [1, 2, 3]
+    assert first.anchors.tolist() == [[100, 0]] and first.names[0] == "k0"
+    assert source.read_new() == []  # nothing whole since
+    with open(path, "ab") as f:
+        f.write(more[30:])
+    (second,) = source.read_new()
+    assert second.records["correlation"].tolist() == [4, 5]  # not the first three again
+    assert second.anchors.tolist() == [[100, 0]] and second.names == {0: "k0", 1: "k1"}
+    assert not source.problems
+    source.close()
+    assert not source.directory.exists()
+
+
+def test_a_file_that_is_not_activity_is_named_once(tmp_path: Path) -> None:
+    source = FileSource(tmp_path)
+    source.spool.mkdir(parents=True)
+    (source.spool / f"{activity_file.PREFIX}2-b{activity_file.SUFFIX}").write_bytes(b"x" * 64)
+    assert source.read_new() == [] and source.read_new() == []
+    assert source.problems == [
+        f"{activity_file.PREFIX}2-b.bin: not a GPU activity file (bad magic)"
+    ]
+
+
+def test_gpu_rows_get_their_category_thread_and_depth() -> None:
+    rows = [
+        [5, 0, "server/op", "aten::mm", 10, 20, None],
+        [6, 5, "cuda_api", "cudaLaunchKernel", 12, 14, {"correlation": "1"}, "cuda_api"],
+        [7, 6, "gpu0/stream7", "gemm", 15, 30, {"stream": "7"}, "kernel"],
+    ]
+    t = span_table(rows, 42, lambda: 99).to_pylist()
+    assert [(r["category"], r["tid"], r["depth"]) for r in t] == [
+        ("server", 2, 2),
+        ("cuda_api", 2, 3),
+        ("kernel", 0, 0),
+    ]
+    assert dict(t[2]["attrs"])["raw_start_ns"] == "15" and t[2]["pid"] == 42
+
+
+def test_rows_added_from_another_thread_go_out_with_the_next_take() -> None:
+    log = SpanLog()
+    log.span(1, 0, "server/execute", "execute", 0, 5)
+    t = threading.Thread(
+        target=log.add_rows, args=([[2, 1, "cuda_api", "x", 1, 2, None, "cuda_api"]],)
+    )
+    t.start()
+    t.join()
+    assert [s[0] for s in log.take()["spans"]] == [1, 2]
+    assert log.take()["spans"] == []
+
+
+def test_ended_sessions_keep_their_gpu_busy_time_and_unmeasured_stays_unmeasured() -> None:
+    ledger = admin.Ledger()
+    measured = Session({"host": "a"}, lambda *a: None)
+    unmeasured = Session({"host": "b"}, lambda *a: None)
+    measured.usage.gpu_busy_ns = 1234
+    for s in (measured, unmeasured):
+        ledger.open(s)
+        ledger.retire(s)
+    assert ledger.ended["default"]["gpu_busy_ns"] == 1234
+    only_unmeasured = admin.Ledger()
+    only_unmeasured.open(unmeasured)
+    only_unmeasured.retire(unmeasured)
+    assert "gpu_busy_ns" not in only_unmeasured.ended["default"]
+
+
+def test_bytes_read_are_given_back_to_the_disk(tmp_path: Path) -> None:
+    source = FileSource(tmp_path)
+    path = source.spool / f"{activity_file.PREFIX}3-c{activity_file.SUFFIX}"
+    activity_file.write(path, activity_file.encode(_records(20_000, 1)))  # 2 MB
+    before = path.stat()
+    assert before.st_blocks * 512 >= before.st_size
+    (data,) = source.read_new()
+    assert len(data.records) == 20_000
+    after = path.stat()
+    assert after.st_size == before.st_size  # the library's offsets stay valid
+    assert after.st_blocks * 512 < before.st_size // 4
