@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 
 from gpu_trace import _format as fmt
 from gpu_trace.dashboard.figures import empty, esc
-from gpu_trace.dashboard.gpu_work import StepBusy
+from gpu_trace.dashboard.gpu_work import StepBusy, device_lane, short_kernel_name
 
 PARTS = (
     ("client_ns", "client", "#ff7f0e"),
@@ -43,7 +43,13 @@ def top_self(rows: list[dict[str, Any]]) -> go.Figure:
     if not rows:
         return empty("no ranges in this run")
     rows = rows[::-1]
-    labels = [esc(f"{r['name']} · {r['lane']}") for r in rows]
+    # Kernel names are long C++: their short form (gpu_work.short_kernel_name) on device lanes.
+    labels = [
+        esc(
+            f"{short_kernel_name(r['name']) if device_lane(r['lane']) else r['name']} · {r['lane']}"
+        )
+        for r in rows
+    ]
     fig = go.Figure(
         [
             go.Bar(orientation="h", y=labels, x=[_ms(r["total_ns"]) for r in rows], name="total",
@@ -405,7 +411,7 @@ def compare_bars(rows: list[dict[str, Any]], label: str, names: tuple[str, str],
 def gpu_busy(rows: list[StepBusy]) -> go.Figure:
     """Each step's GPU busy and idle share, per device (stacked to 100% of the step)."""
     if not rows:
-        return empty("no GPU activity inside steps in this run")
+        return empty("no steps with GPU work in this run: busy and idle per step need steps")
     fig = go.Figure()
     devices = sorted({r["device"] for r in rows})
     for d in devices:

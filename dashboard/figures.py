@@ -69,7 +69,8 @@ def track_label(t: TrackInfo) -> str:
         return esc(f"{t.host} · {label}" if t.host else label)  # an imported trace has no host
     who = t.thread or (f"tid {t.tid}" if t.tid != t.pid else "main")
     proc = t.process.split(" ")[0].rsplit("/", 1)[-1] if t.process else "pid"
-    label = f"{t.host} · {proc} {t.pid} · {who} · {t.lane}"
+    label = f"{proc} {t.pid} · {who} · {t.lane}"
+    label = f"{t.host} · {label}" if t.host else label  # an imported trace has no host
     if t.clock_uncertainty_ns:
         label += f" (clock ±{fmt.duration(t.clock_uncertainty_ns)})"
     return esc(label if len(label) <= 70 else "…" + label[-69:])

@@ -169,3 +169,16 @@ def test_summary_shows_the_gpu_tables(source: ReadOnlyStore) -> None:
     body = str(panels.summary(data).to_plotly_json())
     assert "Top kernels by GPU time" in body and "summary-kernels-gpu0" in body
     assert FILL_SHORT in body and "summary-gpu-busy" in body and "40.0%" in body
+
+
+def test_kernels_are_short_in_the_self_time_chart_and_an_empty_host_is_left_out() -> None:
+    rows = [{"name": FILL, "lane": "gpu0/stream7", "total_ns": 2, "self_ns": 2},
+            {"name": "aten::mm", "lane": "torch/ops", "total_ns": 1, "self_ns": 1}]  # fmt: skip
+    assert list(charts.top_self(rows).data[0].y) == [
+        "aten::mm · torch/ops",
+        figures.esc(f"{FILL_SHORT} · gpu0/stream7"),
+    ]
+    stream = timeline.TrackInfo("", 928, 0, "gpu0/stream7", 1, 0, 1, process="python3")
+    thread = timeline.TrackInfo("", 928, 968, "torch/ops", 1, 0, 1, thread="pt_autograd_0")
+    assert figures.track_label(stream) == "GPU 0 · stream 7 · python3 928"
+    assert figures.track_label(thread) == "pid 928 · pt_autograd_0 · torch/ops"
