@@ -4,7 +4,10 @@ built in tests/dashboard_data.py with exact times)."""
 
 from __future__ import annotations
 
+import gzip
+import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +23,7 @@ from gpu_trace.dashboard import (  # noqa: E402
     timeline,
 )
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore  # noqa: E402
+from gpu_trace.tracer.importer import import_trace  # noqa: E402
 from gpu_trace.tracer.store import Store  # noqa: E402
 from tests.dashboard_data import (  # noqa: E402
     FILL,
@@ -182,3 +186,32 @@ def test_kernels_are_short_in_the_self_time_chart_and_an_empty_host_is_left_out(
     thread = timeline.TrackInfo("", 928, 968, "torch/ops", 1, 0, 1, thread="pt_autograd_0")
     assert figures.track_label(stream) == "GPU 0 · stream 7 · python3 928"
     assert figures.track_label(thread) == "pid 928 · pt_autograd_0 · torch/ops"
+
+
+def test_the_real_h100_trace_imported_reads_on_the_dashboard(source: ReadOnlyStore) -> None:
+    """Five steps of the H100 PyTorch profiler trace through ``gpu-trace import``: the stream
+    rows come last and one row high, every kernel is counted in the top kernels, a kernel's
+    launch chain goes through its CUDA call to the op that launched it, and the whole-run window
+    draws every span once (bar or density)."""
+    data = Path(__file__).resolve().parents[1] / "data" / "kineto-h100-lm-5steps.json.gz"
+    with gzip.open(data, "rt") as f:
+        kernels = sum(e.get("cat") == "kernel" for e in json.load(f)["traceEvents"])
+    run_id = import_trace(source.store(), data).run_id  # one chDB per process: the same store
+    info = timeline.tracks(source, run_id)["tracks"]
+    assert [t.lane for t in info[-2:]] == ["gpu0/stream7", "gpu0/stream7/annotations"]
+    assert all(t.device is None for t in info[:-2]) and info[-2].levels == 1
+    found = gpu_work.top_kernels(source, run_id)
+    assert [(d["device"], d["kernels"]) for d in found] == [(0, kernels)]
+    longest = source.rows(
+        "SELECT toString(span_id) AS id, toString(parent_span_id) AS parent FROM __db__.spans"
+        " WHERE run_id = {r:String} AND category = 'kernel'"
+        " ORDER BY end_ns - start_ns DESC LIMIT 1",
+        {"r": run_id},
+    )[0]
+    chain = gpu_work.launch_chain(source, run_id, longest["id"], longest["parent"])
+    assert chain[0]["category"] == "cuda_api" and chain[1]["category"] == "op"
+    r = timeline.run(source, run_id)
+    win = timeline.window(source, run_id, int(r["started_ns"]), int(r["ended_ns"]), 1600)
+    assert win.total_spans == sum(t.spans for t in info)
+    fig = figures.timeline(r, timeline.tracks(source, run_id), win)
+    assert any(t["name"] == "kernel" for t in fig["data"] if t["type"] == "bar")
