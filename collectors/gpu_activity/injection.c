@@ -26,7 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -139,12 +139,21 @@ static int ensure_open(void) {
 static void chunk(uint32_t type, uint32_t count, const void *payload, uint32_t len) {
     if (ensure_open() != 0) return;
     uint32_t header[4] = {type, count, len, crc32_of(payload, len)};
-    char *buf = malloc(sizeof header + len);
-    if (!buf) return;
-    memcpy(buf, header, sizeof header);
-    memcpy(buf + sizeof header, payload, len);
-    write_all(buf, sizeof header + len); /* one write: a killed process leaves whole chunks */
-    free(buf);
+    /* One writev: header and payload land together; a killed process leaves whole chunks, or a
+     * truncated last one that the reader names and skips. */
+    struct iovec io[2] = {{header, sizeof header}, {(void *)payload, len}};
+    size_t total = sizeof header + len, done = 0;
+    while (done < total) {
+        ssize_t n = writev(fd, io, 2);
+        if (n <= 0) return; /* a full disk: this chunk is lost, the program goes on */
+        done += (size_t)n;
+        for (int i = 0; i < 2; i++) { /* skip what was written */
+            size_t take = (size_t)n < io[i].iov_len ? (size_t)n : io[i].iov_len;
+            io[i].iov_base = (char *)io[i].iov_base + take;
+            io[i].iov_len -= take;
+            n -= (ssize_t)take;
+        }
+    }
 }
 
 static void note(const char *text) {
@@ -322,7 +331,7 @@ static void convert(CUpti_Activity *a, struct gt_record *r, uint32_t pid) {
 static void CUPTIAPI buffer_completed(CUcontext ctx, uint32_t stream, uint8_t *buffer, size_t size,
                                       size_t valid) {
     (void)size;
-    size_t cap = valid / 32 + 1, n = 0;
+    size_t cap = valid / sizeof(CUpti_ActivityAPI) + 1, n = 0; /* the smallest record */
     struct gt_record *out = malloc(cap * sizeof *out);
     uint32_t pid = (uint32_t)getpid();
     CUpti_Activity *a = NULL;

@@ -4,12 +4,14 @@ without a GPU gets one line while the program runs on unchanged."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 
 from gpu_trace import _cbuild
@@ -17,6 +19,7 @@ from gpu_trace.collectors import gpu_activity
 from gpu_trace.collectors.gpu_activity import activity_file, library
 from gpu_trace.collectors.gpu_activity.converter import convert_run
 from gpu_trace.tracer.run import RunInfo
+from gpu_trace.tracer.spool import list_spool, read_spool_file
 
 PROGRAM = textwrap.dedent(
     """
@@ -101,3 +104,76 @@ def test_asked_for_without_a_driver_is_one_line(monkeypatch: pytest.MonkeyPatch)
     )
     assert gpu_activity.prepare("auto") == ({}, "off", None)  # a CPU machine: nothing to say
     assert gpu_activity.prepare("off") == ({}, "off", None)
+
+
+FAKE_PROGRAM = textwrap.dedent(
+    """
+    import ctypes, json, sys, threading, time
+    lib = ctypes.CDLL(sys.argv[1])
+    fake = ctypes.CDLL(sys.argv[2])  # the libcupti the injection library opened: the same one
+    fake.fake_cupti_emit.restype = ctypes.c_uint64
+    print("init", lib.InitializeInjection(), flush=True)
+    t0 = time.perf_counter_ns()
+    tid = fake.fake_cupti_emit(1)
+    t1 = time.perf_counter_ns()
+    fake.fake_cupti_emit(2)
+    print(json.dumps({"t0": t0, "t1": t1, "tid": tid, "native": threading.get_native_id()}))
+    """  # the library's exit handler flushes CUPTI; the records reach the file then
+)
+
+
+@pytest.mark.parametrize("timestamp_callback", [True, False], ids=["cupti-clock", "anchors"])
+def test_the_librarys_records_become_the_expected_spans(
+    built: Path, tmp_path: Path, timestamp_callback: bool
+) -> None:
+    """The whole C path against a stand-in libcupti (CUPTI's own structs): conversion of each
+    record kind, kernel names, system thread ids, drops, and the clock: CUPTI's clock is
+    CLOCK_MONOTONIC + 1000 s here, and the launch must land between the program's
+    perf_counter_ns readings around it, through CUPTI's timestamp callback or through anchors."""
+    fake = tmp_path / "libcupti_fake.so"
+    inc = library.include_dirs()
+    assert inc is not None
+    source = Path(__file__).with_name("fake_cupti.c")
+    flags = [] if timestamp_callback else ["-DNO_TS_CALLBACK"]
+    _cbuild.build(source, fake, include_dirs=inc, libs=["-lpthread", *flags])
+    run_dir = tmp_path / "run"
+    RunInfo(run_id="r", trace_id="ab" * 16, started_ns=0).save(run_dir)
+    env = {**os.environ, "GPU_TRACE_RUN_DIR": str(run_dir), "GPU_TRACE_CUPTI_LIBRARY": str(fake)}
+    out = subprocess.run(
+        [sys.executable, "-c", FAKE_PROGRAM, str(built), str(fake)],
+        capture_output=True, text=True, env=env, timeout=120, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout.splitlines()[-1])
+    (problem,) = convert_run(run_dir)
+    assert problem.endswith(": CUPTI dropped 3 GPU activity records (buffers full)")
+    spans = [
+        row
+        for path in list_spool(run_dir)
+        for row in (read_spool_file(path).table or pa.table({})).to_pylist()
+    ]
+    by_cat: dict[str, list[dict]] = {}
+    for s in spans:
+        by_cat.setdefault(s["category"], []).append(s)
+    assert {c: len(v) for c, v in by_cat.items()} == {
+        "cuda_api": 2, "kernel": 2, "memcpy": 2, "memset": 2, "cuda_sync": 2,
+    }  # fmt: skip
+    api = min(by_cat["cuda_api"], key=lambda s: s["start_ns"])
+    assert api["name"] == "cudaLaunchKernel" and api["tid"] == seen["native"] == seen["tid"]
+    assert seen["t0"] <= api["start_ns"] <= seen["t1"]  # on the program's clock
+    kernel = next(k for k in by_cat["kernel"] if dict(k["attrs"])["correlation"] == "1")
+    assert kernel["name"] == "kernel(float*)" and kernel["parent_span_id"] == api["span_id"]
+    assert kernel["lane"] == "gpu1/stream7" and kernel["start_ns"] - api["start_ns"] == 2000
+    attrs = dict(kernel["attrs"])
+    assert attrs["grid"] == "[8, 2, 1]" and attrs["block"] == "[256, 1, 1]"
+    assert attrs["registers per thread"] == "32" and attrs["shared memory"] == "3072"
+    copy = by_cat["memcpy"][0]
+    assert copy["name"] == "Memcpy DtoH (Device -> Pinned)"
+    assert dict(copy["attrs"])["memory bandwidth (GB/s)"] == "4.096"
+    assert by_cat["memset"][0]["name"] == "Memset (Device)"
+    sync = by_cat["cuda_sync"][0]
+    assert sync["name"] == "Stream Synchronize" and sync["lane"] == "gpu1/stream7"
+    info = RunInfo.load(run_dir)
+    assert info.attrs["gpu_activity_records"] == "10"
+    assert info.attrs["gpu_activity_dropped"] == "3"
+    assert info.attrs["gpu_activity_unmatched"] == "0"
