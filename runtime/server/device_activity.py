@@ -451,14 +451,36 @@ def _parents(batches: list[ExecutedBatch], pid: int) -> tuple[Parents, dict[int,
 
 def _rows(part: pa.Table) -> list[list[object]]:
     """Spans as the server's span log holds them: ``[id, parent, lane, name, start, end, attrs,
-    category]`` (:func:`gpu_trace.runtime.protocol.span_tables.span_table` reads them)."""
+    category]`` (:func:`gpu_trace.runtime.protocol.span_tables.span_table` reads them). The
+    attribute maps are read as two flat lists and cut by their offsets (a map per row through
+    Arrow's ``to_pylist`` costs several times more)."""
     cols = [
-        part.column(name).to_pylist()
+        _values(part.column(name))
         for name in ("span_id", "parent_span_id", "lane", "name", "start_ns", "end_ns")
     ]
-    attrs = [dict(a) if a else None for a in part.column("attrs").to_pylist()]
-    category = part.column("category").to_pylist()
-    return [list(r) for r in zip(*cols, attrs, category, strict=True)]
+    attrs = part.column("attrs").combine_chunks()
+    offsets = attrs.offsets.to_numpy()
+    first = int(offsets[0]) if len(offsets) else 0
+    keys = attrs.keys.slice(first, int(offsets[-1]) - first).to_pylist() if len(offsets) else []
+    values = attrs.items.slice(first, int(offsets[-1]) - first).to_pylist() if len(offsets) else []
+    cuts = (offsets - first).tolist()
+    maps = [
+        dict(zip(keys[a:b], values[a:b], strict=True)) if b > a else None
+        for a, b in zip(cuts[:-1], cuts[1:], strict=True)
+    ]
+    category = _values(part.column("category"))
+    return [list(r) for r in zip(*cols, maps, category, strict=True)]
+
+
+def _values(column: pa.ChunkedArray) -> list[object]:
+    """A column as Python values: numbers through numpy, dictionary strings by their codes."""
+    import pyarrow as pa
+
+    array = column.combine_chunks()
+    if pa.types.is_dictionary(array.type):
+        words = array.dictionary.to_pylist()
+        return [words[i] for i in array.indices.to_numpy(zero_copy_only=False).tolist()]
+    return array.to_numpy(zero_copy_only=False).tolist()
 
 
 def start_capture(setting: str | None) -> tuple[DeviceActivity | None, str | None]:
