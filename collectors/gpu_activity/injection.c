@@ -26,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
@@ -79,6 +80,10 @@ static int fd = -1;
 static char path[4096];
 static int monotonic_clock; /* CUPTI stamps with our CLOCK_MONOTONIC reader */
 static volatile int running;
+/* The probe that tells whether CUPTI still hands its buffers to us (see flusher()). */
+static CUresult (*p_driver_version)(int *);
+static volatile uint64_t probe_tid;
+static volatile int probe_seen, driver_enabled, system_tids;
 static double flush_interval = 0.5;
 
 /* ---- CRC-32 (zlib's), for the chunk checksums ------------------------------------------- */
@@ -310,6 +315,11 @@ static void convert(CUpti_Activity *a, struct gt_record *r, uint32_t pid) {
         r->tid = c->threadId;
         r->code = c->cbid;
         r->ret = (int32_t)c->returnValue;
+        if (a->kind == CUPTI_ACTIVITY_KIND_DRIVER && probe_tid && c->threadId == probe_tid &&
+            c->cbid == CUPTI_DRIVER_TRACE_CBID_cuDriverGetVersion) {
+            probe_seen = 1;
+            r->kind = 0; /* our own probe, not the program's */
+        }
         break;
     }
     case CUPTI_ACTIVITY_KIND_SYNCHRONIZATION: {
@@ -371,13 +381,49 @@ static const CUpti_ActivityKind KINDS[] = {
     CUPTI_ACTIVITY_KIND_DRIVER,            CUPTI_ACTIVITY_KIND_SYNCHRONIZATION,
 };
 
+/* Every flush interval: hand CUPTI's filled buffers over. Every PROBE_EVERY intervals, when the
+ * driver API kind is on: make one cheap driver call on this thread (cuDriverGetVersion) and force
+ * a flush. Its record comes back to bufferCompleted as long as CUPTI's activity buffers are ours;
+ * if it stops coming back twice in a row, another profiler in the program (torch.profiler with
+ * CUDA activities: Kineto registers its own buffer callbacks, and CUPTI keeps one pair per
+ * process) has taken them. Its profiler keeps working; we say so once and stop probing. A forced
+ * flush every few seconds also bounds what a killed process loses. */
+#define PROBE_EVERY 4
+
 static void *flusher(void *arg) {
     (void)arg;
     struct timespec ts = {(time_t)flush_interval,
                           (long)((flush_interval - (time_t)flush_interval) * 1e9)};
+    probe_tid = (uint64_t)syscall(SYS_gettid);
+    /* the probe's record is told by its thread: only where CUPTI reports system thread ids */
+    int tick = 0, misses = 0, pending = 0;
+    int probing = p_driver_version && driver_enabled && system_tids;
     while (running) {
         nanosleep(&ts, NULL);
-        if (running) p_flush(0);
+        if (!running) break;
+        if (!probing || ++tick % PROBE_EVERY) {
+            p_flush(0);
+            continue;
+        }
+        if (pending) { /* the last probe had a whole period to come back */
+            misses = probe_seen ? 0 : misses + 1;
+            if (misses == 2) {
+                char text[256];
+                snprintf(text, sizeof text,
+                         "GPU activity of process %d ends at %lld ns: another profiler in the "
+                         "program (torch.profiler with CUDA activities?) took CUPTI's activity "
+                         "buffers; it keeps them, the rest of the recording goes on",
+                         (int)getpid(), (long long)monotonic_ns());
+                note(text);
+                probing = 0;
+                continue;
+            }
+        }
+        probe_seen = 0;
+        int version = 0;
+        p_driver_version(&version);
+        p_flush(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED);
+        pending = 1;
     }
     return NULL;
 }
@@ -429,9 +475,13 @@ EXPORT int InitializeInjection(void) {
     RESOLVE(lib, p_thread_id_type, "cuptiSetThreadIdType");
     RESOLVE(lib, p_timestamp_callback, "cuptiActivityRegisterTimestampCallback");
     RESOLVE(lib, p_result_string, "cuptiGetResultString");
+    /* The driver that loaded us is in the process already: no new load, just its symbol. */
+    void *driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    *(void **)&p_driver_version = driver ? dlsym(driver, "cuDriverGetVersion")
+                                         : dlsym(RTLD_DEFAULT, "cuDriverGetVersion");
     /* Thread ids as the OS numbers them (gettid), the ids the recorder's spans carry. */
-    int system_tids = p_thread_id_type &&
-                      p_thread_id_type(CUPTI_ACTIVITY_THREAD_ID_TYPE_SYSTEM) == CUPTI_SUCCESS;
+    system_tids = p_thread_id_type &&
+                  p_thread_id_type(CUPTI_ACTIVITY_THREAD_ID_TYPE_SYSTEM) == CUPTI_SUCCESS;
     /* Times on the run's clock, from CUPTI itself where it can take our clock. */
     if (p_timestamp_callback && p_timestamp_callback(monotonic_stamp) == CUPTI_SUCCESS)
         monotonic_clock = 1;
@@ -451,6 +501,7 @@ EXPORT int InitializeInjection(void) {
         r = p_enable(KINDS[i]);
         if (r == CUPTI_SUCCESS) {
             enabled++;
+            driver_enabled |= KINDS[i] == CUPTI_ACTIVITY_KIND_DRIVER;
         } else {
             failed = r;
             size_t len = strlen(missing);

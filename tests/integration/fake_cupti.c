@@ -101,8 +101,49 @@ EXPORT CUptiResult cuptiActivityFlushAll(uint32_t flag) {
 }
 
 static void put(const void *rec, size_t size) {
+    if (pending_len + size > sizeof pending) return; /* the fake's buffer is full: dropped */
     memcpy(pending + pending_len, rec, size);
     pending_len += size;
+}
+
+static uint32_t next_corr = 1000;
+
+/* A driver call: CUPTI records it like any other (the library's probe makes this one). */
+EXPORT CUresult cuDriverGetVersion(int *version) {
+    pthread_mutex_lock(&lock);
+    uint64_t t = now();
+    CUpti_ActivityAPI api = {0};
+    api.kind = CUPTI_ACTIVITY_KIND_DRIVER;
+    api.cbid = 2; /* cuDriverGetVersion */
+    api.start = t;
+    api.end = t + 100;
+    api.processId = (uint32_t)getpid();
+    api.threadId = system_tids ? (uint32_t)syscall(SYS_gettid) : (uint32_t)pthread_self();
+    api.correlationId = next_corr++;
+    put(&api, sizeof api);
+    pthread_mutex_unlock(&lock);
+    *version = 13000;
+    return CUDA_SUCCESS;
+}
+
+static void CUPTIAPI other_requested(uint8_t **buffer, size_t *size, size_t *max) {
+    *buffer = malloc(4096);
+    *size = 4096;
+    *max = 0;
+}
+
+static void CUPTIAPI other_completed(CUcontext c, uint32_t s, uint8_t *buffer, size_t size,
+                                     size_t valid) {
+    (void)c; (void)s; (void)size; (void)valid;
+    free(buffer);
+}
+
+/* What torch.profiler's Kineto does when the program starts it: its own buffer callbacks. */
+EXPORT void fake_cupti_take_over(void) {
+    pthread_mutex_lock(&lock);
+    requested = other_requested;
+    completed = other_completed;
+    pthread_mutex_unlock(&lock);
 }
 
 EXPORT uint64_t fake_cupti_emit(uint32_t corr) {

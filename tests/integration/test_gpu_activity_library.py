@@ -177,3 +177,56 @@ def test_the_librarys_records_become_the_expected_spans(
     assert info.attrs["gpu_activity_records"] == "10"
     assert info.attrs["gpu_activity_dropped"] == "3"
     assert info.attrs["gpu_activity_unmatched"] == "0"
+
+
+TAKEOVER_PROGRAM = textwrap.dedent(
+    """
+    import ctypes, glob, sys, time
+    fake = ctypes.CDLL(sys.argv[2], mode=ctypes.RTLD_GLOBAL)  # also the process's "driver"
+    lib = ctypes.CDLL(sys.argv[1])
+    lib.InitializeInjection()
+    fake.fake_cupti_emit(1)
+    time.sleep(0.6)  # probes come back: CUPTI's buffers are ours
+    fake.fake_cupti_take_over()  # the program starts torch.profiler(CUDA): Kineto's callbacks
+    fake.fake_cupti_emit(2)  # goes to the program's profiler
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # until the library has said so (no timing assumed)
+        if any(b"another profiler" in open(p, "rb").read() for p in glob.glob(sys.argv[3])):
+            break
+        time.sleep(0.05)
+    print("done")
+    """
+)
+
+
+def test_a_profiler_taking_cuptis_buffers_is_said_once_and_left_working(
+    built: Path, tmp_path: Path
+) -> None:
+    """CUPTI keeps one pair of activity-buffer callbacks per process; when the program's own
+    profiler registers its pair, the library notices (its probe's record stops coming back),
+    says so once, and leaves the profiler its buffers; what came before is kept."""
+    fake = tmp_path / "libcupti_fake.so"
+    inc = library.include_dirs()
+    assert inc is not None
+    _cbuild.build(
+        Path(__file__).with_name("fake_cupti.c"), fake, include_dirs=inc, libs=["-lpthread"]
+    )
+    run_dir = tmp_path / "run"
+    RunInfo(run_id="r", trace_id="ab" * 16, started_ns=0).save(run_dir)
+    env = {
+        **os.environ,
+        "GPU_TRACE_RUN_DIR": str(run_dir),
+        "GPU_TRACE_CUPTI_LIBRARY": str(fake),
+        "GPU_TRACE_FLUSH_INTERVAL": "0.05",
+    }
+    pattern = str(run_dir / "spool" / "gpu_activity-*.bin")
+    out = subprocess.run(
+        [sys.executable, "-c", TAKEOVER_PROGRAM, str(built), str(fake), pattern],
+        capture_output=True, text=True, env=env, timeout=120, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0 and out.stdout == "done\n", out.stderr
+    data = activity_file.read(activity_file.activity_files(run_dir / "spool"))
+    (note,) = data.notes
+    assert note.startswith("GPU activity of process ") and "another profiler" in note
+    assert sorted(set(data.records["correlation"].tolist())) == [1]  # 2 went to the profiler
+    assert 2 not in data.records["code"][data.records["kind"] == 4]  # no probe in the data
