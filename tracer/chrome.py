@@ -319,6 +319,11 @@ class ChromeTraceExporter:
         dur = np.maximum(end - start, 0)
 
         cpid, ctid, track_frag, lane_frag = self._track_columns(batch)
+        device_rows = np.zeros(n, dtype=bool)
+        if self._kineto:
+            lane_codes, lane_dict = dictionary(batch["lane"])
+            on_device = [bool(_GPU_LANE.match(x or "")) for x in lane_dict.to_pylist()]
+            device_rows = np.array(on_device or [False])[lane_codes]
         cat_codes, cat_dict = dictionary(batch["category"])
         cat_names = cat_dict.to_pylist()
         is_mark_cat = np.array([c == MARK for c in cat_names], dtype=bool)
@@ -357,7 +362,7 @@ class ChromeTraceExporter:
             our_cat,
             lane_frag,
             attrs_fragment(
-                batch["attrs"],
+                _without_lane_args(batch, device_rows) if self._kineto else batch["attrs"],
                 reserved=RESERVED_ARGS,
                 integer_keys=KINETO_INT_ARGS if self._kineto else INT_ARGS,
                 number_keys=KINETO_NUMBER_ARGS if self._kineto else (),
@@ -690,18 +695,17 @@ class ChromeTraceExporter:
 def _kineto_rows(
     batch: pa.Table, cat_names: list[str], cat_codes: np.ndarray, cat_json: pa.Array
 ) -> pa.Array:
-    """Kineto's category where ours depends on the row: ``cuda_driver`` for a CUDA call whose
-    ``api`` attribute says driver, ``gpu_user_annotation`` for a range on a stream's annotation
-    lane (an imported trace's)."""
+    """Kineto's category where ours depends on the row: ``cuda_driver`` for a driver call (its
+    ``api`` attribute says ``driver``, as an imported trace's do; without one, its name is the
+    driver's ``cu*``, not the runtime's ``cuda*``), ``gpu_user_annotation`` for a range on a
+    stream's annotation lane (an imported trace's)."""
     if CUDA_API in cat_names:
         is_api = cat_codes == cat_names.index(CUDA_API)
-        attrs = combined(batch["attrs"])
-        if not isinstance(attrs, pa.MapArray):  # (key, value) structs as some reads give them
-            attrs = pa.MapArray.from_arrays(
-                attrs.offsets, attrs.values.field(0), attrs.values.field(1)
-            )
-        api = pc.fill_null(pc.map_lookup(attrs, "api", "first"), "")
-        driver = is_api & np.asarray(pc.equal(api, "driver"), dtype=bool)
+        api = pc.fill_null(pc.map_lookup(_attr_map(batch["attrs"]), "api", "first"), "")
+        name = plain(batch["name"])
+        named_driver = pc.and_(pc.starts_with(name, "cu"), pc.invert(pc.starts_with(name, "cuda")))
+        driver_rows = pc.or_(pc.equal(api, "driver"), pc.and_(pc.equal(api, ""), named_driver))
+        driver = is_api & np.asarray(pc.fill_null(driver_rows, False), dtype=bool)
         if driver.any():
             cat_json = pc.if_else(pa.array(driver), '"cuda_driver"', cat_json)
     if NVTX in cat_names:
@@ -713,6 +717,35 @@ def _kineto_rows(
         if rows.any():
             cat_json = pc.if_else(pa.array(rows), '"gpu_user_annotation"', cat_json)
     return cat_json
+
+
+def _attr_map(col: pa.Array | pa.ChunkedArray) -> pa.MapArray:
+    attrs = combined(col)
+    if isinstance(attrs, pa.MapArray):
+        return attrs
+    # (key, value) structs, as some reads give a map
+    return pa.MapArray.from_arrays(attrs.offsets, attrs.values.field(0), attrs.values.field(1))
+
+
+def _without_lane_args(batch: pa.Table, device_rows: np.ndarray) -> pa.Array:
+    """The attrs of ``batch`` less ``device`` and ``stream`` on the rows of device lanes, where
+    the exporter writes both from the lane (Kineto writes each once, as a number)."""
+    attrs = _attr_map(batch["attrs"])
+    if not device_rows.any():
+        return attrs
+    offsets = np.asarray(attrs.offsets, np.int64)
+    lo, hi = int(offsets[0]), int(offsets[-1])  # a slice's keys and items are not sliced
+    offsets = offsets - lo
+    keys = plain(attrs.keys.slice(lo, hi - lo))
+    items = plain(attrs.items.slice(lo, hi - lo))
+    row = np.repeat(np.arange(len(attrs)), np.diff(offsets))
+    drop = np.asarray(pc.is_in(keys, pa.array(["device", "stream"])), dtype=bool) & device_rows[row]
+    if not drop.any():
+        return attrs
+    keep = pa.array(~drop)
+    counts = np.bincount(row[~drop], minlength=len(attrs))
+    new_offsets = np.concatenate(([0], np.cumsum(counts))).astype(np.int32)
+    return pa.MapArray.from_arrays(pa.array(new_offsets), keys.filter(keep), items.filter(keep))
 
 
 # ---- the convenience entry point ----------------------------------------------------------------

@@ -584,78 +584,31 @@ def test_integer_looking_attributes_stay_valid_json(tmp_path: Path) -> None:
 def gpu_activity_rows() -> list[tuple]:
     """An op launching a kernel through the runtime and a memset through the driver, as the
     CUPTI collector and `gpu-trace import` store them, and a GPU annotation over the kernel."""
-    k_attrs = {"correlation": "11", "device": "0", "stream": "7", "context": "1",
-               "grid": "[4, 2, 1]", "block": "[128, 1, 1]", "registers per thread": "64",
-               "shared memory": "1024", "blocks per SM": "0.25"}  # fmt: skip
-    m_attrs = {"correlation": "12", "device": "0", "stream": "7", "bytes": "48",
-               "memory bandwidth (GB/s)": "0.0625"}  # fmt: skip
+    k_attrs = {
+        **{"correlation": "11", "device": "0", "stream": "7", "context": "1"},
+        **{"grid": "[4, 2, 1]", "block": "[128, 1, 1]", "registers per thread": "64"},
+        **{"shared memory": "1024", "blocks per SM": "0.25"},
+    }
+    m_attrs = {"correlation": "12", "device": "0", "stream": "7", "bytes": "48"}
+    m_attrs["memory bandwidth (GB/s)"] = "0.0625"
+    api = {"correlation": "11", "cbid": "211", "api": "runtime"}
+    driver = {"correlation": "12", "cbid": "1", "api": "driver"}
+    sync13, sync14 = ({"correlation": c, "cbid": "131"} for c in ("13", "14"))
+
+    def row(sid: int, parent: int, pid: int, tid: int, lane: str, cat: str, name: str,
+            t0: int, t1: int, attrs: dict | None) -> tuple:  # fmt: skip
+        return ("h1", sid, parent, pid, tid, lane, cat, name, BASE + t0, BASE + t1, attrs)
+
     return [
-        ("h1", 1, 0, 10, 10, "torch/ops", "op", "aten::mm", BASE + 1_000, BASE + 90_000, None),
-        (
-            "h1",
-            2,
-            1,
-            10,
-            10,
-            "cuda_api",
-            "cuda_api",
-            "cudaLaunchKernel",
-            BASE + 2_000,
-            BASE + 7_000,
-            {"correlation": "11", "cbid": "211", "api": "runtime"},
-        ),  # fmt: skip
-        (
-            "h1",
-            3,
-            1,
-            10,
-            10,
-            "cuda_api",
-            "cuda_api",
-            "cuMemsetD32Async",
-            BASE + 8_000,
-            BASE + 9_000,
-            {"correlation": "12", "cbid": "1", "api": "driver"},
-        ),  # fmt: skip
-        (
-            "h1",
-            6,
-            0,
-            0,
-            7,
-            "gpu0/stream7/annotations",
-            "nvtx",
-            "Optimizer.step",
-            BASE + 9_500,
-            BASE + 40_000,
-            None,
-        ),  # fmt: skip
-        (
-            "h1",
-            4,
-            2,
-            10,
-            0,
-            "gpu0/stream7",
-            "kernel",
-            "sgemm",
-            BASE + 10_000,
-            BASE + 30_000,
-            k_attrs,
-        ),  # fmt: skip
-        (
-            "h1",
-            5,
-            3,
-            10,
-            0,
-            "gpu0/stream7",
-            "memset",
-            "Memset (Device)",
-            BASE + 31_000,
-            BASE + 31_768,
-            m_attrs,
-        ),  # fmt: skip
+        row(1, 0, 10, 10, "torch/ops", "op", "aten::mm", 1_000, 90_000, None),
+        row(2, 1, 10, 10, "cuda_api", "cuda_api", "cudaLaunchKernel", 2_000, 7_000, api),
+        row(3, 1, 10, 10, "cuda_api", "cuda_api", "cuMemsetD32Async", 8_000, 9_000, driver),
+        row(6, 0, 0, 7, "gpu0/stream7/annotations", "nvtx", "Optimizer.step", 9_500, 40_000, None),
+        row(4, 2, 10, 0, "gpu0/stream7", "kernel", "sgemm", 10_000, 30_000, k_attrs),
+        row(5, 3, 10, 0, "gpu0/stream7", "memset", "Memset (Device)", 31_000, 31_768, m_attrs),
+        # The CUPTI collector says runtime or driver by the function's name alone.
+        row(7, 1, 10, 10, "cuda_api", "cuda_api", "cuStreamSynchronize", 40_000, 41_000, sync13),
+        row(8, 1, 10, 10, "cuda_api", "cuda_api", "cudaStreamSynchronize", 42_000, 43_000, sync14),
     ]
 
 
@@ -669,6 +622,8 @@ def test_gpu_activity_in_pytorch_profilers_dialect(tmp_path: Path) -> None:
     assert x["cudaLaunchKernel"]["cat"] == "cuda_runtime"
     assert x["cuMemsetD32Async"]["cat"] == "cuda_driver"
     assert x["cuMemsetD32Async"]["args"]["correlation"] == 12
+    assert x["cuStreamSynchronize"]["cat"] == "cuda_driver"
+    assert x["cudaStreamSynchronize"]["cat"] == "cuda_runtime"
     assert (x["Memset (Device)"]["cat"], x["Optimizer.step"]["cat"]) == (
         "gpu_memset",
         "gpu_user_annotation",
@@ -678,6 +633,7 @@ def test_gpu_activity_in_pytorch_profilers_dialect(tmp_path: Path) -> None:
     assert (kernel["pid"], kernel["tid"]) == (0, 7) == (x["Optimizer.step"]["pid"], 7)
     args = kernel["args"]
     assert (args["device"], args["stream"], args["correlation"], args["context"]) == (0, 7, 11, 1)
+    assert "attr.device" not in args and "attr.stream" not in args  # once, from the lane
     assert (args["grid"], args["block"]) == ([4, 2, 1], [128, 1, 1])
     assert (args["registers per thread"], args["shared memory"], args["blocks per SM"]) == (
         64,
