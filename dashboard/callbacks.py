@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
 
-from dash import ALL, Dash, Input, Output, State, ctx, no_update
+from dash import ALL, Dash, Input, Output, Patch, State, ctx, no_update
 
 from gpu_trace.dashboard import figures, gpu_work, panels, reports, timeline
 from gpu_trace.dashboard.layout import TABS
@@ -352,26 +352,35 @@ def register(app: Dash, source: ReadOnlyStore) -> None:
 
     @app.callback(
         Output("details", "children"),
+        Output("timeline", "figure", allow_duplicate=True),
         Input("selected", "data"),
         State("window", "data"),
         prevent_initial_call=True,  # the page is sent with the hint
     )
     def show_details(sel: dict | None, win: dict | None) -> Any:
+        """The selected span's details; for GPU work, the line from its launching call to it
+        (trace 0 of the figure, set with a Patch: the window is not drawn again)."""
+        link = Patch()
+        link["data"][figures.LAUNCH_TRACE]["x"] = []
+        link["data"][figures.LAUNCH_TRACE]["y"] = []
         if not sel or not win:
-            return panels.details(None, [], 0)
+            return panels.details(None, [], 0), link
         try:
             s = timeline.span(source, win["run"], sel["span_id"], sel.get("start_ns"))
             if s is None:
-                return panels.message(f"span {sel['span_id']} is not in run {win['run']}")
+                return panels.message(f"span {sel['span_id']} is not in run {win['run']}"), link
             steps = timeline.same_range_in_steps(source, win["run"], s)
-            chain = (
-                gpu_work.launch_chain(source, win["run"], s["span_id"], s["parent_span_id"])
-                if s["category"] in gpu_work.DEVICE_CATEGORIES
-                else None
-            )
-            return panels.details(s, steps, win["base"], chain)
+            chain = None
+            if s["category"] in gpu_work.DEVICE_CATEGORIES:
+                chain = gpu_work.launch_chain(source, win["run"], s["span_id"], s["parent_span_id"])
+                if chain and chain[0]["category"] == "cuda_api":
+                    tracks = timeline.tracks(source, win["run"])["tracks"]
+                    xs, ys = figures.launch_link(tracks, dict(chain[0]), s, win["base"])
+                    link["data"][figures.LAUNCH_TRACE]["x"] = xs
+                    link["data"][figures.LAUNCH_TRACE]["y"] = ys
+            return panels.details(s, steps, win["base"], chain), link
         except Exception as exc:
-            return _fail(exc)
+            return _fail(exc), no_update
 
     @app.callback(Output("summary-body", "children"), Input("tabs", "value"), Input("run", "value"))
     def show_summary(tab: str, run_id: str | None) -> Any:

@@ -150,7 +150,9 @@ def timeline(
     ]
     if clock:
         titles.append("clock offset of each remote host, ± uncertainty")
-    data: list[dict[str, Any]] = []
+    # Trace 0 is the selected GPU work's launch link, empty until a kernel is clicked (the
+    # details callback fills it with a Patch: no redraw of the window).
+    data: list[dict[str, Any]] = [launch_trace()]
     data += _density(win, base)
     bars, names = _bars(win, by_key, base, width_px)
     data += bars
@@ -238,6 +240,36 @@ def timeline(
     if clock:
         layout[f"yaxis{_axis(len(heights))}"]["title"] = {"text": "µs"}
     return {"data": data, "layout": layout}
+
+
+#: Index of the launch-link trace in the timeline figure's data.
+LAUNCH_TRACE = 0
+
+
+def launch_trace(xs: list[int] | None = None, ys: list[int] | None = None) -> dict[str, Any]:
+    """The line from a CUDA call to the work it launched (a kernel, copy or memset)."""
+    return {
+        "type": "scatter", "x": xs or [], "y": ys or [], "mode": "lines+markers",
+        "line": {"color": "rgba(200,30,30,0.9)", "width": 2},
+        "marker": {"size": 6, "symbol": ["circle", "arrow-right"], "color": "rgb(200,30,30)"},
+        "name": "launch", "showlegend": False, "hoverinfo": "skip",
+    }  # fmt: skip
+
+
+def launch_link(
+    tracks: list[TrackInfo], call: dict[str, object], work: dict[str, object], base: int
+) -> tuple[list[int], list[int]]:
+    """x (ns since ``base``) and timeline rows of the line from ``call``'s start to ``work``'s
+    start; empty when either is on a track not drawn."""
+    by_key = _rows_of(tracks)
+    ends = []
+    for s in (call, work):
+        key = (str(s["host"]), int(str(s["pid"])), int(str(s["tid"])), str(s["lane"]))
+        t = by_key.get(key)
+        if t is None:
+            return [], []
+        ends.append((int(str(s["start_ns"])) - base, t.row + t.level(int(str(s["depth"])))))
+    return [x for x, _ in ends], [y for _, y in ends]
 
 
 def _gpu_bands(info: list[TrackInfo]) -> list[dict[str, object]]:

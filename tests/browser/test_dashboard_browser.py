@@ -363,7 +363,8 @@ def test_a_minute_runs_first_view_is_named_laid_out_and_keeps_its_counter(
 
 def test_gpu_lanes_are_grouped_and_a_kernel_shows_its_launching_op(page, app: Server) -> None:
     """A run with GPU activity: each GPU's stream rows together, under the thread's rows; a click
-    on a kernel shows its API call and the op open at launch, and a link goes to that op."""
+    on a kernel shows its API call and the op open at launch, draws a line from the call to the
+    kernel, and a link goes to that op."""
     open_run(page, app, "gpu")
     labels = page.evaluate(
         "[...document.querySelectorAll('#timeline g.yaxislayer-above g.ytick text')]"
@@ -376,8 +377,9 @@ def test_gpu_lanes_are_grouped_and_a_kernel_shows_its_launching_op(page, app: Se
     assert gpu == list(range(len(labels) - 3, len(labels)))  # together, after the thread's rows
     box = page.evaluate(
         """() => { const gd = document.querySelector('#timeline .js-plotly-plot');
-                   const k = gd.data.findIndex(t => t.name === 'kernel');
-                   const i = gd.data[k].customdata.findIndex(c => String(c[0]) === '1');
+                   const bars = gd.data.filter(t => t.type === 'bar');
+                   const k = bars.findIndex(t => t.name === 'kernel');
+                   const i = bars[k].customdata.findIndex(c => String(c[0]) === '1');
                    const trace = gd.querySelectorAll('g.barlayer g.trace')[k];
                    const r = trace.querySelectorAll('g.point path')[i].getBoundingClientRect();
                    return {x: r.x + r.width / 2, y: r.y + r.height / 2}; }"""
@@ -393,6 +395,19 @@ def test_gpu_lanes_are_grouped_and_a_kernel_shows_its_launching_op(page, app: Se
     assert page.inner_text("#details-name").startswith("void at::native::vectorized_elementwise")
     assert page.inner_text("#details-launch-op") == "aten::mm"
     assert page.inner_text("#details-launch-call").startswith("cudaLaunchKernel · 10")
+    # The line from the launching call to the kernel: call's start -> kernel's start, 50 µs.
+    page.wait_for_function(
+        "() => document.querySelector('#timeline .js-plotly-plot').data[0].x.length === 2"
+    )
+    link = page.evaluate(
+        """() => { const gd = document.querySelector('#timeline .js-plotly-plot');
+                   const d = gd.data[0], ax = gd.layout.yaxis;
+                   // A row's track: the last track label at or above it.
+                   const track = y => ax.ticktext[ax.tickvals.filter(v => v <= y).length - 1];
+                   return [d.x[1] - d.x[0], track(d.y[0]), track(d.y[1])]; }"""
+    )
+    assert link[0] == 50_000 and link[1].endswith("cuda_api")
+    assert link[2].split(" · ")[1:3] == ["GPU 0", "stream 7"]
     page.screenshot(path=str(ARTIFACTS / "gpu-kernel-details.png"), full_page=True)
     page.locator("#details button.goto", has_text="aten::mm · torch/ops").click()
     page.wait_for_function("() => document.querySelector('#details-name').innerText === 'aten::mm'")

@@ -215,3 +215,23 @@ def test_the_real_h100_trace_imported_reads_on_the_dashboard(source: ReadOnlySto
     assert win.total_spans == sum(t.spans for t in info)
     fig = figures.timeline(r, timeline.tracks(source, run_id), win)
     assert any(t["name"] == "kernel" for t in fig["data"] if t["type"] == "bar")
+
+
+def test_the_launch_link_joins_the_call_to_its_kernel_on_their_rows(
+    source: ReadOnlyStore,
+) -> None:
+    tr = timeline.tracks(source, "gpu")["tracks"]
+    kernel = timeline.span(source, "gpu", "1")
+    assert kernel is not None
+    call = gpu_work.launch_chain(source, "gpu", "1", kernel["parent_span_id"])[0]
+    xs, ys = figures.launch_link(tr, dict(call), kernel, 0)
+    rows = {t.lane: t for t in tr}
+    api = rows["cuda_api"]
+    assert xs == [150 * US, 200 * US]
+    assert ys == [api.row + api.level(3), rows["gpu0/stream7"].row]
+    gone = {**kernel, "lane": "gpu9/stream1"}  # a track the figure does not draw
+    assert figures.launch_link(tr, dict(call), gone, 0) == ([], [])
+    fig = figures.timeline(timeline.run(source, "gpu"), timeline.tracks(source, "gpu"),
+                           timeline.window(source, "gpu", 0, 2000 * US))  # fmt: skip
+    assert fig["data"][figures.LAUNCH_TRACE]["name"] == "launch"
+    assert fig["data"][figures.LAUNCH_TRACE]["x"] == []
