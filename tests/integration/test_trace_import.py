@@ -35,6 +35,7 @@ def events(path: Path) -> list[dict]:
 
 @functools.cache
 def _events(path: Path) -> list[dict]:
+    # Decimal's own parser: exact, and independent of the importer's (text, then to_ns).
     with gzip.open(path, "rt") as f:
         return json.load(f, parse_float=Decimal)["traceEvents"]
 
