@@ -19,8 +19,12 @@ CALLERS = [
         ROOT / "tracer" / f
         for f in ("store.py", "reads.py", "ingest.py", "retention.py", "exporter.py", "chrome.py")
     ),
+    *(ROOT / "tracer" / f for f in ("importer.py", "gpu_reads.py")),
     *sorted((ROOT / "dashboard").glob("*.py")),
-    *(ROOT / "gpu_trace" / "commands" / f for f in ("runs.py", "ui.py", "record.py", "removal.py")),
+    *(
+        ROOT / "gpu_trace" / "commands" / f
+        for f in ("runs.py", "ui.py", "record.py", "removal.py", "imports.py")
+    ),
 ]
 #: Private names of other projects we must reach (Dash keeps its script list there).
 ALLOWED = {"_js_dist_dependencies"}
