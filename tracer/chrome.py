@@ -479,8 +479,10 @@ class ChromeTraceExporter:
         self._put(head.encode())
 
     def _device_properties(self) -> str:
-        """The run's ``device_properties`` attribute (what an imported trace had), ``[]``
-        without one: HTA reads the GPUs' properties from here."""
+        """The run's GPUs as Kineto lists them: the ``device_properties`` attribute (what an
+        imported trace had), else the names NVML gave a recorded run (``gpus``:
+        ``gpu0=NVIDIA H100 80GB HBM3,...``) as ``{"id", "name"}``; ``[]`` without either. HTA
+        reads the GPUs' properties from here."""
         attrs = self.run.get("attrs") or {}
         if isinstance(attrs, list):
             attrs = dict(attrs)
@@ -488,6 +490,12 @@ class ChromeTraceExporter:
             props = json.loads(attrs.get("device_properties", "[]"))
         except (TypeError, ValueError):
             props = []
+        if not props and attrs.get("gpus"):
+            for entry in str(attrs["gpus"]).split(","):
+                key, _, name = entry.partition("=")
+                index = key.strip().removeprefix("gpu")
+                if index.isdigit() and name:
+                    props.append({"id": int(index), "name": name.strip()})
         return dumps(props if isinstance(props, list) else [])
 
     def _write_trailer(self) -> None:

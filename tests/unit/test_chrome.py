@@ -660,3 +660,13 @@ def test_gpu_activity_in_pytorch_profilers_dialect(tmp_path: Path) -> None:
     native = {e["name"]: e for e in by_phase(load(tmp_path / "n.json"), "X")}
     assert native["cuMemsetD32Async"]["cat"] == "cuda_api"
     assert native["sgemm"]["args"]["grid"] == "[4, 2, 1]"
+
+
+def test_device_properties_from_nvmls_gpu_names(tmp_path: Path) -> None:
+    gpus = "gpu0=NVIDIA H100 80GB HBM3,gpu1=NVIDIA H100 80GB HBM3"
+    run = {**RUN, "attrs": {**RUN["attrs"], "gpus": gpus}}
+    write_chrome_trace(tmp_path / "t.json", run, THREADS, [spans(ROWS)])
+    assert load(tmp_path / "t.json")["deviceProperties"] == [
+        {"id": 0, "name": "NVIDIA H100 80GB HBM3"},
+        {"id": 1, "name": "NVIDIA H100 80GB HBM3"},
+    ]
