@@ -12,12 +12,15 @@ clock. The last session is harvested when recording stops.
 Why sessions are short, and when their spans are made: stopping a session is where PyTorch
 processes what it collected (about 2-4 µs an event, in C++ on the program's thread, with the
 GIL released), so a session of 2 s of small ops stopped the program for seconds at once. Short
-sessions (:data:`HARVEST_INTERVAL_S`, 0.1 s; starting and stopping an empty one costs about
-0.3 ms) spread that cost evenly over the steps. The flusher's conversion of the previous
-session (Python, about 1.5 µs an event, holding the GIL) is done while the program's thread is
+sessions (:data:`HARVEST_INTERVAL_S`, 20 ms; starting and stopping an empty one costs about
+0.3 ms) spread that cost over the steps: with sessions as long as a few steps, windows of ten
+steps hold stops of similar sizes (at 0.1 s, steps of a few milliseconds got windows with no
+stop and windows with two, three times the CPU time). The flusher's conversion of the previous
+session (Python, about 3 µs an event, holding the GIL) is done while the program's thread is
 inside the next stop, which releases the GIL: the program is waiting then anyway, so the
 conversion does not contend with it (:meth:`OpSource.harvest` wakes the flusher just before the
-stop; a session waits at most :data:`MAX_WAIT_S` for one). Kineto's ``profiler_start`` and
+stop; a session waits at most :data:`MAX_WAIT_S` for one, and a conversion at most
+:data:`PAUSE_S` for the next stop once the last has ended). Kineto's ``profiler_start`` and
 ``profiler_stop`` lines are kept off the program's stderr (:mod:`.kineto`).
 
 Module backward ranges come from the same collection at this level (no autograd hooks, see
@@ -61,11 +64,11 @@ log = logging.getLogger(__name__)
 
 LANE = "torch/ops"
 #: Seconds a session runs at least before a top-level module call cycles it.
-HARVEST_INTERVAL_S = 0.1
+HARVEST_INTERVAL_S = 0.02
 #: Seconds a finished session waits at most for the next stop before the flusher converts it.
 MAX_WAIT_S = 1.0
 #: Earlier sessions whose module calls a session's backward nodes are matched to.
-KEEP_SESSIONS = 3
+KEEP_SESSIONS = 6
 #: The flusher looks whether the owner is inside a stop every SLICE_MASK + 1 events, and waits
 #: for one at most PAUSE_S seconds a session (holding the flush lock, which a fork waits for).
 SLICE_MASK = (1 << 11) - 1
