@@ -251,6 +251,9 @@ class DeviceActivity:
         self._batches: deque[ExecutedBatch] = deque(maxlen=max_batches)
         self._covered: dict[int, int] = {}  # session id -> end of its busy time so far
         self._ended: set[int] = set()  # sessions whose last spans have gone out
+        #: Adds GPU busy time to a session's usage; a server's ledger's, which also adds it to
+        #: the tenant's total of ended sessions when it comes after the session ended.
+        self.add_busy: Callable[[Session, int], None] = _add_busy
         self._lock = threading.Lock()  # one conversion at a time
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -265,7 +268,9 @@ class DeviceActivity:
         end: int,
         ops: list[tuple[int, int, int]],
     ) -> None:
-        """A traced batch ran on this thread: its execute span and op spans ``(id, t0, t1)``."""
+        """A batch ran on this thread: its execute span and op spans ``(id, t0, t1)`` (a session
+        that is not traced has no op spans: its window alone ties its kernels to it, for its GPU
+        busy time)."""
         if session.usage.gpu_busy_ns is None:
             session.usage.gpu_busy_ns = 0
         self._batches.append(
@@ -282,7 +287,6 @@ class DeviceActivity:
         self.poll(flush=True)
         if ended:
             self._ended.add(session.id)
-            self._covered.pop(session.id, None)
 
     # ---- the conversion thread -------------------------------------------------------------
 
@@ -348,6 +352,11 @@ class DeviceActivity:
             while self._batches and self._batches[0].end < newest - self.window_ns:
                 self._batches.popleft()
             batches = [b for b in batches if b.end >= newest - self.window_ns]
+        live = {b.session.id for b in batches}
+        for gone in (self._ended | set(self._covered)) - live:  # no batch of theirs is left
+            if gone in self._ended:
+                self._ended.discard(gone)
+                self._covered.pop(gone, None)
         return batches
 
     def _route(self, data: ActivityData, parents: Parents, owner: dict[int, Session]) -> int:
@@ -363,21 +372,20 @@ class DeviceActivity:
             owner,
         )
         sessions = list(dict.fromkeys(owner.values()))
-        by_session: dict[int, np.ndarray] = {}
         self.counts.unattributed += int((index < 0).sum())
+        made = 0
         for k in np.unique(index[index >= 0]).tolist():
             session = sessions[k]
             rows = np.flatnonzero(index == k)
+            part = table.take(rows)
+            self._busy(session, part)  # an ended session's too: its tenant's total takes it
             if session.id in self._ended:
                 self.counts.late += len(rows)
-            else:
-                by_session[k] = rows
-        for k, rows in by_session.items():
-            part = table.take(rows)
-            self._busy(sessions[k], part)
-            sessions[k].log.add_rows(_rows(part))
-            self.counts.spans += len(rows)
-        return sum(len(r) for r in by_session.values())
+            elif session.trace:  # an untraced session's count toward its GPU busy time only
+                session.log.add_rows(_rows(part))
+                self.counts.spans += len(rows)
+                made += len(rows)
+        return made
 
     def _busy(self, session: Session, part: pa.Table) -> None:
         import pyarrow.compute as pc
@@ -390,7 +398,11 @@ class DeviceActivity:
             kernels.column("end_ns").to_numpy(),
             self._covered.get(session.id, 0),
         )
-        session.usage.gpu_busy_ns = (session.usage.gpu_busy_ns or 0) + busy
+        self.add_busy(session, busy)
+
+
+def _add_busy(session: Session, ns: int) -> None:
+    session.usage.gpu_busy_ns = (session.usage.gpu_busy_ns or 0) + ns
 
 
 def _sessions_of(ids: np.ndarray, parent: np.ndarray, owner: dict[int, Session]) -> np.ndarray:

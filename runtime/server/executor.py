@@ -213,9 +213,9 @@ class Executor:
             if self._rng_owner is session:
                 self._rng_owner = None
             self._read_events(session)
+            if self.activity is not None:  # its last kernels: spans if traced, busy time
+                self.activity.session_done(session, ended=True)
             if session.trace:
-                if self.activity is not None:
-                    self.activity.session_done(session, ended=True)
                 self.sink.session_closed(session)
             if self.pager is not None:
                 self.pager.forget(session)
@@ -328,6 +328,8 @@ class Executor:
                 memory=self.memory,
                 activity=self.activity,
             )
+        elif self.activity is not None:  # its GPU busy time: its CUDA calls are in this window
+            self.activity.batch(session, session.log.new_id(), exec_start, exec_end, [])
 
     def _run_ops(
         self,

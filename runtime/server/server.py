@@ -171,6 +171,8 @@ class Server:
         #: Sessions' connection times and the usage of ended sessions
         #: (:mod:`gpu_trace.runtime.sharing.admin`).
         self.ledger = admin.Ledger()
+        if gpu_activity is not None:  # kernels come after their session may have ended
+            gpu_activity.add_busy = self.ledger.add_gpu_busy
         #: Why the server stops (``SIGTERM``...), said to its clients; see :meth:`stop`.
         self.stop_reason: str | None = None
         self._session_conns: dict[int, socket.socket] = {}

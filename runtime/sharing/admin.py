@@ -87,6 +87,16 @@ class Ledger:
                 if value is not None:
                     totals[key] = totals.get(key, 0) + int(value)
 
+    def add_gpu_busy(self, session: Session, ns: int) -> None:
+        """GPU busy time measured for ``session`` (its kernels arrive after they ran): into its
+        usage, and into its tenant's total if it has already ended (and was retired)."""
+        with self._lock:
+            usage = session.usage
+            usage.gpu_busy_ns = (usage.gpu_busy_ns or 0) + ns
+            if session.id not in self._connected:
+                totals = self.ended.setdefault(session.tenant.name, dict.fromkeys(COUNTERS, 0))
+                totals["gpu_busy_ns"] = totals.get("gpu_busy_ns", 0) + ns
+
 
 # ---- the listing ---------------------------------------------------------------------------------
 

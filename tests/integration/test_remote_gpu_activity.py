@@ -68,7 +68,8 @@ class LaidRecords:
         """Per op two launches, inside it, whose kernels on two streams overlap by half."""
         assert self.activity is not None
         pid = self.activity.pid  # the library names its process on every record
-        ops = [(b.tid, *op) for b in batches for op in b.ops]
+        # An untraced session's batch has no op spans: its window stands for them.
+        ops = [(b.tid, *op) for b in batches for op in b.ops or [(b.execute_id, b.start, b.end)]]
         records = act.empty(4 * len(ops))
         for i, (tid, op_id, t0, t1) in enumerate(ops):
             quarter = (t1 - t0) // 4
@@ -226,6 +227,29 @@ def test_forwarded_kernels_go_to_the_shared_store_with_the_server_spans(
     ingest(store, tmp_path / "run")
     ingest(store, spool / info.run_id)
     _check_kernels(store, info.run_id, source, activity.pid)
+
+
+def test_an_untraced_sessions_kernels_count_toward_its_gpu_busy_time_only(
+    tmp_path: Path,
+) -> None:
+    activity, source = _capture(tmp_path)
+    with Server("127.0.0.1:0", token=TOKEN, gpu_activity=activity) as server:
+        dev = runtime.connect(server.address, token=TOKEN)  # no run recorded: not traced
+        try:
+            x = torch.ones(8, device=dev)
+            for _ in range(5):
+                x = x * 2
+            assert x.sum().item() == 256.0
+            (session,) = server.sessions.values()
+        finally:
+            runtime.disconnect()
+    # The server has stopped: every batch's records were laid and converted by then.
+    assert source.kernels
+    busy = union([(a, b) for _, a, b in source.kernels])
+    assert session.usage.gpu_busy_ns == busy
+    # Its tenant's total too, though its last kernels came after it ended (and was retired).
+    assert admin.snapshot(server)["tenants"][0]["gpu_busy_ns"] == busy
+    assert activity.counts.spans == 0 and activity.counts.unattributed == 0
 
 
 def test_without_capture_gpu_busy_is_not_measured_not_zero(tmp_path: Path) -> None:
