@@ -20,7 +20,9 @@ A run directory whose ``run.json`` says ``side: server`` is a server's part of a
 its ``runs`` row only adds its host to the client's row when that is already stored.
 
 Ingest never changes the spool: when the store fails, :class:`~gpu_trace.tracer.store.StoreError`
-is raised and the same command can be run again.
+is raised and the same command can be run again. Before it reads the spool, the spool converters
+(:func:`convert_spool`) turn raw files a layer above wrote (GPU activity) into spool files; a raw
+file is removed only once its spool files are written, so that too can be run again.
 """
 
 from __future__ import annotations
