@@ -118,16 +118,21 @@ _LANE_ORDER = (
 )  # fmt: skip
 
 
-def _lane_rank(track: dict[str, Any]) -> tuple:
+def _lane_rank(track: dict[str, Any], servers: set[tuple[str, int]]) -> tuple:
     """Host, then its processes' threads and their lanes, then its GPUs (each GPU's streams in
     order, whichever process launched on them: one group per GPU, next to the counter panels
-    under the timeline); the forwarding server's tracks last."""
+    under the timeline); the forwarding server's tracks last, its GPU work (``servers``: the
+    processes with ``server/`` lanes) after them, so a forwarded call reads down the page from
+    the client's op to the server's execute and op spans, its CUDA calls and its kernels."""
     lane = track["lane"]
-    server = 1 if lane.startswith("server/") else 0
+    in_server = (track["host"], int(track["pid"])) in servers
+    server = 1 if lane.startswith("server/") or in_server else 0
     gpu = device_lane(lane)
     if gpu is not None:
         return (server, track["host"], 1, gpu[0], gpu[1], lane, track["pid"], track["tid"])
     kind = next((i for i, p in enumerate(_LANE_ORDER) if lane.startswith(p)), len(_LANE_ORDER))
+    if in_server and lane == "cuda_api":  # a server thread's CUDA calls: under its op spans
+        kind = len(_LANE_ORDER)
     return (server, track["host"], 0, track["pid"], track["tid"], kind, lane)
 
 
@@ -209,7 +214,8 @@ def tracks(source: ReadOnlyStore, run_id: str) -> dict[str, Any]:
         names = {(t["host"], t["pid"], t["tid"]): t for t in source.threads(run_id)}
         out: list[TrackInfo] = []
         row = 0
-        for t in sorted(found, key=_lane_rank):
+        servers = {(t["host"], int(t["pid"])) for t in found if t["lane"].startswith("server/")}
+        for t in sorted(found, key=lambda t: _lane_rank(t, servers)):
             levels = min(MAX_LEVELS, int(t["max_depth"]) - int(t["min_depth"]) + 1)
             if device_lane(t["lane"]) is not None:
                 # A stream runs its work in order: one row, whatever depth the launching

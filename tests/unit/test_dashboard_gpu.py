@@ -235,3 +235,14 @@ def test_the_launch_link_joins_the_call_to_its_kernel_on_their_rows(
                            timeline.window(source, "gpu", 0, 2000 * US))  # fmt: skip
     assert fig["data"][figures.LAUNCH_TRACE]["name"] == "launch"
     assert fig["data"][figures.LAUNCH_TRACE]["x"] == []
+
+
+def test_a_servers_gpu_work_comes_after_its_server_tracks(source: ReadOnlyStore) -> None:
+    """A forwarded call reads down the page: client op, server execute and op, the server
+    thread's CUDA calls, then the server's GPU streams."""
+    info = timeline.tracks(source, "fwd-gpu")["tracks"]
+    assert [(t.host, t.lane) for t in info] == [
+        ("client", "forward/batch"), ("client", "forward/op"),
+        ("gpu-box", "server/execute"), ("gpu-box", "server/op"), ("gpu-box", "cuda_api"),
+        ("gpu-box", "gpu0/stream7"),
+    ]  # fmt: skip
