@@ -215,24 +215,14 @@ def convert(
         unmatched += int((~matched).sum())
         parent = np.where(matched, parent, np.uint64(0))
         salt = _SALT_SYNC if category == CUDA_SYNC else _SALT_DEVICE
-        if category == CUDA_SYNC:  # CUPTI names no thread for a sync: it is its API call's
+        if category == CUDA_SYNC and len(api_ids):  # CUPTI names no thread for a sync: its call's
             by_id = np.argsort(api_ids)
-            at = (
-                by_id[
-                    np.clip(
-                        np.searchsorted(api_ids, parent, sorter=by_id), 0, max(len(by_id) - 1, 0)
-                    )
-                ]
-                if len(by_id)
-                else parent.astype(np.int64)
-            )
-            tid[sel] = np.where(matched, tid[is_api][at] if len(by_id) else 0, tid[sel])
-        ids = mix(
-            parent
-            ^ salt
-            ^ (start[sel].view(np.uint64) * np.uint64(31))
-            ^ r["stream"].astype(np.uint64)
-        )
+            pos = np.clip(np.searchsorted(api_ids, parent, sorter=by_id), 0, len(by_id) - 1)
+            tid[sel] = np.where(matched, a_tid[by_id[pos]], tid[sel])
+        # one id per device record: its call, kind, stream and start (serial on a stream)
+        key = parent ^ salt ^ (r["kind"].astype(np.uint64) << np.uint64(56))
+        key ^= start[sel].view(np.uint64) * np.uint64(31) ^ r["stream"].astype(np.uint64)
+        ids = mix(key)
         tables.append(
             _device_table(
                 category,

@@ -124,6 +124,8 @@ def test_every_record_becomes_a_span_and_every_device_record_finds_its_call(
         _, rows = store.sql("SELECT min(start_ns) FROM gpu_trace.spans")
         assert rows == [(5_000,)]
         assert store.run("gpu")["attrs"]["gpu_activity_records"] == "13329"
+        _, rows = store.sql("SELECT count(), uniqExact(span_id) FROM gpu_trace.spans")
+        assert rows == [(13329, 13329)]
     assert not list((run_dir / "spool").glob("gpu_activity-*"))  # converted once, into the spool
 
 
