@@ -65,7 +65,10 @@ def track_label(t: TrackInfo) -> str:
     if gpu is not None:  # a GPU's stream: grouped under its GPU, whichever thread launched
         proc = t.process.split(" ")[0].rsplit("/", 1)[-1] if t.process else "pid"
         sub = t.lane.split("/", 2)[2] if t.lane.count("/") >= 2 else ""
-        label = f"GPU {gpu[0]} · stream {gpu[1]}{' · ' + sub if sub else ''} · {proc} {t.pid}"
+        where = f"stream {gpu[1]}" if gpu[1] >= 0 else "context"
+        label = f"GPU {gpu[0]} · {where}{' · ' + sub if sub else ''} · {proc} {t.pid}"
+        if t.tid:  # synchronizations: a thread of the process waiting on the stream or context
+            label += f" · waits of {t.thread or f'tid {t.tid}'}"
         return esc(f"{t.host} · {label}" if t.host else label)  # an imported trace has no host
     who = t.thread or (f"tid {t.tid}" if t.tid != t.pid else "main")
     proc = t.process.split(" ")[0].rsplit("/", 1)[-1] if t.process else "pid"

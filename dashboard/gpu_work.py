@@ -84,14 +84,17 @@ class DeviceKernels(TypedDict):
     top: list[KernelTotal]
 
 
-_DEVICE_LANE = re.compile(r"gpu(\d+)/stream(\d+)(/.*)?$")
+_DEVICE_LANE = re.compile(r"gpu(\d+)/(?:stream(\d+)|sync)(/.*)?$")
 
 
 def device_lane(lane: str) -> tuple[int, int] | None:
     """``(device, stream)`` of a lane ``gpu<device>/stream<stream>`` (and its ``/annotations``
-    sub-lane), else None."""
+    sub-lane), ``(device, -1)`` for ``gpu<device>/sync`` (context-wide synchronizations), else
+    None."""
     m = _DEVICE_LANE.match(lane)
-    return (int(m.group(1)), int(m.group(2))) if m else None
+    if not m:
+        return None
+    return int(m.group(1)), int(m.group(2)) if m.group(2) is not None else -1
 
 
 def _top_level(text: str, open_: str, close: str) -> list[tuple[int, int]]:

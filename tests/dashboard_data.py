@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -10,6 +11,7 @@ from gpu_trace.tracer.run import RunInfo
 from gpu_trace.tracer.store import Store
 
 XSS = "<script>alert(1)</script>"
+DATA = Path(__file__).resolve().parent / "data"
 
 
 def add_run(store: Store, run_id: str, spans: list[dict[str, Any]], start: int, end: int) -> None:
@@ -324,3 +326,27 @@ def forwarded_gpu_run(store: Store, run_id: str = "fwd-gpu") -> None:
         add(sid + 50, "cudaMemcpyAsync", "cuda_api", "cuda_api", t + 450, t + 455, sid + 1)
         add(sid + 51, "Memcpy DtoH", "gpu0/stream7", "memcpy", t + 460, t + 467, sid + 50)
     add_run(store, run_id, spans, 0, 2000 * us)
+
+
+def cupti_run(store: Store, run_id: str = "cupti") -> int:
+    """The real CUPTI records of three H100 training steps (``tests/data/cupti-h100-lm.jsonl.gz``)
+    through the collector's own conversion (``collectors/gpu_activity``: the replay seam), as a
+    run. Returns how many spans it holds."""
+    import pyarrow.compute as pc
+
+    from gpu_trace.collectors.gpu_activity.conversion import convert
+    from gpu_trace.collectors.gpu_activity.replay_file import read_replay
+
+    records, names, _ = read_replay(DATA / "cupti-h100-lm.jsonl.gz")
+    table = convert(records, names).table
+    n = table.num_rows
+    for i, (name, value) in enumerate((("run_id", run_id), ("trace_id", "0" * 32),
+                                       ("host", "h100"))):  # fmt: skip
+        table = table.add_column(i, name, pa.array([value] * n, pa.string()))
+    store.insert_arrow("spans", table)
+    store.upsert_run(
+        RunInfo(run_id=run_id, trace_id="0" * 32, started_ns=int(pc.min(table["start_ns"]).as_py()),
+                ended_ns=int(pc.max(table["end_ns"]).as_py()), command=f"test {run_id}",
+                hosts=["h100"], status="finished", attrs={})
+    )  # fmt: skip
+    return n

@@ -28,6 +28,7 @@ from gpu_trace.tracer.store import Store  # noqa: E402
 from tests.dashboard_data import (  # noqa: E402
     FILL,
     FILL_SHORT,
+    cupti_run,
     forwarded_gpu_run,
     gpu_run,
 )
@@ -246,3 +247,30 @@ def test_a_servers_gpu_work_comes_after_its_server_tracks(source: ReadOnlyStore)
         ("gpu-box", "server/execute"), ("gpu-box", "server/op"), ("gpu-box", "cuda_api"),
         ("gpu-box", "gpu0/stream7"),
     ]  # fmt: skip
+
+
+def test_real_cupti_records_through_the_collectors_conversion_read_on_the_dashboard(
+    source: ReadOnlyStore,
+) -> None:
+    """The H100 CUPTI recording replayed and converted by the collector: GPU 0's work row, then
+    the threads' waits on its stream and context in the GPU group; every kernel counted; a
+    kernel's chain starts at the CUDA call that launched it; every span drawn once."""
+    spans = cupti_run(source.store())
+    info = timeline.tracks(source, "cupti")["tracks"]
+    gpu = [t for t in info if t.device is not None]
+    assert gpu == info[-len(gpu) :]  # the GPU group last
+    labels = [figures.track_label(t) for t in gpu]
+    assert labels[0].startswith("h100 · GPU 0 · context") and "waits of" in labels[0]
+    assert labels[1].startswith("h100 · GPU 0 · stream 7 · pid") and "waits" not in labels[1]
+    assert all("stream 7" in x and "waits of" in x for x in labels[2:]) and len(labels) > 2
+    (device,) = gpu_work.top_kernels(source, "cupti")
+    assert device["device"] == 0 and device["kernels"] == 523
+    k = source.rows(
+        "SELECT toString(span_id) AS id, toString(parent_span_id) AS parent FROM __db__.spans"
+        " WHERE run_id = 'cupti' AND category = 'kernel' ORDER BY start_ns LIMIT 1"
+    )[0]
+    chain = gpu_work.launch_chain(source, "cupti", k["id"], k["parent"])
+    assert chain and chain[0]["category"] == "cuda_api" and chain[0]["lane"] == "cuda_api"
+    r = timeline.run(source, "cupti")
+    win = timeline.window(source, "cupti", int(r["started_ns"]), int(r["ended_ns"]), 1600)
+    assert win.total_spans == spans
