@@ -48,7 +48,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from gpu_trace.tracer.exporter import ExportResult, check_batch
-from gpu_trace.tracer.flows import FlowLinker
+from gpu_trace.tracer.flows import FORWARD_SPAN, FlowLinker
 from gpu_trace.tracer.json_fragments import (
     attrs_fragment,
     combined,
@@ -377,10 +377,14 @@ class ChromeTraceExporter:
         self.stats["spans"] += n - marks
 
         categories = np.array(cat_names, dtype=object)[cat_codes] if len(cat_names) else None
-        launched = None
-        if self._kineto and categories is not None:
-            launched = np.isin(categories, DEVICE_CATEGORIES)
-        arrows = self._flows.link(sid, parent, has_parent, cpid, ctid, rel, categories, launched)
+        launched = backward_of = None
+        if self._kineto:
+            if categories is not None:
+                launched = np.isin(categories, DEVICE_CATEGORIES)
+            backward_of = _forward_spans(batch)
+        arrows = self._flows.link(
+            sid, parent, has_parent, cpid, ctid, rel, categories, launched, backward_of
+        )
         if arrows is not None:
             starts, ends = arrows
             self._write_strings(starts)
@@ -725,6 +729,17 @@ def _kineto_rows(
         if rows.any():
             cat_json = pc.if_else(pa.array(rows), '"gpu_user_annotation"', cat_json)
     return cat_json
+
+
+def _forward_spans(batch: pa.Table) -> np.ndarray | None:
+    """Per row, the span id in the ``forward span`` attribute (a backward op's forward op, in an
+    imported trace), 0 where there is none; None when no row has one."""
+    value = pc.map_lookup(_attr_map(batch["attrs"]), FORWARD_SPAN, "first")
+    if value.null_count == len(value):
+        return None
+    ok = pc.fill_null(pc.match_substring_regex(value, r"^[0-9]{1,19}$"), False)
+    ids = pc.cast(pc.if_else(ok, value, "0"), pa.uint64())
+    return np.asarray(ids, dtype=np.uint64)
 
 
 def _attr_map(col: pa.Array | pa.ChunkedArray) -> pa.MapArray:

@@ -19,6 +19,12 @@ from gpu_trace.tracer.records import FORWARD
 FLOW_CATEGORY = "flow"
 #: Kineto's flow from a CUDA call to the kernel, copy or memset it launched.
 LAUNCH_CATEGORY = "ac2g"
+#: Kineto's flow from a forward op to the backward op autograd ran for it.
+BACKWARD_CATEGORY = "fwdbwd"
+#: The attribute naming a backward op's forward op by its span id (decimal, so SQL can join on
+#: it): ``gpu-trace import`` sets it from a trace's ``fwdbwd`` flows, the Chrome exporter's
+#: Kineto dialect draws it as a ``fwdbwd`` arrow again.
+FORWARD_SPAN = "forward span"
 
 #: Span ids (sorted) with their Chrome pid, tid and relative start, in matching order.
 Chunk = tuple[np.ndarray, ...]
@@ -43,13 +49,16 @@ class FlowLinker:
         rel: np.ndarray,
         categories: np.ndarray | None,
         launched: np.ndarray | None = None,
+        backward_of: np.ndarray | None = None,
     ) -> tuple[pa.Array, pa.Array] | None:
         """Remember one chunk of spans; return the ``s`` and ``f`` events of its flows, or None.
 
         Per row: span id, parent id (0 for none), whether it has one, Chrome pid and tid, start
         relative to the time base (ns) and category (None: no ``forward`` spans). ``launched``
         marks device work, whose flow from its parent (the CUDA call that launched it) is
-        PyTorch's profiler's ``ac2g`` arrow.
+        PyTorch's profiler's ``ac2g`` arrow. ``backward_of`` is, per row, the span id of the
+        forward op a backward op belongs to (0: none), drawn as a ``fwdbwd`` arrow wherever the
+        two are (an imported trace's).
         """
         if self.window == 0:
             return None
@@ -61,14 +70,43 @@ class FlowLinker:
             if fwd.any():
                 sel = order[fwd[order]]
                 _push(self._forward, (sid[sel], cpid[sel], ctid[sel], rel[sel]), self.window)
+        parts: list[tuple[pa.Array, pa.Array]] = []
         rows = np.flatnonzero(has_parent)
-        if len(rows) == 0:
+        found, p_pid, p_tid, p_ts = self._find(parent[rows])
+        cross = found & (p_pid != cpid[rows])
+        if cross.any():
+            child = rows[cross]
+            common: str | pa.Array = f',"cat":"{FLOW_CATEGORY}","name":"parent"'
+            if launched is not None and launched[child].any():
+                common = pc.if_else(
+                    pa.array(launched[child]), f',"cat":"{LAUNCH_CATEGORY}","name":"ac2g"', common
+                )
+            ends = (cpid[child], ctid[child], rel[child])
+            parts.append(self._events((p_pid[cross], p_tid[cross], p_ts[cross]), ends, common))
+        if backward_of is not None:
+            rows = np.flatnonzero(backward_of)
+            found, f_pid, f_tid, f_ts = self._find(backward_of[rows])
+            if found.any():
+                child = rows[found]
+                ends = (cpid[child], ctid[child], rel[child])
+                starts = (f_pid[found], f_tid[found], f_ts[found])
+                common = f',"cat":"{BACKWARD_CATEGORY}","name":"fwdbwd"'
+                parts.append(self._events(starts, ends, common))
+        if not parts:
             return None
-        want = parent[rows]
-        found = np.zeros(len(rows), dtype=bool)
-        p_pid = np.zeros(len(rows), dtype=np.int64)
-        p_tid = np.zeros(len(rows), dtype=np.int64)
-        p_ts = np.zeros(len(rows), dtype=np.int64)
+        if len(parts) == 1:
+            return parts[0]
+        return (
+            pa.concat_arrays([p[0] for p in parts]),
+            pa.concat_arrays([p[1] for p in parts]),
+        )
+
+    def _find(self, want: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Whether each span id is remembered, and its Chrome pid, tid and relative start."""
+        found = np.zeros(len(want), dtype=bool)
+        p_pid = np.zeros(len(want), dtype=np.int64)
+        p_tid = np.zeros(len(want), dtype=np.int64)
+        p_ts = np.zeros(len(want), dtype=np.int64)
         for ids, c_pid, c_tid, c_ts in reversed(self._recent + self._forward):
             todo = np.flatnonzero(~found)
             if len(todo) == 0:
@@ -79,47 +117,38 @@ class FlowLinker:
             at, src = todo[hit], pos_ok[hit]
             found[at] = True
             p_pid[at], p_tid[at], p_ts[at] = c_pid[src], c_tid[src], c_ts[src]
-        cross = found & (p_pid != cpid[rows])
-        if not cross.any():
-            return None
-        child = rows[cross]
-        k = len(child)
+        return found, p_pid, p_tid, p_ts
+
+    def _events(
+        self,
+        starts: tuple[np.ndarray, np.ndarray, np.ndarray],
+        ends: tuple[np.ndarray, np.ndarray, np.ndarray],
+        common: str | pa.Array,
+    ) -> tuple[pa.Array, pa.Array]:
+        """The ``s`` events at ``starts`` and ``f`` events at ``ends`` (pid, tid, relative ns)."""
+        k = len(starts[0])
         ids = pa.array(np.arange(self._next_flow, self._next_flow + k, dtype=np.int64)).cast(
             pa.string()
         )
         self._next_flow += k
-        common: str | pa.Array = f',"cat":"{FLOW_CATEGORY}","name":"parent"'
-        if launched is not None and launched[child].any():
-            common = pc.if_else(
-                pa.array(launched[child]), f',"cat":"{LAUNCH_CATEGORY}","name":"ac2g"', common
+
+        def events(head: str, where: tuple[np.ndarray, np.ndarray, np.ndarray]) -> pa.Array:
+            pid, tid, ts = where
+            return pc.binary_join_element_wise(
+                head,
+                ids,
+                common,
+                ',"pid":',
+                pa.array(pid).cast(pa.string()),
+                ',"tid":',
+                pa.array(tid).cast(pa.string()),
+                ',"ts":',
+                micros(ts),
+                "}",
+                "",
             )
-        starts = pc.binary_join_element_wise(
-            ',\n{"ph":"s","id":',
-            ids,
-            common,
-            ',"pid":',
-            pa.array(p_pid[cross]).cast(pa.string()),
-            ',"tid":',
-            pa.array(p_tid[cross]).cast(pa.string()),
-            ',"ts":',
-            micros(p_ts[cross]),
-            "}",
-            "",
-        )
-        ends = pc.binary_join_element_wise(
-            ',\n{"ph":"f","bp":"e","id":',
-            ids,
-            common,
-            ',"pid":',
-            pa.array(cpid[child]).cast(pa.string()),
-            ',"tid":',
-            pa.array(ctid[child]).cast(pa.string()),
-            ',"ts":',
-            micros(rel[child]),
-            "}",
-            "",
-        )
-        return starts, ends
+
+        return events(',\n{"ph":"s","id":', starts), events(',\n{"ph":"f","bp":"e","id":', ends)
 
     def clear(self) -> None:
         """Forget the remembered spans (the exporter is done)."""

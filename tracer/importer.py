@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
+from gpu_trace.tracer.flows import BACKWARD_CATEGORY, FORWARD_SPAN
 from gpu_trace.tracer.records import (
     CUDA_API,
     KERNEL,
@@ -113,6 +114,7 @@ class Converted:
     counts: dict[str, int]
     skipped: Counter[str] = field(default_factory=Counter)
     linked: int = 0  # device spans whose launching call is in the trace
+    backward_pairs: int = 0  # backward ops marked with their forward op (fwdbwd flows)
 
 
 @dataclass
@@ -125,6 +127,7 @@ class ImportReport:
     linked: int
     seconds: float
     existing: bool = False  # the file was imported before: run_id is that run
+    backward_pairs: int = 0
 
     def summary(self) -> str:
         """One line for the CLI."""
@@ -132,6 +135,8 @@ class ImportReport:
             return f"already imported as run {self.run_id} (gpu-trace rm it to import again)"
         parts = ", ".join(f"{n} {c}" for c, n in self.counts.items() if n)
         text = f"run {self.run_id}: {parts or 'no spans'}; {self.linked} launches linked"
+        if self.backward_pairs:
+            text += f", {self.backward_pairs} backward ops to their forward op"
         if self.skipped:
             text += "; left out: " + ", ".join(f"{n} {k}" for k, n in self.skipped.items())
         return f"{text} ({self.seconds:.1f} s)"
@@ -264,6 +269,7 @@ def convert(data: dict[str, object], *, name: str, command: str) -> Converted:
     thread_names: dict[tuple[int, int], str] = {}
     corr_row: dict[int, int] = {}  # correlation -> row of its CUDA call
     device_rows: list[tuple[int, int]] = []  # (row, correlation)
+    backward: dict[str, dict[object, tuple[int, int, int]]] = {"s": {}, "f": {}}  # id -> where
     for index, ev in enumerate(events):
         if not isinstance(ev, dict):
             raise TraceImportError(f"event {index} is a {type(ev).__name__}, not an object")
@@ -272,7 +278,9 @@ def convert(data: dict[str, object], *, name: str, command: str) -> Converted:
             _metadata(ev, process_names, thread_names)
             continue
         if ph != "X":
-            if ph not in ("s", "f"):  # flows are the launch links, kept as parents
+            if ph in ("s", "f") and ev.get("cat") == BACKWARD_CATEGORY:
+                _flow_end(ev, backward[ph], skipped)
+            elif ph not in ("s", "f"):  # ac2g flows are the launch links, kept as parents
                 skipped[f"'{ph}' events"] += 1
             continue
         cat = ev.get("cat")
@@ -326,9 +334,52 @@ def convert(data: dict[str, object], *, name: str, command: str) -> Converted:
         device_rows.append((row, _correlation(attrs)))
     if not cols.pid:
         raise TraceImportError("no events of a PyTorch profiler trace (cpu_op, kernel, ...)")
-    return _finish(
+    pairs = _backward_pairs(cols, backward, skipped)
+    converted = _finish(
         data, cols, skipped, process_names, thread_names, corr_row, device_rows, name, command
     )
+    converted.backward_pairs = pairs
+    return converted
+
+
+def _flow_end(
+    ev: dict[str, object], ends: dict[object, tuple[int, int, int]], skipped: Counter[str]
+) -> None:
+    try:
+        pid, tid = ev["pid"], ev["tid"]
+        if not isinstance(pid, int) or not isinstance(tid, int):
+            raise ValueError(pid)
+        ends[ev["id"]] = (pid, tid, to_ns(ev["ts"]))
+    except (KeyError, ValueError, TypeError):
+        skipped["fwdbwd flow events without pid, tid, ts or id"] += 1
+
+
+def _backward_pairs(
+    cols: _Columns, backward: dict[str, dict[object, tuple[int, int, int]]], skipped: Counter[str]
+) -> int:
+    """Mark each backward op with its forward op (attribute :data:`FORWARD_SPAN`) from the
+    trace's ``fwdbwd`` flows: each end sits at the start of an op on its thread."""
+    starts, ends = backward["s"], backward["f"]
+    if not starts or not ends:
+        return 0
+    at: dict[tuple[int, int, int], int] = {}
+    for row, category in enumerate(cols.category):
+        if category == OP:
+            at.setdefault((cols.pid[row], cols.tid[row], cols.start[row]), row)
+    pairs = 0
+    for flow, where in ends.items():
+        source = starts.get(flow)
+        fwd = at.get(source) if source is not None else None
+        bwd = at.get(where)
+        if fwd is None or bwd is None:
+            skipped["fwdbwd flows not at an op"] += 1
+            continue
+        attrs = cols.attrs[bwd]
+        if attrs is None:
+            attrs = cols.attrs[bwd] = {}
+        attrs[FORWARD_SPAN] = str(fwd + 1)  # span ids are row + 1
+        pairs += 1
+    return pairs
 
 
 def _correlation(attrs: dict[str, str]) -> int:
@@ -528,6 +579,7 @@ def import_trace(store: Store, path: str | Path, *, name: str | None = None) -> 
         dict(converted.skipped),
         converted.linked,
         time.perf_counter() - t0,
+        backward_pairs=converted.backward_pairs,
     )
     log.info("gpu-trace: imported %s: %s", path, report.summary())
     return report

@@ -184,6 +184,7 @@ def test_hta_on_the_export_gives_the_originals_analyses(
     for cat in ("kernel", "gpu_memcpy", "gpu_memset", "cuda_runtime", "cuda_driver", "cpu_op"):
         assert cats[cat] == source[cat], cat
     assert cats["ac2g"] == 2 * (source["kernel"] + source["gpu_memcpy"] + source["gpu_memset"])
+    assert cats["fwdbwd"] == source["fwdbwd"]  # forward op -> backward op, as the original
 
     a, b = hta(original), hta(exported)
     (types_a, kernels_a), (types_b, kernels_b) = (

@@ -670,3 +670,44 @@ def test_device_properties_from_nvmls_gpu_names(tmp_path: Path) -> None:
         {"id": 0, "name": "NVIDIA H100 80GB HBM3"},
         {"id": 1, "name": "NVIDIA H100 80GB HBM3"},
     ]
+
+
+def test_backward_ops_get_their_fwdbwd_arrow(tmp_path: Path) -> None:
+    rows = [
+        ("h1", 1, 0, 10, 10, "torch/ops", "op", "aten::mm", BASE + 1_000, BASE + 2_000, None),
+        (
+            "h1",
+            2,
+            0,
+            10,
+            11,
+            "torch/ops",
+            "op",
+            "MmBackward0",
+            BASE + 5_000,
+            BASE + 6_000,
+            {"forward span": "1"},
+        ),  # fmt: skip
+        (
+            "h1",
+            3,
+            0,
+            10,
+            11,
+            "torch/ops",
+            "op",
+            "AddBackward0",
+            BASE + 7_000,
+            BASE + 8_000,
+            {"forward span": "not an id"},
+        ),  # fmt: skip
+    ]
+    write_chrome_trace(tmp_path / "t.json", RUN, THREADS, [spans(rows)])
+    trace = load(tmp_path / "t.json")
+    x = {e["name"]: e for e in by_phase(trace, "X")}
+    (s,) = by_phase(trace, "s")
+    (f,) = by_phase(trace, "f")
+    assert s["cat"] == f["cat"] == "fwdbwd" and s["id"] == f["id"] and f["bp"] == "e"
+    fwd, bwd = x["aten::mm"], x["MmBackward0"]
+    assert (s["pid"], s["tid"], s["ts"]) == (fwd["pid"], fwd["tid"], fwd["ts"])
+    assert (f["pid"], f["tid"], f["ts"]) == (bwd["pid"], bwd["tid"], bwd["ts"])

@@ -23,6 +23,11 @@ def x(cat: str, name: str, ts: str, dur: str, pid: int = 9, tid: int = 9, **args
             "args": args}  # fmt: skip
 
 
+def flow(ph: str, flow_id: int, tid: int, ts: str) -> dict:
+    return {"ph": ph, "id": flow_id, "pid": 9, "tid": tid, "ts": ts, "cat": "fwdbwd",
+            "name": "fwdbwd", **({"bp": "e"} if ph == "f" else {})}  # fmt: skip
+
+
 def small() -> dict:
     """One step of a program: an op launching a kernel through the runtime (and the driver
     under it), a copy, a memset; floats as text, as read_trace parses them."""
@@ -92,6 +97,9 @@ def small() -> dict:
                 "cat": "ac2g",
                 "name": "ac2g",
             },  # fmt: skip
+            x("cpu_op", "MmBackward0", "4685424240500", "20", 9, 10, **{"Sequence number": 5}),
+            flow("s", 1, 9, "4685424240010.916"),  # at aten::mm
+            flow("f", 1, 10, "4685424240500"),  # at MmBackward0
             {
                 "ph": "i",
                 "s": "g",
@@ -155,10 +163,13 @@ def test_nesting_and_launch_links() -> None:
     assert r["sgemm"]["parent_span_id"] == api["span_id"]
     assert r["Memset (Device)"]["parent_span_id"] == r["cuLaunchKernel"]["span_id"]
     assert r["Memcpy HtoD"]["parent_span_id"] == 0
+    # The trace's fwdbwd flow: the backward op names its forward op.
+    assert dict(r["MmBackward0"]["attrs"])["forward span"] == str(op["span_id"])
     converted = convert(small(), name="t", command="c")
     assert converted.linked == 2
     assert converted.skipped == {"overhead events": 1, "'i' events": 1}
-    assert converted.counts == {"step": 1, "op": 1, "cuda_api": 2, "kernel": 1, "memset": 1,
+    assert converted.backward_pairs == 1
+    assert converted.counts == {"step": 1, "op": 2, "cuda_api": 2, "kernel": 1, "memset": 1,
                                 "memcpy": 1, "nvtx": 1}  # fmt: skip
 
 
