@@ -239,6 +239,7 @@ class DeviceActivity:
         interval_s: float = 0.2,
         window_s: float = 60.0,
         max_batches: int = 100_000,
+        carry_s: float = 2.0,
     ) -> None:
         self.source = source
         self.pid = os.getpid() if pid is None else pid
@@ -251,6 +252,9 @@ class DeviceActivity:
         self._batches: deque[ExecutedBatch] = deque(maxlen=max_batches)
         self._covered: dict[int, int] = {}  # session id -> end of its busy time so far
         self._ended: set[int] = set()  # sessions whose last spans have gone out
+        #: CUDA call records of the last ``carry_s`` seconds, converted again with the next ones.
+        self._carry = np.zeros(0, dtype=_record_dtype())
+        self.carry_ns = int(carry_s * 1e9)
         #: Adds GPU busy time to a session's usage; a server's ledger's, which also adds it to
         #: the tenant's total of ended sessions when it comes after the session ended.
         self.add_busy: Callable[[Session, int], None] = _add_busy
@@ -327,7 +331,6 @@ class DeviceActivity:
         if not parts:
             return 0
         batches = self._recent()
-        parents, owner = _parents(batches, self.pid)
         made = 0
         for data in parts:
             for note in data.notes:  # e.g. another profiler holds CUPTI: said once
@@ -342,7 +345,7 @@ class DeviceActivity:
                     data.dropped,
                 )
             if len(data.records):
-                made += self._route(data, parents, owner)
+                made += self._route(data, batches)
         return made
 
     def _recent(self) -> list[ExecutedBatch]:
@@ -359,20 +362,29 @@ class DeviceActivity:
                 self._covered.pop(gone, None)
         return batches
 
-    def _route(self, data: ActivityData, parents: Parents, owner: dict[int, Session]) -> int:
-        from gpu_trace.collectors.gpu_activity.conversion import convert
+    def _route(self, data: ActivityData, batches: list[ExecutedBatch]) -> int:
+        from gpu_trace.collectors.gpu_activity import activity as act
+        from gpu_trace.collectors.gpu_activity.conversion import api_span_ids, convert
 
-        conv = convert(data.records, data.names, anchors=data.anchors, parents=parents)
+        # The CUDA calls of the last polls go in again, their spans not sent twice: a kernel
+        # whose record comes in a later buffer than its launch's still finds its launch.
+        carry = self._carry
+        records = np.concatenate([carry, data.records]) if len(carry) else data.records
+        parents, owner = _parents(_around(batches, records, data.anchors), self.pid)
+        conv = convert(records, data.names, anchors=data.anchors, parents=parents)
+        api = records[np.isin(records["kind"], act.API_KINDS)]
+        if len(api):
+            keep = api["end"] >= api["end"].max() - self.carry_ns  # CUPTI's clock, ns too
+            self._carry = api[keep]
         table = conv.table
         if table.num_rows == 0:
             return 0
-        index = _sessions_of(
-            table.column("span_id").to_numpy(),
-            table.column("parent_span_id").to_numpy(),
-            owner,
-        )
+        ids = table.column("span_id").to_numpy()
+        index = _sessions_of(ids, table.column("parent_span_id").to_numpy(), owner)
+        if len(carry):
+            index[np.isin(ids, api_span_ids(carry["pid"], carry["correlation"]))] = -2
         sessions = list(dict.fromkeys(owner.values()))
-        self.counts.unattributed += int((index < 0).sum())
+        self.counts.unattributed += int((index == -1).sum())
         made = 0
         for k in np.unique(index[index >= 0]).tolist():
             session = sessions[k]
@@ -399,6 +411,28 @@ class DeviceActivity:
             self._covered.get(session.id, 0),
         )
         self.add_busy(session, busy)
+
+
+def _record_dtype() -> np.dtype:
+    from gpu_trace.collectors.gpu_activity.activity import RECORD
+
+    return RECORD
+
+
+def _around(
+    batches: list[ExecutedBatch], records: np.ndarray, anchors: np.ndarray
+) -> list[ExecutedBatch]:
+    """The batches that ran while the records' CUDA calls were made: the only possible parents
+    (a poll's records span a second or so; the window holds up to a minute of batches)."""
+    from gpu_trace.collectors.gpu_activity import activity as act
+    from gpu_trace.collectors.gpu_activity.conversion import to_monotonic
+
+    api = np.isin(records["kind"], act.API_KINDS)
+    if not api.any():
+        return []
+    lo = int(to_monotonic(records["start"][api], anchors).min())
+    hi = int(to_monotonic(records["end"][api], anchors).max())
+    return [b for b in batches if b.end >= lo and b.start <= hi]
 
 
 def _add_busy(session: Session, ns: int) -> None:

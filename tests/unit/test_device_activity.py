@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from gpu_trace.collectors.gpu_activity import activity as act
 from gpu_trace.collectors.gpu_activity import activity_file
 from gpu_trace.runtime.protocol.span_tables import span_table
-from gpu_trace.runtime.server.device_activity import FileSource, union_ns
+from gpu_trace.runtime.server.device_activity import DeviceActivity, FileSource, union_ns
 from gpu_trace.runtime.server.sessions import Session, SpanLog
 from gpu_trace.runtime.sharing import admin
 
@@ -134,3 +134,32 @@ def test_bytes_read_are_given_back_to_the_disk(tmp_path: Path) -> None:
     after = path.stat()
     assert after.st_size == before.st_size  # the library's offsets stay valid
     assert after.st_blocks * 512 < before.st_size // 4
+
+
+def _kernel_after_its_launch(tmp_path: Path) -> tuple[DeviceActivity, Session, list]:
+    """A launch inside an op read in one poll, its kernel in the next (another CUPTI buffer)."""
+    source = FileSource(tmp_path)
+    activity = DeviceActivity(source)
+    session = Session({"host": "a"}, lambda *a: None)
+    session.trace = True
+    activity.batch(session, 100, 1_000, 9_000, [(101, 2_000, 8_000)])
+    tid = activity.batches()[0].tid
+    api, kernel = act.empty(1), act.empty(1)
+    api["kind"], api["pid"], api["tid"], api["correlation"] = act.RUNTIME, activity.pid, tid, 9
+    api["start"], api["end"] = 3_000, 4_000
+    kernel["kind"], kernel["pid"], kernel["correlation"] = act.CONCURRENT_KERNEL, activity.pid, 9
+    kernel["start"], kernel["end"] = 5_000, 7_000
+    polls = []
+    for i, part in enumerate((api, kernel)):
+        name = f"{activity_file.PREFIX}{activity.pid}-{i}{activity_file.SUFFIX}"
+        activity_file.write(source.spool / name, activity_file.encode(part, {0: "k"}))
+        activity.poll()
+        polls.append(session.log.take()["spans"])
+    return activity, session, polls
+
+
+def test_a_kernel_read_after_its_launch_still_finds_it(tmp_path: Path) -> None:
+    activity, session, (first, second) = _kernel_after_its_launch(tmp_path)
+    assert [(r[2], r[1]) for r in first] == [("cuda_api", 101)]  # under its op
+    assert [(r[7], r[1]) for r in second] == [("kernel", first[0][0])]  # the launch not again
+    assert activity.counts.unattributed == 0 and session.usage.gpu_busy_ns == 2_000
