@@ -112,7 +112,7 @@ def _conversion(n_batches: int, ops: int, rounds: int) -> tuple[float, float, in
     routed, alone = [], []
     for _ in range(rounds):
         with tempfile.TemporaryDirectory() as d:
-            session = Session({"host": "bench"}, lambda *a: None)
+            session = Session({"host": "bench", "trace": "1"}, lambda *a: None)
             activity = DeviceActivity(FileSource(d), pid=pid)
             for execute_id, t0, t1, op_spans in batches:
                 activity.batch(session, execute_id, t0, t1, op_spans)
