@@ -15,10 +15,16 @@ with the same measured offset (``docs/remote.md``).
 
 Conversion runs on a thread of its own every ``interval_s`` (never the executor's: a forwarded
 batch never waits for it), and once more, on the executor, when a session says goodbye, so its
-last kernels go out with its last spans. Each session's GPU busy time is the union of its kernels'
-intervals (:func:`union_ns`), added to its usage as they arrive; a kernel of a session that has
-already ended, or one no op of any session launched, is counted (``late``, ``unattributed``),
-never silently lost.
+last kernels go out with its last spans. The CUDA calls of the last seconds are converted again
+with each poll's records (their spans not sent twice), so a kernel whose record comes in a later
+CUPTI buffer than its launch's still finds it. Each session's GPU busy time is the union of its
+kernels' intervals (:func:`union_ns`), added to its usage as they arrive, an untraced session's
+too (its batch's window on its thread stands for its op spans; its spans go nowhere); a kernel
+of a session that has already ended still counts toward its tenant's total, its span is counted
+``late``; one no batch launched is counted ``unattributed``: never silently lost.
+
+Limit: a batch parked for memory and resumed on another thread is noted with the thread that
+finished it, so the CUDA calls of its ops before the wait are not found under them.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """What each session and tenant has used on a shared server: the numbers behind ``/metrics``,
 ``gpu-trace tenants`` and the per-tenant counters in the run.
 
-The executor updates a session's :class:`Usage` as it runs its work (one thread, no locks);
-readers (the metrics endpoint, the admin listing) take :meth:`Usage.snapshot` copies.
+The executor updates a session's :class:`Usage` as it runs its work (one thread, no locks),
+except ``gpu_busy_ns``, which the server's GPU activity thread adds to as kernels arrive (under
+the ledger's lock, :meth:`~gpu_trace.runtime.sharing.admin.Ledger.add_gpu_busy`); readers (the
+metrics endpoint, the admin listing) take :meth:`Usage.snapshot` copies.
 """
 
 from __future__ import annotations
