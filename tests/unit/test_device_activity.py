@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -163,3 +164,17 @@ def test_a_kernel_read_after_its_launch_still_finds_it(tmp_path: Path) -> None:
     assert [(r[2], r[1]) for r in first] == [("cuda_api", 101)]  # under its op
     assert [(r[7], r[1]) for r in second] == [("kernel", first[0][0])]  # the launch not again
     assert activity.counts.unattributed == 0 and session.usage.gpu_busy_ns == 2_000
+
+
+def test_what_the_library_says_is_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    source = FileSource(tmp_path)
+    activity = DeviceActivity(source)
+    note = "GPU activity is off: CUPTI's activity buffers are taken (another profiler)"
+    for i in range(2):  # the library says it again after a fork, or the next file
+        path = source.spool / f"{activity_file.PREFIX}{activity.pid}-{i}{activity_file.SUFFIX}"
+        activity_file.write(path, activity_file.encode(act.empty(0), notes=[note]))
+        activity.poll()
+    assert activity.notes == [note]
+    assert [r.getMessage() for r in caplog.records].count(f"gpu-trace serve: {note}") == 1
