@@ -320,7 +320,8 @@ class DeviceActivity:
 
     def poll(self, flush: bool = False) -> int:
         """Convert the records that arrived and hand each span to its session; the spans made.
-        Nothing raises: a failure is logged and the records are lost, counted."""
+        Nothing raises: a failure is logged (with its traceback) and that poll's records are
+        lost; the server serves on."""
         with self._lock:
             try:
                 return self._poll(flush)
