@@ -93,6 +93,8 @@ META_KEYS = (
     "cupti_version",
     "traceName",
     "baseTimeNanoseconds",
+    "host_name",
+    "record_shapes",
 )
 #: Microseconds with three decimals: nanoseconds once the point is taken out.
 _THREE_DECIMALS = re.compile(r"-?[0-9]+\.[0-9]{3}")
@@ -423,13 +425,16 @@ def _finish(
     pid = np.array(cols.pid, np.int64)
     tid = np.array(cols.tid, np.int64)
 
-    # CPU events: the innermost event holding each one on its thread is its parent.
+    # CPU events: the innermost event holding each one on its thread is its parent. Python
+    # functions (with_stack) nest among themselves: they come from another tracer than the
+    # ops, and its ends do not always fall inside the ops' (siblings would overlap).
     device = np.zeros(n, bool)
     device_idx = np.array([r for r, _ in device_rows], np.int64)
     device[device_idx] = True
     cpu = np.flatnonzero(~device)
-    order = cpu[np.lexsort((-end[cpu], start[cpu], tid[cpu], pid[cpu]))]
-    _nest(order.tolist(), cols.start, cols.end, cols.pid, cols.tid, parent, depth)
+    group = np.array([c == MODULE for c in cols.category], np.int64)
+    order = cpu[np.lexsort((-end[cpu], start[cpu], group[cpu], tid[cpu], pid[cpu]))]
+    _nest(order.tolist(), cols.start, cols.end, cols.pid, cols.tid, group.tolist(), parent, depth)
 
     # Device work: the CUDA call with the same correlation launched it (Kineto's ac2g flow).
     linked = 0
@@ -469,7 +474,7 @@ def _finish(
         started_ns=int(start.min()),
         ended_ns=int(end.max()),
         command=command,
-        hosts=[],
+        hosts=[host] if isinstance(host := data.get("host_name"), str) and host else [],
         status="finished",
         attrs=_run_attrs(data, name),
     )
@@ -489,17 +494,18 @@ def _nest(
     ends: list[int],
     pids: list[int],
     tids: list[int],
+    groups: list[int],
     parent: np.ndarray,
     depth: np.ndarray,
 ) -> None:
-    """Parent and depth of each row of ``order`` (rows sorted by thread, start, longest first):
-    the innermost earlier row of its thread whose interval holds it."""
+    """Parent and depth of each row of ``order`` (rows sorted by thread, group, start, longest
+    first): the innermost earlier row of its thread and group whose interval holds it."""
     stack: list[int] = []
     thread = None
     out_parent = [0] * len(order)
     out_depth = [0] * len(order)
     for i, row in enumerate(order):
-        key = (pids[row], tids[row])
+        key = (pids[row], tids[row], groups[row])
         if key != thread:
             thread, stack = key, []
         s, e = starts[row], ends[row]

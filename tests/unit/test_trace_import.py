@@ -190,6 +190,9 @@ def test_run_attributes_and_clock_anchor() -> None:
     )
     assert json.loads(a["device_properties"])[0]["numSms"] == 132
     assert converted.threads == [(9, 9, "python3", "main")]
+    assert info.hosts == []  # the H100 trace names no host
+    data["host_name"] = "gpu-node-7"  # newer PyTorch versions do
+    assert convert(data, name="t.json", command="c").info.hosts == ["gpu-node-7"]
 
 
 @pytest.mark.parametrize(
@@ -258,3 +261,24 @@ def test_events_missing_what_they_need(data: dict, message: str) -> None:
     with pytest.raises(TraceImportError) as info:
         convert(data, name="t", command="c")
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+def test_python_functions_nest_among_themselves() -> None:
+    """with_stack's Python functions come from another tracer than the ops; an op that starts
+    inside one and ends after it must not take its children (their self times went negative)."""
+    data = trace(
+        [
+            x("python_function", "train.py(5): <module>", "1000", "100"),
+            x("cpu_op", "aten::linear", "1050", "100"),
+            x("python_function", "module.py(1782): _call_impl", "1060", "30"),
+        ]
+    )
+    r = rows(data)
+    module, op, call = (
+        r["train.py(5): <module>"],
+        r["aten::linear"],
+        r["module.py(1782): _call_impl"],
+    )
+    assert (module["category"], module["lane"]) == ("module", "torch/modules")
+    assert call["parent_span_id"] == module["span_id"] and call["depth"] == 1
+    assert op["parent_span_id"] == 0
