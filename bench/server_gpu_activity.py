@@ -5,8 +5,8 @@
 1. The executor's side, on the CPU device (no GPU needed): traced forwarded training steps of a
    small MLP (a real server on loopback, a real client recording a run), with capture off and
    on (on: op span ids at record time and one append per batch; the source has no records, so
-   this is what every batch pays whatever the GPU does). Interleaved rounds; median step time
-   of each and their ratio.
+   this is what every batch pays whatever the GPU does). Interleaved rounds, alternating which
+   goes first; median step time of each and their ratio.
 2. The conversion thread: synthetic activity records laid in executed ops (a CUDA call in each
    op and its kernel, as a CUDA server's would be), read from the activity file, converted under
    the ops and routed to their sessions (``DeviceActivity.poll``), beside the conversion alone
@@ -142,9 +142,9 @@ def main() -> int:
     off, on = [], []
     with tempfile.TemporaryDirectory() as d:
         os.environ["GPU_TRACE_HOME"] = d
-        for _ in range(args.rounds):  # interleaved: the machine's load moves both alike
-            off.append(_steps(False, args.steps, Path(d)))
-            on.append(_steps(True, args.steps, Path(d)))
+        for i in range(args.rounds):  # interleaved, alternating which goes first
+            for activity_on in (False, True) if i % 2 == 0 else (True, False):
+                (on if activity_on else off).append(_steps(activity_on, args.steps, Path(d)))
     m_off, m_on = statistics.median(off), statistics.median(on)
     print(
         f"traced forwarded step, capture off: median {m_off * 1e3:.2f} ms "
