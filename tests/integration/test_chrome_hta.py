@@ -136,3 +136,51 @@ def test_hta_keeps_nanoseconds_when_asked(tmp_path: Path, monkeypatch: pytest.Mo
     assert list(ops["ts"]) == pytest.approx(
         [(r[8] - first) / 1000 for r in rows if r[6] == "op"], abs=1e-6
     )
+
+
+def test_hta_reads_the_cupti_collectors_spans(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real CUPTI records of three H100 steps, through the collector's own conversion (the
+    replay seam), exported: HTA's kernel, temporal, idle-time and launch analyses find every
+    kernel, copy and memset with its GPU time and every launch with its runtime call."""
+    from gpu_trace.collectors.gpu_activity.conversion import convert
+    from gpu_trace.collectors.gpu_activity.replay_file import read_replay
+
+    monkeypatch.setenv("HTA_DISABLE_NS_ROUNDING", "1")
+    records, names, _ = read_replay(Path(__file__).parents[1] / "data" / "cupti-h100-lm.jsonl.gz")
+    table = convert(records, names).table.sort_by("start_ns")
+    n = table.num_rows
+    for column, value in (("run_id", "r"), ("trace_id", "a" * 32), ("host", "h100")):
+        table = table.append_column(column, pa.array([value] * n))
+    trace_dir = tmp_path / "traces"
+    trace_dir.mkdir()
+    run = {
+        "run_id": "r",
+        "started_ns": table["start_ns"][0].as_py(),
+        "attrs": {"gpus": "gpu0=H100"},
+    }
+    write_chrome_trace(trace_dir / "rank-0.json", run, [], [table])
+
+    rows = table.to_pylist()
+    work = [r for r in rows if r["category"] in ("kernel", "memcpy", "memset")]
+    analysis = hta_analysis.TraceAnalysis(trace_dir=str(trace_dir), include_last_profiler_step=True)
+    # HTA's own table of the file: every piece of device work on its stream, with its GPU time.
+    df = analysis.t.get_trace(0).copy()
+    analysis.t.symbol_table.add_symbols_to_trace_df(df, "cat")
+    on_streams = df[df["stream"].ne(-1)].groupby("cat")["dur"].agg(["count", "sum"])
+    for category, cat in (("kernel", "kernel"), ("memcpy", "gpu_memcpy"), ("memset", "gpu_memset")):
+        mine = [r["end_ns"] - r["start_ns"] for r in work if r["category"] == category]
+        assert on_streams.loc[cat, "count"] == len(mine)
+        assert on_streams.loc[cat, "sum"] == pytest.approx(sum(mine) / 1000, rel=1e-9)
+    types, kernels = analysis.get_gpu_kernel_breakdown(visualize=False)
+    assert set(types["kernel_type"]) == {"COMPUTATION", "MEMORY"} and len(kernels) > 1
+    temporal = analysis.get_temporal_breakdown(visualize=False)
+    assert temporal["idle_time(us)"].iloc[0] > 0
+    idle = analysis.get_idle_time_breakdown(visualize=False)[0]
+    assert set(idle["stream"]) == {7}
+    launches = analysis.get_cuda_kernel_launch_stats(visualize=False)[0]
+    # Each launch HTA finds pairs a runtime call with device work of the same correlation.
+    correlations = {int(dict(r["attrs"])["correlation"]) for r in work}
+    kernels = sum(1 for r in work if r["category"] == "kernel" and r["parent_span_id"])
+    assert set(launches["correlation"]) <= correlations and len(launches) >= kernels > 500
