@@ -30,6 +30,12 @@ its spans are made, with the calls of the :data:`KEEP_SESSIONS` sessions before 
 whose backward runs more sessions after its forward than that (top-level module calls more
 than :data:`HARVEST_INTERVAL_S` apart in between) gets op ranges but no module backward ranges.
 
+No session is cycled inside a ``record_function`` range the program has open (its own, around
+a step, say): PyTorch would end the range in the wrong session, where its end lands on another
+op. :class:`OpSource` counts the open ones on each thread (``record_function.__enter__`` and
+``__exit__`` wrapped while op level is on) and waits for them to close, up to
+:data:`MAX_SESSION_S`.
+
 The profiler records the thread that started it and the autograd threads working for it; ops of
 other threads are not captured. A program that starts ``torch.profiler`` itself while op level
 is on gets an error from PyTorch (only one profiler may run): use ``--torch module`` there.
@@ -67,6 +73,8 @@ LANE = "torch/ops"
 HARVEST_INTERVAL_S = 0.02
 #: Seconds a finished session waits at most for the next stop before the flusher converts it.
 MAX_WAIT_S = 1.0
+#: Seconds a session runs at most while the program holds a record_function range open.
+MAX_SESSION_S = 10.0
 #: Earlier sessions whose module calls a session's backward nodes are matched to.
 KEEP_SESSIONS = 6
 #: The flusher looks whether the owner is inside a stop every SLICE_MASK + 1 events, and waits
@@ -88,6 +96,8 @@ class OpSource:
 
         self._torch = torch
         self._A = A
+        self._scopes = threading.local()  # .open: record_function ranges open on a thread
+        self._scoped: tuple[Any, Any, Any] | None = None  # (class, __enter__, __exit__)
         self._config = P.ProfilerConfig(
             P.ProfilerState.KINETO,
             bool(shapes),
@@ -118,7 +128,6 @@ class OpSource:
         self._on = False
         self._last = 0
         self._dropped = 0
-        self.converted = 0  # sessions turned into spans, for tests and the bench
 
     # ---- sessions -----------------------------------------------------------------------------
 
@@ -138,6 +147,8 @@ class OpSource:
         self._tid = threading.get_native_id()
         self._on = True
         self._last = now_ns()
+        if self._scoped is None:
+            self._track_scopes()  # undone by close()
         ops = self._torch.ops.profiler
         ops._record_function_exit._RecordFunction(ops._record_function_enter_new(_MARKER, None))
         return True
@@ -164,8 +175,11 @@ class OpSource:
         """Stop the session and start the next if it has run long enough (or ``force``)."""
         if not self._on or threading.get_ident() != self.owner:
             return
-        if not force and now_ns() - self._last < HARVEST_INTERVAL_S * 1e9:
+        age = now_ns() - self._last
+        if not force and age < HARVEST_INTERVAL_S * 1e9:
             return
+        if getattr(self._scopes, "open", 0) > 0 and age < MAX_SESSION_S * 1e9:
+            return  # inside the program's own record_function range (module docstring)
         if self._results:  # convert the last session while this thread waits in the stop
             self._due = True
             rec = _recorder.active
@@ -173,6 +187,32 @@ class OpSource:
                 rec.wake()
         self.stop()
         self.start()
+
+    def _track_scopes(self) -> None:
+        """Count the record_function ranges open on each thread (see the module docstring)."""
+        cls = self._torch.autograd.profiler.record_function
+        enter, exit_ = cls.__enter__, cls.__exit__
+        scopes = self._scopes
+
+        def __enter__(rf: Any) -> Any:
+            got = enter(rf)
+            scopes.open = getattr(scopes, "open", 0) + 1
+            return got
+
+        def __exit__(rf: Any, *exc: Any) -> Any:
+            scopes.open = max(0, getattr(scopes, "open", 0) - 1)
+            return exit_(rf, *exc)
+
+        __enter__.__wrapped__ = enter  # type: ignore[attr-defined]
+        __exit__.__wrapped__ = exit_  # type: ignore[attr-defined]
+        cls.__enter__, cls.__exit__ = __enter__, __exit__
+        self._scoped = (cls, enter, exit_)
+
+    def _untrack_scopes(self) -> None:
+        if self._scoped is not None:
+            cls, enter, exit_ = self._scoped
+            cls.__enter__, cls.__exit__ = enter, exit_
+            self._scoped = None
 
     # ---- Source protocol ----------------------------------------------------------------------
 
@@ -188,7 +228,6 @@ class OpSource:
             results, self._results = self._results, []
         for result, offset, tid, calls, passes, _ in results:
             table = self._table(result, offset, tid, calls, passes, patient=not closing)
-            self.converted += 1
             if table is not None:
                 yield "spans", table
 
@@ -205,6 +244,7 @@ class OpSource:
 
     def close(self) -> None:
         self.stop()
+        self._untrack_scopes()
         with self._lock:
             self._results = []
         self._last_calls.clear()

@@ -119,3 +119,30 @@ def test_a_seeded_programs_random_draws_are_its_own(op_level: Path) -> None:
     gpu_trace.stop()  # and the last ones converted, on this thread
     assert [random.random() for _ in range(3)] == expected
     assert sessions(recorded(op_level)) >= 5
+
+
+def test_the_programs_own_record_function_ranges_are_not_cut(op_level: Path) -> None:
+    """A session stopped inside a program's open ``record_function`` range cuts the range, and
+    its end lands on another op of the next session: no session is cycled inside one."""
+    rf = torch.autograd.profiler.record_function
+    assert hasattr(rf.__dict__["__enter__"], "__wrapped__")  # counted while op level is on
+    model = nn.Linear(3, 3)
+    model(torch.randn(2, 3))
+    for _ in range(3):
+        with torch.profiler.record_function("own"):
+            model(torch.randn(2, 3))  # top-level calls: sessions would cycle here
+            model(torch.randn(2, 3))
+    gpu_trace.stop()
+    assert not hasattr(rf.__dict__["__enter__"], "__wrapped__")  # put back
+    assert not hasattr(rf.__dict__["__exit__"], "__wrapped__")
+    rows = recorded(op_level)
+    by_id = {r["span_id"]: r for r in rows}
+    own = [r for r in rows if r["name"] == "own"]
+    assert len(own) == 3
+    linear = [r for r in rows if r["name"] == "aten::linear"]
+    assert len(linear) == 7
+    assert sum(by_id.get(r["parent_span_id"], {}).get("name") == "own" for r in linear) == 6
+    for r in rows:  # every op lies inside its parent
+        parent = by_id.get(r["parent_span_id"])
+        if parent is not None and r["category"] == "op":
+            assert parent["start_ns"] <= r["start_ns"] <= r["end_ns"] <= parent["end_ns"], r
