@@ -11,7 +11,8 @@ The server's spans (``server/receive``, ``server/queue``, ``server/execute``, ``
 ``server/reply``; category ``server``) are children of the batch span: its id travels in the
 batch header as a W3C ``traceparent``. They come back in TRACE messages and are written into the
 client's run under the server's host and pid, on the server's clock (the spool names it,
-``clock_peer``); ingest maps them onto the client's clock with a
+``clock_peer``), with the server's GPU activity (kernels under its ops, an Arrow field of the
+message); ingest maps them onto the client's clock with a
 :class:`~gpu_trace.tracer.clocksync.ClockModel` fitted to the run's ``clock_sync`` rows (the
 exchanges measured at connect and with every heartbeat). Each keeps its raw server times in attrs
 ``raw_start_ns``/``raw_end_ns`` next to the ``clock_offset_ns`` and ``clock_uncertainty_ns``
@@ -26,7 +27,12 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
-from gpu_trace.runtime.protocol.span_tables import counter_table, span_table, write_stats
+from gpu_trace.runtime.protocol.span_tables import (
+    counter_table,
+    decode_tables,
+    span_table,
+    write_stats,
+)
 from gpu_trace.tracer import recorder
 from gpu_trace.tracer.buffer import private_bits
 from gpu_trace.tracer.clocksync import ClockModel, Sample, measure
@@ -206,15 +212,25 @@ class ClientTrace:
     def _write(self, messages: list[dict[str, Any]]) -> None:
         spans: list[list[Any]] = []
         counters: list[list[Any]] = []
+        gpu = []  # the server's GPU activity: spans tables (device_activity.py on the server)
         for msg in messages:
             spans.extend(msg.get("spans") or [])
             counters.extend(msg.get("counters") or [])
+            try:
+                table = decode_tables(msg.get("gpu"))
+            except ValueError as exc:  # that field is lost, the rest of the message is kept
+                log.warning("gpu-trace: %s", exc)
+                table = None
+            if table is not None:
+                gpu.append(table)
         writer = self._spool()
         if spans:
             writer.write("spans", span_table(spans, self.conn.server_pid, self.new_span_id))
         if counters:
             writer.write("counters", counter_table(counters, self.conn.server_device))
-        self._server_events += len(spans) + len(counters)
+        for table in gpu:
+            writer.write("spans", table)
+        self._server_events += len(spans) + len(counters) + sum(t.num_rows for t in gpu)
         assert self.rec is not None
         write_stats(
             self.rec.run_dir, self.conn.server_pid, self.conn.session_id, self._server_events

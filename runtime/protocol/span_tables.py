@@ -35,33 +35,62 @@ def span_table(spans: list[list[Any]], pid: int, new_id: Any) -> pa.Table:
     """TRACE/SpanLog spans ``[id, parent, lane, name, start, end, attrs]`` as a spool table.
 
     Times stay on the server's clock; attrs get ``raw_start_ns``/``raw_end_ns``. Spans without
-    an id get one from ``new_id()``. A row with an eighth element is the server's GPU activity
-    (``runtime/server/device_activity.py``): its category (``kernel``, ``memcpy``, ``memset``,
-    ``cuda_api``, ``cuda_sync``), on its own lane (``gpu<d>/stream<s>``, ``cuda_api``): CUDA
-    calls on the executor's thread row under their op (depth 3), device work on thread 0.
+    an id get one from ``new_id()``.
     """
     from gpu_trace.tracer.columns import spans_to_table
     from gpu_trace.tracer.records import SERVER
 
     rows: list[tuple] = []  # Span records
     tids: list[int] = []
-    for row in spans:
-        span_id, parent_id, span_lane, span_name, t0, t1, span_attrs = row[:7]
+    for span_id, parent_id, span_lane, span_name, t0, t1, span_attrs in spans:
         a = dict(span_attrs or {})
         a["raw_start_ns"] = str(t0)
         a["raw_end_ns"] = str(t1)
-        if len(row) > 7:
-            category = str(row[7])
-            on_thread = category in THREAD_CATEGORIES
-            depth, tid = (3, SERVER_TIDS["server/op"]) if on_thread else (0, 0)
-        else:
-            category, tid = SERVER, SERVER_TIDS.get(span_lane, 2)
-            depth = 2 if span_lane == "server/op" else 1
+        depth = 2 if span_lane == "server/op" else 1
         rows.append(
-            (span_id or new_id(), parent_id, span_lane, category, span_name, t0, t1, depth, a)
+            (span_id or new_id(), parent_id, span_lane, SERVER, span_name, t0, t1, depth, a)
         )
-        tids.append(tid)
+        tids.append(SERVER_TIDS.get(span_lane, 2))
     return spans_to_table(rows, pid, tids)
+
+
+def encode_tables(tables: list[pa.Table]) -> str:
+    """``spans`` tables (the server's GPU activity) as one TRACE message field: an Arrow IPC
+    stream, base64 (TRACE messages are JSON; the columns cross as they are, not span by span)."""
+    import base64
+
+    import pyarrow as pa
+
+    from gpu_trace.tracer.records import SPAN_SCHEMA
+
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, SPAN_SCHEMA) as writer:
+        for table in tables:
+            writer.write_table(table)
+    return base64.b64encode(sink.getvalue().to_pybytes()).decode("ascii")
+
+
+def decode_tables(field: object) -> pa.Table | None:
+    """A TRACE message's ``gpu`` field back as one ``spans`` table (None: absent or empty);
+    :class:`ValueError` when it is not one (the caller logs it, the program goes on)."""
+    import base64
+    import binascii
+
+    import pyarrow as pa
+
+    from gpu_trace.tracer.records import SPAN_SCHEMA
+
+    if not field:
+        return None
+    if not isinstance(field, str):
+        raise ValueError("the server's GPU spans are not a string")
+    try:
+        table = pa.ipc.open_stream(base64.b64decode(field, validate=True)).read_all()
+    except (binascii.Error, pa.ArrowException) as exc:
+        raise ValueError(f"the server's GPU spans do not read: {exc}") from None
+    if not table.schema.equals(SPAN_SCHEMA):
+        raise ValueError("the server's GPU spans are not spans")
+    return table if table.num_rows else None
 
 
 def counter_table(counters: list[list[Any]], device: str) -> pa.Table:

@@ -401,7 +401,7 @@ class DeviceActivity:
             if session.id in self._ended:
                 self.counts.late += len(rows)
             elif session.trace:  # an untraced session's count toward its GPU busy time only
-                session.log.add_rows(_rows(part))
+                session.log.add_table(_final(part))
                 self.counts.spans += len(rows)
                 made += len(rows)
         return made
@@ -502,38 +502,61 @@ def _parents(batches: list[ExecutedBatch], pid: int) -> tuple[Parents, dict[int,
     )
 
 
-def _rows(part: pa.Table) -> list[list[object]]:
-    """Spans as the server's span log holds them: ``[id, parent, lane, name, start, end, attrs,
-    category]`` (:func:`gpu_trace.runtime.protocol.span_tables.span_table` reads them). The
-    attribute maps are read as two flat lists and cut by their offsets (a map per row through
-    Arrow's ``to_pylist`` costs several times more)."""
-    cols = [
-        _values(part.column(name))
-        for name in ("span_id", "parent_span_id", "lane", "name", "start_ns", "end_ns")
-    ]
-    attrs = part.column("attrs").combine_chunks()
-    offsets = attrs.offsets.to_numpy()
-    first = int(offsets[0]) if len(offsets) else 0
-    keys = attrs.keys.slice(first, int(offsets[-1]) - first).to_pylist() if len(offsets) else []
-    values = attrs.items.slice(first, int(offsets[-1]) - first).to_pylist() if len(offsets) else []
-    cuts = (offsets - first).tolist()
-    maps = [
-        dict(zip(keys[a:b], values[a:b], strict=True)) if b > a else None
-        for a, b in zip(cuts[:-1], cuts[1:], strict=True)
-    ]
-    category = _values(part.column("category"))
-    return [list(r) for r in zip(*cols, maps, category, strict=True)]
-
-
-def _values(column: pa.ChunkedArray) -> list[object]:
-    """A column as Python values: numbers through numpy, dictionary strings by their codes."""
+def _final(part: pa.Table) -> pa.Table:
+    """Spans as the server's span log sends them: on the server's threads as its other spans are
+    (CUDA calls and waits on the executor's row under their op, at depth 3; device work on thread
+    0), with their raw server times in attrs ``raw_start_ns``/``raw_end_ns`` like every server
+    span. Column by column: no Python per span."""
     import pyarrow as pa
+    import pyarrow.compute as pc
 
-    array = column.combine_chunks()
-    if pa.types.is_dictionary(array.type):
-        words = array.dictionary.to_pylist()
-        return [words[i] for i in array.indices.to_numpy(zero_copy_only=False).tolist()]
-    return array.to_numpy(zero_copy_only=False).tolist()
+    from gpu_trace.runtime.protocol.span_tables import SERVER_TIDS, THREAD_CATEGORIES
+
+    category = part.column("category").cast(pa.string())
+    on_thread = pc.is_in(category, value_set=pa.array(THREAD_CATEGORIES)).to_numpy(
+        zero_copy_only=False
+    )
+    tid = np.where(on_thread, SERVER_TIDS["server/op"], 0).astype(np.uint64)
+    depth = np.where(on_thread, 3, 0).astype(np.uint16)
+    start = part.column("start_ns").to_numpy()
+    end = part.column("end_ns").to_numpy()
+    attrs = _append_attrs(
+        part.column("attrs").combine_chunks(),
+        [("raw_start_ns", start), ("raw_end_ns", end)],
+    )
+    i = part.schema.get_field_index
+    part = part.set_column(i("tid"), "tid", pa.array(tid, pa.uint64()))
+    part = part.set_column(i("depth"), "depth", pa.array(depth, pa.uint16()))
+    return part.set_column(i("attrs"), "attrs", attrs)
+
+
+def _append_attrs(arr: pa.MapArray, extra: list[tuple[str, np.ndarray]]) -> pa.MapArray:
+    """Each row's map with ``extra``'s keys added, one value per row (numbers as strings)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    n, k = len(arr), len(extra)
+    offsets = arr.offsets.to_numpy().astype(np.int64)
+    base, old = int(offsets[0]), int(offsets[-1] - offsets[0])
+    keys = arr.keys.slice(base, old)
+    items = arr.items.slice(base, old)
+    rel = offsets - base
+    lengths = np.diff(rel)
+    new_offsets = np.concatenate(([0], np.cumsum(lengths + k)))
+    row = np.repeat(np.arange(n), lengths + k)
+    pos = np.arange(int(new_offsets[-1])) - new_offsets[row]
+    extra_at = pos - lengths[row]  # >= 0: the extra key of that index
+    src = np.where(extra_at < 0, rel[row] + pos, old + extra_at * n + row)
+    new_keys = pa.concat_arrays(
+        [keys.cast(pa.string()), *(pa.array([key] * n, pa.string()) for key, _ in extra)]
+    )
+    new_items = pa.concat_arrays(
+        [items.cast(pa.string()), *(pc.cast(pa.array(v), pa.string()) for _, v in extra)]
+    )
+    take = pa.array(src, pa.int64())
+    return pa.MapArray.from_arrays(
+        pa.array(new_offsets, pa.int32()), new_keys.take(take), new_items.take(take), type=arr.type
+    )
 
 
 def start_capture(setting: str | None) -> tuple[DeviceActivity | None, str | None]:

@@ -249,9 +249,10 @@ class SpanLog:
         self.spans: list[list[Any]] = []
         self.counters: list[list[Any]] = []
         self.last_sent_ns = 0
-        # GPU activity spans, added by the server's conversion thread (device_activity.py).
-        self._rows: list[list[object]] = []
-        self._rows_lock = threading.Lock()
+        # GPU activity spans (Arrow tables), added by the server's conversion thread
+        # (device_activity.py).
+        self._tables: list[object] = []
+        self._tables_lock = threading.Lock()
 
     def new_id(self) -> int:
         return self.prefix + next(self._seq)
@@ -271,19 +272,20 @@ class SpanLog:
     def counter(self, metric: str, ts: int, value: float, labels: dict[str, str]) -> None:
         self.counters.append([metric, ts, value, labels])
 
-    def add_rows(self, rows: list[list[object]]) -> None:
-        """Spans made on another thread (GPU activity: rows with their category, an eighth
-        element); they go out with the next :meth:`take`."""
-        with self._rows_lock:
-            self._rows.extend(rows)
+    def add_table(self, table: object) -> None:
+        """Spans made on another thread (GPU activity: a ``spans`` table, server times); they go
+        out with the next :meth:`take`, under ``gpu``."""
+        with self._tables_lock:
+            self._tables.append(table)
 
     def take(self) -> dict[str, Any]:
+        """What to send: ``spans`` and ``counters`` (rows), and ``gpu`` (tables) when there are."""
         spans, self.spans = self.spans, []
-        if self._rows:
-            with self._rows_lock:
-                spans.extend(self._rows)
-                self._rows = []
         counters, self.counters = self.counters, []
+        if self._tables:
+            with self._tables_lock:
+                tables, self._tables = self._tables, []
+            return {"spans": spans, "counters": counters, "gpu": tables}
         return {"spans": spans, "counters": counters}
 
 

@@ -1,7 +1,8 @@
 """Where a server session's spans go: back to the client's run, or straight into a shared store.
 
 The executor records each traced batch's server spans (``server/receive``, ``server/queue``,
-``server/execute`` with its ``server/op`` children, ``server/reply``) and a few counters in the
+``server/execute`` with its ``server/op`` children, ``server/reply``), its GPU activity (tables
+from :mod:`gpu_trace.runtime.server.device_activity`, under ``gpu``) and a few counters in the
 session's :class:`~gpu_trace.runtime.server.sessions.SpanLog`, and hands them to the server's sink
 every 200 ms and when the session says goodbye:
 
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from gpu_trace.runtime.protocol.span_tables import (
     clock_table,
     counter_table,
+    encode_tables,
     span_table,
     write_stats,
 )
@@ -204,7 +206,9 @@ class ReturnSink:
         return client.get("trace") == "1"
 
     def export(self, session: Session, body: dict[str, Any]) -> None:
-        if body["spans"] or body["counters"]:
+        if body.get("gpu"):  # the server's GPU activity: Arrow, in one field
+            body = {**body, "gpu": encode_tables(body["gpu"])}
+        if body["spans"] or body["counters"] or body.get("gpu"):
             session.send(json_frame(MsgType.TRACE, body))
 
     def clock(self, session: Session, samples: list[tuple[int, int, int, int]]) -> None:
@@ -303,7 +307,8 @@ class SpoolSink:
     def export(self, session: Session, body: dict[str, Any]) -> None:
         with self._lock:
             samples = self._clock.pop(session.id, [])
-        if not (body["spans"] or body["counters"] or samples):
+        gpu = body.get("gpu") or []
+        if not (body["spans"] or body["counters"] or gpu or samples):
             return
         try:
             files = self._files(session)
@@ -311,10 +316,13 @@ class SpoolSink:
                 files.spans.write("spans", span_table(body["spans"], files.pid, session.log.new_id))
             if body["counters"]:
                 files.spans.write("counters", counter_table(body["counters"], files.device))
+            for table in gpu:  # the server's GPU activity, as converted
+                files.spans.write("spans", table)
             table = clock_table(samples) if samples else None
             if table is not None:
                 files.clock.write("clock_sync", table)
             files.events += len(body["spans"]) + len(body["counters"])
+            files.events += sum(t.num_rows for t in gpu)
             write_stats(files.dir, files.pid, session.id, files.events)
             with self._lock:
                 self._dirty.add(files.dir)

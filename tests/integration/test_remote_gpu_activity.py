@@ -68,8 +68,12 @@ class LaidRecords:
         """Per op two launches, inside it, whose kernels on two streams overlap by half."""
         assert self.activity is not None
         pid = self.activity.pid  # the library names its process on every record
-        # An untraced session's batch has no op spans: its window stands for them.
-        ops = [(b.tid, *op) for b in batches for op in b.ops or [(b.execute_id, b.start, b.end)]]
+        # An untraced session's batch has no op spans: its window stands for them (a traced
+        # batch with no ops, only frees, launches nothing).
+        ops = []
+        for b in batches:
+            spans = b.ops if b.session.trace else [(b.execute_id, b.start, b.end)]
+            ops += [(b.tid, *op) for op in spans]
         records = act.empty(4 * len(ops))
         for i, (tid, op_id, t0, t1) in enumerate(ops):
             quarter = (t1 - t0) // 4

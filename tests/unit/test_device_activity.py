@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from gpu_trace.collectors.gpu_activity import activity as act
 from gpu_trace.collectors.gpu_activity import activity_file
-from gpu_trace.runtime.protocol.span_tables import span_table
+from gpu_trace.runtime.protocol.span_tables import decode_tables, encode_tables, span_table
 from gpu_trace.runtime.server.device_activity import DeviceActivity, FileSource, union_ns
 from gpu_trace.runtime.server.sessions import Session, SpanLog
 from gpu_trace.runtime.sharing import admin
@@ -82,31 +82,29 @@ def test_a_file_that_is_not_activity_is_named_once(tmp_path: Path) -> None:
     ]
 
 
-def test_gpu_rows_get_their_category_thread_and_depth() -> None:
-    rows = [
-        [5, 0, "server/op", "aten::mm", 10, 20, None],
-        [6, 5, "cuda_api", "cudaLaunchKernel", 12, 14, {"correlation": "1"}, "cuda_api"],
-        [7, 6, "gpu0/stream7", "gemm", 15, 30, {"stream": "7"}, "kernel"],
-    ]
-    t = span_table(rows, 42, lambda: 99).to_pylist()
-    assert [(r["category"], r["tid"], r["depth"]) for r in t] == [
-        ("server", 2, 2),
-        ("cuda_api", 2, 3),
-        ("kernel", 0, 0),
-    ]
-    assert dict(t[2]["attrs"])["raw_start_ns"] == "15" and t[2]["pid"] == 42
+def test_gpu_tables_cross_in_one_field_and_a_bad_one_is_one_message() -> None:
+    table = span_table([[5, 0, "server/op", "aten::mm", 10, 20, None]], 42, lambda: 99)
+    assert decode_tables(encode_tables([table, table])).to_pylist() == table.to_pylist() * 2
+    assert decode_tables(None) is None and decode_tables(encode_tables([])) is None
+    for bad, why in (
+        ("not base64!", "do not read"),
+        (encode_tables([]) + "AAAA", "do not read"),
+        (7, "not a string"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            decode_tables(bad)
 
 
-def test_rows_added_from_another_thread_go_out_with_the_next_take() -> None:
+def test_tables_added_from_another_thread_go_out_with_the_next_take() -> None:
     log = SpanLog()
     log.span(1, 0, "server/execute", "execute", 0, 5)
-    t = threading.Thread(
-        target=log.add_rows, args=([[2, 1, "cuda_api", "x", 1, 2, None, "cuda_api"]],)
-    )
+    table = span_table([[2, 1, "server/op", "x", 1, 2, None]], 1, lambda: 3)
+    t = threading.Thread(target=log.add_table, args=(table,))
     t.start()
     t.join()
-    assert [s[0] for s in log.take()["spans"]] == [1, 2]
-    assert log.take()["spans"] == []
+    body = log.take()
+    assert [s[0] for s in body["spans"]] == [1] and body["gpu"] == [table]
+    assert "gpu" not in log.take()
 
 
 def test_ended_sessions_keep_their_gpu_busy_time_and_unmeasured_stays_unmeasured() -> None:
@@ -155,15 +153,25 @@ def _kernel_after_its_launch(tmp_path: Path) -> tuple[DeviceActivity, Session, l
         name = f"{activity_file.PREFIX}{activity.pid}-{i}{activity_file.SUFFIX}"
         activity_file.write(source.spool / name, activity_file.encode(part, {0: "k"}))
         activity.poll()
-        polls.append(session.log.take()["spans"])
+        (table,) = session.log.take()["gpu"]
+        polls.append(table.to_pylist())
     return activity, session, polls
 
 
 def test_a_kernel_read_after_its_launch_still_finds_it(tmp_path: Path) -> None:
     activity, session, (first, second) = _kernel_after_its_launch(tmp_path)
-    assert [(r[2], r[1]) for r in first] == [("cuda_api", 101)]  # under its op
-    assert [(r[7], r[1]) for r in second] == [("kernel", first[0][0])]  # the launch not again
+    assert [(r["category"], r["parent_span_id"]) for r in first] == [("cuda_api", 101)]
+    # the launch is not sent again; the kernel names it
+    assert [(r["category"], r["parent_span_id"]) for r in second] == [
+        ("kernel", first[0]["span_id"])
+    ]
     assert activity.counts.unattributed == 0 and session.usage.gpu_busy_ns == 2_000
+    # On the server's rows as its other spans: the call on the executor's under its op, the
+    # kernel on thread 0 of its stream's lane; raw server times kept like every server span's.
+    (call,), (work,) = first, second
+    assert (call["tid"], call["depth"], work["tid"], work["depth"]) == (2, 3, 0, 0)
+    assert dict(work["attrs"])["raw_start_ns"] == str(work["start_ns"]) == "5000"
+    assert dict(call["attrs"])["raw_end_ns"] == "4000" and dict(call["attrs"])["correlation"] == "9"
 
 
 def test_what_the_library_says_is_said_once(
