@@ -20,7 +20,7 @@ session (Python, about 3 µs an event, holding the GIL) is done while the progra
 inside the next stop, which releases the GIL: the program is waiting then anyway, so the
 conversion does not contend with it (:meth:`OpSource.harvest` wakes the flusher just before the
 stop; a session waits at most :data:`MAX_WAIT_S` for one, and a conversion at most
-:data:`PAUSE_S` for the next stop once the last has ended). Kineto's ``profiler_start`` and
+:data:`PAUSE_S` in all for the next stops once the last has ended). Kineto's ``profiler_start`` and
 ``profiler_stop`` lines are kept off the program's stderr (:mod:`.kineto`).
 
 Module backward ranges come from the same collection at this level (no autograd hooks, see
@@ -78,7 +78,7 @@ MAX_SESSION_S = 10.0
 #: Earlier sessions whose module calls a session's backward nodes are matched to.
 KEEP_SESSIONS = 6
 #: The flusher looks whether the owner is inside a stop every SLICE_MASK + 1 events, and waits
-#: for one at most PAUSE_S seconds a session (holding the flush lock, which a fork waits for).
+#: for one at most PAUSE_S seconds a drain (holding the flush lock, which a fork waits for).
 SLICE_MASK = (1 << 11) - 1
 PAUSE_S = 0.2
 _MARKER = "gpu_trace#thread"
@@ -125,6 +125,7 @@ class OpSource:
         self._lock = threading.Lock()
         self._due = False  # the flusher converts now: the owner is about to stop a session
         self._in_stop = threading.Event()  # set while the owner is inside a stop
+        self._pause_left = 0.0  # seconds the current drain may still wait for the owner's stops
         self._on = False
         self._last = 0
         self._dropped = 0
@@ -226,8 +227,9 @@ class OpSource:
                 return  # wait for the owner's next stop (see the module docstring)
             self._due = False
             results, self._results = self._results, []
+        self._pause_left = 0.0 if closing else PAUSE_S  # for all of this drain's sessions
         for result, offset, tid, calls, passes, _ in results:
-            table = self._table(result, offset, tid, calls, passes, patient=not closing)
+            table = self._table(result, offset, tid, calls, passes)
             if table is not None:
                 yield "spans", table
 
@@ -251,10 +253,6 @@ class OpSource:
 
     # ---- events to spans ----------------------------------------------------------------------
 
-    def _pause_budget(self, patient: bool) -> float:
-        """Seconds this conversion may wait for the owner's stops (0: convert straight on)."""
-        return PAUSE_S if patient and _recorder.active is not None else 0.0
-
     def _pause(self, budget: float) -> float:
         """Wait (the GIL released) until the owner is inside a stop, within ``budget`` seconds;
         returns what is left of it (0 once spent: the conversion then goes straight on)."""
@@ -267,10 +265,10 @@ class OpSource:
         return max(0.0, budget - (now_ns() - t) / 1e9)
 
     def _table(
-        self, result: Any, offset: int, tid: int, calls: list, passes: list, patient: bool = False
+        self, result: Any, offset: int, tid: int, calls: list, passes: list
     ) -> pa.Table | None:
-        """The spans of a finished session. ``patient``: convert while the owner's thread is
-        inside a stop (the GIL is free then), waiting for them at most :data:`PAUSE_S` in all."""
+        """The spans of a finished session, made while the owner's thread is inside a stop (the
+        GIL is free then) as far as :attr:`_pause_left` lets the conversion wait for one."""
         rows: list[tuple] = []  # Span records
         rtids: list[int] = []  # the thread of each
         marker_tid = None
@@ -285,7 +283,7 @@ class OpSource:
         # inside them (a program's own range around forward and backward).
         nodes: list[tuple] = []
         tops: list[list] = []
-        pause = self._pause_budget(patient)
+        pause = self._pause_left if _recorder.active is not None else 0.0
         while todo:
             event, parent, depth, top, etid = todo.pop()
             name = event.name
@@ -294,7 +292,7 @@ class OpSource:
                 continue
             seq += 1
             if not seq & SLICE_MASK and pause:
-                pause = self._pause(pause)
+                pause = self._pause_left = self._pause(pause)
             sid = prefix + seq
             start, end = event.start_time_ns - offset, event.end_time_ns - offset
             if name.startswith(EVALUATE):
