@@ -22,6 +22,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -84,7 +85,7 @@ def _laid(n_batches: int, ops: int, pid: int) -> tuple[list, np.ndarray]:
             op_id = (b + 1) * 1000 + o + 1
             op_spans.append((op_id, t, t + 10_000))
             api, kernel = records[2 * corr], records[2 * corr + 1]
-            api["kind"], api["pid"], api["tid"] = act.RUNTIME, pid, 77
+            api["kind"], api["pid"], api["tid"] = act.RUNTIME, pid, threading.get_native_id()
             api["start"], api["end"], api["correlation"], api["code"] = (
                 t + 2000,
                 t + 6000,
@@ -100,10 +101,26 @@ def _laid(n_batches: int, ops: int, pid: int) -> tuple[list, np.ndarray]:
     return batches, records
 
 
+def _peer_parents(batches: list, pid: int) -> object:
+    """The same parents the server builds, for the conversion alone."""
+    from gpu_trace.collectors.gpu_activity.conversion import Parents
+
+    rows = []
+    for b in batches:
+        rows.append((b.tid, 1, b.execute_id, 0, b.start, b.end, 1))
+        rows += [(b.tid, 0, i, b.execute_id, t0, t1, 2) for i, t0, t1 in b.ops]
+    a = np.array(rows, np.int64)
+    u = np.uint64
+    return Parents(
+        np.full(len(a), pid, np.int64), a[:, 0].astype(u), a[:, 1], a[:, 2].astype(u),
+        a[:, 3].astype(u), a[:, 4], a[:, 5], a[:, 6],
+    )  # fmt: skip
+
+
 def _conversion(n_batches: int, ops: int, rounds: int) -> tuple[float, float, int]:
     from gpu_trace.collectors.gpu_activity import activity_file
     from gpu_trace.collectors.gpu_activity.conversion import convert
-    from gpu_trace.runtime.server.device_activity import DeviceActivity, FileSource, _parents
+    from gpu_trace.runtime.server.device_activity import DeviceActivity, FileSource
     from gpu_trace.runtime.server.sessions import Session
 
     pid = os.getpid()
@@ -115,15 +132,15 @@ def _conversion(n_batches: int, ops: int, rounds: int) -> tuple[float, float, in
             session = Session({"host": "bench", "trace": "1"}, lambda *a: None)
             activity = DeviceActivity(FileSource(d), pid=pid)
             for execute_id, t0, t1, op_spans in batches:
-                activity.batch(session, execute_id, t0, t1, op_spans)
-                activity.batches()[-1].tid = 77
+                named = [("aten::mm", a, b) for _, a, b in op_spans]
+                activity.batch(session, execute_id, t0, t1, named, [i for i, _, _ in op_spans])
             path = Path(d) / "spool" / f"{activity_file.PREFIX}{pid}-b{activity_file.SUFFIX}"
             activity_file.write(path, blob)
             t = time.perf_counter()
             made = activity.poll()
             routed.append(time.perf_counter() - t)
             assert made == len(records), (made, len(records), activity.counts)
-            parents, _ = _parents(activity.batches(), pid)
+            parents = _peer_parents(activity.batches(), pid)
             t = time.perf_counter()
             convert(records, {0: "gemm"}, parents=parents)
             alone.append(time.perf_counter() - t)

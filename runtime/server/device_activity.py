@@ -38,7 +38,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 
@@ -210,17 +210,23 @@ def union_ns(start: np.ndarray, end: np.ndarray, covered_until: int = 0) -> tupl
     return total, max(covered_until, int(e.max()))
 
 
-@dataclass
-class ExecutedBatch:
+class ExecutedBatch(NamedTuple):
     """One executed batch's spans, as the parents its CUDA calls are found in (times on the
-    server's clock, ``CLOCK_MONOTONIC``)."""
+    server's clock, ``CLOCK_MONOTONIC``). The executor appends a plain tuple of these fields
+    (the cheapest thing to make on its thread); the conversion thread names them."""
 
     session: Session
     tid: int  # the OS thread that ran it
     execute_id: int
     start: int
     end: int
-    ops: list[tuple[int, int, int]]  # (span id, start, end)
+    op_spans: list[tuple[str, int, int]]  # (name, start, end), as the executor recorded them
+    op_ids: list[int]  # their span ids
+
+    @property
+    def ops(self) -> list[tuple[int, int, int]]:
+        """``(span id, start, end)`` of each op."""
+        return [(i, t0, t1) for i, (_, t0, t1) in zip(self.op_ids, self.op_spans, strict=True)]
 
 
 @dataclass
@@ -255,7 +261,7 @@ class DeviceActivity:
         #: What the capture said (CUPTI missing, taken by another profiler...), once each.
         self.notes: list[str] = []
         #: Batches executed lately (appended by the executor: one append per batch).
-        self._batches: deque[ExecutedBatch] = deque(maxlen=max_batches)
+        self._batches: deque[tuple] = deque(maxlen=max_batches)
         self._covered: dict[int, int] = {}  # session id -> end of its busy time so far
         self._ended: set[int] = set()  # sessions whose last spans have gone out
         #: CUDA call records of the last ``carry_s`` seconds, converted again with the next ones.
@@ -276,20 +282,21 @@ class DeviceActivity:
         execute_id: int,
         start: int,
         end: int,
-        ops: list[tuple[int, int, int]],
+        op_spans: list[tuple[str, int, int]],
+        op_ids: list[int],
     ) -> None:
-        """A batch ran on this thread: its execute span and op spans ``(id, t0, t1)`` (a session
-        that is not traced has no op spans: its window alone ties its kernels to it, for its GPU
-        busy time)."""
+        """A batch ran on this thread: its execute span and its op spans (``(name, t0, t1)``)
+        with their ids (a session that is not traced has no op spans: its window alone ties its
+        kernels to it, for its GPU busy time). One tuple appended: nothing else on this thread."""
         if session.usage.gpu_busy_ns is None:
             session.usage.gpu_busy_ns = 0
         self._batches.append(
-            ExecutedBatch(session, threading.get_native_id(), execute_id, start, end, ops)
+            (session, threading.get_native_id(), execute_id, start, end, op_spans, op_ids)
         )
 
     def batches(self) -> list[ExecutedBatch]:
         """The batches executed lately, oldest first (what a test's source lays records in)."""
-        return list(self._batches)
+        return [ExecutedBatch(*b) for b in self._batches]
 
     def session_done(self, session: Session, *, ended: bool = False) -> None:
         """``session`` says goodbye (or ended): convert what has arrived, so its last kernels go
@@ -356,10 +363,10 @@ class DeviceActivity:
         return made
 
     def _recent(self) -> list[ExecutedBatch]:
-        batches = list(self._batches)
+        batches = self.batches()
         if batches:
             newest = max(b.end for b in batches)
-            while self._batches and self._batches[0].end < newest - self.window_ns:
+            while self._batches and self._batches[0][4] < newest - self.window_ns:  # its end
                 self._batches.popleft()
             batches = [b for b in batches if b.end >= newest - self.window_ns]
         live = {b.session.id for b in batches}
@@ -481,7 +488,7 @@ def _parents(batches: list[ExecutedBatch], pid: int) -> tuple[Parents, dict[int,
     for b in batches:
         owner[b.execute_id] = b.session
         cols.append((b.tid, 1, b.execute_id, 0, b.start, b.end, 1))
-        for op_id, t0, t1 in b.ops:
+        for op_id, (_, t0, t1) in zip(b.op_ids, b.op_spans, strict=True):
             owner[op_id] = b.session
             cols.append((b.tid, 0, op_id, b.execute_id, t0, t1, 2))
     if not cols:

@@ -329,7 +329,7 @@ class Executor:
                 activity=self.activity,
             )
         elif self.activity is not None:  # its GPU busy time: its CUDA calls are in this window
-            self.activity.batch(session, session.log.new_id(), exec_start, exec_end, [])
+            self.activity.batch(session, session.log.new_id(), exec_start, exec_end, [], [])
 
     def _run_ops(
         self,

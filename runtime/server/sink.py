@@ -97,10 +97,12 @@ def record_batch(
         for name, t0, t1 in op_spans:
             span(0, execute_id, "server/op", name, t0, t1)
     else:  # ids now: the op spans are the parents of the batch's CUDA calls
-        ops = [(new_id(), t0, t1) for _name, t0, t1 in op_spans]
-        for (name, _t0, _t1), (op_id, t0, t1) in zip(op_spans, ops, strict=True):
+        ids = []
+        for name, t0, t1 in op_spans:
+            op_id = new_id()
+            ids.append(op_id)
             span(op_id, execute_id, "server/op", name, t0, t1)
-        activity.batch(session, execute_id, exec_start, exec_end, ops)
+        activity.batch(session, execute_id, exec_start, exec_end, op_spans, ids)
     reply_end = now_ns()
     span(new_id(), parent, "server/reply", "reply", exec_end, reply_end, seq)
     if reply_end - slog.last_sent_ns > 200_000_000 or len(slog.spans) > 20000:

@@ -141,7 +141,7 @@ def _kernel_after_its_launch(tmp_path: Path) -> tuple[DeviceActivity, Session, l
     activity = DeviceActivity(source)
     session = Session({"host": "a"}, lambda *a: None)
     session.trace = True
-    activity.batch(session, 100, 1_000, 9_000, [(101, 2_000, 8_000)])
+    activity.batch(session, 100, 1_000, 9_000, [("aten::mm", 2_000, 8_000)], [101])
     tid = activity.batches()[0].tid
     api, kernel = act.empty(1), act.empty(1)
     api["kind"], api["pid"], api["tid"], api["correlation"] = act.RUNTIME, activity.pid, tid, 9
