@@ -39,7 +39,8 @@ def _steps(activity_on: bool, steps: int, tmp: Path) -> float:
 
     import gpu_trace
     from gpu_trace import runtime
-    from gpu_trace.runtime.server.device_activity import DeviceActivity, FileSource
+    from gpu_trace.runtime.server.activity_tail import FileSource
+    from gpu_trace.runtime.server.device_activity import DeviceActivity
     from gpu_trace.runtime.server.server import Server
 
     activity = DeviceActivity(FileSource(tmp / "act")) if activity_on else None
@@ -120,7 +121,8 @@ def _peer_parents(batches: list, pid: int) -> object:
 def _conversion(n_batches: int, ops: int, rounds: int) -> tuple[float, float, int]:
     from gpu_trace.collectors.gpu_activity import activity_file
     from gpu_trace.collectors.gpu_activity.conversion import convert
-    from gpu_trace.runtime.server.device_activity import DeviceActivity, FileSource
+    from gpu_trace.runtime.server.activity_tail import FileSource
+    from gpu_trace.runtime.server.device_activity import DeviceActivity
     from gpu_trace.runtime.server.sessions import Session
 
     pid = os.getpid()

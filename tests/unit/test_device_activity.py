@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from gpu_trace.collectors.gpu_activity import activity as act
 from gpu_trace.collectors.gpu_activity import activity_file
 from gpu_trace.runtime.protocol.span_tables import decode_tables, encode_tables, span_table
-from gpu_trace.runtime.server.device_activity import DeviceActivity, FileSource, union_ns
+from gpu_trace.runtime.server.activity_tail import FileSource
+from gpu_trace.runtime.server.device_activity import DeviceActivity, union_ns
 from gpu_trace.runtime.server.sessions import Session, SpanLog
 from gpu_trace.runtime.sharing import admin
 
