@@ -52,6 +52,8 @@ _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _TRACE_ID = re.compile(r"^[0-9a-f]{32}$")
 
 now_ns = time.perf_counter_ns
+#: GPU activity spans per TRACE message: a few MB, far under a frame's limit (``wire.MAX_FRAME``).
+GPU_SPANS_PER_MESSAGE = 20_000
 
 
 # ---- recording a batch ---------------------------------------------------------------------------
@@ -208,10 +210,16 @@ class ReturnSink:
         return client.get("trace") == "1"
 
     def export(self, session: Session, body: dict[str, Any]) -> None:
-        if body.get("gpu"):  # the server's GPU activity: Arrow, in one field
-            body = {**body, "gpu": encode_tables(body["gpu"])}
-        if body["spans"] or body["counters"] or body.get("gpu"):
+        gpu = body.pop("gpu", None) or []
+        if body["spans"] or body["counters"]:
             session.send(json_frame(MsgType.TRACE, body))
+        # The server's GPU activity: Arrow, in one field, a bounded number of spans per message
+        # (a frame has a size limit; a burst of kernels must not break the session).
+        for table in gpu:
+            for lo in range(0, table.num_rows, GPU_SPANS_PER_MESSAGE):
+                part = table.slice(lo, GPU_SPANS_PER_MESSAGE)
+                msg = {"spans": [], "counters": [], "gpu": encode_tables([part])}
+                session.send(json_frame(MsgType.TRACE, msg))
 
     def clock(self, session: Session, samples: list[tuple[int, int, int, int]]) -> None:
         pass

@@ -187,3 +187,25 @@ def test_what_the_library_says_is_said_once(
         activity.poll()
     assert activity.notes == [note]
     assert [r.getMessage() for r in caplog.records].count(f"gpu-trace serve: {note}") == 1
+
+
+def test_a_burst_of_gpu_spans_goes_back_in_frames_the_client_reads(tmp_path: Path) -> None:
+    """More spans than one frame may hold (wire.MAX_FRAME): several TRACE messages, all read."""
+    from gpu_trace.collectors.gpu_activity.conversion import convert
+    from gpu_trace.runtime.protocol import wire
+    from gpu_trace.runtime.server.sink import ReturnSink
+
+    n = 200_000
+    records = act.empty(2 * n)
+    records["kind"][0::2], records["kind"][1::2] = act.RUNTIME, act.CONCURRENT_KERNEL
+    records["pid"], records["correlation"] = 7, np.repeat(np.arange(1, n + 1), 2)
+    records["start"] = np.arange(2 * n) * 1000
+    records["end"] = records["start"] + 500
+    table = convert(records, {0: "void gemm_kernel<float, 128, 128>(float*, float*, int)"}).table
+    frames: list[bytes] = []
+    session = Session({"host": "a"}, lambda frame: frames.append(bytes(frame)))
+    ReturnSink().export(session, {"spans": [], "counters": [], "gpu": [table]})
+    sizes = [wire.HEADER.unpack_from(f)[0] for f in frames]
+    assert max(sizes) <= wire.MAX_FRAME  # in one message: about 98 MiB, a broken session
+    got = [decode_tables(wire.decode_json(f[wire.HEADER.size :])["gpu"]) for f in frames]
+    assert sum(t.num_rows for t in got) == 2 * n
