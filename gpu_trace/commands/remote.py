@@ -46,6 +46,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
             device = "cuda:0" if torch.cuda.is_available() else "cpu"
         if activity is not None and not device.startswith("cuda"):
+            activity.source.close()  # its directory goes: no CUDA here after all
             activity = None
         sink = None
         if args.store:
