@@ -6,10 +6,12 @@ code a CUDA server runs)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -318,3 +320,72 @@ def test_serve_asked_for_gpu_activity_without_a_driver_says_so_and_serves(tmp_pa
         proc.send_signal(signal.SIGINT)
         rest = proc.communicate(timeout=30)[1]
     assert proc.returncode == 0 and "served" in rest and "GPU activity spans" not in rest
+
+
+LIVE_PROGRAM = textwrap.dedent(
+    """
+    import ctypes, json, sys, time
+    from gpu_trace.runtime.server.activity_tail import FileSource
+    from gpu_trace.runtime.server.device_activity import DeviceActivity
+    from gpu_trace.runtime.server.sessions import Session
+
+    lib = ctypes.CDLL(sys.argv[1])
+    fake = ctypes.CDLL(sys.argv[2])  # the libcupti the library opened: the same one
+    lib.InitializeInjection()  # what the driver does at cuInit
+    session = Session({"host": "test", "trace": "1"}, lambda *a: None)
+    activity = DeviceActivity(FileSource(sys.argv[3], flush=lib.gpu_trace_activity_flush))
+    tables = []
+    for i in range(3):  # an op launches a kernel; the server converts after each batch
+        t0 = time.perf_counter_ns()
+        fake.fake_cupti_emit(i + 1)
+        t1 = time.perf_counter_ns() + 20_000
+        activity.batch(session, 100 + 10 * i, t0 - 1000, t1 + 1000, [("aten::mm", t0, t1)], [101 + 10 * i])
+        activity.session_done(session)  # flushes CUPTI through the library, reads, converts
+        tables += session.log.take().get("gpu", [])
+    rows = [r for t in tables for r in t.to_pylist()]
+    print(json.dumps({
+        "spans": [[r["category"], r["span_id"], r["parent_span_id"], r["lane"]] for r in rows],
+        "busy": session.usage.gpu_busy_ns,
+        "unattributed": activity.counts.unattributed,
+    }))
+    """
+)
+
+
+def test_the_live_librarys_growing_file_reaches_the_ops(tmp_path: Path) -> None:
+    """The real injection library (over a stand-in libcupti, CUPTI's own structs) appending to
+    one file while the server reads it after each batch: each kernel under its launch under its
+    op, through the library's own flush; busy time from the kernels."""
+    from gpu_trace import _cbuild
+    from gpu_trace.collectors.gpu_activity import library
+
+    inc = library.include_dirs()
+    if inc is None:
+        pytest.skip("CUPTI headers not installed here: the library is not built")
+    try:
+        lib = library.build(tmp_path / library.library_name())
+        fake = tmp_path / "libcupti_fake.so"
+        source = Path(__file__).with_name("fake_cupti.c")
+        _cbuild.build(source, fake, include_dirs=inc, libs=["-lpthread"])
+    except _cbuild.BuildError as exc:
+        pytest.skip(f"no C compiler: {exc}")
+    directory = tmp_path / "activity"
+    (directory / "spool").mkdir(parents=True)  # as serve makes it (the library makes no parents)
+    env = {
+        **os.environ,
+        "GPU_TRACE_RUN_DIR": str(directory),
+        "GPU_TRACE_CUPTI_LIBRARY": str(fake),
+        "GPU_TRACE_FLUSH_INTERVAL": "60",  # only the server's flushes
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", LIVE_PROGRAM, str(lib), str(fake), str(directory)],
+        capture_output=True, text=True, env=env, timeout=120, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.splitlines()[-1])
+    by_id = {span_id: (cat, parent) for cat, span_id, parent, _ in got["spans"]}
+    kernels = [(parent, lane) for cat, _, parent, lane in got["spans"] if cat == "kernel"]
+    assert len(kernels) == 3 and {lane for _, lane in kernels} == {"gpu1/stream7"}
+    assert sorted(by_id[launch][1] for launch, _ in kernels) == [101, 111, 121]
+    assert {cat for cat, _ in by_id.values()} >= {"memcpy", "memset", "cuda_sync", "cuda_api"}
+    assert got["busy"] == 3 * 3000  # each fake kernel lasts 3 us
