@@ -55,8 +55,10 @@ def spans_to_table(
     return columns_to_table({**span_columns(spans), "tid": tids}, pid)
 
 
-def columns_to_table(columns: Mapping[str, Any], pid: int) -> pa.Table:
-    """A ``spans`` table of process ``pid`` from columns a producer already has.
+def columns_to_table(columns: Mapping[str, Any], pid: int | None = None) -> pa.Table:
+    """A ``spans`` table from columns a producer already has: of process ``pid``, or with a
+    ``pid`` column of its own when it holds spans of several processes (an imported trace,
+    GPU activity of a process tree).
 
     Each column is an Arrow array of the schema's type, or values to build one from: numbers
     (a sequence or numpy array), strings for lane, category and name, attribute dicts for attrs.
@@ -64,7 +66,7 @@ def columns_to_table(columns: Mapping[str, Any], pid: int) -> pa.Table:
     n = len(columns["span_id"])
     arrays: dict[str, pa.Array] = {}
     for field in SPAN_SCHEMA:
-        if field.name == "pid":
+        if field.name == "pid" and pid is not None:
             arrays[field.name] = numeric_column(np.full(n, pid), field.type)
             continue
         values = columns[field.name]
@@ -77,6 +79,16 @@ def columns_to_table(columns: Mapping[str, Any], pid: int) -> pa.Table:
         else:
             arrays[field.name] = numeric_column(values, field.type)
     return pa.table(arrays, schema=SPAN_SCHEMA)
+
+
+def empty_table() -> pa.Table:
+    """A ``spans`` table with no rows (a producer that made none)."""
+    return SPAN_SCHEMA.empty_table()
+
+
+def is_spans_table(table: pa.Table) -> bool:
+    """Whether ``table`` has the ``spans`` layout (a table that came over a wire or from a file)."""
+    return table.schema.equals(SPAN_SCHEMA)
 
 
 def span_columns(spans: list[tuple[object, ...]]) -> dict[str, pa.Array]:

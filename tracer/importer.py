@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
+from gpu_trace.tracer.columns import columns_to_table
 from gpu_trace.tracer.flows import BACKWARD_CATEGORY, FORWARD_SPAN
 from gpu_trace.tracer.records import (
     CUDA_API,
@@ -54,7 +55,6 @@ from gpu_trace.tracer.records import (
     MODULE,
     NVTX,
     OP,
-    SPAN_SCHEMA,
     STEP,
     STEP_LANE,
     attrs_column,
@@ -450,7 +450,7 @@ def _finish(
             cols.pid[row] = main_pid
         cols.tid[row] = 0
 
-    table = pa.table(
+    table = columns_to_table(
         {
             "span_id": numeric_column(span_id, pa.uint64()),
             "parent_span_id": numeric_column(parent, pa.uint64()),
@@ -464,7 +464,6 @@ def _finish(
             "depth": numeric_column(np.minimum(depth, 65535).astype(np.uint16), pa.uint16()),
             "attrs": attrs_column(cols.attrs),
         },
-        schema=SPAN_SCHEMA,
     )
     table = table.take(numeric_column(np.argsort(start, kind="stable"), pa.int64()))
     counts = Counter(cols.category)

@@ -466,10 +466,9 @@ class RequestBuilder:
         for (host, pid, server), group in groups.items():
             rs = req.resource_spans.add()
             self._fill_resource(rs.resource, host, pid, server)
-            ss = rs.scope_spans.add()
-            ss.scope.name = "gpu-trace"
-            ss.scope.version = self.version
-            ss.spans.extend(group)
+            scope = rs.scope_spans.add(spans=group)
+            scope.scope.name = "gpu-trace"
+            scope.scope.version = self.version
         return req
 
     def _fill_resource(self, resource: object, host: str, pid: int, server: bool) -> None:

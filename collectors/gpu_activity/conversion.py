@@ -32,6 +32,7 @@ import pyarrow.compute as pc
 from gpu_trace.collectors.gpu_activity import activity as act
 from gpu_trace.collectors.gpu_activity.cbid_names import DRIVER, RUNTIME
 from gpu_trace.collectors.gpu_activity.demangle import demangle
+from gpu_trace.tracer.columns import columns_to_table, empty_table
 from gpu_trace.tracer.records import (
     ATTRS,
     CUDA_API,
@@ -39,7 +40,6 @@ from gpu_trace.tracer.records import (
     KERNEL,
     MEMCPY,
     MEMSET,
-    SPAN_SCHEMA,
     numeric_column,
     string_column,
 )
@@ -238,7 +238,7 @@ def convert(
             )
         )
         conv_counts[category] = int(sel.sum())
-    table = pa.concat_tables(tables) if tables else SPAN_SCHEMA.empty_table()
+    table = pa.concat_tables(tables) if tables else empty_table()
     return Conversion(table, conv_counts, unmatched, missing)
 
 
@@ -447,7 +447,7 @@ def _table(
     attrs: pa.Array,
 ) -> pa.Table:
     n = len(span_id)
-    return pa.table(
+    return columns_to_table(
         {
             "span_id": pa.array(span_id, pa.uint64()),
             "parent_span_id": pa.array(parent, pa.uint64()),
@@ -460,8 +460,7 @@ def _table(
             "end_ns": pa.array(end, pa.int64()),
             "depth": pa.array(depth.astype(np.uint16), pa.uint16()),
             "attrs": attrs,
-        },
-        schema=SPAN_SCHEMA,
+        }
     )
 
 

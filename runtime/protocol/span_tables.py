@@ -61,10 +61,10 @@ def encode_tables(tables: list[pa.Table]) -> str:
 
     import pyarrow as pa
 
-    from gpu_trace.tracer.records import SPAN_SCHEMA
+    from gpu_trace.tracer.columns import empty_table
 
     sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, SPAN_SCHEMA) as writer:
+    with pa.ipc.new_stream(sink, empty_table().schema) as writer:
         for table in tables:
             writer.write_table(table)
     return base64.b64encode(sink.getvalue().to_pybytes()).decode("ascii")
@@ -78,7 +78,7 @@ def decode_tables(field: object) -> pa.Table | None:
 
     import pyarrow as pa
 
-    from gpu_trace.tracer.records import SPAN_SCHEMA
+    from gpu_trace.tracer.columns import is_spans_table
 
     if not field:
         return None
@@ -88,7 +88,7 @@ def decode_tables(field: object) -> pa.Table | None:
         table = pa.ipc.open_stream(base64.b64decode(field, validate=True)).read_all()
     except (binascii.Error, pa.ArrowException) as exc:
         raise ValueError(f"the server's GPU spans do not read: {exc}") from None
-    if not table.schema.equals(SPAN_SCHEMA):
+    if not is_spans_table(table):
         raise ValueError("the server's GPU spans are not spans")
     return table if table.num_rows else None
 
