@@ -24,8 +24,9 @@ too (its batch's window on its thread stands for its op spans; its spans go nowh
 of a session that has already ended still counts toward its tenant's total, its span is counted
 ``late``; one no batch launched is counted ``unattributed``: never silently lost.
 
-Limit: a batch parked for memory and resumed on another thread is noted with the thread that
-finished it, so the CUDA calls of its ops before the wait are not found under them.
+A batch that waited for memory may go on on another thread (a lone batch runs on its
+connection's thread, a resumed one on the executor's): the threads its ops ran on are noted where
+it parked, so each op's CUDA calls are looked for on its own thread.
 """
 
 from __future__ import annotations
@@ -94,6 +95,16 @@ class ExecutedBatch(NamedTuple):
     end: int
     op_spans: list[tuple[str, int, int]]  # (name, start, end), as the executor recorded them
     op_ids: list[int]  # their span ids
+    #: ``(op spans before, OS thread)`` where the batch parked (waited for memory) and went on,
+    #: maybe on another thread; None: all on ``tid``.
+    threads: list[tuple[int, int]] | None = None
+
+    def op_tids(self) -> list[int]:
+        """The OS thread that ran each op."""
+        out: list[int] = []
+        for count, tid in self.threads or ():
+            out += [tid] * (count - len(out))
+        return out + [self.tid] * (len(self.op_spans) - len(out))
 
     @property
     def ops(self) -> list[tuple[int, int, int]]:
@@ -156,6 +167,7 @@ class DeviceActivity:
         end: int,
         op_spans: list[tuple[str, int, int]],
         op_ids: list[int],
+        threads: list[tuple[int, int]] | None = None,
     ) -> None:
         """A batch ran on this thread: its execute span and its op spans (``(name, t0, t1)``)
         with their ids (a session that is not traced has no op spans: its window alone ties its
@@ -163,7 +175,7 @@ class DeviceActivity:
         if session.usage.gpu_busy_ns is None:
             session.usage.gpu_busy_ns = 0
         self._batches.append(
-            (session, threading.get_native_id(), execute_id, start, end, op_spans, op_ids)
+            (session, threading.get_native_id(), execute_id, start, end, op_spans, op_ids, threads)
         )
 
     def batches(self) -> list[ExecutedBatch]:
@@ -359,10 +371,12 @@ def _parents(batches: list[ExecutedBatch], pid: int) -> tuple[Parents, dict[int,
     cols: list[tuple[int, int, int, int, int, int, int]] = []  # tid lane id parent t0 t1 depth
     for b in batches:
         owner[b.execute_id] = b.session
-        cols.append((b.tid, 1, b.execute_id, 0, b.start, b.end, 1))
-        for op_id, (_, t0, t1) in zip(b.op_ids, b.op_spans, strict=True):
+        tids = b.op_tids() if b.threads else None
+        for tid in {b.tid, *(t for _, t in b.threads or ())}:
+            cols.append((tid, 1, b.execute_id, 0, b.start, b.end, 1))
+        for k, (op_id, (_, t0, t1)) in enumerate(zip(b.op_ids, b.op_spans, strict=True)):
             owner[op_id] = b.session
-            cols.append((b.tid, 0, op_id, b.execute_id, t0, t1, 2))
+            cols.append((tids[k] if tids else b.tid, 0, op_id, b.execute_id, t0, t1, 2))
     if not cols:
         return Parents.none(), owner
     a = np.array(cols, dtype=np.int64).reshape(-1, 7)

@@ -327,6 +327,7 @@ class Executor:
                 self.sink,
                 memory=self.memory,
                 activity=self.activity,
+                threads=work.resume.threads if work.resume is not None else None,
             )
         elif self.activity is not None:  # its GPU busy time: its CUDA calls are in this window
             self.activity.batch(session, session.log.new_id(), exec_start, exec_end, [], [])
@@ -384,6 +385,7 @@ class Executor:
                     progress.index, progress.exec_start = index, exec_start
                     progress.results, progress.op_spans = results, op_spans
                     progress.execute_id = execute_id
+                    progress.threads.append((len(op_spans), threading.get_native_id()))
                     work.resume = progress
                     return None, True
                 if work.resume is not None:

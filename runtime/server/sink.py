@@ -71,13 +71,15 @@ def record_batch(
     sink: Any,
     memory: Any = None,
     activity: DeviceActivity | None = None,
+    threads: list[tuple[int, int]] | None = None,
 ) -> None:
     """One batch's server spans into the session's log; hands the log to ``sink`` when due.
 
     With the counters go the session's tenant's numbers from ``memory``
     (:class:`~gpu_trace.runtime.sharing.memory.Memory`): its own tenant's only, never another's.
     With GPU activity capture (``activity``), the batch's execute and op spans are where its
-    CUDA calls, and through them its kernels, are found (called on the thread that ran it).
+    CUDA calls, and through them its kernels, are found (called on the thread that ran it;
+    ``threads``: where a batch that waited for memory ran its ops before, see ``Parked``).
     """
     from gpu_trace.tracer.context import parse_traceparent
 
@@ -104,7 +106,7 @@ def record_batch(
             op_id = new_id()
             ids.append(op_id)
             span(op_id, execute_id, "server/op", name, t0, t1)
-        activity.batch(session, execute_id, exec_start, exec_end, op_spans, ids)
+        activity.batch(session, execute_id, exec_start, exec_end, op_spans, ids, threads)
     reply_end = now_ns()
     span(new_id(), parent, "server/reply", "reply", exec_end, reply_end, seq)
     if reply_end - slog.last_sent_ns > 200_000_000 or len(slog.spans) > 20000:

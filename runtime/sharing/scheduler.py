@@ -41,7 +41,9 @@ class Parked:
     """What a batch parked part-way (waiting for memory) keeps, to go on where it stopped.
 
     ``index``: the op it stopped at (-1 until it parks at an op); ``freed_early``: the batch's
-    ``free`` list was already freed early, once; ``wait``: the wait in progress, if any.
+    ``free`` list was already freed early, once; ``wait``: the wait in progress, if any;
+    ``threads``: ``(op spans recorded so far, OS thread id)`` at each park (the batch may go on
+    on another thread: its ops' CUDA calls are found on the thread that ran them).
     """
 
     index: int = -1
@@ -51,6 +53,7 @@ class Parked:
     execute_id: int = 0
     freed_early: bool = False
     wait: Wait | None = None
+    threads: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass

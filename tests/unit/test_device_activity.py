@@ -209,3 +209,26 @@ def test_a_burst_of_gpu_spans_goes_back_in_frames_the_client_reads(tmp_path: Pat
     assert max(sizes) <= wire.MAX_FRAME  # in one message: about 98 MiB, a broken session
     got = [decode_tables(wire.decode_json(f[wire.HEADER.size :])["gpu"]) for f in frames]
     assert sum(t.num_rows for t in got) == 2 * n
+
+
+def test_a_batch_that_went_on_on_another_thread_finds_each_ops_calls_on_its_own(
+    tmp_path: Path,
+) -> None:
+    """A batch parked for memory on a connection's thread and finished on the executor's: the
+    launch made by its first op (on the first thread) is under that op, not lost."""
+    source = FileSource(tmp_path)
+    activity = DeviceActivity(source)
+    session = Session({"host": "a"}, lambda *a: None)
+    session.trace = True
+    here = threading.get_native_id()
+    elsewhere = here + 1_000_000  # the thread it parked on
+    ops = [("aten::empty", 2_000, 3_000), ("aten::mm", 5_000, 8_000)]
+    activity.batch(session, 100, 1_000, 9_000, ops, [101, 102], [(1, elsewhere)])
+    api = act.empty(2)
+    api["kind"], api["pid"], api["correlation"] = act.RUNTIME, activity.pid, (1, 2)
+    api["tid"], api["start"], api["end"] = (elsewhere, here), (2_100, 5_100), (2_900, 7_900)
+    path = source.spool / f"{activity_file.PREFIX}{activity.pid}-p{activity_file.SUFFIX}"
+    activity_file.write(path, activity_file.encode(api, {}))
+    activity.poll()
+    (table,) = session.log.take()["gpu"]
+    assert sorted(table.column("parent_span_id").to_pylist()) == [101, 102]
