@@ -88,7 +88,7 @@ def empty_table() -> pa.Table:
 
 def is_spans_table(table: pa.Table) -> bool:
     """Whether ``table`` has the ``spans`` layout (a table that came over a wire or from a file)."""
-    return table.schema.equals(SPAN_SCHEMA)
+    return bool(table.schema.equals(SPAN_SCHEMA))
 
 
 def span_columns(spans: list[tuple[object, ...]]) -> dict[str, pa.Array]:

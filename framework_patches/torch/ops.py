@@ -47,7 +47,7 @@ import logging
 import os
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -97,7 +97,7 @@ class OpSource:
         self._torch = torch
         self._A = A
         self._scopes = threading.local()  # .open: record_function ranges open on a thread
-        self._scoped: tuple[Any, Any, Any] | None = None  # (class, __enter__, __exit__)
+        self._scoped: tuple[type, Callable[..., object], Callable[..., object]] | None = None
         self._config = P.ProfilerConfig(
             P.ProfilerState.KINETO,
             bool(shapes),
@@ -195,12 +195,12 @@ class OpSource:
         enter, exit_ = cls.__enter__, cls.__exit__
         scopes = self._scopes
 
-        def __enter__(rf: Any) -> Any:
+        def __enter__(rf: object) -> object:
             got = enter(rf)
             scopes.open = getattr(scopes, "open", 0) + 1
             return got
 
-        def __exit__(rf: Any, *exc: Any) -> Any:
+        def __exit__(rf: object, *exc: object) -> object:
             scopes.open = max(0, getattr(scopes, "open", 0) - 1)
             return exit_(rf, *exc)
 
@@ -212,7 +212,8 @@ class OpSource:
     def _untrack_scopes(self) -> None:
         if self._scoped is not None:
             cls, enter, exit_ = self._scoped
-            cls.__enter__, cls.__exit__ = enter, exit_
+            setattr(cls, "__enter__", enter)  # noqa: B010 (a class's dunder, put back)
+            setattr(cls, "__exit__", exit_)  # noqa: B010
             self._scoped = None
 
     # ---- Source protocol ----------------------------------------------------------------------
