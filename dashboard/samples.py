@@ -2,13 +2,19 @@
 
 Each is a run directory exactly as ``gpu-trace record`` leaves it (``run.json``, ``spool/*.arrow``,
 ``stats/``); loading one is an ordinary, idempotent ingest into whatever store is given.
-``sample_traces/README.md`` says how they were recorded.
+``sample_traces/README.md`` says how they were recorded. A large one is kept as a ``.tar.gz`` of
+its directory (the H100 op-level run: 17 MB of spool, 2.4 MB packed) and unpacked into
+``GPU_TRACE_HOME/samples`` the first time the demo loads it, so the checkout stays small and its
+files are never touched.
 """
 
 from __future__ import annotations
 
+import tarfile
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from gpu_trace import config
 
 if TYPE_CHECKING:
     from gpu_trace.tracer.ingest import IngestReport
@@ -17,6 +23,9 @@ if TYPE_CHECKING:
 #: The sample runs, by run id: a local PyTorch training run, a two-tenant forwarded run, and a
 #: real GPU run (an H100 training a GPT-style model, ``--torch module``, real NVML counters).
 SAMPLES = ("local-training", "forwarded-two-tenants", "20261124-174647-9ad8eb")
+#: Packed sample runs (``<id>.tar.gz`` of the run directory), loaded by the demo only: the same
+#: H100 program at ``--torch op`` (268,596 events: every ATen op under its module).
+PACKED_SAMPLES = ("20261124-174702-6a22f9",)
 
 
 def samples_dir() -> Path:
@@ -30,8 +39,27 @@ def sample_runs() -> list[Path]:
     return [base / name for name in SAMPLES if (base / name / "run.json").is_file()]
 
 
-def load_samples(store: Store) -> list[IngestReport]:
-    """Ingest every sample run into ``store`` (idempotent: a second load adds nothing)."""
+def packed_runs() -> list[Path]:
+    """The packed sample runs, unpacked under ``GPU_TRACE_HOME/samples`` (once; none in an
+    installed wheel)."""
+    out = []
+    for name in PACKED_SAMPLES:
+        archive = samples_dir() / f"{name}.tar.gz"
+        target = config.home() / "samples"
+        if not (target / name / "run.json").is_file() and archive.is_file():
+            target.mkdir(parents=True, exist_ok=True)
+            with tarfile.open(archive) as tar:
+                # The "data" filter refuses absolute paths, links out of the target and devices.
+                tar.extractall(target, filter="data")
+        if (target / name / "run.json").is_file():
+            out.append(target / name)
+    return out
+
+
+def load_samples(store: Store, *, packed: bool = False) -> list[IngestReport]:
+    """Ingest every sample run into ``store`` (idempotent: a second load adds nothing), and the
+    packed ones too when ``packed`` (the demo: they take seconds, tests need the small ones)."""
     from gpu_trace.tracer.ingest import ingest
 
-    return [ingest(store, path) for path in sample_runs()]
+    paths = sample_runs() + (packed_runs() if packed else [])
+    return [ingest(store, path) for path in paths]

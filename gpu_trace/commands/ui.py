@@ -13,6 +13,8 @@ from gpu_trace.commands.runs import checked_dsn, render_summary, store_module
 #: The sample run the demo's dashboard opens on: a real GPU run (an H100 training a GPT-style
 #: model, module ranges, real NVML counters; sample_traces/README.md).
 H100_RUN = "20261124-174647-9ad8eb"
+#: The same program recorded at ``--torch op`` (a packed sample, see dashboard/samples.py).
+H100_OP_RUN = "20261124-174702-6a22f9"
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -58,7 +60,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return _serve_ui(dsn, "127.0.0.1", args.port, H100_RUN, browser=interactive)
     echo(
         f"Dashboard: gpu-trace ui  (then open http://127.0.0.1:8050/?run={H100_RUN}: a real H100"
-        " training run; ?run=forwarded-two-tenants: two tenants sharing one device)"
+        f" training run; ?run={H100_OP_RUN}: the same at op level;"
+        " ?run=forwarded-two-tenants: two tenants sharing one device)"
     )
     return 0
 
@@ -70,7 +73,7 @@ def _load_samples(dsn: str) -> None:
     store_mod = store_module()
     try:
         with store_mod.Store(dsn) as store:
-            reports = samples.load_samples(store)
+            reports = samples.load_samples(store, packed=True)
     except store_mod.StoreError as exc:
         err(f"sample traces not loaded: {exc}")
         return

@@ -32,6 +32,7 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     # real GPU data: the H100 recording plays back where there is no NVML, and the H100 run loads
     assert "nvml-h100.jsonl" in out.stderr or "NVML sampling is off" not in out.stderr
     assert "sample run 20261124-174647-9ad8eb loaded" in out.stderr
+    assert "sample run 20261124-174702-6a22f9 loaded" in out.stderr, "the packed op-level run"
     assert "?run=20261124-174647-9ad8eb: a real H100 training run" in out.stdout
     assert _tree(samples) == before, "loading the sample runs must leave them as they are"
     for lane in ("nvtx/gpu_trace", "nvtx/model", "nvtx/dataloader", "steps"):
