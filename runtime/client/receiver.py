@@ -104,8 +104,13 @@ class Receiver:
             self._waiting -= 1
 
     def _readable(self: Connection, timeout: float) -> bool:
+        # poll, not select: select() refuses descriptors numbered 1024 or more, which a program
+        # with many files, sockets or DataLoader workers open reaches, and the connection read
+        # as closed (every forwarded call then failed with ServerGone).
         try:
-            return bool(select.select([self.sock], [], [], timeout)[0])
+            poller = select.poll()
+            poller.register(self.sock, select.POLLIN)
+            return bool(poller.poll(max(0, int(timeout * 1000))))
         except (OSError, ValueError):  # closed under us
             raise ConnectionClosed("connection closed") from None
 

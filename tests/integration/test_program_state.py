@@ -45,6 +45,14 @@ ENVIRONMENT = {
 }
 
 
+def _wait_readable(fd: object, timeout: float) -> bool:
+    """Whether ``fd`` turns readable within ``timeout`` s (poll: select() refuses descriptors past
+    1024, which a long test process holds)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(int(timeout * 1000)))
+
+
 def plain(prog: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(prog)],
@@ -235,7 +243,7 @@ def at_terminal(argv: list[str]) -> str:
     os.close(slave)
     out = b""
     try:
-        while select.select([master], [], [], 120)[0]:
+        while _wait_readable(master, 120):
             try:
                 chunk = os.read(master, 4096)
             except OSError:  # the session ended

@@ -399,6 +399,32 @@ def test_disconnect_frees_the_session() -> None:
             time.sleep(0.02)
 
 
+def test_a_program_with_over_1024_open_files_forwards() -> None:
+    # The client waited for its socket with select(), which refuses descriptors >= 1024: a program
+    # holding many files got ServerGone on its first forwarded call.
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the open-files limit ({hard}) is too low to hold 1024 descriptors")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = []
+    try:
+        while not held or held[-1] < 1030:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        with Server("127.0.0.1:0", token=TOKEN) as server:
+            dev = runtime.connect(server.address, token=TOKEN)
+            conn = rt.conn
+            assert conn is not None and conn.sock.fileno() >= 1024
+            x = torch.arange(6.0, device=dev).reshape(2, 3)
+            assert (x * 2).sum().item() == 30.0
+            runtime.disconnect()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_a_server_that_goes_away_is_a_clear_error_not_a_hang() -> None:
     proc, address = start_server()
     try:
