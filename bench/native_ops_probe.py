@@ -113,14 +113,14 @@ def main() -> None:
             for c in configs:
                 rows = got[c]
 
-                def ratio(key: str, rows: list[dict[str, float]] = rows) -> float:
+                def ratio(
+                    key: str, rows: list[dict[str, float]] = rows, plain: list = plain
+                ) -> float:
                     return statistics.median(r[key] / p[key] for r, p in zip(rows, plain))
 
                 step = statistics.median(r["step"] for r in rows) * 1e3
                 stop = statistics.median(r["stop"] for r in rows)
-                print(
-                    f"{c:15} {step:8.2f} {ratio('cpu'):6.2f} {ratio('total'):8.2f} {stop:7.2f}"
-                )
+                print(f"{c:15} {step:8.2f} {ratio('cpu'):6.2f} {ratio('total'):8.2f} {stop:7.2f}")
             ops = [r["ops"] for r in got.get("callback", []) if "ops" in r]
             if ops:
                 print(f"ops a step (callback): {statistics.median(ops):.0f}")

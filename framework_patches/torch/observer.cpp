@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include <pthread.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -26,9 +27,11 @@ namespace {
 struct Rec {
   int64_t start;    // CLOCK_MONOTONIC ns
   int64_t end;      // CLOCK_MONOTONIC ns
-  int64_t seq;      // autograd sequence number (-1: none)
+  int64_t seq;      // autograd sequence number (-1: none); an autograd node's evaluate range
+                    // takes its node's, as the profiler's events have it
   uint64_t id;      // this range's id (from 1)
   uint64_t parent;  // the enclosing range's id on the same thread (0: none)
+  uint64_t root;    // the outermost enclosing range's id on the thread (itself at depth 0)
   uint64_t fwd_tid; // RecordFunction::forwardThreadId (backward nodes: the forward's thread)
   int32_t name;     // interned name id
   int32_t tid;      // OS thread id
@@ -40,7 +43,13 @@ struct Ctx : at::ObserverContext {
   int64_t start;
   uint64_t id;
   uint64_t parent;
+  uint64_t root;
   int32_t depth;
+};
+
+struct Open {
+  uint64_t id;
+  int64_t child_seq;  // the sequence number of an autograd node run directly inside
 };
 
 struct Buffer {
@@ -59,7 +68,7 @@ at::CallbackHandle g_handle = 0;
 
 struct Local {
   std::shared_ptr<Buffer> buf;
-  std::vector<uint64_t> stack;  // ids of the open ranges
+  std::vector<Open> stack;  // the open ranges
   // name pointer -> (id, interned text), a hit checked by content
   std::unordered_map<const char*, std::pair<int32_t, const std::string*>> by_ptr;
   int32_t tid = 0;
@@ -67,7 +76,7 @@ struct Local {
 
 Local& local() {
   thread_local Local l;
-  if (!l.buf) {
+  if (!l.buf || l.tid == 0) {
     l.buf = std::make_shared<Buffer>();
     l.buf->recs.reserve(4096);
     l.tid = static_cast<int32_t>(syscall(SYS_gettid));
@@ -109,9 +118,10 @@ std::unique_ptr<at::ObserverContext> on_enter(const at::RecordFunction&) {
     Local& l = local();
     auto ctx = std::make_unique<Ctx>();
     ctx->id = g_next_id.fetch_add(1, std::memory_order_relaxed);
-    ctx->parent = l.stack.empty() ? 0 : l.stack.back();
+    ctx->parent = l.stack.empty() ? 0 : l.stack.back().id;
+    ctx->root = l.stack.empty() ? ctx->id : l.stack.front().id;
     ctx->depth = static_cast<int32_t>(l.stack.size());
-    l.stack.push_back(ctx->id);
+    l.stack.push_back({ctx->id, -1});
     ctx->start = now_ns();
     return ctx;
   } catch (...) {
@@ -127,16 +137,24 @@ void on_exit(const at::RecordFunction& fn, at::ObserverContext* base) {
   try {
     auto* ctx = static_cast<Ctx*>(base);
     Local& l = local();
+    Rec r;
+    r.seq = fn.seqNr();
     // An async range may end on another thread: pop only what this thread opened.
-    if (!l.stack.empty() && l.stack.back() == ctx->id) {
+    if (!l.stack.empty() && l.stack.back().id == ctx->id) {
+      if (r.seq < 0) {
+        r.seq = l.stack.back().child_seq;
+      }
       l.stack.pop_back();
     }
-    Rec r;
+    if (fn.scope() == at::RecordScope::BACKWARD_FUNCTION && r.seq >= 0 && !l.stack.empty() &&
+        l.stack.back().id == ctx->parent && l.stack.back().child_seq < 0) {
+      l.stack.back().child_seq = r.seq;
+    }
     r.start = ctx->start;
     r.end = end;
-    r.seq = fn.seqNr();
     r.id = ctx->id;
     r.parent = ctx->parent;
+    r.root = ctx->root;
     r.fwd_tid = fn.forwardThreadId();
     r.name = intern(l, fn.name());
     r.tid = l.tid;
@@ -161,8 +179,33 @@ extern "C" {
 // Size of one record, for the caller's check against its own layout.
 GT_API size_t gt_record_size() { return sizeof(Rec); }
 
+}  // extern "C"
+
+namespace {
+
+// fork: the child keeps none of the parent's records, and no lock another thread of the parent
+// held (those threads do not exist in the child). The parent's buffers are left allocated.
+void before_fork() { g_lock.lock(); }
+void after_fork_parent() { g_lock.unlock(); }
+void after_fork_child() {
+  new std::vector<std::shared_ptr<Buffer>>(std::move(g_buffers));  // leaked on purpose
+  g_buffers.clear();
+  new (&g_lock) std::mutex();
+  Local& l = local();
+  l.buf = std::make_shared<Buffer>();
+  l.buf->recs.reserve(4096);
+  l.tid = static_cast<int32_t>(syscall(SYS_gettid));
+  g_buffers.push_back(l.buf);
+}
+
+}  // namespace
+
+extern "C" {
+
 // Starts observing (idempotent); 0 on success, -1 on failure.
 GT_API int gt_start(int user_scopes) {
+  static bool forks = (pthread_atfork(before_fork, after_fork_parent, after_fork_child), true);
+  (void)forks;
   std::lock_guard<std::mutex> g(g_lock);
   if (g_handle != 0) {
     return 0;

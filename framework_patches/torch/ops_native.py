@@ -1,14 +1,27 @@
 """Op ranges in PyTorch from a native RecordFunction observer (``observer.cpp``).
 
 Why: op level's Kineto sessions (:mod:`.ops`) have PyTorch process each session's events inside
-the stop, on the program's thread, 2-5 µs an event, and their conversion to spans costs the
-flusher about 3 µs a span holding the GIL. A global RecordFunction callback written in C++ writes
-each op's record (name id, start and end on CLOCK_MONOTONIC, autograd sequence number, thread,
-nesting) to a per-thread buffer as it ends; the flusher takes them in bulk as a NumPy array.
+the stop, on the program's thread (2-5 µs an event), and their conversion to spans costs the
+flusher about 3 µs a span holding the GIL. A global RecordFunction callback in C++ writes each
+op's record (name id, start and end on CLOCK_MONOTONIC, autograd sequence number, thread, depth,
+parent) to a buffer of its thread when the op ends, with no Python and no GIL; the flusher takes
+them in bulk as one NumPy array and makes the span columns with NumPy (bench/native_ops_probe.py:
+about 0.3 µs an op on a one-thread CPU LSTM loop, where torch.profiler costs about twice that).
 
-The library is compiled with the system C++ compiler against the installed torch's headers and
-libraries (a few seconds), cached under ``GPU_TRACE_HOME/lib`` by source hash, torch version and
-C++ ABI.
+The spans are op level's (:mod:`.ops`): ``category`` ``op``, lane ``torch/ops``, the same names,
+nesting and depth, an autograd node's ``evaluate_function`` range carrying its node's sequence
+number. Module backward ranges are matched the same way (:mod:`.backward`): the owner's module
+calls are cut into batches at top-level module calls at least :data:`~.ops.HARVEST_INTERVAL_S`
+apart (a "cut", the sessions' counterpart: nothing stops there), and the records that ended
+before a cut are matched to the calls of that cut and the :data:`~.ops.KEEP_SESSIONS` before.
+Records of every thread are taken, not only the owner's and the autograd engine's. Input shapes
+are not recorded here: ``GPU_TRACE_TORCH_SHAPES`` keeps the Kineto sessions.
+
+The library is compiled with the system C++ compiler (``CXX``, else ``g++``) against the installed
+torch's headers and libraries, about 4 s, and cached under ``GPU_TRACE_HOME/lib`` named by the
+hash of its source, torch's version and C++ ABI. A program that finds no build starts one in the
+background and uses the Kineto sessions for this run (:func:`available`); the
+``GPU_TRACE_TORCH_OPS`` setting forces either source (``native`` builds first and waits).
 """
 
 from __future__ import annotations
@@ -21,11 +34,24 @@ import shlex
 import subprocess
 import tempfile
 import threading
+from collections import deque
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from gpu_trace import _cbuild, config
+from gpu_trace.framework_patches.torch import backward as torch_backward
+from gpu_trace.framework_patches.torch import ops as kineto_ops
+from gpu_trace.framework_patches.torch.backward import EVALUATE
+from gpu_trace.framework_patches.torch.modules import DOMAIN
+from gpu_trace.tracer import recorder as _recorder
+from gpu_trace.tracer.buffer import private_bits
+from gpu_trace.tracer.clock import now_ns
+from gpu_trace.tracer.columns import columns_to_table, spans_to_table
+from gpu_trace.tracer.records import ATTRS, MODULE, OP
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +64,7 @@ RECORD = np.dtype(
         ("seq", "<i8"),
         ("id", "<u8"),
         ("parent", "<u8"),
+        ("root", "<u8"),
         ("fwd_tid", "<u8"),
         ("name", "<i4"),
         ("tid", "<i4"),
@@ -46,9 +73,16 @@ RECORD = np.dtype(
     ]
 )
 
+#: Records taken from the library at a time.
+CHUNK = 1 << 16
+#: Records a thread keeps between drains; more are dropped and counted (72 bytes each).
+CAPACITY = 1 << 22
+_BW = {"pass": "backward"}  # a module backward range's attrs, as module level's
+
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _failed: str | None = None
+_building: threading.Thread | None = None
 
 
 def library_name() -> str:
@@ -87,6 +121,38 @@ def build(out: Path) -> Path:
     return out
 
 
+def _cached() -> Path | None:
+    name = library_name()
+    for path in (SOURCE.with_name(name), config.home() / "lib" / name):
+        if path.is_file():
+            return path
+    return None
+
+
+def available() -> bool:
+    """Whether the library is built (loading it then); if not, a build starts in the background
+    for the next run, and False says to use the Kineto sessions meanwhile."""
+    global _building
+    try:
+        if _lib is not None or _cached() is not None:
+            return library() is not None
+    except (ImportError, OSError):
+        return False
+    with _lock:
+        if _failed is None and _building is None:
+            _building = threading.Thread(target=_build_quietly, name="gpu-trace-ops-build")
+            _building.daemon = True
+            _building.start()
+    return False
+
+
+def _build_quietly() -> None:
+    try:
+        _cbuild.find_or_build(SOURCE, library_name(), config.home() / "lib", build)
+    except Exception as exc:
+        log.info("gpu-trace: building the native op observer failed: %s", exc)
+
+
 def library() -> ctypes.CDLL | None:
     """The loaded observer library, built first if needed; None (logged once) if it cannot be."""
     global _lib, _failed
@@ -107,9 +173,219 @@ def library() -> ctypes.CDLL | None:
             lib.gt_name_count.restype = ctypes.c_int32
             lib.gt_name.restype = ctypes.c_int64
             lib.gt_name.argtypes = [ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t]
+            lib.gt_set_capacity(CAPACITY)
         except (_cbuild.BuildError, OSError, ImportError, AttributeError) as exc:
             _failed = str(exc)
             log.warning("gpu-trace: the native op observer is not available: %s", exc)
             return None
         _lib = lib
         return lib
+
+
+class NativeOpSource:
+    """Runs the native observer and is the recorder's source for its spans (the same interface
+    as :class:`.ops.OpSource`: ``calls``, ``passes`` and ``owner`` for the module wrapper)."""
+
+    name = "torch-ops"
+    shapes = False
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+        self.owner = threading.get_ident()
+        #: The owner's module calls since the last cut, (first, end, module, anchor).
+        self.calls: list[tuple[int, int, Any, int]] = []
+        #: The owner's Tensor.backward passes: [start_ns, end_ns, parent, depth, running].
+        self.passes: list[list[Any]] = []
+        self._last_calls: deque[list] = deque(maxlen=kineto_ops.KEEP_SESSIONS)
+        self._cuts: list[tuple[int, list, list]] = []  # (cut_ns, calls, passes), in order
+        self._pending = np.empty(0, dtype=RECORD)  # taken, not yet before a cut
+        self._names: list[str] = []
+        self._lock = threading.Lock()
+        self._on = False
+        self._last = 0
+        self._dropped0 = 0
+
+    def start(self) -> bool:
+        """Start observing; False (logged) if PyTorch refuses the callback."""
+        if self._on:
+            return True
+        if self._lib.gt_start(1) != 0:
+            log.warning("gpu-trace: PyTorch op ranges are not captured: the observer did not start")
+            return False
+        self.owner = threading.get_ident()
+        self._dropped0 = int(self._lib.gt_dropped())
+        self._on = True
+        self._last = now_ns()
+        return True
+
+    def stop(self) -> None:
+        if self._on:
+            self._on = False
+            self._lib.gt_stop()
+
+    def harvest(self, force: bool = False) -> None:
+        """At a top-level module call: cut the owner's module calls if the last cut is
+        :data:`~.ops.HARVEST_INTERVAL_S` old (or ``force``); nothing waits here."""
+        if not self._on or threading.get_ident() != self.owner:
+            return
+        t = now_ns()
+        if force or t - self._last >= kineto_ops.HARVEST_INTERVAL_S * 1e9:
+            self._last = t
+            self._cut(t)
+
+    def _cut(self, t: int) -> None:
+        calls, self.calls = self.calls, []
+        passes, self.passes = self.passes, []
+        with self._lock:
+            self._cuts.append((t, calls, passes))
+
+    # ---- Source protocol ----------------------------------------------------------------------
+
+    def drain(self) -> Iterable[tuple[str, pa.Table]]:
+        closing = _recorder.active is None
+        if closing:
+            self.stop()
+            self._cut(now_ns())
+        got = [self._pending]
+        buf = np.empty(CHUNK, dtype=RECORD)
+        while True:
+            n = self._lib.gt_drain(buf.ctypes.data_as(ctypes.c_void_p), CHUNK)
+            if n:
+                got.append(buf[:n].copy())
+            if n < CHUNK:
+                break
+        pending = np.concatenate(got) if len(got) > 1 else got[0]
+        with self._lock:
+            cuts, self._cuts = self._cuts, []
+        if not cuts and len(pending):
+            # No top-level module call for a while (a program of bare ops): cut here, the
+            # owner's calls staying for the next cut.
+            t = now_ns()
+            if t - int(pending["end"].min()) > kineto_ops.MAX_WAIT_S * 1e9:
+                cuts = [(t, [], [])]
+        for t, calls, passes in cuts:
+            before = pending["end"] <= t
+            batch, pending = pending[before], pending[~before]
+            yield from self._tables(batch, calls, passes)
+        self._pending = pending
+
+    def dropped(self) -> int:
+        return int(self._lib.gt_dropped()) - self._dropped0
+
+    def after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
+        self._cuts, self._pending = [], np.empty(0, dtype=RECORD)
+        self.calls, self.passes = [], []
+        self._last_calls.clear()
+
+    def close(self) -> None:
+        self.stop()
+        buf = np.empty(CHUNK, dtype=RECORD)
+        while self._lib.gt_drain(buf.ctypes.data_as(ctypes.c_void_p), CHUNK) == CHUNK:
+            pass  # what is left is not wanted
+        with self._lock:
+            self._cuts = []
+        self._pending = np.empty(0, dtype=RECORD)
+        self._last_calls.clear()
+
+    # ---- records to spans ---------------------------------------------------------------------
+
+    def _name_list(self) -> list[str]:
+        have = len(self._names)
+        count = int(self._lib.gt_name_count())
+        if count > have:
+            text = ctypes.create_string_buffer(1024)
+            for i in range(have, count):
+                size = int(self._lib.gt_name(i, text, len(text)))
+                if size >= len(text):
+                    text = ctypes.create_string_buffer(size + 1)
+                    self._lib.gt_name(i, text, len(text))
+                self._names.append(text.value.decode("utf-8", "replace"))
+        return self._names
+
+    def _tables(self, b: np.ndarray, calls: list, passes: list) -> Iterable[tuple[str, pa.Table]]:
+        last = [c for kept in self._last_calls for c in kept]
+        if calls:
+            self._last_calls.append(calls)
+        n = len(b)
+        if not n:
+            return
+        names = self._name_list()
+        used, codes = np.unique(b["name"], return_inverse=True)
+        dictionary = pa.array([names[i] for i in used], pa.string())
+        prefix = (private_bits(31) | 1) << 32
+        low = np.uint64(0xFFFFFFFF)
+        ids = b["id"] & low
+        parents = b["parent"]
+        columns = {
+            "span_id": np.uint64(prefix) + ids,
+            "parent_span_id": np.where(parents == 0, 0, np.uint64(prefix) + (parents & low)),
+            "tid": b["tid"].astype(np.uint64),
+            "lane": _constant(LANE, n),
+            "category": _constant(OP, n),
+            "name": pa.DictionaryArray.from_arrays(pa.array(codes.astype(np.int32)), dictionary),
+            "start_ns": b["start"],
+            "end_ns": b["end"],
+            "depth": np.minimum(b["depth"], 0xFFFF).astype(np.uint16),
+            "attrs": pa.MapArray.from_arrays(
+                pa.array(np.zeros(n + 1, dtype=np.int32)),
+                pa.array([], pa.string()),
+                pa.array([], pa.string()),
+                type=ATTRS,
+            ),
+        }
+        yield "spans", columns_to_table(columns, os.getpid())
+        table = self._backward(b, used, names, calls, last, passes)
+        if table is not None:
+            yield "spans", table
+
+    def _backward(
+        self,
+        b: np.ndarray,
+        used: np.ndarray,
+        names: list[str],
+        calls: list,
+        last: list,
+        passes: list,
+    ) -> pa.Table | None:
+        """Module backward ranges of a batch's autograd nodes (as :meth:`.ops.OpSource._table`)."""
+        if not (calls or last):
+            return None
+        evaluate = np.array([i for i in used.tolist() if names[i].startswith(EVALUATE)])
+        if not len(evaluate):
+            return None
+        is_node = np.isin(b["name"], evaluate)
+        nb = b[is_node]
+        nodes: list[tuple] = list(
+            zip(nb["tid"].tolist(), nb["start"].tolist(), nb["end"].tolist(), nb["seq"].tolist())
+        )
+        # top-level forward ops made with grad on, unless a node ran inside them
+        top = (b["depth"] == 0) & (b["seq"] >= 0) & ~is_node & ~np.isin(b["id"], nb["root"])
+        tb = b[top]
+        nodes.extend(
+            [t, s, e, None]
+            for t, s, e in zip(tb["tid"].tolist(), tb["start"].tolist(), tb["end"].tolist())
+        )
+        both = last + calls
+        prefix = (private_bits(31) | 1) << 32
+        ids = iter(range(prefix + 1, prefix + (1 << 32)))
+        made = torch_backward.ranges(nodes, both, passes, ids.__next__)
+        if not made:
+            return None
+        rows = []
+        rtids = []
+        for sid, parent, rtid, call, start, end, depth in made:
+            rows.append(
+                (sid, parent, DOMAIN.lane, MODULE, both[call][2].bw_name, start, end, depth, _BW)
+            )
+            rtids.append(rtid)
+        return spans_to_table(rows, os.getpid(), np.asarray(rtids, dtype=np.uint64))
+
+
+LANE = kineto_ops.LANE
+
+
+def _constant(value: str, n: int) -> pa.Array:
+    return pa.DictionaryArray.from_arrays(
+        pa.array(np.zeros(n, dtype=np.int32)), pa.array([value], pa.string())
+    )
