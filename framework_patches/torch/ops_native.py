@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.metadata
+import importlib.util
 import logging
 import os
 import shlex
@@ -85,28 +87,41 @@ _failed: str | None = None
 _building: threading.Thread | None = None
 
 
-def library_name() -> str:
-    import torch
+def torch_root() -> Path:
+    """The installed torch's folder, found without importing torch."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        raise ImportError("torch is not installed")
+    return Path(spec.origin).parent
 
-    key = f"{torch.__version__}|{torch.compiled_with_cxx11_abi()}|".encode() + SOURCE.read_bytes()
+
+def library_name() -> str:
+    """The build's name: the source, and torch's version and place (its build, so its ABI), hashed;
+    found without importing torch (a test session looks for it)."""
+    version = importlib.metadata.version("torch")
+    key = f"{version}|{torch_root()}|".encode() + SOURCE.read_bytes()
     return f"libgpu_trace_ops-{hashlib.sha256(key).hexdigest()[:16]}.so"
 
 
 def build(out: Path) -> Path:
     """Compile the observer to ``out`` (atomically); :class:`_cbuild.BuildError` says why not."""
-    from torch.utils import cpp_extension
+    import torch
 
+    # torch.utils.cpp_extension's paths for a CPU build, without importing it: it imports
+    # setuptools, which changes the program's sys.path (this may run inside the program).
+    root = torch_root()
+    includes = [root / "include", root / "include" / "torch" / "csrc" / "api" / "include"]
     cxx = shlex.split(os.environ.get("CXX", "") or "g++")
-    abi = int(__import__("torch").compiled_with_cxx11_abi())
+    abi = int(torch.compiled_with_cxx11_abi())
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     os.close(fd)
     cmd = [*cxx, "-O2", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden", "-w"]
     cmd += [f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
-    for d in cpp_extension.include_paths():
-        cmd += ["-I", d]
+    for inc in includes:
+        cmd += ["-I", str(inc)]
     cmd += [str(SOURCE), "-o", tmp]
-    for d in cpp_extension.library_paths():
-        cmd += ["-L", d, f"-Wl,-rpath,{d}"]
+    lib = root / "lib"
+    cmd += ["-L", str(lib), f"-Wl,-rpath,{lib}"]
     cmd += ["-lc10", "-ltorch_cpu"]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_cbuild.BUILD_TIMEOUT_S)
@@ -204,6 +219,7 @@ class NativeOpSource:
         self._on = False
         self._last = 0
         self._dropped0 = 0
+        self._prefix = (private_bits(31) | 1) << 32  # as a ThreadBuffer's: odd, never C ids
 
     def start(self) -> bool:
         """Start observing; False (logged) if PyTorch refuses the callback."""
@@ -274,6 +290,7 @@ class NativeOpSource:
 
     def after_fork_in_child(self) -> None:
         self._lock = threading.Lock()
+        self._prefix = (private_bits(31) | 1) << 32
         self._cuts, self._pending = [], np.empty(0, dtype=RECORD)
         self.calls, self.passes = [], []
         self._last_calls.clear()
@@ -313,7 +330,8 @@ class NativeOpSource:
         names = self._name_list()
         used, codes = np.unique(b["name"], return_inverse=True)
         dictionary = pa.array([names[i] for i in used], pa.string())
-        prefix = (private_bits(31) | 1) << 32
+        # One prefix for the source's ids: a parent may end in a later batch than its children.
+        prefix = self._prefix
         low = np.uint64(0xFFFFFFFF)
         ids = b["id"] & low
         parents = b["parent"]
