@@ -74,7 +74,7 @@ def patch(torch: Any, level: str = "module", *, shapes: bool = False, rec: Any =
     return failed
 
 
-def op_source(torch: Any, shapes: bool) -> OpSource | NativeOpSource:
+def op_source(torch: object, shapes: bool) -> OpSource | NativeOpSource:
     """The native observer where its library is built (or ``GPU_TRACE_TORCH_OPS=native``
     builds it), else the profiler's sessions; input shapes come from the sessions only."""
     choice = config.torch_ops()

@@ -39,7 +39,6 @@ import threading
 from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -48,7 +47,7 @@ from gpu_trace import _cbuild, config
 from gpu_trace.framework_patches.torch import backward as torch_backward
 from gpu_trace.framework_patches.torch import ops as kineto_ops
 from gpu_trace.framework_patches.torch.backward import EVALUATE
-from gpu_trace.framework_patches.torch.modules import DOMAIN
+from gpu_trace.framework_patches.torch.modules import DOMAIN, _Module
 from gpu_trace.tracer import recorder as _recorder
 from gpu_trace.tracer.buffer import private_bits
 from gpu_trace.tracer.clock import now_ns
@@ -208,9 +207,9 @@ class NativeOpSource:
         self._lib = lib
         self.owner = threading.get_ident()
         #: The owner's module calls since the last cut, (first, end, module, anchor).
-        self.calls: list[tuple[int, int, Any, int]] = []
+        self.calls: list[tuple[int, int, _Module, int]] = []
         #: The owner's Tensor.backward passes: [start_ns, end_ns, parent, depth, running].
-        self.passes: list[list[Any]] = []
+        self.passes: list[list[object]] = []
         self._last_calls: deque[list] = deque(maxlen=kineto_ops.KEEP_SESSIONS)
         self._cuts: list[tuple[int, list, list]] = []  # (cut_ns, calls, passes), in order
         self._pending = np.empty(0, dtype=RECORD)  # taken, not yet before a cut
@@ -381,7 +380,7 @@ class NativeOpSource:
         top = (b["depth"] == 0) & (b["seq"] >= 0) & ~is_node & ~np.isin(b["id"], nb["root"])
         tb = b[top]
         nodes.extend(
-            [t, s, e, None]
+            (t, s, e, None)
             for t, s, e in zip(tb["tid"].tolist(), tb["start"].tolist(), tb["end"].tolist())
         )
         both = last + calls
@@ -390,7 +389,7 @@ class NativeOpSource:
         made = torch_backward.ranges(nodes, both, passes, ids.__next__)
         if not made:
             return None
-        rows = []
+        rows: list[tuple[object, ...]] = []
         rtids = []
         for sid, parent, rtid, call, start, end, depth in made:
             rows.append(
