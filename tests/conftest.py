@@ -3,6 +3,7 @@ tests read a run or a sampler's output with (:func:`recorded`, :class:`Sink`).""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -43,10 +44,8 @@ def _native_ops_library() -> None:
 
     out = ops_native.SOURCE.with_name(ops_native.library_name())
     if not out.is_file():
-        try:
+        with contextlib.suppress(_cbuild.BuildError):
             ops_native.build(out)
-        except _cbuild.BuildError:
-            pass
 
 
 @pytest.fixture(autouse=True)
