@@ -160,9 +160,14 @@ def available() -> bool:
     return False
 
 
+def find_or_build() -> Path:
+    """The library's build: prebuilt next to its source, cached, or built there now."""
+    return _cbuild.find_or_build(SOURCE, library_name(), config.home() / "lib", build)
+
+
 def _build_quietly() -> None:
     try:
-        _cbuild.find_or_build(SOURCE, library_name(), config.home() / "lib", build)
+        find_or_build()
     except Exception as exc:
         log.info("gpu-trace: building the native op observer failed: %s", exc)
 
@@ -174,7 +179,7 @@ def library() -> ctypes.CDLL | None:
         if _lib is not None or _failed is not None:
             return _lib
         try:
-            path = _cbuild.find_or_build(SOURCE, library_name(), config.home() / "lib", build)
+            path = find_or_build()
             lib = ctypes.CDLL(str(path))
             lib.gt_record_size.restype = ctypes.c_size_t
             if lib.gt_record_size() != RECORD.itemsize:

@@ -170,3 +170,25 @@ def test_a_bad_source_setting_is_one_clear_message() -> None:
     with pytest.raises(ValueError, match="GPU_TRACE_TORCH_OPS") as err:
         config.parse("GPU_TRACE_TORCH_OPS", "cupti")
     assert "native" in str(err.value) and "kineto" in str(err.value)
+
+
+def test_record_at_op_level_builds_the_observer_before_the_program(tmp_path, monkeypatch, home):
+    """`gpu-trace record --torch op` builds it into the cache, so the program's first run at op
+    level uses it rather than the sessions while it builds."""
+    from gpu_trace import launch
+
+    source = tmp_path / "observer.cpp"
+    source.write_text(ops_native.SOURCE.read_text() + "// another build\n")
+    monkeypatch.setattr(ops_native, "SOURCE", source)
+    built = home / "lib" / ops_native.library_name()
+    got = launch.prepare(
+        [sys.executable, "-c", "pass"],
+        run_dir=tmp_path / "run",
+        torch="op",
+        nvml_hz=0,
+        host_hz=0,
+        gpu_activity="off",
+    )
+    if got.samplers is not None:
+        got.samplers.stop()  # prepared, never started
+    assert built.is_file()
