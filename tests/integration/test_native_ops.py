@@ -192,3 +192,37 @@ def test_record_at_op_level_builds_the_observer_before_the_program(tmp_path, mon
     if got.samplers is not None:
         got.samplers.stop()  # prepared, never started
     assert built.is_file()
+
+
+def test_a_forked_child_records_its_own_ops_not_the_parents(tmp_path, monkeypatch) -> None:
+    import os
+
+    from gpu_trace.tracer.spool import list_spool, read_spool_file
+
+    monkeypatch.setenv("GPU_TRACE_TORCH", "op")
+    monkeypatch.setenv("GPU_TRACE_TORCH_OPS", "native")
+    run = gpu_trace.start(tmp_path / "run")
+    try:
+        torch.ones(1).add(1)  # recorded, not yet drained when the child is made
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                torch.ones(1).mul(2)
+                gpu_trace.stop()
+            except BaseException:
+                code = 1
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        torch.ones(1).sub(1)
+    finally:
+        gpu_trace.stop()
+    by_pid: dict[int, set[str]] = {}
+    for p in list_spool(run):
+        f = read_spool_file(p)
+        if f.kind == "spans":
+            by_pid.setdefault(int(f.meta["pid"]), set()).update(f.table.column("name").to_pylist())
+    assert {"aten::add", "aten::sub"} <= by_pid[os.getpid()]
+    assert "aten::mul" not in by_pid[os.getpid()]
+    assert "aten::mul" in by_pid[pid] and "aten::add" not in by_pid[pid]
