@@ -247,6 +247,21 @@ GT_API void gt_set_capacity(size_t cap) { g_cap.store(cap); }
 
 GT_API uint64_t gt_dropped() { return g_dropped.load(); }
 
+// Finished records waiting in all threads' buffers.
+GT_API size_t gt_count() {
+  std::vector<std::shared_ptr<Buffer>> bufs;
+  {
+    std::lock_guard<std::mutex> g(g_lock);
+    bufs = g_buffers;
+  }
+  size_t n = 0;
+  for (auto& b : bufs) {
+    std::lock_guard<std::mutex> g(b->lock);
+    n += b->recs.size();
+  }
+  return n;
+}
+
 // Moves up to cap finished records of all threads into out; returns how many.
 GT_API size_t gt_drain(Rec* out, size_t cap) {
   std::vector<std::shared_ptr<Buffer>> bufs;

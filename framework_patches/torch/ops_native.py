@@ -187,6 +187,7 @@ def library() -> ctypes.CDLL | None:
             lib.gt_start.argtypes = [ctypes.c_int]
             lib.gt_drain.restype = ctypes.c_size_t
             lib.gt_drain.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+            lib.gt_count.restype = ctypes.c_size_t
             lib.gt_dropped.restype = ctypes.c_uint64
             lib.gt_set_capacity.argtypes = [ctypes.c_size_t]
             lib.gt_name_count.restype = ctypes.c_int32
@@ -266,28 +267,42 @@ class NativeOpSource:
         if closing:
             self.stop()
             self._cut(now_ns())
-        got = [self._pending]
-        buf = np.empty(CHUNK, dtype=RECORD)
-        while True:
-            n = self._lib.gt_drain(buf.ctypes.data_as(ctypes.c_void_p), CHUNK)
-            if n:
-                got.append(buf[:n].copy())
-            if n < CHUNK:
-                break
-        pending = np.concatenate(got) if len(got) > 1 else got[0]
+        records = self._take()
         with self._lock:
             cuts, self._cuts = self._cuts, []
-        if not cuts and len(pending):
+        if not cuts and len(records):
             # No top-level module call for a while (a program of bare ops): cut here, the
             # owner's calls staying for the next cut.
             t = now_ns()
-            if t - int(pending["end"].min()) > kineto_ops.MAX_WAIT_S * 1e9:
+            if t - int(records["end"].min()) > kineto_ops.MAX_WAIT_S * 1e9:
                 cuts = [(t, [], [])]
-        for t, calls, passes in cuts:
-            before = pending["end"] <= t
-            batch, pending = pending[before], pending[~before]
-            yield from self._tables(batch, calls, passes)
-        self._pending = pending
+        if not cuts:
+            self._pending = records
+            return
+        # Each record goes to the first cut at or after its end; the rest wait for the next.
+        ends = np.fromiter((c[0] for c in cuts), dtype=np.int64, count=len(cuts))
+        where = np.searchsorted(ends, records["end"], side="left")
+        done = where < len(cuts)
+        self._pending = records[~done]
+        records, where = records[done], where[done]
+        if len(records):
+            yield "spans", self._ops_table(records)
+        for table in self._backward_tables(records, where, cuts):
+            yield "spans", table
+
+    def _take(self) -> np.ndarray:
+        """The pending records and all the library holds now, in one array."""
+        got = [self._pending]
+        size = max(int(self._lib.gt_count()), 1024)
+        while True:
+            buf = np.empty(size, dtype=RECORD)
+            n = self._lib.gt_drain(buf.ctypes.data_as(ctypes.c_void_p), size)
+            if n:
+                got.append(buf[:n])
+            if n < size:
+                break
+            size = CHUNK
+        return np.concatenate(got) if len(got) > 1 else got[0]
 
     def dropped(self) -> int:
         return int(self._lib.gt_dropped()) - self._dropped0
@@ -324,24 +339,19 @@ class NativeOpSource:
                 self._names.append(text.value.decode("utf-8", "replace"))
         return self._names
 
-    def _tables(self, b: np.ndarray, calls: list, passes: list) -> Iterable[tuple[str, pa.Table]]:
-        last = [c for kept in self._last_calls for c in kept]
-        if calls:
-            self._last_calls.append(calls)
+    def _ops_table(self, b: np.ndarray) -> pa.Table:
+        """The op spans of records ``b``, made with NumPy."""
         n = len(b)
-        if not n:
-            return
         names = self._name_list()
         used, codes = np.unique(b["name"], return_inverse=True)
         dictionary = pa.array([names[i] for i in used], pa.string())
-        # One prefix for the source's ids: a parent may end in a later batch than its children.
-        prefix = self._prefix
+        # One prefix for the source's ids: a parent may end in a later drain than its children.
+        prefix = np.uint64(self._prefix)
         low = np.uint64(0xFFFFFFFF)
-        ids = b["id"] & low
         parents = b["parent"]
         columns = {
-            "span_id": np.uint64(prefix) + ids,
-            "parent_span_id": np.where(parents == 0, 0, np.uint64(prefix) + (parents & low)),
+            "span_id": prefix + (b["id"] & low),
+            "parent_span_id": np.where(parents == 0, np.uint64(0), prefix + (parents & low)),
             "tid": b["tid"].astype(np.uint64),
             "lane": _constant(LANE, n),
             "category": _constant(OP, n),
@@ -356,39 +366,52 @@ class NativeOpSource:
                 type=ATTRS,
             ),
         }
-        yield "spans", columns_to_table(columns, os.getpid())
-        table = self._backward(b, used, names, calls, last, passes)
-        if table is not None:
-            yield "spans", table
+        return columns_to_table(columns, os.getpid())
+
+    def _backward_tables(
+        self, b: np.ndarray, where: np.ndarray, cuts: list[tuple[int, list, list]]
+    ) -> Iterable[pa.Table]:
+        """Module backward ranges, cut by cut: each cut's autograd nodes matched to its module
+        calls and those of the cuts before (as :meth:`.ops.OpSource._table` does a session's)."""
+        names = self._name_list()
+        evaluate = np.array(
+            [i for i, name in enumerate(names) if name.startswith(EVALUATE)], dtype=np.int32
+        )
+        is_node = np.isin(b["name"], evaluate)
+        # top-level forward ops made with grad on, unless a node ran inside them
+        top = (b["depth"] == 0) & (b["seq"] >= 0) & ~is_node
+        top &= ~np.isin(b["id"], b["root"][is_node])
+        keep = is_node | top
+        sel, wsel, nsel = b[keep], where[keep], is_node[keep]
+        order = np.argsort(wsel, kind="stable")
+        sel, wsel, nsel = sel[order], wsel[order], nsel[order]
+        bounds = np.searchsorted(wsel, np.arange(len(cuts) + 1), side="left")
+        for i, (_, calls, passes) in enumerate(cuts):
+            last = [c for kept in self._last_calls for c in kept]
+            if calls:
+                self._last_calls.append(calls)
+            lo, hi = int(bounds[i]), int(bounds[i + 1])
+            if lo == hi or not (calls or last) or not nsel[lo:hi].any():
+                continue
+            table = self._backward(sel[lo:hi], nsel[lo:hi], last + calls, passes)
+            if table is not None:
+                yield table
 
     def _backward(
-        self,
-        b: np.ndarray,
-        used: np.ndarray,
-        names: list[str],
-        calls: list,
-        last: list,
-        passes: list,
+        self, b: np.ndarray, is_node: np.ndarray, both: list, passes: list
     ) -> pa.Table | None:
-        """Module backward ranges of a batch's autograd nodes (as :meth:`.ops.OpSource._table`)."""
-        if not (calls or last):
-            return None
-        evaluate = np.array([i for i in used.tolist() if names[i].startswith(EVALUATE)])
-        if not len(evaluate):
-            return None
-        is_node = np.isin(b["name"], evaluate)
-        nb = b[is_node]
-        nodes: list[tuple] = list(
-            zip(nb["tid"].tolist(), nb["start"].tolist(), nb["end"].tolist(), nb["seq"].tolist())
-        )
-        # top-level forward ops made with grad on, unless a node ran inside them
-        top = (b["depth"] == 0) & (b["seq"] >= 0) & ~is_node & ~np.isin(b["id"], nb["root"])
-        tb = b[top]
-        nodes.extend(
-            (t, s, e, None)
-            for t, s, e in zip(tb["tid"].tolist(), tb["start"].tolist(), tb["end"].tolist())
-        )
-        both = last + calls
+        """The module backward ranges of one cut's nodes and top-level forward ops ``b``."""
+        # (thread, start, end, seq): seq None for a top-level forward op (it ends open ranges)
+        nodes = [
+            (t, s, e, q if node else None)
+            for t, s, e, q, node in zip(
+                b["tid"].tolist(),
+                b["start"].tolist(),
+                b["end"].tolist(),
+                b["seq"].tolist(),
+                is_node.tolist(),
+            )
+        ]
         prefix = (private_bits(31) | 1) << 32
         ids = iter(range(prefix + 1, prefix + (1 << 32)))
         made = torch_backward.ranges(nodes, both, passes, ids.__next__)
