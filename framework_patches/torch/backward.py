@@ -80,8 +80,9 @@ def chain(seq: int, calls: Sequence[Sequence[Any]], index: tuple) -> list[int]:
     return outwards(innermost(seq, calls, index), index[2])
 
 
-def innermost(seq: int, calls: Sequence[Sequence[Any]], index: tuple) -> int:
-    """The innermost call index holding ``seq`` (-1: none); see :func:`chain`."""
+def innermost(seq: int, calls: Sequence[Sequence[int]], index: tuple) -> int:
+    """The innermost call index holding ``seq`` (-1: none; a call's first two items are its
+    numbers, first and end); see :func:`chain`."""
     starts, order, parent = index
     k = bisect_right(starts, seq) - 1
     i = order[k] if k >= 0 else -1
