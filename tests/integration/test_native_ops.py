@@ -226,3 +226,26 @@ def test_a_forked_child_records_its_own_ops_not_the_parents(tmp_path, monkeypatc
     assert {"aten::add", "aten::sub"} <= by_pid[os.getpid()]
     assert "aten::mul" not in by_pid[os.getpid()]
     assert "aten::mul" in by_pid[pid] and "aten::add" not in by_pid[pid]
+
+
+def test_with_no_build_a_run_uses_the_sessions_and_builds_it_for_the_next(
+    tmp_path, monkeypatch, home
+) -> None:
+    source = tmp_path / "observer.cpp"
+    source.write_text(ops_native.SOURCE.read_text() + "// another build\n")
+    monkeypatch.setattr(ops_native, "SOURCE", source)
+    for name in ("_lib", "_failed", "_building"):
+        monkeypatch.setattr(ops_native, name, None)
+    monkeypatch.setenv("GPU_TRACE_TORCH", "op")
+    gpu_trace.start(tmp_path / "run")
+    try:
+        assert type(torch_patches._ops).__name__ == "OpSource"  # not waiting for the build
+        nn.Linear(2, 2)(torch.ones(1, 2))
+    finally:
+        gpu_trace.stop()
+    assert "aten::addmm" in [r["name"] for r in recorded(tmp_path / "run")]
+    building = ops_native._building
+    assert building is not None
+    building.join(120)
+    assert (home / "lib" / ops_native.library_name()).is_file()
+    assert ops_native.available()
