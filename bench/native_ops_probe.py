@@ -5,8 +5,9 @@
 The programs are bench/op_level.py's (CPU, one thread). Configurations, each in a fresh process,
 interleaved in rounds with the order rotated: ``plain``; ``callback`` (the global observer of
 framework_patches/torch/observer.cpp on for the measured steps, its records drained into a NumPy
-array after them, the drain counted in ``stop``); ``torch.profiler`` (CPU activity) and ``op``
-(op level, Kineto sessions) as bench/op_level.py runs them. Reported as there: thread-CPU and
+array after them, the drain counted in ``stop``); ``torch.profiler`` (CPU activity), ``op``
+(op level, Kineto sessions) and ``op-native`` (op level from the observer, module ranges and
+module backward matching included) as bench/op_level.py runs them. Reported as there: thread-CPU and
 whole-process CPU ratios to plain in the same round, medians over rounds. The machine is shared:
 compare only figures of one run.
 """
@@ -26,7 +27,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import op_level  # noqa: E402
 
-CONFIGS = ("plain", "callback", "torch.profiler", "op")
+CONFIGS = ("plain", "callback", "torch.profiler", "op", "op-native")
 
 
 def native_worker(model: str, steps: int, out: str) -> None:
