@@ -13,7 +13,9 @@ The programs (CPU, ``torch.set_num_threads(1)``):
   16 tokens with a linear head, Adam.
 
 Configurations, each in a fresh process: ``plain``; ``module`` (recording at ``--torch module``);
-``op`` (recording at ``--torch op``); ``op-2s`` (op level with 2 s sessions
+``op`` (recording at ``--torch op`` from the profiler's collection in sessions,
+``GPU_TRACE_TORCH_OPS=kineto``); ``op-native`` (op level from the native RecordFunction observer,
+``GPU_TRACE_TORCH_OPS=native``: framework_patches/torch/ops_native.py); ``op-2s`` (op level with 2 s sessions
 converted at the flusher's interval, as before sessions were made short: the same code with
 ``HARVEST_INTERVAL_S = 2``, ``MAX_WAIT_S = 0`` and ``PAUSE_S = 0``); ``op-eager`` (op level
 whose flusher converts straight on instead of waiting for the program's next stop, ``PAUSE_S =
@@ -56,7 +58,7 @@ from collections.abc import Callable
 
 WINDOW = 10
 WARMUP = 3
-CONFIGS = ("plain", "module", "op", "op-eager", "op-2s", "torch.profiler")
+CONFIGS = ("plain", "module", "op", "op-native", "op-eager", "op-2s", "torch.profiler")
 
 
 # ---- the worker: one configuration, one process ---------------------------------------------------
@@ -116,9 +118,10 @@ def worker(model: str, steps: int, config: str, out: str, run_dir: str) -> None:
 
     import gpu_trace
 
-    recording = config in ("module", "op", "op-eager", "op-2s")
+    recording = config in ("module", "op", "op-native", "op-eager", "op-2s")
     if recording:
         os.environ["GPU_TRACE_TORCH"] = "module" if config == "module" else "op"
+        os.environ["GPU_TRACE_TORCH_OPS"] = "native" if config == "op-native" else "kineto"
         os.environ["GPU_TRACE_NVML_HZ"] = os.environ["GPU_TRACE_HOST_HZ"] = "0"
         gpu_trace.start(run_dir)
     if config in ("op-2s", "op-eager"):

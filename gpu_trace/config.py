@@ -63,6 +63,10 @@ ENVIRONMENT: dict[str, str] = {
     "(module plus every ATen op) or off. `gpu-trace record --torch` sets it.",
     "GPU_TRACE_TORCH_SHAPES": "1 to record input shapes and dtypes as attributes of PyTorch op "
     "ranges (op level; costs more per op). Default 0.",
+    "GPU_TRACE_TORCH_OPS": "Where op level's PyTorch op ranges come from: native (a RecordFunction "
+    "observer in C++, built with the C++ compiler, CXX or g++, and waited for), kineto (the "
+    "profiler's collection in short sessions) or unset: native where its build is cached, else "
+    "kineto while it builds in the background. GPU_TRACE_TORCH_SHAPES uses kineto.",
     "GPU_TRACE_TF": "TensorFlow ranges when the program imports tensorflow: layer (Keras layer "
     "calls, tf.function calls, gradients, steps; the default), op (layer plus eager ops) or off. "
     "`gpu-trace record --tf` sets it.",
@@ -259,6 +263,7 @@ CHECKS: dict[str, Callable[[str], object]] = {
     "GPU_TRACE_CUPTI_LIBRARY": _file,
     "GPU_TRACE_TORCH": _choice("module", "op", "off"),
     "GPU_TRACE_TORCH_SHAPES": _flag,
+    "GPU_TRACE_TORCH_OPS": _choice("native", "kineto"),
     "GPU_TRACE_TF": _choice("layer", "op", "off"),
     "GPU_TRACE_NVML_HZ": _number(0, 1000, "samples per second"),
     "GPU_TRACE_HOST_HZ": _number(0, 1000, "samples per second"),
@@ -356,6 +361,12 @@ def nvtx_clock() -> str:
 def torch_level(explicit: str | None = None) -> str:
     """``GPU_TRACE_TORCH``: ``module`` (default), ``op`` or ``off``."""
     return _level("GPU_TRACE_TORCH", explicit, ("module", "op", "off"))
+
+
+def torch_ops() -> str | None:
+    """``GPU_TRACE_TORCH_OPS``: ``native``, ``kineto`` or None (native where built)."""
+    value = _get("GPU_TRACE_TORCH_OPS", None)
+    return None if value is None else str(value)
 
 
 def tf_level(explicit: str | None = None) -> str:

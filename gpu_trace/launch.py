@@ -10,6 +10,7 @@ forwards signals and waits; the only thing recorded in this process is what its 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import secrets
@@ -149,6 +150,8 @@ def prepare(
     )
     notes: list[str] = []
     _build_fast_range()
+    if env["GPU_TRACE_TORCH"] == "op" and environ.get("GPU_TRACE_TORCH_OPS") != "kineto":
+        _build_op_observer()
     if mode == "native":
         from gpu_trace.collectors import nvtx as nvtx_collector
 
@@ -239,6 +242,20 @@ def _build_fast_range() -> None:
         log.debug(
             "the C gpu_trace.range is unavailable; the program uses the Python one", exc_info=True
         )
+
+
+def _build_op_observer() -> None:
+    """Op level: build the native op observer into the per-user cache now (once per torch, a few
+    seconds), so the program records ops with it from the start rather than with the profiler's
+    sessions while it builds (framework_patches/torch/ops_native.py)."""
+    if importlib.util.find_spec("torch") is None:
+        return
+    try:
+        from gpu_trace.framework_patches.torch import ops_native
+
+        ops_native.find_or_build()
+    except Exception:
+        log.debug("the native op observer is unavailable; op level uses sessions", exc_info=True)
 
 
 def run(launch: Launch) -> int:

@@ -3,6 +3,7 @@ tests read a run or a sampler's output with (:func:`recorded`, :class:`Sink`).""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -26,6 +27,25 @@ def _isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.delenv(name)
     monkeypatch.delenv("TRACEPARENT", raising=False)
     monkeypatch.delenv("NVTX_INJECTION64_PATH", raising=False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _native_ops_library() -> None:
+    """Op level's native observer (framework_patches/torch/observer.cpp) built once, next to its
+    source as a wheel carries it, so each test's fresh GPU_TRACE_HOME finds it: op level uses it
+    then, as it does where the user's cache holds it (the Kineto sessions' tests ask for those).
+    Without torch or a C++ compiler op level uses the sessions, as it would for a user."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return
+    from gpu_trace import _cbuild
+    from gpu_trace.framework_patches.torch import ops_native
+
+    out = ops_native.SOURCE.with_name(ops_native.library_name())
+    if not out.is_file():
+        with contextlib.suppress(_cbuild.BuildError):
+            ops_native.build(out)
 
 
 @pytest.fixture(autouse=True)

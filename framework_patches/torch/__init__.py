@@ -2,7 +2,9 @@
 
 ``module`` (the default): forward and backward of every ``nn.Module`` named by its path,
 ``optimizer.step``, ``loss.backward``, DataLoader waits and a step range per iteration. ``op``:
-all of that plus every ATen op (:mod:`.ops`). ``off``: nothing.
+all of that plus every ATen op (:mod:`.ops_native`, a RecordFunction observer in C++, where
+its library is built, else :mod:`.ops`, the profiler's collection in sessions; chosen by
+``GPU_TRACE_TORCH_OPS``). ``off``: nothing.
 
 Each part is patched on its own: a PyTorch version where one can't be patched still gets the
 others, and one warning says what is not captured.
@@ -13,16 +15,19 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from gpu_trace import config
 from gpu_trace.framework_patches import spans
 from gpu_trace.framework_patches.torch import modules as torch_modules
+from gpu_trace.framework_patches.torch import ops_native
 from gpu_trace.framework_patches.torch import training as torch_training
 from gpu_trace.framework_patches.torch.ops import OpSource
+from gpu_trace.framework_patches.torch.ops_native import NativeOpSource
 
 log = logging.getLogger(__name__)
 
 LEVELS = ("module", "op", "off")
 
-_ops: OpSource | None = None
+_ops: OpSource | NativeOpSource | None = None
 _patched = False
 
 
@@ -48,7 +53,7 @@ def patch(torch: Any, level: str = "module", *, shapes: bool = False, rec: Any =
             failed.append(f"{what} ({type(exc).__name__}: {exc})")
     if level == "op":
         try:
-            ops = OpSource(torch, shapes=shapes)
+            ops = op_source(torch, shapes)
             if ops.start():
                 _ops = ops
                 torch_modules.backward_from(ops)  # module backward ranges from its ops
@@ -67,6 +72,19 @@ def patch(torch: Any, level: str = "module", *, shapes: bool = False, rec: Any =
             "; ".join(failed),
         )
     return failed
+
+
+def op_source(torch: object, shapes: bool) -> OpSource | NativeOpSource:
+    """The native observer where its library is built (or ``GPU_TRACE_TORCH_OPS=native``
+    builds it), else the profiler's sessions; input shapes come from the sessions only."""
+    choice = config.torch_ops()
+    if not shapes and choice != "kineto":
+        lib = ops_native.library() if choice == "native" else None
+        if lib is None and choice is None and ops_native.available():
+            lib = ops_native.library()
+        if lib is not None:
+            return NativeOpSource(lib)
+    return OpSource(torch, shapes=shapes)
 
 
 def unpatch() -> None:

@@ -77,11 +77,22 @@ def chain(seq: int, calls: Sequence[Sequence[Any]], index: tuple) -> list[int]:
     Calls on one thread nest, and so do their ranges of numbers: the innermost call holding
     ``seq`` is the call starting last at or before it, or the nearest of its enclosing calls
     that holds it (none holds it if none of those does)."""
+    return outwards(innermost(seq, calls, index), index[2])
+
+
+def innermost(seq: int, calls: Sequence[Sequence[int]], index: tuple) -> int:
+    """The innermost call index holding ``seq`` (-1: none; a call's first two items are its
+    numbers, first and end); see :func:`chain`."""
     starts, order, parent = index
     k = bisect_right(starts, seq) - 1
     i = order[k] if k >= 0 else -1
     while i >= 0 and calls[i][1] <= seq:
         i = parent[i]
+    return i
+
+
+def outwards(i: int, parent: Sequence[int]) -> list[int]:
+    """Call ``i`` and the calls around it, outermost first (empty for -1)."""
     out = []
     while i >= 0:
         out.append(i)
@@ -122,7 +133,7 @@ class _Walk:
         self.windows = sorted(((p[0], p[1] or (1 << 62), *p[2:5]) for p in passes), key=_first)
         self.starts = [w[0] for w in self.windows]
         self.next_id = next_id
-        self.cache: dict[tuple[int, int], list[int]] = {}  # (seq, pass) -> chain
+        self.cache: dict[tuple[int, int], list[int]] = {}  # (innermost call, pass) -> chain
         self.out: list[Range] = []
         #: [call, start, last end, span id, parent, depth, pass key]
         self.open: list[list[Any]] = []
@@ -145,10 +156,11 @@ class _Walk:
         p = self.windows[k] if k >= 0 and self.windows[k][1] >= start else None
         if p is None:
             k = -1
-        key = (seq, k)
+        # the nodes of one module call share its chain: cached by the innermost call
+        key = (innermost(seq, self.calls, self.index), k)
         c = self.cache.get(key)
         if c is None:
-            c = chain(seq, self.calls, self.index)
+            c = outwards(key[0], self.index[2])
             if p is not None and p[4]:  # calls running when the pass began are not in it
                 c = [i for i in c if self.calls[i][2] not in p[4]]
             self.cache[key] = c

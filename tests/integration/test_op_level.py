@@ -1,4 +1,4 @@
-"""PyTorch op level across many sessions: quiet stderr, no op lost, conversion off the program.
+"""PyTorch op level's Kineto sessions: quiet stderr, no op lost, conversion off the program.
 
 Op level cycles the profiler's collection every 0.1 s (framework_patches/torch/ops.py); these
 tests make every top-level module call cycle it (``HARVEST_INTERVAL_S = 0``), so a short program
@@ -32,6 +32,7 @@ def sessions(rows: list[dict]) -> int:
 @pytest.fixture
 def op_level(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("GPU_TRACE_TORCH", "op")
+    monkeypatch.setenv("GPU_TRACE_TORCH_OPS", "kineto")  # these tests are about its sessions
     monkeypatch.setattr(torch_ops, "HARVEST_INTERVAL_S", 0.0)  # every top-level call cycles
     run = tmp_path / "run"
     gpu_trace.start(run)

@@ -203,7 +203,10 @@ def record_steps(tmp_path, monkeypatch, shape: str, level: str) -> list[dict]:
     from tests.conftest import recorded
 
     make, size, grad = SHAPES[shape]
-    monkeypatch.setenv("GPU_TRACE_TORCH", level)
+    monkeypatch.setenv("GPU_TRACE_TORCH", "op" if level.startswith("op") else level)
+    # op: the native observer where built (tests/conftest.py builds it); op-kineto: the sessions
+    if level == "op-kineto":
+        monkeypatch.setenv("GPU_TRACE_TORCH_OPS", "kineto")
     torch.manual_seed(0)
     model, x = make(), torch.randn(*size, requires_grad=grad)
     run = tmp_path / f"run-{level}"
@@ -219,11 +222,12 @@ def record_steps(tmp_path, monkeypatch, shape: str, level: str) -> list[dict]:
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_backward_ranges_nest_one_per_call_at_both_levels(shape, tmp_path, monkeypatch) -> None:
     """One backward range per forward call that made a graph, each under its caller's, the
-    same at module level and op level, and nothing overlapping partially or negative."""
+    same at module level and op level (from either op source), and nothing overlapping
+    partially or negative."""
     from tests.span_checks import problems
 
     got = {}
-    for level in ("module", "op"):
+    for level in ("module", "op", "op-kineto"):
         rows = record_steps(tmp_path, monkeypatch, shape, level)
         assert problems(rows) == [], level
         by_id = {r["span_id"]: r for r in rows}
@@ -243,6 +247,7 @@ def test_backward_ranges_nest_one_per_call_at_both_levels(shape, tmp_path, monke
             (r["name"], by_id.get(r["parent_span_id"], {}).get("name", ""), r["depth"]) for r in bw
         )
     assert got["op"] == got["module"]
+    assert got["op-kineto"] == got["module"]
 
 
 def test_lbfgs_closure_at_op_level_keeps_every_op_inside_its_parent(tmp_path, monkeypatch):
