@@ -37,7 +37,7 @@ Inside ``torch.compile`` tracing the wrapper does nothing: a compiled module is 
 
 Cost: every module call runs the wrapper, so it does as little as it can per call. What a
 module's ranges need (its name, attrs, backward range name, depth) is worked out once per module
-and found again by ``id`` (:class:`_Module`, a weak reference that forgets the entry when the
+and found again by ``id`` (:class:`ModuleRef`, a weak reference that forgets the entry when the
 module dies). Hooks are placed in one batch per outermost call because between module calls the
 model's own work evicts this code from the CPU caches: placing a hook right after a module's
 compute costs several times what the next one costs. An autograd node gets one pre-hook however
@@ -157,7 +157,7 @@ def _dynamo_sees_original(module: Any) -> None:
 # ---- names --------------------------------------------------------------------------------------
 
 
-class _Module(weakref.ref):
+class ModuleRef(weakref.ref):
     """A module's name and what its ranges carry, computed once; keyed by ``id(module)`` in
     :data:`_modules`, and removed from there when the module is garbage-collected."""
 
@@ -166,7 +166,7 @@ class _Module(weakref.ref):
     __hash__ = object.__hash__
     __eq__ = object.__eq__
 
-    def __new__(cls, module: Any, name: str) -> _Module:
+    def __new__(cls, module: Any, name: str) -> ModuleRef:
         return super().__new__(cls, module, _forget)
 
     def __init__(self, module: Any, name: str) -> None:
@@ -178,23 +178,23 @@ class _Module(weakref.ref):
         self.depth = name.count(".")
 
 
-#: id(module) -> its :class:`_Module`, for the modules that have been called (and still live).
-_modules: dict[int, _Module] = {}
+#: id(module) -> its :class:`ModuleRef`, for the modules that have been called (and still live).
+_modules: dict[int, ModuleRef] = {}
 
 
-def _forget(ref: _Module) -> None:
+def _forget(ref: ModuleRef) -> None:
     # Runs while the module is being freed, before its id can be reused.
     if _modules.get(ref.key) is ref:
         del _modules[ref.key]
 
 
-def _name(module: Any, name: str) -> _Module:
-    m = _modules[id(module)] = _Module(module, name)
+def _name(module: Any, name: str) -> ModuleRef:
+    m = _modules[id(module)] = ModuleRef(module, name)
     return m
 
 
-def _lookup(module: Any) -> _Module:
-    """The module's :class:`_Module`, naming it on its first call (see :func:`name_of`)."""
+def _lookup(module: Any) -> ModuleRef:
+    """The module's :class:`ModuleRef`, naming it on its first call (see :func:`name_of`)."""
     m = _modules.get(id(module))
     if m is not None:
         return m
@@ -237,7 +237,7 @@ class _Thread:
     def __init__(self) -> None:
         self.stack: list[Any] = []
         self.marks: list[Any] = []
-        #: Module level: ``[first, end, _Module, -1, pass its range closed in]`` per call, as
+        #: Module level: ``[first, end, ModuleRef, -1, pass its range closed in]`` per call, as
         #: they return (sequence numbers ``[first, end)``; see :mod:`.backward`).
         self.made: list[list] = []
         #: At op level on the collected thread: where module calls' sequence ranges go.

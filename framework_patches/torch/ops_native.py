@@ -47,7 +47,7 @@ from gpu_trace import _cbuild, config
 from gpu_trace.framework_patches.torch import backward as torch_backward
 from gpu_trace.framework_patches.torch import ops as kineto_ops
 from gpu_trace.framework_patches.torch.backward import EVALUATE
-from gpu_trace.framework_patches.torch.modules import DOMAIN, _Module
+from gpu_trace.framework_patches.torch.modules import DOMAIN, ModuleRef
 from gpu_trace.tracer import recorder as _recorder
 from gpu_trace.tracer.buffer import private_bits
 from gpu_trace.tracer.clock import now_ns
@@ -213,7 +213,7 @@ class NativeOpSource:
         self._lib = lib
         self.owner = threading.get_ident()
         #: The owner's module calls since the last cut, (first, end, module, anchor).
-        self.calls: list[tuple[int, int, _Module, int]] = []
+        self.calls: list[tuple[int, int, ModuleRef, int]] = []
         #: The owner's Tensor.backward passes: [start_ns, end_ns, parent, depth, running].
         self.passes: list[list[object]] = []
         self._last_calls: deque[list] = deque(maxlen=kineto_ops.KEEP_SESSIONS)

@@ -40,6 +40,7 @@ BAD: dict[str, str | None] = {
     "GPU_TRACE_CUPTI_LIBRARY": "/nonexistent/libcupti.so",
     "GPU_TRACE_TORCH": "layer",
     "GPU_TRACE_TORCH_SHAPES": "sometimes",
+    "GPU_TRACE_TORCH_OPS": "fast",
     "GPU_TRACE_TF": "module",
     "GPU_TRACE_NVML_HZ": "1e9",
     "GPU_TRACE_HOST_HZ": "abc",
