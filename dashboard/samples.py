@@ -10,6 +10,7 @@ files are never touched.
 
 from __future__ import annotations
 
+import logging
 import tarfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,6 +20,8 @@ from gpu_trace import config
 if TYPE_CHECKING:
     from gpu_trace.tracer.ingest import IngestReport
     from gpu_trace.tracer.store import Store
+
+log = logging.getLogger(__name__)
 
 #: The sample runs, by run id: a local PyTorch training run, a two-tenant forwarded run, and a
 #: real GPU run (an H100 training a GPT-style model, ``--torch module``, real NVML counters).
@@ -43,14 +46,21 @@ def packed_runs() -> list[Path]:
     """The packed sample runs, unpacked under ``GPU_TRACE_HOME/samples`` (once; none in an
     installed wheel)."""
     out = []
+    target = config.home() / "samples"
     for name in PACKED_SAMPLES:
         archive = samples_dir() / f"{name}.tar.gz"
-        target = config.home() / "samples"
         if not (target / name / "run.json").is_file() and archive.is_file():
-            target.mkdir(parents=True, exist_ok=True)
-            with tarfile.open(archive) as tar:
-                # The "data" filter refuses absolute paths, links out of the target and devices.
-                tar.extractall(target, filter="data")
+            if not hasattr(tarfile, "data_filter"):  # Python before 3.10.12 / 3.11.4
+                log.warning("sample run %s not unpacked: this Python's tarfile is too old", name)
+                continue
+            try:
+                target.mkdir(parents=True, exist_ok=True)
+                with tarfile.open(archive) as tar:
+                    # The "data" filter refuses absolute paths, links out of the target, devices.
+                    tar.extractall(target, filter="data")
+            except (tarfile.TarError, OSError, EOFError) as exc:
+                log.warning("sample run %s not unpacked from %s: %s", name, archive, exc)
+                continue
         if (target / name / "run.json").is_file():
             out.append(target / name)
     return out
