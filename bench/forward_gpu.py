@@ -1,0 +1,493 @@
+"""Training steps local vs forwarded, next to torch.distributed.rpc, on one GPU machine.
+
+    python bench/forward_gpu.py [--rounds 5] [--steps 30] [--models lm,mlp,cnn] [--quick] [--json]
+
+Three models (the issue's targets: forwarded at most 1.5x local):
+
+- ``lm``: the GPT-style language model of ``shared/gpu/README.md`` (token embedding of 8,192
+  words, 6 pre-norm ``nn.TransformerEncoderLayer``s, d=512, 8 heads, FFN 2,048, causal, a linear
+  head, AdamW, batch 16 x 256), dropout off so that every run computes the same numbers;
+- ``mlp``: six 2048-wide Linear+ReLU and a head, batch 512, SGD with momentum;
+- ``cnn``: four 3x3 convolutions with batch norm and ReLU, pooling, a head; 64 images of
+  3 x 32 x 32, SGD with momentum.
+
+Peers, each in a fresh process per model and round, in an order that turns every round:
+
+- ``local``: the step on this machine's device;
+- ``forwarded``: the same program on the ``remote`` device (``runtime.connect``), served by a
+  fresh `gpu-trace serve`-equivalent process on the same device; the client sees the GPU;
+- ``forwarded-gpuless``: the same, the client started with ``CUDA_VISIBLE_DEVICES=""``;
+- ``rpc``: ``torch.distributed.rpc`` (TensorPipe): the model lives in a worker process on the
+  device and each step is one ``rpc_sync`` carrying the batch (CUDA tensors through the device
+  map ``{0: 0}``, so they move GPU to GPU) and bringing the loss back; the floor of running a step
+  elsewhere: one round trip a step;
+- ``rpc-gpuless``: the same with CPU tensors from a client without a GPU.
+
+Each step ends at ``loss.item()`` (a sync point), so its wall time (``perf_counter``) is the
+step's time on both sides. A peer's figure for a round is the median of its steps; its ratio is
+that over ``local``'s median of the same round; across rounds, the median ratio and the spread
+(lowest and highest). Losses are compared bitwise with ``local``'s of the same round.
+
+Without a GPU it says so and runs the CPU-device variant: smaller models (launch-bound: small
+tensors, so the per-op overheads dominate as they do on a GPU), every process with one intra-op
+thread (the "device" then takes no second CPU from the other process), the server on the CPU,
+``rpc`` with CPU tensors, and no ``-gpuless`` peers (they would be the same runs).
+
+On a GPU machine (``shared/gpu-box/README.md``): ``timeout -k 5 900 python bench/forward_gpu.py
+--json > forward_gpu.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+TOKEN = "bench-forward-gpu-token-0123"
+MODELS = ("lm", "mlp", "cnn")
+#: Model sizes: on a GPU the issue's; on the CPU small enough to be launch-bound.
+SIZES: dict[str, dict[str, dict[str, int]]] = {
+    "gpu": {
+        "lm": {
+            "vocab": 8192,
+            "d": 512,
+            "heads": 8,
+            "ffn": 2048,
+            "layers": 6,
+            "batch": 16,
+            "seq": 256,
+        },
+        "mlp": {"width": 2048, "depth": 6, "batch": 512},
+        "cnn": {"channels": 64, "batch": 64, "size": 32},
+    },
+    "cpu": {
+        "lm": {"vocab": 256, "d": 32, "heads": 4, "ffn": 64, "layers": 2, "batch": 4, "seq": 16},
+        "mlp": {"width": 64, "depth": 6, "batch": 32},
+        "cnn": {"channels": 8, "batch": 8, "size": 16},
+    },
+}
+#: How long a client process or a server start may take, seconds.
+PROCESS_TIMEOUT_S = 600
+
+
+# ---- the models and their step ---------------------------------------------------------------------
+
+
+def build(model: str, size: dict[str, int]) -> tuple[Any, Any, list[Any], Any]:
+    """``(module, optimizer factory, batch, loss function)`` on the CPU, seeded: every process
+    builds the same parameters and data, then moves them to its device."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if model == "lm":
+        v, d, t = size["vocab"], size["d"], size["seq"]
+
+        class LM(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.embed = nn.Embedding(v, d)
+                self.pos = nn.Parameter(torch.randn(t, d) * 0.02)
+                self.layers = nn.ModuleList(
+                    nn.TransformerEncoderLayer(
+                        d,
+                        size["heads"],
+                        size["ffn"],
+                        dropout=0.0,
+                        batch_first=True,
+                        norm_first=True,
+                    )
+                    for _ in range(size["layers"])
+                )
+                self.norm = nn.LayerNorm(d)
+                self.head = nn.Linear(d, v)
+                self.register_buffer(
+                    "mask", nn.Transformer.generate_square_subsequent_mask(t), persistent=False
+                )
+
+            def forward(self, tokens: Any) -> Any:
+                h = self.embed(tokens) + self.pos
+                for layer in self.layers:
+                    h = layer(h, src_mask=self.mask, is_causal=True)
+                return self.head(self.norm(h))
+
+        tokens = torch.randint(0, v, (size["batch"], t + 1), generator=g)
+
+        def lm_loss(m: Any, x: Any, y: Any) -> Any:
+            return nn.functional.cross_entropy(m(x).reshape(-1, v), y.reshape(-1))
+
+        return LM(), _adamw, [tokens[:, :-1], tokens[:, 1:]], lm_loss
+    if model == "mlp":
+        w = size["width"]
+        layers: list[nn.Module] = []
+        for _ in range(size["depth"]):
+            layers += [nn.Linear(w, w), nn.ReLU()]
+        mlp = nn.Sequential(*layers, nn.Linear(w, 10))
+        batch = [
+            torch.randn(size["batch"], w, generator=g),
+            torch.randint(0, 10, (size["batch"],), generator=g),
+        ]
+        return mlp, _sgd, batch, _ce
+    if model == "cnn":
+        c, n, s = size["channels"], size["batch"], size["size"]
+        convs: list[nn.Module] = []
+        for cin, cout in ((3, c), (c, c), (c, 2 * c), (2 * c, 2 * c)):
+            convs += [nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU()]
+            if cout != cin and cin != 3:
+                convs.append(nn.MaxPool2d(2))
+        cnn = nn.Sequential(*convs, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * c, 10))
+        batch = [torch.randn(n, 3, s, s, generator=g), torch.randint(0, 10, (n,), generator=g)]
+        return cnn, _sgd, batch, _ce
+    raise ValueError(f"unknown model {model!r}; one of {', '.join(MODELS)}")
+
+
+def _adamw(params: Any) -> Any:
+    import torch
+
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
+def _sgd(params: Any) -> Any:
+    import torch
+
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+
+def _ce(m: Any, x: Any, y: Any) -> Any:
+    import torch
+
+    return torch.nn.functional.cross_entropy(m(x), y)
+
+
+class Trainer:
+    """One model's training step on one device (a remote one included)."""
+
+    def __init__(self, model: str, size: dict[str, int], device: Any) -> None:
+        module, make_opt, batch, loss_fn = build(model, size)
+        self.module = module.to(device)
+        self.opt = make_opt(self.module.parameters())
+        self.batch = [b.to(device) for b in batch]
+        self.loss_fn = loss_fn
+
+    def step(self, x: Any = None, y: Any = None) -> Any:
+        """One step; returns the loss tensor (not read: the caller syncs)."""
+        if x is None:
+            x, y = self.batch
+        self.opt.zero_grad()
+        loss = self.loss_fn(self.module, x, y)
+        loss.backward()
+        self.opt.step()
+        return loss
+
+
+def timed_steps(step: Any, warmup: int, steps: int) -> tuple[list[float], list[str]]:
+    """``step()`` returns a float (a sync point); its times in ms and its losses (as hex)."""
+    losses = []
+    for _ in range(warmup):
+        losses.append(step())
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        losses.append(step())
+        times.append((time.perf_counter() - t) * 1e3)
+    return times, [float(v).hex() for v in losses]
+
+
+# ---- the peers' processes --------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _device(kind: str) -> str:
+    return "cuda:0" if kind == "gpu" else "cpu"
+
+
+def worker(
+    peer: str, model: str, kind: str, warmup: int, steps: int, address: str
+) -> dict[str, Any]:
+    """One peer's run of one model in this process (a fresh one)."""
+    size = SIZES[kind][model]
+    if peer == "local":
+        trainer = Trainer(model, size, _device(kind))
+        return _result(*timed_steps(lambda: trainer.step().item(), warmup, steps))
+    if peer.startswith("forwarded"):
+        from gpu_trace import runtime
+
+        dev = runtime.connect(address, token=TOKEN)
+        try:
+            trainer = Trainer(model, size, dev)
+            return _result(*timed_steps(lambda: trainer.step().item(), warmup, steps))
+        finally:
+            runtime.disconnect()
+    if peer.startswith("rpc"):
+        import torch.distributed.rpc as rpc
+
+        _quiet_rpc()
+        cuda = kind == "gpu" and peer == "rpc"
+        opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{address}", rpc_timeout=120)
+        if cuda:
+            opts.set_device_map("server", {0: 0})
+        rpc.init_rpc("client", rank=0, world_size=2, rpc_backend_options=opts)
+        try:
+            rpc.rpc_sync("server", _rpc_setup, args=(model, kind, cuda))
+            _, _, batch, _ = build(model, size)
+            if cuda:
+                batch = [b.to("cuda:0") for b in batch]
+            x, y = batch
+            return _result(
+                *timed_steps(
+                    lambda: rpc.rpc_sync("server", _rpc_step, args=(x, y)).item(), warmup, steps
+                )
+            )
+        finally:
+            rpc.shutdown()
+    raise ValueError(f"unknown peer {peer!r}")
+
+
+def _result(times: list[float], losses: list[str]) -> dict[str, Any]:
+    return {"times_ms": times, "losses": losses}
+
+
+_rpc_trainer: Trainer | None = None
+_rpc_cuda = False
+
+
+def _rpc_setup(model: str, kind: str, cuda: bool) -> None:
+    global _rpc_trainer, _rpc_cuda
+    _rpc_trainer = Trainer(model, SIZES[kind][model], _device(kind))
+    _rpc_cuda = cuda
+
+
+def _rpc_step(x: Any, y: Any) -> Any:
+    assert _rpc_trainer is not None
+    device = _rpc_trainer.batch[0].device
+    loss = _rpc_trainer.step(x.to(device), y.to(device)).detach()
+    return loss if _rpc_cuda else loss.cpu()
+
+
+def _quiet_rpc() -> None:
+    """rpc's shutdown warns that it uses a deprecated process group itself: not ours to fix."""
+    warnings.filterwarnings("ignore", "You are using a Backend", UserWarning)
+
+
+def _rpc_server(port: int) -> None:
+    import torch.distributed.rpc as rpc
+
+    _quiet_rpc()
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=120)
+    rpc.init_rpc("server", rank=1, world_size=2, rpc_backend_options=opts)
+    rpc.shutdown()
+
+
+def _serve(kind: str) -> None:
+    from gpu_trace.runtime.server.server import Server
+
+    server = Server("127.0.0.1:0", token=TOKEN, device=_device(kind)).start()
+    print(server.address, flush=True)
+    server.serve_forever()
+
+
+def _env(kind: str, gpuless: bool) -> dict[str, str]:
+    env = dict(os.environ)
+    if kind == "cpu":
+        env["OMP_NUM_THREADS"] = "1"  # see the module docstring
+    if gpuless:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def _spawn(args: list[str], env: dict[str, str], **kw: Any) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, __file__, *args], env=env, **kw)
+
+
+@contextlib.contextmanager
+def peer_of(peer: str, kind: str) -> Iterator[str]:
+    """The server side of ``peer`` (a fresh process; none for ``local``): yields its address."""
+    env = _env(kind, False)
+    if peer == "local":
+        yield ""
+        return
+    if peer.startswith("forwarded"):
+        proc = _spawn(["--serve", kind], env, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        address = proc.stdout.readline().strip()
+    else:
+        port = _free_port()
+        proc = _spawn(["--rpc-server", str(port)], env)
+        address = f"127.0.0.1:{port}"
+    try:
+        if not address:
+            raise RuntimeError(f"the {peer} server did not start")
+        yield address
+    finally:
+        if peer.startswith("forwarded"):
+            proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_peer(peer: str, model: str, kind: str, warmup: int, steps: int) -> dict[str, Any]:
+    """One peer's run of one model: its processes, its result (or the error it ended with)."""
+    try:
+        with peer_of(peer, kind) as address:
+            args = ["--worker", peer, "--model", model, "--kind", kind]
+            args += ["--warmup", str(warmup), "--steps", str(steps), "--address", address]
+            proc = _spawn(
+                args,
+                _env(kind, peer.endswith("gpuless")),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            out, err = proc.communicate(timeout=PROCESS_TIMEOUT_S)
+    except (subprocess.TimeoutExpired, RuntimeError, OSError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    lines = out.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = err.strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+        return {"error": tail[0][:300]}
+    return json.loads(lines[-1])
+
+
+# ---- rounds and figures ----------------------------------------------------------------------------
+
+
+def peers(kind: str) -> list[str]:
+    if kind == "gpu":
+        return ["local", "forwarded", "forwarded-gpuless", "rpc", "rpc-gpuless"]
+    return ["local", "forwarded", "rpc"]
+
+
+def summarize(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per peer: the median of its rounds' medians (ms), the ratios to ``local`` of the same
+    round (median, lowest, highest), whether every loss was bitwise ``local``'s, and errors."""
+    out: dict[str, dict[str, Any]] = {}
+    names = [p for p in rounds[0]] if rounds else []
+    for name in names:
+        medians, ratios, same, errors = [], [], True, []
+        for r in rounds:
+            res, local = r.get(name, {}), r.get("local", {})
+            if "error" in res:
+                errors.append(res["error"])
+                continue
+            m = statistics.median(res["times_ms"])
+            medians.append(m)
+            if "times_ms" in local:
+                ratios.append(m / statistics.median(local["times_ms"]))
+                same = same and res["losses"] == local["losses"]
+        row: dict[str, Any] = {"rounds": len(medians), "errors": errors}
+        if medians:
+            row["median_ms"] = statistics.median(medians)
+        if ratios:
+            row.update(ratio=statistics.median(ratios), low=min(ratios), high=max(ratios))
+            row["bitwise"] = same
+        out[name] = row
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--peers", help="comma-separated subset of the peers")
+    parser.add_argument("--quick", action="store_true", help="one round of a few steps")
+    parser.add_argument("--cpu", action="store_true", help="the CPU-device variant even on a GPU")
+    parser.add_argument("--json", action="store_true", help="the figures as JSON on stdout")
+    parser.add_argument("--serve", help=argparse.SUPPRESS)
+    parser.add_argument("--rpc-server", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--kind", help=argparse.SUPPRESS)
+    parser.add_argument("--address", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        _serve(args.serve)
+        return
+    if args.rpc_server:
+        _rpc_server(args.rpc_server)
+        return
+    if args.worker:
+        res = worker(args.worker, args.model, args.kind, args.warmup, args.steps, args.address)
+        print(json.dumps(res), flush=True)
+        return
+
+    import torch
+
+    kind = "gpu" if torch.cuda.is_available() and not args.cpu else "cpu"
+    note = (
+        f"GPU: {torch.cuda.get_device_name(0)}"
+        if kind == "gpu"
+        else "no GPU here: the CPU-device variant (small models, server and rpc on the CPU)"
+    )
+    if args.quick:
+        args.rounds, args.steps, args.warmup = 1, 5, 2
+    models = [m for m in args.models.split(",") if m]
+    for m in models:
+        if m not in MODELS:
+            parser.error(f"unknown model {m!r}; one of {', '.join(MODELS)}")
+    chosen = peers(kind)
+    if args.peers:
+        chosen = ["local", *(p for p in args.peers.split(",") if p in chosen and p != "local")]
+    if not args.json:
+        print(note, flush=True)
+    results: dict[str, Any] = {"device": kind, "note": note, "models": {}}
+    for model in models:
+        rounds = []
+        for i in range(args.rounds):
+            k = i % len(chosen)
+            order = chosen[k:] + chosen[:k]  # a different peer goes first each round
+            r = {p: run_peer(p, model, kind, args.warmup, args.steps) for p in order}
+            rounds.append({p: r[p] for p in chosen})
+        results["models"][model] = {
+            "size": SIZES[kind][model],
+            "rounds": rounds,
+            "summary": summarize(rounds),
+        }
+        if not args.json:
+            print(table(model, results["models"][model]["summary"]), flush=True)
+    if args.json:
+        print(json.dumps(results))
+
+
+def table(model: str, summary: dict[str, dict[str, Any]]) -> str:
+    lines = [
+        f"{model}: peer, median step ms, ratio to local (lowest-highest), losses bitwise local's"
+    ]
+    for name, row in summary.items():
+        if "median_ms" not in row:
+            lines.append(f"  {name:<18} failed: {row['errors'][0] if row['errors'] else '?'}")
+            continue
+        ratio = (
+            f"{row['ratio']:.2f}x ({row['low']:.2f}-{row['high']:.2f})" if "ratio" in row else ""
+        )
+        bitwise = (
+            "" if name == "local" or "bitwise" not in row else ("yes" if row["bitwise"] else "NO")
+        )
+        failed = (
+            f"  {len(row['errors'])} round(s) failed: {row['errors'][0]}" if row["errors"] else ""
+        )
+        lines.append(f"  {name:<18} {row['median_ms']:9.2f}  {ratio:<22} {bitwise}{failed}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
