@@ -51,7 +51,8 @@ _WHERE = {
 
 def _register_backend(module: object = None) -> None:
     # The autograd engine sizes its device queues at the process's first backward pass, so the
-    # remote device must exist before then: register it as soon as torch is imported.
+    # remote device must exist before then: register it as soon as torch is imported. Not in a
+    # server's own process (serving_process() takes this hook away): see there.
     import sys
 
     loading = sys.modules.get("gpu_trace.runtime.client.device")
@@ -71,6 +72,23 @@ def _early_registration() -> None:
 
 
 _early_registration()
+
+
+def serving_process() -> None:
+    """Declare this process a server's own (``gpu-trace serve`` does, first thing): the
+    ``remote`` backend is not registered in it when torch is imported.
+
+    Registering a PrivateUse1 backend makes it the process's accelerator (``at::getAccelerator``,
+    ``torch.accelerator.current_accelerator()``), and the autograd engine then finds no stream on
+    CUDA nodes: every CUDA backward in that process fails (``opt_ready_stream &&
+    opt_parent_stream INTERNAL ASSERT FAILED``, pytorch/pytorch#161129), the server's whole-op
+    autograd (``rt::fn``, ``rt::backward``) included. A registration cannot be undone, so this
+    comes before torch is imported; a server in a process that is also a client (tests) keeps
+    the backend, and refuses whole-op autograd on CUDA with an error that says why.
+    """
+    from gpu_trace._imports import discard
+
+    discard("torch", _register_backend)
 
 
 def __getattr__(name: str) -> Any:

@@ -14,6 +14,9 @@ from gpu_trace.commands import CLIError, check_settings, echo, err
 def cmd_serve(args: argparse.Namespace) -> int:
     import signal
 
+    from gpu_trace import runtime
+
+    runtime.serving_process()  # before torch loads: CUDA stays this process's accelerator
     from gpu_trace.runtime.protocol import auth
     from gpu_trace.runtime.server.device_activity import start_capture
     from gpu_trace.runtime.server.server import Server

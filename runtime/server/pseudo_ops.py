@@ -96,6 +96,10 @@ def _function(ex: Executor, session: Session, decoder: ArgDecoder, args: Any, ou
         raise OpError(f"function {str(name)[:100]!r} is not one the server runs whole")
     if type(fargs) is not list or type(outs) is not list:
         raise ProtocolError("rt::fn arguments and outs must be lists")
+    if any(m is True for m in mask):
+        refusal = whole_op_refusal(torch, ex.device)
+        if refusal is not None:
+            raise OpError(f"{str(name)[:100]} with autograd: {refusal}")
     a = decoder.decode_args(fargs)
     k = decoder.decode_kwargs(fkwargs) if fkwargs else {}
     leaves: list[Any] = []
@@ -120,6 +124,8 @@ def _function(ex: Executor, session: Session, decoder: ArgDecoder, args: Any, ou
         ex.admit(session, asked)
     a = [leaf(x) for x in a]
     k = {key: leaf(v) for key, v in k.items()}
+    # On CUDA this runs inside the executor's ``torch.cuda.stream(<the session's stream>)``: the
+    # graph's nodes record that stream, which rt::backward's kernels then run on.
     with torch.set_grad_enabled(bool(leaves)):
         out = fn(*a, **k)
     flat = list(out) if isinstance(out, tuple) else [out]
@@ -140,6 +146,9 @@ def _backward(ex: Executor, session: Session, decoder: ArgDecoder, args: Any, ou
     if type(outs) is not list:
         raise ProtocolError("rt::backward outs must be a list")
     ident = args[0]
+    refusal = whole_op_refusal(torch, ex.device)
+    if refusal is not None:
+        raise OpError(f"rt::backward: {refusal}")
     graph = session.take_graph(ident)
     leaves, outputs = graph
     # One gradient per leaf, of its size: checked before any is made. If refused, the graph is
@@ -150,6 +159,14 @@ def _backward(ex: Executor, session: Session, decoder: ArgDecoder, args: Any, ou
         ex.admit(session, asked, undo=lambda: session.graphs.setdefault(ident, graph))
     grads = decoder.decode_args(args[1])
     pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+    # Streams (CUDA): a session runs every batch on its one stream, made current around the batch
+    # (Executor._batch), so the forward's nodes (rt::fn), the output gradients given here and this
+    # call all share it. The engine runs each backward node on its forward's stream, syncs the
+    # given gradients onto it, and before returning makes the caller's current stream wait for
+    # the streams the captured gradients were made on (GraphTask::exec_post_processing; the
+    # zeros of materialize_grads are made here, on it): the results are ready on the session's
+    # stream, where its next ops read them, with no synchronization of the device. This needs
+    # CUDA to be the process's accelerator (whole_op_refusal).
     result = torch.autograd.grad(
         [o for o, _ in pairs],
         leaves,
@@ -163,6 +180,28 @@ def _backward(ex: Executor, session: Session, decoder: ArgDecoder, args: Any, ou
     for h, g in zip(wanted, result):
         session.handles.put(h, g.contiguous())
     return None
+
+
+def whole_op_refusal(torch: Any, device: Any) -> str | None:
+    """Why autograd on ``device`` cannot run in this process, or None.
+
+    PyTorch's autograd engine takes the streams of CUDA nodes only when CUDA is the process's
+    accelerator; a registered PrivateUse1 backend (the ``remote`` device of a forwarding client
+    in the same process) takes that place, and every CUDA backward then fails with an internal
+    assert (pytorch/pytorch#161129). `gpu-trace serve` keeps it free
+    (:func:`gpu_trace.runtime.serving_process`); a server sharing its process with a client
+    does not.
+    """
+    if device.type != "cuda":
+        return None
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None or accelerator.type == "cuda":
+        return None
+    return (
+        f"PyTorch cannot run CUDA autograd in a process where the {accelerator.type!r} backend"
+        " is registered (it is the process's accelerator, and CUDA autograd nodes get no stream):"
+        " run the server in its own process (gpu-trace serve), not beside a forwarding client"
+    )
 
 
 def seed_device(torch: Any, device: Any, seed: int) -> None:

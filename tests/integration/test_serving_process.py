@@ -1,0 +1,84 @@
+"""Which processes register the ``remote`` backend (PyTorch's PrivateUse1): clients, early, and
+never `gpu-trace serve`'s own process.
+
+A registered PrivateUse1 backend becomes the process's accelerator, and CUDA autograd in that
+process then fails inside PyTorch (pytorch/pytorch#161129): a server on a GPU must keep CUDA as
+its accelerator. Each case runs in a fresh process, since a registration cannot be undone.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from gpu_trace.runtime.server.pseudo_ops import whole_op_refusal
+
+# `gpu-trace serve` exactly as `python -m gpu_trace serve` runs it, plus a thread that, when
+# told on stdin (the server is serving by then), prints what this process's torch says and
+# stops the server as Ctrl-C would.
+SERVE_AND_PROBE = """
+import os, signal, sys, threading
+
+def probe():
+    sys.stdin.readline()
+    import torch
+    accelerator = torch.accelerator.current_accelerator()
+    print(torch._C._get_privateuse1_backend_name(), getattr(accelerator, "type", None), flush=True)
+    os.kill(os.getpid(), signal.SIGINT)
+
+threading.Thread(target=probe, daemon=True).start()
+from gpu_trace.cli import main
+sys.exit(main(["serve", "--listen", "127.0.0.1:0", "--device", "cpu"]))
+"""
+
+
+def test_serve_keeps_the_accelerator_slot_free() -> None:
+    env = {**os.environ, "GPU_TRACE_REMOTE_TOKEN": "serving-process-token-0123"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVE_AND_PROBE],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert proc.stderr is not None and proc.stdin is not None
+        line = proc.stderr.readline()
+        assert "serving cpu on" in line, line
+        out, rest = proc.communicate("go\n", timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert proc.returncode == 0, rest
+    assert out.split() == ["privateuseone", "None"], out
+
+
+def test_a_client_registers_when_torch_loads_before_any_backward() -> None:
+    # The promise clients rely on (docs/remote.md): importing the runtime, then torch, makes the
+    # device before the program's first backward pass sizes the autograd engine's queues.
+    code = (
+        "import gpu_trace.runtime, torch\n"
+        "print(torch._C._get_privateuse1_backend_name(),"
+        " torch.accelerator.current_accelerator().type)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.split() == ["remote", "remote"], out.stderr
+
+
+def test_whole_op_autograd_on_cuda_is_refused_where_another_backend_holds_the_accelerator() -> None:
+    # This test process is a client too (it imports the runtime, so `remote` is registered): a
+    # server started in it cannot run CUDA autograd, and says why instead of PyTorch's assert.
+    from gpu_trace.runtime.client import device
+
+    device.register()
+    reason = whole_op_refusal(torch, torch.device("cuda", 0))
+    assert reason is not None
+    assert "'remote'" in reason and "gpu-trace serve" in reason
+    assert whole_op_refusal(torch, torch.device("cpu")) is None
