@@ -51,6 +51,13 @@ def patch(torch: Any, level: str = "module", *, shapes: bool = False, rec: Any =
         except Exception as exc:
             log.debug("gpu-trace: patching PyTorch %s failed", what, exc_info=True)
             failed.append(f"{what} ({type(exc).__name__}: {exc})")
+    if level == "module":
+        nodes = backward_source()
+        if nodes is not None and nodes.start():
+            _ops = nodes
+            torch_modules.backward_from(nodes)  # module backward ranges from its nodes
+            if rec is not None:
+                rec.add_source(nodes)
     if level == "op":
         try:
             ops = op_source(torch, shapes)
@@ -85,6 +92,22 @@ def op_source(torch: object, shapes: bool) -> OpSource | NativeOpSource:
         if lib is not None:
             return NativeOpSource(lib)
     return OpSource(torch, shapes=shapes)
+
+
+def backward_source() -> NativeOpSource | None:
+    """Module level: the native observer recording autograd nodes only, from which the module
+    backward ranges are made off the program's thread, where its library is built (as
+    :func:`op_source` chooses it; ``GPU_TRACE_TORCH_OPS=kineto`` keeps the hooks); None: the
+    wrapper places Python hooks on the nodes (:mod:`.modules`)."""
+    choice = config.torch_ops()
+    if choice == "kineto":
+        return None
+    try:
+        lib = ops_native.library() if choice == "native" or ops_native.available() else None
+    except Exception:
+        log.debug("gpu-trace: the native observer is not available", exc_info=True)
+        return None
+    return NativeOpSource(lib, nodes_only=True) if lib is not None else None
 
 
 def unpatch() -> None:

@@ -19,7 +19,9 @@ module level: no second range, none overlapping its neighbour). A call made insi
 node (checkpointing's recomputation) nests under that node's calls (see :func:`owners`).
 
 Ranges of a ``Tensor.backward`` on the collected thread go under its range (its span id and
-depth, noted when it began); other passes' ranges are roots. A module call still running when a
+depth, noted when it began); other passes' ranges are roots. At module level (nodes only), a
+pass noted as having opened a range from Python inside a node (its sixth item True) gets no
+ranges: made later, they could not hold that range, a child of the pass. A module call still running when a
 pass began (``backward`` called inside a module's forward) has no backward range in that pass:
 its forward is not over, so its output's gradient is not what the pass computes.
 """
@@ -130,7 +132,7 @@ class _Walk:
     def __init__(self, calls: Sequence, passes: Sequence[Sequence[Any]], next_id: Callable) -> None:
         self.calls = calls
         self.index = owners(calls)
-        self.windows = sorted(((p[0], p[1] or (1 << 62), *p[2:5]) for p in passes), key=_first)
+        self.windows = sorted(((p[0], p[1] or (1 << 62), *p[2:]) for p in passes), key=_first)
         self.starts = [w[0] for w in self.windows]
         self.next_id = next_id
         self.cache: dict[tuple[int, int], list[int]] = {}  # (innermost call, pass) -> chain
@@ -163,6 +165,8 @@ class _Walk:
             c = outwards(key[0], self.index[2])
             if p is not None and p[4]:  # calls running when the pass began are not in it
                 c = [i for i in c if self.calls[i][2] not in p[4]]
+            if p is not None and len(p) > 5 and p[5] is True:  # a Python range ran inside
+                c = []
             self.cache[key] = c
         return c, p, k
 

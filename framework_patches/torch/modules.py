@@ -57,6 +57,7 @@ from gpu_trace.framework_patches import spans
 from gpu_trace.framework_patches.torch.backward import chain as _chain
 from gpu_trace.framework_patches.torch.backward import owners as _owners
 from gpu_trace.tracer import recorder as _recorder
+from gpu_trace.tracer.buffer import FOREIGN
 from gpu_trace.tracer.clock import now_ns
 from gpu_trace.tracer.records import MODULE
 
@@ -353,6 +354,8 @@ def backward_ends() -> None:
         p = sink.passes[-1]
         if not p[1]:
             p[1] = now_ns()
+            if p[5] is not None:
+                p[5] = _python_ranges() != p[5]
     if not _in_backward:  # the engine's end-of-pass callback closed them, unless it raised
         b = _bw_threads.get(_thread_id())
         if b is not None and b.open:
@@ -370,9 +373,28 @@ def _note_pass(sink: Any) -> None:
         stack = buf.stack if buf is not None else ()
         t = getattr(_local, "t", None)
         running = {_modules.get(id(m)) for m in t.stack} if t is not None else set()
-        sink.passes.append([now_ns(), 0, stack[-1] if stack else 0, len(stack), running])
+        before = _python_ranges() if getattr(sink, "nodes_only", False) else None
+        sink.passes.append([now_ns(), 0, stack[-1] if stack else 0, len(stack), running, before])
     except Exception:
         spans.warn_once("backward pass")
+
+
+def _python_ranges() -> int:
+    """Ranges begun so far on this thread and on threads ``threading`` did not start (the
+    autograd engine's device threads): at module level from autograd nodes, a pass during which
+    this grows opened a range from Python inside a node (an optimizer stepping in a gradient
+    hook, a custom Function's backward). Module backward ranges, made later by the flusher,
+    could not hold that range (it is a child of the pass), so that pass gets none: no range
+    rather than ranges overlapping it (see :mod:`.backward`)."""
+    rec = _recorder.active
+    if rec is None:
+        return 0
+    own = getattr(rec._local, "buf", None)
+    n = own.seq if own is not None else 0
+    for _, buf in list(rec._buffers):
+        if buf.owner is FOREIGN and buf is not own:
+            n += buf.seq
+    return n
 
 
 # ---- backward -----------------------------------------------------------------------------------

@@ -21,6 +21,11 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+namespace torch::autograd {
+// graph_task.h (TORCH_API): the id of the graph task the calling thread runs, -1 outside one.
+int get_current_graph_task_id();
+}  // namespace torch::autograd
+
 namespace {
 
 // One finished range. Kept in step with RECORD in ops_native.py.
@@ -33,6 +38,7 @@ struct Rec {
   uint64_t parent;  // the enclosing range's id on the same thread (0: none)
   uint64_t root;    // the outermost enclosing range's id on the thread (itself at depth 0)
   uint64_t fwd_tid; // RecordFunction::forwardThreadId (backward nodes: the forward's thread)
+  int64_t task;     // backward nodes: the autograd graph task (pass) running them, else -1
   int32_t name;     // interned name id
   int32_t tid;      // OS thread id
   int32_t depth;
@@ -69,6 +75,7 @@ at::CallbackHandle g_handle = 0;
 struct Local {
   std::shared_ptr<Buffer> buf;
   std::vector<Open> stack;  // the open ranges
+  std::vector<int64_t> starts;  // nodes only: the open nodes' starts
   // name pointer -> (id, interned text), a hit checked by content
   std::unordered_map<const char*, std::pair<int32_t, const std::string*>> by_ptr;
   int32_t tid = 0;
@@ -160,6 +167,53 @@ void on_exit(const at::RecordFunction& fn, at::ObserverContext* base) {
     r.tid = l.tid;
     r.depth = ctx->depth;
     r.scope = static_cast<int32_t>(fn.scope());
+    r.task = fn.scope() == at::RecordScope::BACKWARD_FUNCTION
+                 ? static_cast<int64_t>(torch::autograd::get_current_graph_task_id())
+                 : -1;
+    std::lock_guard<std::mutex> g(l.buf->lock);
+    if (l.buf->recs.size() >= g_cap.load(std::memory_order_relaxed)) {
+      g_dropped.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+    l.buf->recs.push_back(r);
+  } catch (...) {
+  }
+}
+
+// Nodes only (module level): lean callbacks, since every autograd node pays them. No context
+// object, id or name: the start goes on the thread's stack (nodes nest on their thread) and the
+// record keeps what module backward ranges need (times, sequence number, forward thread, graph
+// task, depth).
+std::unique_ptr<at::ObserverContext> on_node_enter(const at::RecordFunction&) {
+  try {
+    Local& l = local();
+    l.starts.push_back(now_ns());
+  } catch (...) {
+  }
+  return nullptr;
+}
+
+void on_node_exit(const at::RecordFunction& fn, at::ObserverContext*) {
+  int64_t end = now_ns();
+  try {
+    Local& l = local();
+    if (l.starts.empty()) {
+      return;
+    }
+    Rec r;
+    r.start = l.starts.back();
+    l.starts.pop_back();
+    r.end = end;
+    r.seq = fn.seqNr();
+    r.id = 0;
+    r.parent = 0;
+    r.root = 0;
+    r.fwd_tid = fn.forwardThreadId();
+    r.task = static_cast<int64_t>(torch::autograd::get_current_graph_task_id());
+    r.name = -1;
+    r.tid = l.tid;
+    r.depth = static_cast<int32_t>(l.starts.size());
+    r.scope = static_cast<int32_t>(at::RecordScope::BACKWARD_FUNCTION);
     std::lock_guard<std::mutex> g(l.buf->lock);
     if (l.buf->recs.size() >= g_cap.load(std::memory_order_relaxed)) {
       g_dropped.fetch_add(1, std::memory_order_relaxed);
@@ -202,8 +256,17 @@ void after_fork_child() {
 
 extern "C" {
 
-// Starts observing (idempotent); 0 on success, -1 on failure.
-GT_API int gt_start(int user_scopes) {
+// What gt_start observes: user scopes (record_function) too; or autograd nodes only (module
+// level's backward ranges: ops then cost PyTorch one scope check each, no callback).
+enum { GT_USER_SCOPES = 1, GT_NODES_ONLY = 2 };
+
+// This thread's RecordFunction thread id: a backward node's forwardThreadId when its forward ran
+// here.
+GT_API uint64_t gt_thread_id() { return at::RecordFunction::currentThreadId(); }
+
+// Starts observing (idempotent: a second call keeps the first's scopes); 0 on success, -1 on
+// failure. flags: GT_* above.
+GT_API int gt_start(int flags) {
   static bool forks = (pthread_atfork(before_fork, after_fork_parent, after_fork_child), true);
   (void)forks;
   std::lock_guard<std::mutex> g(g_lock);
@@ -212,11 +275,21 @@ GT_API int gt_start(int user_scopes) {
   }
   try {
     std::unordered_set<at::RecordScope, std::hash<at::RecordScope>> scopes{
-        at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION};
-    if (user_scopes) {
+        at::RecordScope::BACKWARD_FUNCTION};
+    bool nodes = (flags & GT_NODES_ONLY) != 0;
+    if (!nodes) {
+      scopes.insert(at::RecordScope::FUNCTION);
+    }
+    if ((flags & GT_USER_SCOPES) && !nodes) {
       scopes.insert(at::RecordScope::USER_SCOPE);
     }
-    g_handle = at::addGlobalCallback(at::RecordFunctionCallback(on_enter, on_exit)
+    // (a named type: glibc's on_exit is also in scope)
+    at::RecordFunctionCallback::EndCallback end = on_exit;
+    if (nodes) {
+      end = on_node_exit;
+    }
+    g_handle = at::addGlobalCallback(at::RecordFunctionCallback(nodes ? on_node_enter : on_enter,
+                                                                end)
                                          .scopes(scopes)
                                          .needsInputs(false)
                                          .needsOutputs(false)

@@ -67,6 +67,7 @@ RECORD = np.dtype(
         ("parent", "<u8"),
         ("root", "<u8"),
         ("fwd_tid", "<u8"),
+        ("task", "<i8"),
         ("name", "<i4"),
         ("tid", "<i4"),
         ("depth", "<i4"),
@@ -79,6 +80,10 @@ CHUNK = 1 << 16
 #: Records a thread keeps between drains; more are dropped and counted (72 bytes each).
 CAPACITY = 1 << 22
 _BW = {"pass": "backward"}  # a module backward range's attrs, as module level's
+#: gt_start's flags (observer.cpp): record_function ranges too; autograd nodes only.
+USER_SCOPES, NODES_ONLY = 1, 2
+#: at::RecordScope::BACKWARD_FUNCTION: an autograd node's own record (``AddmmBackward0``).
+BACKWARD_FUNCTION = 1
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -185,6 +190,7 @@ def library() -> ctypes.CDLL | None:
             if lib.gt_record_size() != RECORD.itemsize:
                 raise _cbuild.BuildError("the observer's record layout differs from RECORD")
             lib.gt_start.argtypes = [ctypes.c_int]
+            lib.gt_thread_id.restype = ctypes.c_uint64
             lib.gt_drain.restype = ctypes.c_size_t
             lib.gt_drain.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
             lib.gt_count.restype = ctypes.c_size_t
@@ -204,14 +210,22 @@ def library() -> ctypes.CDLL | None:
 
 class NativeOpSource:
     """Runs the native observer and is the recorder's source for its spans (the same interface
-    as :class:`.ops.OpSource`: ``calls``, ``passes`` and ``owner`` for the module wrapper)."""
+    as :class:`.ops.OpSource`: ``calls``, ``passes`` and ``owner`` for the module wrapper).
+
+    ``nodes_only`` (module level): the observer records autograd nodes only (each op then costs
+    PyTorch one scope check, no callback), and the source makes the module backward ranges from
+    them and no op spans. Passes are told apart by the graph task running each node (at op level
+    by the forward ops between them), and nodes whose forward ran on another thread (whose
+    sequence numbers are that thread's: its module calls place hooks) are left out."""
 
     name = "torch-ops"
     shapes = False
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, nodes_only: bool = False) -> None:
         self._lib = lib
+        self.nodes_only = nodes_only
         self.owner = threading.get_ident()
+        self._rf_owner = -1  # the owner's RecordFunction thread id (nodes' forwardThreadId)
         #: The owner's module calls since the last cut, (first, end, module, anchor).
         self.calls: list[tuple[int, int, ModuleRef, int]] = []
         #: The owner's Tensor.backward passes: [start_ns, end_ns, parent, depth, running].
@@ -230,10 +244,14 @@ class NativeOpSource:
         """Start observing; False (logged) if PyTorch refuses the callback."""
         if self._on:
             return True
-        if self._lib.gt_start(1) != 0:
-            log.warning("gpu-trace: PyTorch op ranges are not captured: the observer did not start")
+        if self._lib.gt_start(NODES_ONLY if self.nodes_only else USER_SCOPES) != 0:
+            what = "module backward" if self.nodes_only else "op"
+            log.warning(
+                "gpu-trace: PyTorch %s ranges are not captured: the observer did not start", what
+            )
             return False
         self.owner = threading.get_ident()
+        self._rf_owner = int(self._lib.gt_thread_id())
         self._dropped0 = int(self._lib.gt_dropped())
         self._on = True
         self._last = now_ns()
@@ -285,7 +303,7 @@ class NativeOpSource:
         done = where < len(cuts)
         self._pending = records[~done]
         records, where = records[done], where[done]
-        if len(records):
+        if len(records) and not self.nodes_only:
             yield "spans", self._ops_table(records)
         for table in self._backward_tables(records, where, cuts):
             yield "spans", table
@@ -373,15 +391,20 @@ class NativeOpSource:
     ) -> Iterable[pa.Table]:
         """Module backward ranges, cut by cut: each cut's autograd nodes matched to its module
         calls and those of the cuts before (as :meth:`.ops.OpSource._table` does a session's)."""
-        names = self._name_list()
-        evaluate = np.array(
-            [i for i, name in enumerate(names) if name.startswith(EVALUATE)], dtype=np.int32
-        )
-        is_node = np.isin(b["name"], evaluate)
-        # top-level forward ops made with grad on, unless a node ran inside them
-        top = (b["depth"] == 0) & (b["seq"] >= 0) & ~is_node
-        top &= ~np.isin(b["id"], b["root"][is_node])
-        keep = is_node | top
+        if self.nodes_only:
+            # nodes made by the owner's forward, and those with no forward op (AccumulateGrad)
+            is_node = b["scope"] == BACKWARD_FUNCTION
+            keep = is_node & ((b["seq"] < 0) | (b["fwd_tid"] == np.uint64(self._rf_owner)))
+        else:
+            names = self._name_list()
+            evaluate = np.array(
+                [i for i, name in enumerate(names) if name.startswith(EVALUATE)], dtype=np.int32
+            )
+            is_node = np.isin(b["name"], evaluate)
+            # top-level forward ops made with grad on, unless a node ran inside them
+            top = (b["depth"] == 0) & (b["seq"] >= 0) & ~is_node
+            top &= ~np.isin(b["id"], b["root"][is_node])
+            keep = is_node | top
         sel, wsel, nsel = b[keep], where[keep], is_node[keep]
         order = np.argsort(wsel, kind="stable")
         sel, wsel, nsel = sel[order], wsel[order], nsel[order]
@@ -414,6 +437,8 @@ class NativeOpSource:
         seqs = b["seq"].astype(object)
         seqs[~is_node] = None
         nodes = list(zip(b["tid"].tolist(), b["start"].tolist(), b["end"].tolist(), seqs.tolist()))
+        if self.nodes_only:
+            nodes = _passes_apart(nodes, b)
         prefix = (private_bits(31) | 1) << 32
         ids = iter(range(prefix + 1, prefix + (1 << 32)))
         made = torch_backward.ranges(nodes, both, passes, ids.__next__)
@@ -430,6 +455,30 @@ class NativeOpSource:
 
 
 LANE = kineto_ops.LANE
+
+
+def _passes_apart(nodes: list, b: np.ndarray) -> list:
+    """Nodes-only records (``b``, sorted by thread and start; ``nodes`` their events): a
+    separator (an event with seq None, which ends the open ranges as a forward op does at op
+    level) before each outermost node of another pass (graph task) than the outermost node
+    before it on its thread. A pass run inside a node (reentrant checkpointing) is not apart
+    from the one around it: its calls nest in that node's."""
+    top = np.flatnonzero(b["depth"] == 0)
+    if len(top) < 2:
+        return nodes
+    task, tid = b["task"][top], b["tid"][top]
+    new = top[1:][(task[1:] != task[:-1]) & (tid[1:] == tid[:-1])]
+    if not len(new):
+        return nodes
+    out = []
+    last = 0
+    for i in new.tolist():
+        out += nodes[last:i]
+        t, start = nodes[i][0], nodes[i][1]
+        out.append((t, start, start, None))
+        last = i
+    out += nodes[last:]
+    return out
 
 
 def _constant(value: str, n: int) -> pa.Array:

@@ -203,10 +203,13 @@ def record_steps(tmp_path, monkeypatch, shape: str, level: str) -> list[dict]:
     from tests.conftest import recorded
 
     make, size, grad = SHAPES[shape]
-    monkeypatch.setenv("GPU_TRACE_TORCH", "op" if level.startswith("op") else level)
-    # op: the native observer where built (tests/conftest.py builds it); op-kineto: the sessions
-    if level == "op-kineto":
+    monkeypatch.setenv("GPU_TRACE_TORCH", level.split("-")[0])
+    # op, module: the native observer where built (tests/conftest.py builds it); op-kineto: the
+    # sessions; module-hooks: Python hooks on the autograd nodes
+    if level in ("op-kineto", "module-hooks"):
         monkeypatch.setenv("GPU_TRACE_TORCH_OPS", "kineto")
+    else:
+        monkeypatch.delenv("GPU_TRACE_TORCH_OPS", raising=False)
     torch.manual_seed(0)
     model, x = make(), torch.randn(*size, requires_grad=grad)
     run = tmp_path / f"run-{level}"
@@ -219,15 +222,144 @@ def record_steps(tmp_path, monkeypatch, shape: str, level: str) -> list[dict]:
     return sorted(recorded(run), key=lambda r: (r["start_ns"], r["depth"]))
 
 
+def module_backward(rows: list[dict]) -> list[tuple[str, str, int, int]]:
+    """(name, parent's name, depth, thread) of each module backward range."""
+    by_id = {r["span_id"]: r for r in rows}
+    return sorted(
+        (r["name"], by_id.get(r["parent_span_id"], {}).get("name", ""), r["depth"], r["tid"])
+        for r in rows
+        if r["name"].endswith(".backward")
+    )
+
+
+def record_module(tmp_path, monkeypatch, name: str, body, ops: str | None = None) -> list[dict]:
+    """Run ``body()`` recorded at module level (``ops``: ``GPU_TRACE_TORCH_OPS``)."""
+    import gpu_trace
+    from tests.conftest import recorded
+    from tests.span_checks import problems
+
+    monkeypatch.setenv("GPU_TRACE_TORCH", "module")
+    if ops is None:
+        monkeypatch.delenv("GPU_TRACE_TORCH_OPS", raising=False)
+    else:
+        monkeypatch.setenv("GPU_TRACE_TORCH_OPS", ops)
+    gpu_trace.start(tmp_path / name)
+    try:
+        body()
+    finally:
+        gpu_trace.stop()
+    rows = recorded(tmp_path / name)
+    assert problems(rows) == []
+    return rows
+
+
+def test_module_level_takes_backward_ranges_from_autograd_nodes_without_hooks(
+    tmp_path, monkeypatch
+):
+    """Module level with the native observer built places no Python hook on the graph's nodes
+    (each cost the program's thread several µs per module call) and makes the same backward
+    ranges from the nodes the observer records; ``GPU_TRACE_TORCH_OPS=kineto`` keeps the hooks."""
+    torch.manual_seed(0)
+    model, x = Shared(), torch.randn(2, 4)
+    nodes = []
+
+    def step() -> None:
+        y = model(x)
+        nodes.append(y.grad_fn)
+        y.sum().backward()
+
+    native = record_module(tmp_path, monkeypatch, "native", step)
+    hooks = record_module(tmp_path, monkeypatch, "hooks", step, ops="kineto")
+    assert "gpu_trace" not in nodes[0].metadata and "gpu_trace" in nodes[1].metadata
+    assert module_backward(native) == module_backward(hooks)
+    assert sum(r["name"] == "Shared.lin.backward" for r in native) == 2
+
+
+def test_module_level_without_the_native_observer_uses_hooks(tmp_path, monkeypatch):
+    """Where the observer cannot be built (no compiler), module level places hooks as before."""
+    from gpu_trace.framework_patches.torch import ops_native
+
+    monkeypatch.setattr(ops_native, "available", lambda: False)
+    model, x = Shared(), torch.randn(2, 4)
+    nodes = []
+
+    def step() -> None:
+        y = model(x)
+        nodes.append(y.grad_fn)
+        y.sum().backward()
+
+    rows = record_module(tmp_path, monkeypatch, "fallback", step)
+    assert "gpu_trace" in nodes[0].metadata
+    assert sum(r["name"] == "Shared.lin.backward" for r in rows) == 2
+
+
+def test_passes_over_one_graph_get_ranges_each(tmp_path, monkeypatch):
+    """Two ``torch.autograd.grad`` passes over one graph (nothing run between them): each pass
+    gets its ranges at module level from either source (the native one tells passes apart by
+    the autograd graph task running the nodes)."""
+    torch.manual_seed(0)
+    model, x = Shared(), torch.randn(2, 4)
+
+    def twice() -> None:
+        loss = model(x).sum()
+        params = list(model.parameters())
+        torch.autograd.grad(loss, params, retain_graph=True)
+        torch.autograd.grad(loss, params)
+
+    native = record_module(tmp_path, monkeypatch, "native", twice)
+    hooks = record_module(tmp_path, monkeypatch, "hooks", twice, ops="kineto")
+    assert sum(r["name"] == "Shared.backward" for r in native) == 2
+    assert module_backward(native) == module_backward(hooks)
+
+
+def test_a_forward_on_another_thread_gets_its_ranges_once(tmp_path, monkeypatch):
+    """A thread other than the one recording started on runs a forward and backward (its
+    module calls place hooks): its nodes' sequence numbers are its own thread's, so the native
+    source leaves them out rather than matching them to the first thread's calls (which hold the
+    same numbers here: both threads are new) and making every range twice."""
+    import threading
+
+    torch.manual_seed(0)
+    model, x = Shared(), torch.randn(2, 4)
+    got: dict[str, list[dict]] = {}
+
+    def step() -> None:
+        model(x).sum().backward()
+
+    def owner(ops: str | None) -> None:
+        def body() -> None:
+            step()
+            other = threading.Thread(target=step)
+            other.start()
+            other.join()
+            step()
+
+        try:
+            got[str(ops)] = record_module(tmp_path, monkeypatch, f"run-{ops}", body, ops)
+        except BaseException as exc:  # checked on the test's thread
+            failed.append(exc)
+
+    failed: list[BaseException] = []
+    for ops in (None, "kineto"):  # new threads: sequence numbers from 0 on both
+        t = threading.Thread(target=owner, args=(ops,))
+        t.start()
+        t.join()
+    if failed:
+        raise failed[0]
+    native, hooks = got["None"], got["kineto"]
+    assert sum(r["name"] == "Shared.backward" for r in native) == 3
+    assert [r[:3] for r in module_backward(native)] == [r[:3] for r in module_backward(hooks)]
+
+
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_backward_ranges_nest_one_per_call_at_both_levels(shape, tmp_path, monkeypatch) -> None:
     """One backward range per forward call that made a graph, each under its caller's, the
-    same at module level and op level (from either op source), and nothing overlapping
-    partially or negative."""
+    same at module level (from autograd nodes natively or from Python hooks) and op level (from
+    either op source), and nothing overlapping partially or negative."""
     from tests.span_checks import problems
 
     got = {}
-    for level in ("module", "op", "op-kineto"):
+    for level in ("module", "module-hooks", "op", "op-kineto"):
         rows = record_steps(tmp_path, monkeypatch, shape, level)
         assert problems(rows) == [], level
         by_id = {r["span_id"]: r for r in rows}
@@ -246,6 +378,7 @@ def test_backward_ranges_nest_one_per_call_at_both_levels(shape, tmp_path, monke
         got[level] = sorted(
             (r["name"], by_id.get(r["parent_span_id"], {}).get("name", ""), r["depth"]) for r in bw
         )
+    assert got["module-hooks"] == got["module"]
     assert got["op"] == got["module"]
     assert got["op-kineto"] == got["module"]
 

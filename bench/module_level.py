@@ -1,0 +1,252 @@
+"""What module level (``gpu-trace record --torch module``, the default) costs a launch-bound step,
+per module call, and where it goes; op level and torch.profiler (CPU) as peers, in one run.
+
+    python bench/module_level.py [--rounds 12] [--round-s 0.3] [--models lm,cells] [--parts]
+
+Why these models: on a GPU whose step is launch-bound (the H100 language model of
+``../shared/gpu/README.md``: about 20 ms, about 60 forward module calls a step) every
+microsecond the training thread spends in gpu-trace is step time, so the budget of issue 17
+(module level at most 3% of the step) is about 6 µs per module call, its backward included.
+Here on the CPU the same shapes are made small, so the step is mostly per-call framework work:
+
+- ``lm``: that language model at d=32 (embedding, 6 pre-norm ``nn.TransformerEncoderLayer``s,
+  a linear head), batch 2 x 16 tokens, AdamW;
+- ``cells``: PyTorch's time-sequence-prediction example, small: two ``nn.LSTMCell`` and a
+  ``nn.Linear`` called per time step in a Python loop (20 steps: 61 module calls).
+
+Each step is timed as wall time and CPU time of the training thread (``time.thread_time``, the
+launch thread's time on a GPU); PyTorch runs on one intra-op thread, so the training thread's
+CPU time is its whole work and the machine's other load does not count. ``process`` adds the
+flusher's CPU. Configurations are interleaved in rounds (order rotated), each compared with the
+unpatched steps of its round (the machinery of ``bench/patch_overhead.py``). Figures: median
+step, ratio to unpatched [p25-p75 over rounds], µs per forward module call, % of the step.
+
+``--parts`` adds configurations that switch parts of module level off (monkeypatched, for this
+bench only) to say where its time goes:
+
+- ``module, wrapper``: the ``nn.Module.__call__`` wrapper and the name lookup, ranges not
+  recorded (``spans.begin``/``end`` do nothing);
+- ``module, forward``: forward ranges, no backward ranges (grad mode read as off by the wrapper:
+  no sequence numbers, nodes or hooks);
+- ``module, no hooks``: forward ranges, sequence numbers and nodes read, no hook placed;
+- ``module, idle hooks``: hooks placed and called by the engine, doing nothing;
+- ``module``: all of it (what is left over ``idle hooks`` is the ranges the hooks open and close).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import statistics
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from patch_overhead import METRICS, measure, quartiles, recording, steady_allocator  # noqa: E402
+
+Step = Callable[[], None]
+
+
+def cases() -> dict[str, Callable[[], tuple[Step, int]]]:
+    """Name -> setup returning a training step and its forward module calls per step."""
+    import torch
+    from torch import nn
+
+    torch.set_num_threads(1)
+
+    def lm() -> tuple[nn.Module, Callable[[], Any]]:
+        vocab, d = 256, 32
+
+        class LM(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.embed = nn.Embedding(vocab, d)
+                layer = nn.TransformerEncoderLayer(
+                    d, 2, 64, batch_first=True, norm_first=True, dropout=0.1
+                )
+                self.blocks = nn.TransformerEncoder(layer, 6, enable_nested_tensor=False)
+                self.head = nn.Linear(d, vocab)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return self.head(self.blocks(self.embed(x)))
+
+        model = LM()
+        x, y = torch.randint(0, vocab, (2, 16)), torch.randint(0, vocab, (2, 16))
+        loss = nn.CrossEntropyLoss()
+        return model, lambda: loss(model(x).reshape(-1, vocab), y.reshape(-1))
+
+    def cells() -> tuple[nn.Module, Callable[[], Any]]:
+        class Cells(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.lstm1, self.lstm2 = nn.LSTMCell(1, 16), nn.LSTMCell(16, 16)
+                self.linear = nn.Linear(16, 1)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                outs = []
+                h1 = c1 = h2 = c2 = torch.zeros(x.size(0), 16)
+                for t in x.split(1, dim=1):
+                    h1, c1 = self.lstm1(t, (h1, c1))
+                    h2, c2 = self.lstm2(h1, (h2, c2))
+                    outs.append(self.linear(h2))
+                return torch.cat(outs, 1)
+
+        model = Cells()
+        x = torch.randn(4, 21)
+        return model, lambda: (model(x[:, :-1]) - x[:, 1:]).square().mean()
+
+    def make(build: Callable[[], tuple[nn.Module, Callable[[], Any]]]) -> Callable:
+        def setup() -> tuple[Step, int]:
+            from torch.nn.modules import module as nn_module
+
+            torch.manual_seed(0)
+            model, loss_fn = build()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+            def step() -> None:
+                opt.zero_grad(set_to_none=True)
+                loss_fn().backward()
+                opt.step()
+
+            calls = [0]
+            handle = nn_module.register_module_forward_pre_hook(
+                lambda m, a: calls.__setitem__(0, calls[0] + 1)
+            )
+            try:
+                step()
+            finally:
+                handle.remove()
+            return step, calls[0]
+
+        return setup
+
+    return {"lm": make(lm), "cells": make(cells)}
+
+
+# ---- module level with parts switched off (--parts) -------------------------------------------
+
+
+@contextlib.contextmanager
+def module_part(part: str) -> Iterator[None]:
+    """Module level with ``part`` switched off (see the docstring); restored on exit."""
+    from gpu_trace.framework_patches import spans
+    from gpu_trace.framework_patches.torch import modules
+
+    with recording("GPU_TRACE_TORCH", "module"):
+        saved = {k: getattr(modules, k) for k in ("_grad_enabled", "_place_hooks", "_NodeHook")}
+        begin, end = spans.begin, spans.end
+        try:
+            if part == "wrapper":
+                spans.begin = lambda *a, **k: None  # type: ignore[assignment]
+                spans.end = lambda *a, **k: None  # type: ignore[assignment]
+            elif part == "forward":
+                modules._grad_enabled = lambda: False
+            elif part == "no hooks":
+
+                def forget(t: Any) -> None:
+                    t.marks.clear()
+                    if not t.stack:
+                        t.made.clear()
+
+                modules._place_hooks = forget
+            elif part == "idle hooks":
+
+                class Idle:
+                    __slots__ = ("calls",)
+
+                    def __init__(self, calls: Any) -> None:
+                        self.calls = calls
+
+                    def __call__(self, grad: Any) -> None:
+                        return None
+
+                modules._NodeHook = Idle
+            yield
+        finally:
+            spans.begin, spans.end = begin, end
+            for k, v in saved.items():
+                setattr(modules, k, v)
+
+
+def configs(parts: bool) -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
+    import torch
+
+    out: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
+        "unpatched": contextlib.nullcontext,
+        "module": lambda: recording("GPU_TRACE_TORCH", "module"),
+        "op": lambda: recording("GPU_TRACE_TORCH", "op"),
+        "torch.profiler (CPU)": lambda: torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU]
+        ),
+    }
+    if parts:
+        for part in ("wrapper", "forward", "no hooks", "idle hooks"):
+            out[f"module, {part}"] = lambda part=part: module_part(part)
+    return out
+
+
+def report(title: str, results: dict, calls: int) -> None:
+    base = results["unpatched"]
+    print(f"\n{title}")
+    head = f"  {'configuration':22}"
+    for m in METRICS:
+        head += f" | {m + ' ms':>9} {'ratio':>6} {'[p25-p75]':>13} {'µs/call':>7} {'%':>6}"
+    print(head)
+    for name, res in results.items():
+        line = f"  {name:22}"
+        for m in METRICS:
+            ratios = [a / b for a, b in zip(res[m], base[m])]
+            per_call = [(a - b) / calls / 1e3 for a, b in zip(res[m], base[m])]
+            lo, mid, hi = quartiles(ratios)
+            line += (
+                f" | {statistics.median(res[m]) / 1e6:9.3f} {mid:6.3f} [{lo:5.3f}-{hi:5.3f}]"
+                f" {statistics.median(per_call):7.1f} {100 * (mid - 1):6.1f}"
+            )
+        print(line)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--round-s", type=float, default=0.3, help="steps per round, in seconds")
+    ap.add_argument("--models", default="lm,cells", help="comma-separated: lm, cells")
+    ap.add_argument("--parts", action="store_true", help="module level with parts switched off")
+    ap.add_argument("--configs", default="", help="comma-separated subset (unpatched always)")
+    args = ap.parse_args()
+    steady_allocator()
+    logging.basicConfig(level=logging.ERROR)
+    import torch
+
+    from gpu_trace.framework_patches.torch import ops_native
+
+    print(
+        f"PyTorch {torch.__version__}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, "
+        f"native op observer {'built' if ops_native.available() else 'not built'}"
+    )
+    table = cases()
+    chosen = configs(args.parts)
+    if args.configs:
+        keep = {"unpatched", *(c.strip() for c in args.configs.split(","))}
+        chosen = {k: v for k, v in chosen.items() if k in keep}
+    for name in (m.strip() for m in args.models.split(",") if m.strip()):
+        if name not in table:
+            print(f"unknown model {name!r}", file=sys.stderr)
+            return 2
+        step, calls = table[name]()
+        results, _, steps = measure(step, chosen, args.rounds, args.round_s)
+        report(
+            f"{name}: {calls} forward module calls/step, {args.rounds} rounds x {steps} steps; "
+            f"median, ratio to unpatched in the round [p25-p75], µs per module call, % of step",
+            results,
+            calls,
+        )
+    print(f"\nload at the end {os.getloadavg()[0]:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
