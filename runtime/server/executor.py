@@ -51,6 +51,7 @@ from gpu_trace.runtime.protocol.wire import (
     json_frame,
 )
 from gpu_trace.runtime.server import allowlist
+from gpu_trace.runtime.server.plan import MAX_TEMPLATE_SIZES, Calls, Plan, check_sizes
 from gpu_trace.runtime.server.pseudo_ops import rng_state, run_pseudo, seed_device, set_rng_state
 from gpu_trace.runtime.server.sessions import Session
 from gpu_trace.runtime.server.sink import (
@@ -76,12 +77,6 @@ log = logging.getLogger(__name__)
 now_ns = time.perf_counter_ns
 
 _NO_STREAM = contextlib.nullcontext()  # the CPU device's (reusable)
-
-#: Most sizes one template keeps (by its tensors' signatures); past it, it starts over.
-MAX_TEMPLATE_SIZES = 64
-
-#: Largest tensor a size argument may ask for: a plain byte bound, checked before sizing.
-MAX_FACTORY_BYTES = 64 << 30
 
 
 class _Refused(Exception):
@@ -349,34 +344,50 @@ class Executor:
         batch parked (an op waits for memory; its progress is in ``work.resume``)."""
         trace = session.trace
         decoder = None  # made for the first op that is not a prepared template's call
+        calls = Calls(self, session)  # what a template's compiled call reads (plan.py)
+        # Runs of compiled calls go on in a tight loop (below) where nothing is done between
+        # two ops: no page-in gate, no spans, no memory wait to end.
+        chain = gate is None and not trace
+        n = len(ops)
         index = first - 1
-        while index + 1 < len(ops):
+        while index + 1 < n:
             index += 1
             op = ops[index]
-            if type(op) is TOp:
-                name = op.t.name
-            else:
-                name = op[0] if type(op) is list and op and type(op[0]) is str else "?"
             try:
                 try:
                     if gate is not None:
                         gate(op)
                     t0 = now_ns() if trace else 0
-                    prep = None
                     if type(op) is TOp:
-                        prep = op.t.prep
-                        if prep is None:
-                            prep = op.t.prep = self._prepare(op.t)
-                        if not prep:  # a template too nested to prepare: its JSON op
+                        plan = op.t.prep
+                        if plan is None:  # its first call
+                            plan = op.t.prep = self._prepare(op.t)
+                        if not plan:  # a template too nested to prepare: its JSON op
                             op = op.materialize()
-                    if prep:
-                        value = self._top(session, prep, op.vals)
+                    else:
+                        plan = None
+                    if plan:
+                        if plan.out != -1:  # most calls: one tensor out, or none kept
+                            value = plan.run(calls, op.vals)
+                            if chain and (work.resume is None or work.resume.wait is None):
+                                while value is None and index + 1 < n:
+                                    nxt = ops[index + 1]
+                                    if type(nxt) is not TOp:
+                                        break
+                                    plan = nxt.t.prep
+                                    if not plan or plan.out == -1:
+                                        break
+                                    index += 1
+                                    op = nxt
+                                    value = plan.run(calls, op.vals)
+                        else:
+                            value = self._top(session, plan, op.vals)
                     else:
                         if decoder is None:
                             decoder = self._decoder(session)
                         value = self._op(session, decoder, op)
                     if trace:
-                        op_spans.append((name[:200], t0, now_ns()))
+                        op_spans.append((_name(op), t0, now_ns()))
                 except _Refused as refused:
                     if self._on_refused(session, work, refused, ops, index, frees):
                         index -= 1  # the batch's own frees made room, maybe: again
@@ -393,7 +404,7 @@ class Executor:
                 if value is not None:
                     results[str(index)] = value
             except Exception as exc:  # the op's error goes back; the session goes on
-                return self._op_error(session, exc, index, name), False
+                return self._op_error(session, exc, index, _name(op)), False
         return None, False
 
     def _on_refused(
@@ -517,36 +528,37 @@ class Executor:
             entry = self._ops[name] = _entry(target)
         return entry
 
-    def _top(self, session: Session, prep: tuple, vals: list[int]) -> Any:
-        """A template call (``prep``: the template's decoded form, see :meth:`_prepare`): its
-        tensors looked up by the call's handle numbers ``vals``, put in the decoded constants."""
-        entry, args, holes, kwargs, outs, sizes = prep
+    def _top(self, session: Session, plan: Plan, vals: list[int]) -> Any:
+        """A template call (``plan``: the template's decoded form, see :meth:`_prepare`) that
+        is not of :meth:`Plan.run`'s shape: its tensors looked up by the call's handle numbers
+        ``vals``, put in the decoded constants."""
         before = session.account.bytes
         taken = self._blobs_taken
-        a = list(args)
+        a = list(plan.args)
         get = session.handles.get
         key = []
-        for pos, hole in holes:
+        for pos, hole in plan.holes:
             x = a[pos] = get(vals[hole])
             key.append((x.dtype, x.shape, x.stride(), x.storage_offset()))
+        outs = plan.outs
         filled = None if outs is None else [None if h is None else vals[h] for h in outs]
         return self._run_op(
             session,
-            entry,
+            plan.entry,
             a,
-            dict(kwargs) if kwargs else {},
+            dict(plan.kwargs) if plan.kwargs else {},
             filled,
             before,
             taken,
-            sizes,
+            plan.sizes,
             tuple(key),
         )
 
-    def _prepare(self, t: Template) -> Any:
-        """A template's decoded form, ``(entry, args, holes, kwargs, outs, sizes)`` with ``holes``
-        the ``(position, hole)`` of each top-level tensor and ``sizes`` its own cache of what it
-        allocates (None where that depends on data); False where tensors are nested in
-        arguments, or it names a runtime op (such templates are filled in per call)."""
+    def _prepare(self, t: Template) -> Plan | bool:
+        """A template's decoded form (:class:`~gpu_trace.runtime.server.plan.Plan`): its op's
+        entry, its constants decoded, the ``(position, hole)`` of each top-level tensor; False
+        where tensors are nested in arguments, or it names a runtime op (such templates are
+        filled in per call)."""
         if t.name.startswith("rt::") or type(t.outs) not in (list, type(None)):
             return False
         if t.outs is not None and not all(o is None or type(o) is int for o in t.outs):
@@ -570,9 +582,7 @@ class Executor:
         if has_hole(t.kwargs):
             return False
         kwargs = decoder.decode_kwargs(t.kwargs) if t.kwargs else {}
-        # Its sizes by its tensors' signatures (its constants are its own): no key of them all.
-        sizes: dict[Any, int] | None = {} if type(entry[5]) is str else None
-        return entry, args, holes, kwargs, t.outs, sizes
+        return Plan(t.name, entry, args, holes, kwargs, t.outs)
 
     def _run_op(
         self,
@@ -595,7 +605,7 @@ class Executor:
         if rule is not None:
             rule(a, k)
         if sized:
-            _check_sizes(a, k)
+            check_sizes(a, k)
         if size is not None:  # what it will allocate, checked before it does
             asked: int | None
             if sizes is None:
@@ -842,6 +852,13 @@ def _done_frame(seq: int, t: tuple[int, ...]) -> bytes:
     return HEADER.pack(len(body), MsgType.DONE) + body
 
 
+def _name(op: Any) -> str:
+    """An op's name for its span and its error (``?`` where it has none)."""
+    if type(op) is TOp:
+        return op.t.name[:200]
+    return op[0][:200] if type(op) is list and op and type(op[0]) is str else "?"
+
+
 def _scalar(value: Any) -> Any:
     torch = __import__("torch")
     if isinstance(value, torch.Tensor):
@@ -933,19 +950,3 @@ def _handles(outs: Any) -> list[int]:
     if type(outs) is list:
         return [h for o in outs for h in _handles(o)]
     return []
-
-
-def _check_sizes(args: list[Any], kwargs: dict[str, Any]) -> None:
-    """Refuse factory sizes beyond any device's memory before allocating (a cheap bound)."""
-    for value in (*args, *kwargs.values()):
-        if (
-            type(value) is list
-            and value
-            and len(value) <= 16
-            and all(type(v) is int for v in value)
-        ):
-            numel = 1
-            for v in value:
-                numel *= max(v, 0)
-            if numel * 8 > MAX_FACTORY_BYTES:
-                raise OpError(f"a size of {value} elements is beyond the server's limit")
