@@ -70,6 +70,11 @@ def mirror(domain: Domain, on: bool) -> None:
         log.debug("gpu-trace: no NVTX mirror for domain %s", domain.name, exc_info=True)
 
 
+def mirrored(domain: Domain) -> bool:
+    """Whether ``domain``'s ranges are emitted as NVTX too (see :func:`mirror`)."""
+    return domain.name in _mirrors
+
+
 def clear_mirrors() -> None:
     _mirrors.clear()
     _attributes.clear()

@@ -308,8 +308,9 @@ static void give_way(void) {
     Py_END_ALLOW_THREADS
 }
 
-/* `__exit__`'s bookkeeping: consumes the state. 0, or -1 when an exception must propagate. */
-static int state_exit(span_state* s, PyObject* name, PyObject* attrs) {
+/* `__exit__`'s bookkeeping for a span of lane and category: consumes the state. 0, or -1 when an
+ * exception must propagate. */
+static int state_exit_as(span_state* s, PyObject* name, PyObject* attrs, PyObject* lane, PyObject* category) {
     int64_t end = now_ns();
     PyObject* buf = s->buf;
     if (!buf) return 0;
@@ -348,8 +349,8 @@ static int state_exit(span_state* s, PyObject* name, PyObject* attrs) {
         }
         PyTuple_SET_ITEM(ev, SPAN_ID, Py_NewRef(s->sid));
         PyTuple_SET_ITEM(ev, SPAN_PARENT_SPAN_ID, Py_NewRef(s->parent));
-        PyTuple_SET_ITEM(ev, SPAN_LANE, Py_NewRef(g_lane));
-        PyTuple_SET_ITEM(ev, SPAN_CATEGORY, Py_NewRef(g_category));
+        PyTuple_SET_ITEM(ev, SPAN_LANE, Py_NewRef(lane));
+        PyTuple_SET_ITEM(ev, SPAN_CATEGORY, Py_NewRef(category));
         PyTuple_SET_ITEM(ev, SPAN_NAME, Py_NewRef(name));
         PyTuple_SET_ITEM(ev, SPAN_START_NS, start);
         PyTuple_SET_ITEM(ev, SPAN_END_NS, stop);
@@ -383,6 +384,11 @@ fail:
     Py_XDECREF(cap);
     Py_XDECREF(ev);
     return swallow("range exit");
+}
+
+/* A `gpu_trace.range` span: lane nvtx/gpu_trace, category nvtx (configure()). */
+static int state_exit(span_state* s, PyObject* name, PyObject* attrs) {
+    return state_exit_as(s, name, attrs, g_lane, g_category);
 }
 
 /* ---- attrs ---------------------------------------------------------------------------------- */
@@ -788,6 +794,44 @@ done:
     return result;
 }
 
+/* ---- a call inside a range of any lane ------------------------------------------------------- */
+
+/*
+ * call_in_range(fn, lane, category, name, attrs, *args, **kwargs): fn(*args, **kwargs) inside a
+ * range, recorded as a span of `lane` and `category` in the calling thread's buffer, nested in the
+ * ranges open around it like `gpu_trace.range`'s, closed whether fn returns or raises. Why: the
+ * PyTorch module patch wraps every nn.Module call; in Python, opening and closing its range cost
+ * about as much as the rest of its wrapper (bench/module_level.py). framework_patches.spans'
+ * begin/end is the Python twin (a parity test holds them together).
+ */
+static PyObject* call_in_range(PyObject* module, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+    (void)module;
+    if (nargs < 5) {
+        PyErr_SetString(PyExc_TypeError, "call_in_range(fn, lane, category, name, attrs, *args, **kwargs)");
+        return NULL;
+    }
+    PyObject *fn = args[0], *lane = args[1], *category = args[2], *name = args[3], *attrs = args[4];
+    span_state s = {0};
+    if (state_enter(&s) < 0) return NULL;
+    PyObject* result = PyObject_Vectorcall(fn, args + 5, (size_t)(nargs - 5), kwnames);
+    if (s.buf) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        int r = state_exit_as(&s, name, attrs, lane, category);
+        state_clear(&s);
+        if (r < 0) {
+            /* a BaseException while recording: it wins, as it would in a `finally` */
+            Py_XDECREF(result);
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+            return NULL;
+        }
+        PyErr_Restore(type, value, tb);
+    }
+    return result;
+}
+
 /* ---- module --------------------------------------------------------------------------------- */
 
 static PyObject* configure(PyObject* module, PyObject* args) {
@@ -841,6 +885,9 @@ static PyMethodDef module_methods[] = {
     {"slot_offsets", slot_offsets, METH_NOARGS, PyDoc_STR("ThreadBuffer fields read by offset (0: by name)")},
     {"gave_way", gave_way, METH_NOARGS, PyDoc_STR("how many times a range has given the GIL way")},
     {"span_columns", span_columns, METH_O, PyDoc_STR("span tuples as columns (see gpu_trace.tracer.columns)")},
+    {"call_in_range", (PyCFunction)(void (*)(void))call_in_range, METH_FASTCALL | METH_KEYWORDS,
+     PyDoc_STR("call_in_range(fn, lane, category, name, attrs, *args, **kwargs): fn's result, "
+               "called inside a range of that lane and category")},
     {NULL},
 };
 

@@ -47,15 +47,18 @@ many calls meet there. See docs/frameworks.md, "Cost".
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import weakref
 from threading import get_ident as _thread_id
+from collections.abc import Callable
 from typing import Any
 
 from gpu_trace._imports import discard, when_imported
 from gpu_trace.framework_patches import spans
 from gpu_trace.framework_patches.torch.backward import chain as _chain
 from gpu_trace.framework_patches.torch.backward import owners as _owners
+from gpu_trace.tracer import fastpath_build
 from gpu_trace.tracer import recorder as _recorder
 from gpu_trace.tracer.buffer import FOREIGN
 from gpu_trace.tracer.clock import now_ns
@@ -64,6 +67,10 @@ from gpu_trace.tracer.records import MODULE
 log = logging.getLogger(__name__)
 
 DOMAIN = spans.Domain("torch")
+_LANE = DOMAIN.lane
+#: The tracer's C call inside a range (``_fastpath.call_in_range``), where it is built; else the
+#: ranges go through :func:`spans.begin` and :func:`spans.end`, its Python twin.
+_in_range: Callable[..., object] | None = None
 _META = "gpu_trace"  # key in an autograd node's metadata dict: set once the node is hooked
 #: Where torch._dynamo keeps the ``nn.Module.__call__`` it saw at import.
 _DYNAMO = ("torch._dynamo.utils", "torch._dynamo.variables.nn_module")
@@ -104,12 +111,24 @@ def patch(torch: Any) -> None:
     _engine = torch.autograd.Variable._execution_engine
     _seq = torch._C._autograd._get_sequence_nr
     _current_node = getattr(torch._C, "_current_autograd_node", None) or (lambda: None)
+    _use_native_range()
     wrapper = _wrap_call(original)
     _patched = (module_cls, original, wrapper)
     module_cls.__call__ = wrapper
     _torch = torch
     for name in _DYNAMO:
         when_imported(name, _dynamo_sees_original)
+
+
+def _use_native_range() -> None:
+    """Take the tracer's C call inside a range where ``gpu_trace.range`` loaded it (the C
+    ``range``: :mod:`gpu_trace._api`), unless the ranges are mirrored to another NVTX tool
+    (:func:`spans.begin` does that); else the Python twin."""
+    global _in_range
+    native = sys.modules.get(fastpath_build.MODULE)
+    _in_range = getattr(native, "call_in_range", None) if native is not None else None
+    if spans.mirrored(DOMAIN):
+        _in_range = None
 
 
 def unpatch() -> None:
@@ -257,6 +276,7 @@ def _wrap_call(original: Any) -> Any:
             t = _local.t = _Thread()
         stack = t.stack
         token = m = calls = first = None
+        fast: ModuleRef | None = None  # the range is opened and closed in C, around the call
         try:
             if not stack:
                 node = _current_node()  # a backward node (checkpointing recomputes forward)
@@ -275,12 +295,15 @@ def _wrap_call(original: Any) -> Any:
             m = _modules.get(id(self)) or _lookup(self)
             calls = t.calls
             if calls is None or t.anchor < 0:
-                token = spans.begin(DOMAIN, MODULE, m.name, m.attrs)
+                if _in_range is not None:
+                    fast = m
+                else:
+                    token = spans.begin(DOMAIN, MODULE, m.name, m.attrs)
             # else op level inside a backward node: its backward ranges, made later, could not
             # hold a forward range recorded now (they would overlap under the pass's range)
             if calls is not None:
                 first = _seq()
-            elif token is not None and _grad_enabled():
+            elif (token is not None or fast is not None) and _grad_enabled():
                 first = _seq()
                 if args:
                     if len(args) == 1 and isinstance(args[0], _Tensor):  # the common case, inline
@@ -293,7 +316,12 @@ def _wrap_call(original: Any) -> Any:
             spans.warn_once("module forward")
         stack.append(self)
         try:
-            result = original(self, *args, **kwargs)
+            if fast is not None and _in_range is not None:
+                result = _in_range(
+                    original, _LANE, MODULE, fast.name, fast.attrs, self, *args, **kwargs
+                )
+            else:
+                result = original(self, *args, **kwargs)
         except BaseException:
             stack.pop()
             spans.end(token)

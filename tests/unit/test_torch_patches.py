@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import gpu_trace  # noqa: E402
+from gpu_trace import _api  # noqa: E402
 from gpu_trace.framework_patches import hooks  # noqa: E402
 from gpu_trace.framework_patches import torch as pytorch  # noqa: E402
 from tests.conftest import recorded  # noqa: E402
@@ -261,13 +262,49 @@ def test_op_level_module_backward_across_sessions_and_inside_a_module(record, mo
     assert ("TrainStep.net.2.backward", "TrainStep.net.backward", 3, "nvtx/torch") in got
 
 
-def test_exception_in_forward_propagates_and_ranges_close(record) -> None:
+def module_rows(run: Path) -> list[tuple]:
+    rows = spans(run)
+    by_id = {r["span_id"]: r for r in rows}
+    return [
+        (r["name"], by_id.get(r["parent_span_id"], {}).get("name"), r["depth"], r["lane"])
+        + (r["category"], r["attrs"])
+        for r in rows
+    ]
+
+
+def test_module_ranges_from_the_c_call_equal_the_python_ones(record, monkeypatch) -> None:
+    """The wrapper's range opened and closed by the tracer's C call (``call_in_range``) is the
+    one ``spans.begin``/``end`` (its Python twin) record: same names, nesting, lane, category,
+    attributes, next to a user range."""
+    from gpu_trace.framework_patches.torch import modules as torch_modules
+
+    got = []
+    for native in (True, False):
+        run = record(TAG=str(native))
+        assert (torch_modules._in_range is not None) == (gpu_trace.range is not _api.PyRange)
+        if not native:
+            monkeypatch.setattr(torch_modules, "_in_range", None)
+        with gpu_trace.range("user"):
+            train_once("cnn")
+        gpu_trace.stop()
+        got.append(module_rows(run))
+        run.rename(run.with_name(f"run-{native}"))
+    assert got[0] == got[1]
+    assert ("CNN.head", "CNN", 2, "nvtx/torch", "module", [("module", "Linear")]) in got[0]
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_exception_in_forward_propagates_and_ranges_close(record, monkeypatch, native) -> None:
+    from gpu_trace.framework_patches.torch import modules as torch_modules
+
     class Boom(nn.Module):
         def forward(self, x):
             raise KeyError("boom")
 
     model = nn.Sequential(nn.Linear(2, 2), Boom())
     run = record()
+    if not native:
+        monkeypatch.setattr(torch_modules, "_in_range", None)
     with pytest.raises(KeyError, match="boom"):
         model(torch.randn(1, 2))
     with gpu_trace.range("after"):
