@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from gpu_trace.runtime.client import composites
+from gpu_trace.runtime.client import autocast, composites
 from gpu_trace.runtime.client import tensor as rt
 from gpu_trace.runtime.client.connection import Connection, OpRecord, now_ns
 
@@ -95,6 +95,16 @@ class RemoteModule:
     manual_seed = manual_seed_all
 
     @staticmethod
+    def get_amp_supported_dtype() -> list[torch.dtype]:
+        """What ``torch.autocast("remote", dtype=...)`` accepts: CUDA's autocast dtypes (the
+        policy is CUDA's: :mod:`gpu_trace.runtime.client.autocast`)."""
+        return [torch.float16, torch.bfloat16]
+
+    @staticmethod
+    def is_bf16_supported(including_emulation: bool = True) -> bool:
+        return True
+
+    @staticmethod
     def memory_stats() -> dict[str, int]:
         """Bytes the session holds on the server now and at peak, and its tensor count."""
         c = rt.conn
@@ -164,6 +174,8 @@ def connect(
     c = Connection(address, token=token, sync=sync, timeout_s=timeout_s, **options)
     rt.conn = c
     composites.patch()
+    autocast.register()
+    autocast.patch()
     if _last_seed is not None:
         RemoteModule.manual_seed_all(_last_seed)
     return rt.DEVICE
@@ -185,6 +197,7 @@ def disconnect() -> None:
     """Close the session: the server frees everything it held for this client."""
     c, rt.conn = rt.conn, None
     composites.unpatch()
+    autocast.unpatch()
     if c is not None:
         c.close()
 
