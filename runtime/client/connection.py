@@ -1,10 +1,14 @@
 """The forwarding client's connection: batching, sync points, errors, heartbeats, clock sync.
 
 Ops are appended to the pending batch; the batch is sent when nothing is in flight (the server
-would otherwise sit idle), when it reaches ``max_batch_ops``, or at a sync point. While one batch
-is in flight the next one fills, so batches grow exactly as large as the network and the server
-make them. At most ``max_in_flight`` batches are outstanding; past that, issuing waits (like
-CUDA's launch queue). In ``sync`` mode every op is sent alone and waited for.
+would otherwise sit idle), when it reaches ``max_batch_ops``, when its first op has waited
+``hold_us``, or at a sync point. While one batch is in flight the next one fills, so batches grow
+as large as the network and the server make them, but no op is held longer than ``hold_us``:
+the DONE that frees the window is handled by the receiver thread, which needs the GIL that the
+program's thread holds while it issues ops, so it can come hundreds of µs after the server sent
+it, and the server would sit idle all that time with work the client already has. At most
+``max_in_flight`` batches are outstanding; past that, issuing waits (like CUDA's launch queue).
+In ``sync`` mode every op is sent alone and waited for.
 
 Three threads besides the program's: the receiver (DONEs of batches nobody waits for; see
 :mod:`gpu_trace.runtime.client.receiver`, which also holds how messages are read and handled), the
@@ -89,6 +93,7 @@ class Connection(Receiver):
         max_batch_ops: int = 512,
         min_batch_ops: int = 8,
         linger_us: float = 300.0,
+        hold_us: float = 250.0,
         max_in_flight: int = 16,
         trace: bool | None = None,
         spin_us: float | None = None,
@@ -103,6 +108,8 @@ class Connection(Receiver):
         self.min_batch_ops = max(1, min(min_batch_ops, self.max_batch_ops))
         self.linger_s = linger_us / 1e6
         self.max_in_flight = max_in_flight
+        #: The longest an issued op waits in the pending batch while another is in flight (ns).
+        self.hold_ns = int(hold_us * 1e3)
         #: How long a waiting thread polls for the reply before sleeping (ns).
         self.spin_ns = FrameReader.spin_budget(config.spin_us(spin_us))
         host, port = parse_address(address)
@@ -250,7 +257,11 @@ class Connection(Receiver):
                 seq = self.sent_seq + 1
                 self.ops_issued += 1
                 n = len(records)
-                if n >= self.max_batch_ops or (not self._in_flight and n >= self.min_batch_ops):
+                if (
+                    n >= self.max_batch_ops
+                    or record.t0 - self._first_ns >= self.hold_ns
+                    or (not self._in_flight and n >= self.min_batch_ops)
+                ):
                     self._flush_locked()
         if self.sync:
             self.wait(seq, record.name)
@@ -298,6 +309,7 @@ class Connection(Receiver):
             self._flush_locked(urgent=True)
         elif (
             n >= self.max_batch_ops
+            or record.t0 - self._first_ns >= self.hold_ns
             or (not self._in_flight and n >= self.min_batch_ops)
             or len(self._large) > 64
         ):

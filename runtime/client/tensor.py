@@ -14,13 +14,20 @@ output shape depends on data (run at once, their shapes asked from the server).
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from gpu_trace.runtime.client.connection import Connection, OpRecord, now_ns
 from gpu_trace.runtime.protocol.errors import RemoteError, ServerGone
-from gpu_trace.runtime.protocol.shapes import DYNAMIC, RESIZED, Alias, NewTensor, ShapeCache
+from gpu_trace.runtime.protocol.shapes import (
+    DYNAMIC,
+    MAX_PLANS,
+    RESIZED,
+    Alias,
+    NewTensor,
+    ShapeCache,
+)
 from gpu_trace.runtime.protocol.templates import numbers
 from gpu_trace.runtime.protocol.values import (
     DTYPE_NAMES,
@@ -313,7 +320,7 @@ def _dispatch(cls: Any, func: Any, types: Any, args: tuple = (), kwargs: Any = N
     if kind == "tensor":
         plan = _plans.get(tuple(key))
         if plan is None:
-            plan = _plan(func, args, kwargs or {}, tuple(key), name)
+            plan = _miss(c, func, args, kwargs or {}, tuple(key), name, kind)
         if type(plan) is _One:  # one new tensor: most ops
             ident = next(c.ids)
             out = _make(c, ident, plan)
@@ -322,11 +329,14 @@ def _dispatch(cls: Any, func: Any, types: Any, args: tuple = (), kwargs: Any = N
             return out
         if plan is DYNAMIC:
             return _dynamic(c, func, name, wire_args, wire_kwargs, e, t0)
-        return _issue_plan(c, plan, name, wire_args, wire_kwargs, inputs, nums, e, t0)
-    if kind == "none":
+        return _issue_plan(c, cast(_Many, plan), name, wire_args, wire_kwargs, inputs, nums, e, t0)
+    if kind == "none":  # in-place list ops (``_foreach_add_``...): a template call, no reply
+        key_t = tuple(key)
+        plan = _plans.get(key_t)
+        if plan is None:
+            plan = _miss(c, func, args, kwargs or {}, key_t, name, kind)
         record = OpRecord(name, _stack(), t0)
-        c.issue([name, wire_args, wire_kwargs, None], record, e.blobs)
-        record.t1 = now_ns()
+        _send(c, cast(_Call, plan), record, wire_args, wire_kwargs, None, nums, e)
         return None
     if kind == "scalar":
         key_t = tuple(key)
@@ -380,8 +390,8 @@ class _Many:
 
 
 class _Call:
-    """The plan of an op with a non-tensor result (``.item()``, ``bool()``...): run at once;
-    ``tid``/``tepoch`` as :class:`_One`'s."""
+    """The plan of an op with a non-tensor result (``.item()``, ``bool()``...: run at once) or
+    none (in place, issued without waiting); ``tid``/``tepoch`` as :class:`_One`'s."""
 
     __slots__ = ("tid", "tepoch")
 
@@ -392,6 +402,96 @@ class _Call:
 
 #: Ready plans by signature key, the shape cache's own dict (see :func:`_plan`).
 _plans: dict[Any, Any] = cache.plans
+
+
+#: Signatures that differ only in float values a value-blind op may take, each with its plan
+#: and template, before its calls with new values go as JSON ops (see :func:`_miss`).
+VOLATILE_AFTER = 4
+
+
+class _Seen:
+    """A value-blind signature: how many float values it took, and the twin of its first plan
+    (the same results, no template: sent as JSON)."""
+
+    __slots__ = ("count", "twin")
+
+    def __init__(self, twin: _One | _Many | _Call) -> None:
+        self.count = 1
+        self.twin = twin
+
+
+#: Per value-blind key, what was seen of it.
+_blind: dict[object, _Seen] = {}
+#: Per op, by ``id(op)``: whether float arguments leave its results' metadata alone.
+_value_blind: dict[int, bool] = {}
+_FLOAT = (float,)
+
+
+def _blind_key(k: object) -> object:
+    """A signature key with every float's value left out."""
+    if type(k) is tuple:
+        if len(k) == 2 and k[0] is float:
+            return _FLOAT
+        return tuple([_blind_key(x) for x in k])
+    return k
+
+
+def _is_value_blind(func: torch._ops.OpOverload, kind: str) -> bool:
+    """Ops whose float arguments cannot change what their results look like: those returning
+    nothing, pointwise ones (ATen's ``pointwise`` tag: the result is the broadcast of the
+    tensor inputs; a float's type counts, which the key keeps, not its value) and foreach ones
+    (each result shaped as its input). Not ``arange``, ``upsample_*.vec`` and the like."""
+    blind = _value_blind.get(id(func))
+    if blind is None:
+        blind = kind == "none" or str(func.name()).startswith("aten::_foreach_")
+        blind = blind or torch.Tag.pointwise in getattr(func, "tags", ())
+        _value_blind[id(func)] = blind
+    return blind
+
+
+def _miss(
+    c: Connection,
+    func: torch._ops.OpOverload,
+    args: tuple,
+    kwargs: dict,
+    key: tuple,
+    name: str,
+    kind: str,
+) -> _One | _Many | _Call | str:
+    """The plan of a signature not in the cache.
+
+    A float that changes at every step (an optimizer's bias corrections, a learning-rate
+    schedule: ``param.add_(buf, alpha=-lr)``) makes a new signature at every call: a ``meta``
+    run (hundreds of µs), a cache entry and a template each time, until the cache starts over
+    and the session may define no more. For ops whose floats cannot change their results'
+    metadata, once a signature has taken :data:`VOLATILE_AFTER` float values, a new one reuses
+    the plan of the first (no ``meta`` run) and goes as a JSON op: no entry, no template.
+    """
+    bkey = _blind_key(key) if _is_value_blind(func, kind) else key
+    entry = _blind.get(bkey) if bkey != key else None
+    if entry is not None:
+        entry.count += 1
+        if entry.count > VOLATILE_AFTER:
+            twin = entry.twin
+            twin.tepoch = c.epoch  # its tid stays 0: the op goes as JSON
+            return twin
+    plan = _Call() if kind != "tensor" else _plan(func, args, kwargs, key, name)
+    if kind != "tensor":
+        cache.put(key, plan)
+    if bkey != key and entry is None and not isinstance(plan, str):  # not DYNAMIC
+        if len(_blind) >= MAX_PLANS:
+            _blind.clear()
+        _blind[bkey] = _Seen(_twin(plan))
+    return plan
+
+
+def _twin(plan: _One | _Many | _Call) -> _One | _Many | _Call:
+    """A plan like ``plan`` with no template of its own."""
+    if type(plan) is _One:
+        return _One(plan.dtype, plan.shape, plan.stride, plan.offset)
+    if type(plan) is _Many:
+        return _Many(plan.is_tuple, plan.described)
+    return _Call()
 
 
 def _plan(func: Any, args: tuple, kwargs: dict, key: tuple, name: str) -> Any:
@@ -581,3 +681,24 @@ _NO_ENCODER: Any = _NoEncoder()
 
 # Called by PyTorch directly (no frame of a wrapper between the program and the dispatch).
 RemoteTensor.__torch_dispatch__ = classmethod(_dispatch)  # type: ignore[assignment]
+
+
+def _foreach_capable() -> None:
+    """List remote tensors among the types whose optimizers and ``clip_grad_norm_`` default to
+    their foreach implementations, as DTensor lists itself.
+
+    The remote device stands for a CUDA one, where PyTorch takes the foreach path by default:
+    so a forwarded step computes what the same step computes locally on the GPU, and issues one
+    op per parameter group where the loop over tensors issued one per parameter (AdamW: about
+    ten per parameter). The lists are PyTorch's private names: where they are missing, the
+    optimizers keep their loops.
+    """
+    import importlib
+
+    for module in ("torch.optim.optimizer", "torch.utils._foreach_utils"):
+        types = getattr(importlib.import_module(module), "_foreach_supported_types", None)
+        if type(types) is list and RemoteTensor not in types:
+            types.append(RemoteTensor)
+
+
+_foreach_capable()
