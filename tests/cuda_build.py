@@ -196,8 +196,12 @@ class CudaBuild:
         for name, value in bindings.items():
             self._set(torch._C, name, value)
         self._set(torch.cuda, "_cudart", _CudartStandIn())
-        self._set(torch.cuda, "_exchange_device", bindings["_cuda_exchangeDevice"])
-        self._set(torch.cuda, "_maybe_exchange_device", bindings["_cuda_maybeExchangeDevice"])
+        for name, binding in (
+            ("_exchange_device", "_cuda_exchangeDevice"),
+            ("_maybe_exchange_device", "_cuda_maybeExchangeDevice"),
+        ):  # bound at import in a CUDA build: replace the CPU build's fallback, not a patch's
+            if getattr(torch.cuda, name).__module__ == "torch.cuda":
+                self._set(torch.cuda, name, bindings[binding])
         self._set(
             torch.cuda.graphs,
             "_cuda_isCurrentStreamCapturing",

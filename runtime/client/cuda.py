@@ -3,12 +3,30 @@
 `gpu-trace record --remote HOST:PORT` sets ``GPU_TRACE_REMOTE``; the traced interpreter's startup
 calls :func:`install_from_env`, which waits for the program to import torch and then connects,
 maps the ``cuda`` device onto ``remote`` (a torch-function mode rewrites ``device="cuda"``,
-``.cuda()`` and ``.to("cuda")``) and answers ``torch.cuda``'s questions from the session:
-``is_available()``, ``device_count()``, ``synchronize()``, seeding, memory queries.
+``.cuda()`` and ``.to("cuda")``) and answers ``torch.cuda``'s questions from the session, so that
+a CPU-only build of torch and a CUDA build on a machine without a GPU (pip's default on Linux,
+whose ``torch.cuda`` calls raise there: tests/cuda_build.py mimics it) both work:
 
-What this does not emulate: CUDA streams and events, CUDA graphs, ``torch.autocast("cuda")``,
-``.is_cuda`` on tensors the program creates on the CPU, and ``cuda`` devices named in threads the
-program starts itself (the mode is per thread).
+- ``is_available()``, ``device_count()``, ``current_device()``, ``set_device``, ``device(i)``:
+  one device, index 0; ``synchronize()``, seeding and ``memory_allocated``/``memory_reserved``
+  (and their peaks) ask the session;
+- ``is_current_stream_capturing()`` is False (nothing is captured: optimizers ask it);
+- ``Stream``, ``Event``, ``current_stream``/``default_stream``/``set_stream``, ``stream()``
+  contexts: :mod:`~gpu_trace.runtime.client.cuda_streams` (one session stream on the server;
+  events timed there);
+- ``get_device_properties``/``get_device_name``/``get_device_capability``: the server's device
+  (``rt::device``, asked once per session); ``mem_get_info``: free and total as the session sees
+  them (its tenant's quota as the total where it has one); ``empty_cache`` does nothing (the
+  server keeps its allocator's cache);
+- backend settings (TF32, cuDNN, matmul precision, deterministic algorithms) go with the ops:
+  :mod:`~gpu_trace.runtime.client.cuda_flags`;
+- CUDA graphs (``CUDAGraph``, ``graph``, so ``make_graphed_callables``) raise a RuntimeError
+  naming gpu-trace: a graph captures kernels launched locally.
+
+Not emulated: ``torch.autocast("cuda")``, ``.is_cuda`` on tensors the program creates on the CPU,
+CUDA tensors' ``record_stream``, ``torch.accelerator``/``torch.Stream`` (the remote device
+answers those as itself) and ``cuda`` devices named in threads the program starts itself (the
+mode is per thread).
 """
 
 from __future__ import annotations
@@ -18,8 +36,10 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-_patched: dict[str, Any] = {}
+_ABSENT = object()
+_patched: list[tuple[object, str, object]] = []
 _mode: Any = None
+_properties_cache: dict[int, DeviceProperties] = {}  # by connection epoch
 
 
 def install_from_env() -> None:
@@ -91,12 +111,30 @@ def _mode_class() -> Any:
     return CudaToRemote
 
 
+#: What CUDA graphs get: they cannot be forwarded.
+GRAPHS_MESSAGE = (
+    "gpu-trace: CUDA graphs (torch.cuda.graph, torch.cuda.CUDAGraph, make_graphed_callables) "
+    "cannot run in gpu-trace's transparent mode (record --remote): a graph captures kernels "
+    "launched on a local GPU, and forwarded ops run one by one on the server. Run the program "
+    "without --remote, or without CUDA graphs."
+)
+
+
+class _NoGraphs:
+    """``torch.cuda.CUDAGraph`` / ``torch.cuda.graph`` in transparent mode: a clear error
+    (``make_graphed_callables`` makes a ``CUDAGraph`` first, so it gets it too)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        raise RuntimeError(GRAPHS_MESSAGE)
+
+
 def patch() -> None:
     """Map ``cuda`` onto the remote device in this thread and patch ``torch.cuda``."""
     global _mode
     import torch
+    import torch.cuda.graphs
 
-    from gpu_trace.runtime.client import device
+    from gpu_trace.runtime.client import cuda_flags, cuda_streams, device
     from gpu_trace.runtime.client import tensor as rt
 
     unpatch()
@@ -107,6 +145,9 @@ def patch() -> None:
 
         return query
 
+    def exchange(index: int) -> int:  # torch.cuda.device(i): one device, index 0
+        return -1 if index is None or index < 0 else 0
+
     replacements = {
         "is_available": lambda: True,
         "is_initialized": lambda: True,
@@ -114,23 +155,39 @@ def patch() -> None:
         "current_device": lambda: 0,
         "set_device": lambda device_: None,
         "_lazy_init": lambda: None,
+        "_exchange_device": exchange,
+        "_maybe_exchange_device": exchange,
         "synchronize": lambda device_=None: device.synchronize(),
         "manual_seed": lambda seed: device.RemoteModule.manual_seed_all(seed),
         "manual_seed_all": lambda seed: device.RemoteModule.manual_seed_all(seed),
-        "get_device_name": lambda device_=None: f"remote {_server_device()}",
+        "get_device_properties": lambda device_=None: _properties(),
+        "get_device_name": lambda device_=None: _properties().name,
+        "get_device_capability": lambda device_=None: (_properties().major, _properties().minor),
+        "mem_get_info": lambda device_=None: _mem_info(),
         "memory_allocated": memory("allocated_bytes"),
         "max_memory_allocated": memory("peak_bytes"),
         "memory_reserved": memory("allocated_bytes"),
         "max_memory_reserved": memory("peak_bytes"),
         "reset_peak_memory_stats": lambda device_=None: None,
         "empty_cache": lambda: None,
+        "is_current_stream_capturing": lambda: False,
+        "CUDAGraph": _NoGraphs,
+        "graph": _NoGraphs,
+        **cuda_streams.REPLACEMENTS,
     }
     for name, fn in replacements.items():
-        _patched[name] = getattr(torch.cuda, name, None)
-        setattr(torch.cuda, name, fn)
+        _replace(torch.cuda, name, fn)
+    _replace(torch.cuda.graphs, "is_current_stream_capturing", replacements[
+        "is_current_stream_capturing"])  # fmt: skip
     _mode = _mode_class()()
     _mode.__enter__()
     rt.cuda_alias = True
+    cuda_flags.install()
+
+
+def _replace(owner: object, name: str, value: object) -> None:
+    _patched.append((owner, name, owner.__dict__.get(name, _ABSENT)))
+    setattr(owner, name, value)
 
 
 def unpatch() -> None:
@@ -140,12 +197,16 @@ def unpatch() -> None:
     torch = sys.modules.get("torch")
     if torch is None:
         return
-    for name, original in list(_patched.items()):
-        if original is None:
-            delattr(torch.cuda, name)
+    from gpu_trace.runtime.client import cuda_flags
+
+    cuda_flags.uninstall()
+    for owner, name, original in reversed(_patched):
+        if original is _ABSENT:
+            delattr(owner, name)
         else:
-            setattr(torch.cuda, name, original)
-        del _patched[name]
+            setattr(owner, name, original)
+    _patched.clear()
+    _properties_cache.clear()
     from gpu_trace.runtime.client import tensor as rt
 
     rt.cuda_alias = False
@@ -161,7 +222,48 @@ def is_patched() -> bool:
     return bool(_patched)
 
 
-def _server_device() -> str:
+class DeviceProperties:
+    """``torch.cuda.get_device_properties()``'s answer: the server's device, as its ``rt::device``
+    op says (a CUDA device's own properties; for the CPU device, the machine's processor,
+    capability (0, 0), the memory the server shares and its CPU count)."""
+
+    def __init__(self, name: str, major: int, minor: int, total: int, sms: int) -> None:
+        self.name = name
+        self.major = major
+        self.minor = minor
+        self.total_memory = total
+        self.multi_processor_count = sms
+
+    def __repr__(self) -> str:
+        return (
+            f"_CudaDeviceProperties(name='{self.name}', major={self.major}, minor={self.minor}, "
+            f"total_memory={self.total_memory // (1 << 20)}MB, "
+            f"multi_processor_count={self.multi_processor_count})"
+        )
+
+
+def _ask(name: str) -> Any:
+    from gpu_trace.runtime.client import cuda_streams
+
+    return cuda_streams._call(name, [], wait=name.removeprefix("rt::"))
+
+
+def _properties() -> DeviceProperties:
+    """The server's device, asked once per session (it does not change)."""
     from gpu_trace.runtime.client import tensor as rt
 
-    return rt.conn.server_device if rt.conn is not None else "?"
+    epoch = rt.conn.epoch if rt.conn is not None else 0
+    props = _properties_cache.get(epoch)
+    if props is None:
+        name, major, minor, total, sms = _ask("rt::device")
+        props = _properties_cache[epoch] = DeviceProperties(
+            str(name), int(major), int(minor), int(total), int(sms)
+        )
+    return props
+
+
+def _mem_info() -> tuple[int, int]:
+    """(free, total) bytes as the session sees the device: its tenant's quota as the total
+    where it has one."""
+    free, total = _ask("rt::mem_info")
+    return int(free), int(total)

@@ -3,8 +3,9 @@
 ``rt::fetch`` sends a tensor's bytes back, ``rt::meta`` the shape of a data-dependent output,
 ``rt::seed`` seeds the session's generator, ``rt::fn`` runs a whole function with server-side
 autograd (:mod:`gpu_trace.runtime.client.composites`) and ``rt::backward`` its gradients,
-``rt::sync`` and ``rt::memory`` answer the client's CUDA emulation. Also the random-state helpers
-that keep each session on its own random stream.
+``rt::sync`` and ``rt::memory`` answer the client's CUDA emulation, with the ops of
+:mod:`~gpu_trace.runtime.server.device_ops` (events, device queries, backend settings). Also
+the random-state helpers that keep each session on its own random stream.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from gpu_trace.runtime.protocol.wire import (
     chunk_frames,
     split_frame,
 )
+from gpu_trace.runtime.server import device_ops
 from gpu_trace.runtime.server.sessions import Session
 from gpu_trace.runtime.sharing.memory import allocator_bytes
 
@@ -79,6 +81,8 @@ def run_pseudo(
         return None
     if name == "rt::memory":
         return [session.account.bytes, session.account.peak_bytes, len(session.handles)]
+    if name in device_ops.NAMES:  # events, device queries, backend settings
+        return device_ops.run(ex, session, name, args)
     raise OpError(f"unknown runtime op {name[:100]!r}")
 
 

@@ -29,9 +29,9 @@ BUDGET = {
     "gpu_trace/_boot": 0,
     "gpu_trace/commands": 6,
     "runtime": 1,
-    "runtime/client": 133,
-    "runtime/protocol": 111,
-    "runtime/server": 257,
+    "runtime/client": 135,  # +2: rt:: results are JSON (cuda_streams)
+    "runtime/protocol": 113,  # +2: backend settings as JSON (backend_flags)
+    "runtime/server": 260,  # +3: rt:: results, CUDA events or clock marks (device_ops)
     "runtime/sharing": 62,
     "tracer": 70,
 }
