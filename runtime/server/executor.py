@@ -51,6 +51,7 @@ from gpu_trace.runtime.protocol.wire import (
     json_frame,
 )
 from gpu_trace.runtime.server import allowlist
+from gpu_trace.runtime.server.device_ops import use_flags
 from gpu_trace.runtime.server.plan import MAX_TEMPLATE_SIZES, Calls, Plan, check_sizes
 from gpu_trace.runtime.server.pseudo_ops import rng_state, run_pseudo, seed_device, set_rng_state
 from gpu_trace.runtime.server.sessions import Session
@@ -272,6 +273,7 @@ class Executor:
         seq, ops, frees = _batch_head(head)
         if self._rng_owner is not session:
             self._switch_rng(session)
+        use_flags(self.torch, session)  # its TF32, cuDNN... settings, not the last session's
         usage = session.usage
         start = now_ns()
         state = work.resume
