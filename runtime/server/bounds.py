@@ -230,6 +230,38 @@ def _fused_optimizer_rule(op: str, lists: tuple[tuple[int, str], ...]) -> Rule:
     return rule
 
 
+#: One-element tensors of the mixed-precision ops (GradScaler's ``_amp_*`` and the fused
+#: optimizers' ``grad_scale``/``found_inf`` and tensor ``lr``), by argument name, with their
+#: dtype (None: any).
+_ONE_ELEMENT: dict[str, str | None] = {
+    "lr": None,
+    "grad_scale": "torch.float32",
+    "found_inf": "torch.float32",
+    "inv_scale": "torch.float32",
+    "growth_tracker": "torch.int32",
+}
+
+
+def _one_element_rule(op: str, at: tuple[tuple[int, str, str | None], ...]) -> Rule:
+    """``grad_scale``/``found_inf``/``lr`` of the fused optimizers, the scale, ``found_inf``,
+    ``inv_scale`` and ``growth_tracker`` of ``_amp_update_scale_`` and
+    ``_amp_foreach_non_finite_check_and_unscale_``: kernels read or write them as one number.
+    The fused optimizers' CPU kernels do not check (an empty ``grad_scale`` was read past its
+    storage: NaN params), the ``_amp`` ones do; all are checked here, before any device runs."""
+
+    def rule(args: list[Any], kwargs: dict[str, Any]) -> None:
+        for position, name, dtype in at:
+            t = _arg(args, kwargs, position, name)
+            if not hasattr(t, "numel"):
+                continue  # absent (optional), or not a tensor: the op refuses it
+            if t.numel() != 1:
+                raise OpError(f"{op}: {name} must have one element, not {t.numel()}")
+            if dtype is not None and str(t.dtype) != dtype:
+                raise OpError(f"{op}: {name} must be {dtype[6:]}, not {str(t.dtype)[6:]}")
+
+    return rule
+
+
 _PER_CHANNEL = ("weight", "bias", "running_mean", "running_var", "save_mean", "save_invstd")
 
 
@@ -419,10 +451,19 @@ def rules_for(schema: Any) -> list[Rule]:
     if "batch_norm" in schema.name and "input" in at:
         eval_only = "no_update" in schema.name or "no_training" in schema.name
         rules.append(_batch_norm_rule(op, at, "backward" in schema.name, eval_only))
-    if schema.name.startswith("aten::_foreach_") and len(lists) > 1:
+    if schema.name.startswith(("aten::_foreach_", "aten::_amp_foreach_")) and len(lists) > 1:
         rules.append(_lists_rule(op, lists))
     if schema.name.startswith("aten::_fused_") and len(lists) > 1:
         rules.append(_fused_optimizer_rule(op, lists))
+    if schema.name.startswith(("aten::_fused_", "aten::_amp_")):
+        scalars = tuple(
+            (i, a.name, _ONE_ELEMENT.get(a.name, "torch.float32"))
+            for i, a in enumerate(schema.arguments)
+            if str(a.type) in ("Tensor", "Optional[Tensor]")
+            and (a.name in _ONE_ELEMENT or schema.name.startswith("aten::_amp_update_scale"))
+        )
+        if scalars:
+            rules.append(_one_element_rule(op, scalars))
     if flags:
         rules.append(_dense_rule(op, tuple(flags)))
     if names:
