@@ -92,6 +92,9 @@ def run(ex: Executor, session: Session, name: str, args: list[object]) -> Any:
             flags = backend_flags.check(args[0])
         except ValueError as exc:
             raise ProtocolError(f"rt::flags: {exc}") from None
+        own = _server_own(ex.torch)
+        if flags == own:  # the usual case: nothing to switch between it and other sessions
+            flags = own
         _flags[session] = flags
         _put_in_force(ex.torch, session, flags)
         return None
@@ -104,20 +107,24 @@ def use_flags(torch: ModuleType, session: Session) -> None:
     if session is _owner:
         return
     flags = _flags.get(session)
-    if flags is None:
-        global _baseline
-        if _baseline is None:
-            _baseline = backend_flags.read(torch)
-        flags = _baseline
-    _put_in_force(torch, session, flags)
+    _put_in_force(torch, session, flags if flags is not None else _server_own(torch))
+
+
+def _server_own(torch: ModuleType) -> Flags:
+    """The server's own settings, read once, before any session's were put in force."""
+    global _baseline, _in_force
+    if _baseline is None:
+        _baseline = backend_flags.read(torch)
+        if _in_force is None:  # what is in force now: nothing to apply for it
+            _in_force = _baseline
+    return _baseline
 
 
 def _put_in_force(torch: ModuleType, session: Session, flags: Flags) -> None:
-    global _in_force, _owner, _baseline
+    global _in_force, _owner
     if flags is not _in_force:
-        if _baseline is None:
-            _baseline = backend_flags.read(torch)
-        backend_flags.apply(torch, flags)
+        if flags != _in_force:
+            backend_flags.apply(torch, flags)
         _in_force = flags
     _owner = session
 

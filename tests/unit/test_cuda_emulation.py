@@ -307,3 +307,54 @@ def test_backend_settings_apply_on_the_server_per_session(served: str) -> None:
     assert not defaults["cudnn_benchmark"] and defaults["matmul_precision"] == "highest"
     assert again == mine and filled
     assert json.loads(out.stdout) == defaults  # the other session ran under the server's own
+
+
+PROGRAM = """
+{harness}
+import torch
+import torch.nn.functional as F
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+x, y = torch.randn(32, 8), torch.randn(32, 1)
+model, x, y = model.to(device), x.to(device), y.to(device)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+timed = device == "cuda"
+if timed:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    print("DEVICE", torch.cuda.get_device_name(), torch.cuda.get_device_capability())
+for step in range(3):
+    if timed:
+        start.record()
+    opt.zero_grad()
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    if timed:
+        end.record()
+        end.synchronize()
+        assert start.elapsed_time(end) >= 0.0
+    print("LOSS", repr(loss.item()))
+"""
+
+
+def test_record_remote_runs_a_program_on_a_cuda_build_without_a_gpu(
+    served: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``gpu-trace record --remote`` end to end, the harness applied in the program's first
+    lines: the AdamW loop with CUDA events runs, with the CPU's losses (the same program run
+    here, where no CUDA is available)."""
+    exec(PROGRAM.format(harness=""), {})
+    expected = [line for line in capsys.readouterr().out.splitlines() if line.startswith("LOSS")]
+    env = {**os.environ, "GPU_TRACE_REMOTE_TOKEN": TOKEN, "PYTHONPATH": str(REPO)}
+    harness = "from tests.cuda_build import apply; apply()"
+    remote = subprocess.run(
+        [sys.executable, "-m", "gpu_trace", "record", "--remote", served, "--", sys.executable,
+         "-c", PROGRAM.format(harness=harness)],
+        capture_output=True, text=True, timeout=240, env=env, cwd=REPO,
+    )  # fmt: skip
+    assert remote.returncode == 0, remote.stderr
+    assert "DEVICE cpu (" in remote.stdout
+    losses = [line for line in remote.stdout.splitlines() if line.startswith("LOSS")]
+    assert len(expected) == 3 and losses == expected
