@@ -47,9 +47,11 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 TOKEN = "bench-forward-gpu-token-0123"
@@ -230,7 +232,9 @@ def worker(
         dev = runtime.connect(address, token=TOKEN)
         try:
             trainer = Trainer(model, size, dev)
-            return _result(*timed_steps(lambda: trainer.step().item(), warmup, steps))
+            res = _result(*timed_steps(lambda: trainer.step().item(), warmup, steps))
+            res["runtime"] = os.path.dirname(os.path.dirname(os.path.realpath(runtime.__file__)))
+            return res
         finally:
             runtime.disconnect()
     if peer.startswith("rpc"):
@@ -301,8 +305,32 @@ def _serve(kind: str) -> None:
     server.serve_forever()
 
 
-def _env(kind: str, gpuless: bool) -> dict[str, str]:
+#: ``--baseline``'s import path (a folder whose ``gpu_trace`` is the baseline checkout's).
+_BASELINE: dict[str, str] = {}
+
+
+def baseline_path(root: Path, into: Path) -> Path:
+    """A folder to put first on ``PYTHONPATH`` so that ``gpu_trace`` is ``root``'s (a checkout
+    laid out by its pyproject's ``package-dir``: the package's folders live beside it)."""
+    import tomllib
+
+    dirs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    pkg = into / "gpu_trace"
+    pkg.mkdir(parents=True)
+    for entry in (root / dirs["gpu_trace"]).iterdir():
+        (pkg / entry.name).symlink_to(entry)
+    for name, folder in dirs.items():
+        if name.startswith("gpu_trace."):
+            (pkg / name.split(".", 1)[1]).symlink_to(root / folder)
+    return into
+
+
+def _env(kind: str, gpuless: bool, base: bool = False) -> dict[str, str]:
     env = dict(os.environ)
+    if base:
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [_BASELINE["path"], env.get("PYTHONPATH")])
+        )
     if kind == "cpu":
         env["OMP_NUM_THREADS"] = "1"  # see the module docstring
     if gpuless:
@@ -317,7 +345,7 @@ def _spawn(args: list[str], env: dict[str, str], **kw: Any) -> subprocess.Popen:
 @contextlib.contextmanager
 def peer_of(peer: str, kind: str) -> Iterator[str]:
     """The server side of ``peer`` (a fresh process; none for ``local``): yields its address."""
-    env = _env(kind, False)
+    env = _env(kind, False, peer.endswith("@base"))
     if peer == "local":
         yield ""
         return
@@ -351,7 +379,7 @@ def run_peer(peer: str, model: str, kind: str, warmup: int, steps: int) -> dict[
             args += ["--warmup", str(warmup), "--steps", str(steps), "--address", address]
             proc = _spawn(
                 args,
-                _env(kind, peer.endswith("gpuless")),
+                _env(kind, "gpuless" in peer, peer.endswith("@base")),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -412,6 +440,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one round of a few steps")
     parser.add_argument("--cpu", action="store_true", help="the CPU-device variant even on a GPU")
     parser.add_argument("--json", action="store_true", help="the figures as JSON on stdout")
+    parser.add_argument(
+        "--baseline",
+        metavar="CHECKOUT",
+        help="also run the forwarded peers with this checkout's runtime (client and server), as"
+        " PEER@base: before/after in one run (e.g. a `git worktree add` of an earlier commit)",
+    )
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--rpc-server", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -445,6 +479,11 @@ def main() -> None:
         if m not in MODELS:
             parser.error(f"unknown model {m!r}; one of {', '.join(MODELS)}")
     chosen = peers(kind)
+    if args.baseline:
+        _BASELINE["path"] = str(
+            baseline_path(Path(args.baseline).resolve(), Path(tempfile.mkdtemp()))
+        )
+        chosen += [f"{p}@base" for p in chosen if p.startswith("forwarded")]
     if args.peers:
         chosen = ["local", *(p for p in args.peers.split(",") if p in chosen and p != "local")]
     if not args.json:
