@@ -101,7 +101,7 @@ def _function(ex: Executor, session: Session, decoder: ArgDecoder, args: Any, ou
     if type(fargs) is not list or type(outs) is not list:
         raise ProtocolError("rt::fn arguments and outs must be lists")
     if any(m is True for m in mask):
-        refusal = whole_op_refusal(torch, ex.device)
+        refusal = whole_op_refusal(ex.device.type)
         if refusal is not None:
             raise OpError(f"{str(name)[:100]} with autograd: {refusal}")
     a = decoder.decode_args(fargs)
@@ -150,7 +150,7 @@ def _backward(ex: Executor, session: Session, decoder: ArgDecoder, args: Any, ou
     if type(outs) is not list:
         raise ProtocolError("rt::backward outs must be a list")
     ident = args[0]
-    refusal = whole_op_refusal(torch, ex.device)
+    refusal = whole_op_refusal(ex.device.type)
     if refusal is not None:
         raise OpError(f"rt::backward: {refusal}")
     graph = session.take_graph(ident)
@@ -186,8 +186,8 @@ def _backward(ex: Executor, session: Session, decoder: ArgDecoder, args: Any, ou
     return None
 
 
-def whole_op_refusal(torch: Any, device: Any) -> str | None:
-    """Why autograd on ``device`` cannot run in this process, or None.
+def whole_op_refusal(device_type: str) -> str | None:
+    """Why autograd on a device of ``device_type`` cannot run in this process, or None.
 
     PyTorch's autograd engine takes the streams of CUDA nodes only when CUDA is the process's
     accelerator; a registered PrivateUse1 backend (the ``remote`` device of a forwarding client
@@ -196,8 +196,10 @@ def whole_op_refusal(torch: Any, device: Any) -> str | None:
     (:func:`gpu_trace.runtime.serving_process`); a server sharing its process with a client
     does not.
     """
-    if device.type != "cuda":
+    if device_type != "cuda":
         return None
+    import torch
+
     accelerator = torch.accelerator.current_accelerator()
     if accelerator is None or accelerator.type == "cuda":
         return None

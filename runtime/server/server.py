@@ -154,6 +154,7 @@ class Server:
             self._live_sessions,
             idle_s=idle_s,
             before_restore=self.memory.make_room,
+            stream_of=lambda session: self.executor.session_stream(session),
         )
         #: GPU activity capture: kernels under the ops that launched them, tenants' GPU busy
         #: time (:mod:`gpu_trace.runtime.server.device_activity`; None: off).

@@ -4,8 +4,14 @@ The server's :class:`Pager` moves every storage a session's handles hold to host
 session has been idle for its tenant's ``idle_s`` (or the server's default), when the device is
 full and another session needs room (:meth:`Pager.reclaim`, called by
 :mod:`gpu_trace.runtime.sharing.memory`), or when an admin asks. On a GPU the host copies are
-pinned; on the CPU device paging is a copy into new host memory (the original allocation is freed),
-so it saves nothing there but exercises the same code.
+pinned: the copies are then asynchronous DMA at the link's speed, on the pager's own stream, after
+the session's stream (an event, not a device-wide synchronize, so other tenants' kernels are not
+waited for). Pinned buffers come from PyTorch's caching host allocator, which keeps freed pinned
+blocks for reuse: once a session has been paged out and back, paging out the same sizes again
+allocates nothing new (a first page-out pays ``cudaHostAlloc``; see docs/sharing.md for the
+figures). Where pinned memory cannot be had the copy goes to pageable memory, logged. On the CPU
+device paging is a copy into new, unpinned host memory (the original allocation is freed), so it
+saves nothing there but exercises the same code.
 
 Each handle's tensor is re-pointed in place (``t.data = view``): the tensor object, its
 autograd version counter and its ``_base`` stay, and tensors that shared a storage share one
@@ -28,6 +34,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gpu_trace.runtime.sharing.restore import (
@@ -40,6 +47,8 @@ from gpu_trace.runtime.sharing.restore import (
 )
 
 if TYPE_CHECKING:
+    import torch
+
     from gpu_trace.runtime.server.sessions import Session
     from gpu_trace.runtime.sharing.scheduler import PolicyScheduler
 
@@ -49,6 +58,28 @@ now_ns = time.perf_counter_ns
 
 #: The server's default for how long a session may sit idle before it is paged out (seconds).
 DEFAULT_IDLE_S = 300.0
+
+
+@dataclass
+class PageOutStats:
+    """One page-out: ``bytes`` copied to the host, ``alloc_ns`` getting the host buffers,
+    ``copy_ns`` the copies (CUDA event times on a GPU, from when the session's own work was
+    done), ``all_ns`` the whole call."""
+
+    session: int
+    bytes: int
+    storages: int
+    pinned: bool
+    device: str
+    start_ns: int
+    alloc_ns: int = 0
+    copy_ns: int = 0
+    all_ns: int = 0
+
+    @property
+    def bytes_per_s(self) -> float:
+        """The copies' bandwidth (bytes copied over ``copy_ns``)."""
+        return self.bytes * 1e9 / self.copy_ns if self.copy_ns else 0.0
 
 
 class _Paged:
@@ -70,7 +101,11 @@ class Pager:
     called with ``"copy"``/``"copied"`` and a storage's position in the restore order, and with
     ``"op"`` and the op's position in its batch when the op's inputs are back.
     ``before_restore(session, bytes)`` is called before a restore allocates device memory (the
-    memory's ``make_room``); its exceptions are logged, the restore goes on.
+    memory's ``make_room``); its exceptions are logged, the restore goes on. ``stream_of(session)``
+    is the CUDA stream the session's work runs on (the executor's
+    :meth:`~gpu_trace.runtime.server.executor.Executor.session_stream`; None: none yet), which a
+    page-out's copies wait for. ``pin``: whether host copies are pinned (None: on a CUDA device;
+    a CPU build of torch cannot pin, so the CPU device never does).
     """
 
     def __init__(
@@ -84,6 +119,8 @@ class Pager:
         pipelined: bool = True,
         hook: Callable[[str, int], None] | None = None,
         before_restore: Callable[[Session, int], None] | None = None,
+        stream_of: Callable[[Session], torch.cuda.Stream | None] | None = None,
+        pin: bool | None = None,
     ) -> None:
         import torch
 
@@ -98,9 +135,15 @@ class Pager:
         self.torch = torch
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        #: Host copies are pinned (page-locked) memory.
+        self.pin = self.cuda if pin is None else bool(pin)
         self.before_restore = before_restore
-        #: The latest restores' figures (the bench reads them).
+        self.stream_of = stream_of
+        #: The latest restores' and page-outs' figures (the bench reads them).
         self.restores: collections.deque[RestoreStats] = collections.deque(maxlen=256)
+        self.page_outs: collections.deque[PageOutStats] = collections.deque(maxlen=256)
+        #: Host buffers that could not be pinned (pageable memory was used instead).
+        self.pin_failures = 0
         self.evictions = 0
         self._paged: dict[int, _Paged] = {}
         self._tried: dict[int, int] = {}  # session id -> last_active_ns when paging out did nothing
@@ -155,15 +198,20 @@ class Pager:
             self._tried[session.id] = session.usage.last_active_ns
             return 0
         # Copy first, then re-point: nothing reads the host copies before a restore, and a
-        # storage is freed only once no tensor points at it. On a GPU the session's own stream
-        # may still be writing its tensors: wait for the device before and after.
+        # storage is freed only once no tensor points at it.
+        copied = sum(st.size for st, _storage in groups)
+        stats = PageOutStats(session.id, copied, len(groups), self.pin, str(self.device), t0)
+        for st, _storage in groups:
+            st.host, pinned = self._host_buffer(st.size)
+            stats.pinned = stats.pinned and pinned
+        stats.alloc_ns = now_ns() - t0
         if self.cuda:
-            torch.cuda.synchronize(self.device)
-        for st, storage in groups:
-            st.host = torch.empty(st.size, dtype=torch.uint8, pin_memory=self.cuda)
-            st.host.copy_(_bytes_of(torch, storage), non_blocking=self.cuda)
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
+            self._copy_out_cuda(session, groups, stats)
+        else:
+            c0 = now_ns()
+            for st, storage in groups:
+                st.host.copy_(_bytes_of(torch, storage))
+            stats.copy_ns = max(1, now_ns() - c0)
         account = session.account
         notify, account.on_change = account.on_change, None
         moved: list[PagedStorage] = []
@@ -199,6 +247,8 @@ class Pager:
         usage.evictions += 1
         self.evictions += 1
         t1 = now_ns()
+        stats.all_ns = max(1, t1 - t0)
+        self.page_outs.append(stats)
         log.debug(
             "gpu-trace serve: session %d paged out (%s): %d bytes in %d storages",
             session.id,
@@ -213,6 +263,8 @@ class Pager:
                 "storages": str(len(moved)),
                 "kept_bytes": str(kept),
                 "device": str(self.device),
+                "pinned": "1" if stats.pinned else "0",
+                "bytes_per_s": str(int(stats.bytes_per_s)),
             }
             slog = session.log
             slog.span(slog.new_id(), 0, "server/evict", "evict", t0, t1, attrs)
@@ -220,6 +272,60 @@ class Pager:
             slog.counter("evictions", t1, float(usage.evictions), labels)
             slog.counter("session_paged_bytes", t1, float(account.paged_bytes), labels)
         return freed
+
+    def _host_buffer(self, nbytes: int) -> tuple[torch.Tensor, bool]:
+        """A host buffer of ``nbytes`` for a page-out, and whether it is pinned."""
+        torch = self.torch
+        if self.pin:
+            try:
+                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), True
+            except Exception as exc:  # no pinnable memory left (or none on this build)
+                self.pin_failures += 1
+                if self.pin_failures == 1:
+                    log.warning(
+                        "gpu-trace serve: could not pin %d bytes of host memory for a page-out "
+                        "(%s); paging out to pageable memory (slower copies)",
+                        nbytes,
+                        str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__,
+                    )
+        return torch.empty(nbytes, dtype=torch.uint8), False
+
+    def _copy_out_cuda(
+        self,
+        session: Session,
+        groups: list[tuple[PagedStorage, torch.UntypedStorage]],
+        stats: PageOutStats,
+    ) -> None:
+        """Copy ``groups`` into their host buffers on the pager's stream, and wait for them.
+
+        The side stream first waits for the session's stream (its last batch may still be
+        writing these tensors) and for this thread's current one (uploads, made outside
+        batches): events on those two streams, where a device-wide synchronize would also wait
+        for every other tenant's kernels in flight. The host then waits for the copies' own
+        event only, so the device storages can be freed (the allocator may hand them to the
+        session's stream at once).
+        """
+        torch = self.torch
+        side = self._side_stream()
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        own = self.stream_of(session) if self.stream_of is not None else None
+        if own is not None:
+            side.wait_stream(own)
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record(side)
+        with torch.cuda.stream(side):
+            for st, storage in groups:
+                st.host.copy_(_bytes_of(torch, storage), non_blocking=True)
+        end.record(side)
+        end.synchronize()
+        stats.copy_ns = max(1, int(start.elapsed_time(end) * 1e6))
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        """The pager's own CUDA stream: page-out and restore copies."""
+        if self._stream is None:
+            self._stream = self.torch.cuda.Stream(self.device)
+        return self._stream
 
     def _groups(self, session: Session) -> list[tuple[PagedStorage, Any]]:
         """The session's device storages that paging out would free, with their tensors."""
@@ -319,8 +425,6 @@ class Pager:
             stats = RestoreStats(
                 session.id, total, len(order), self.pipelined, str(self.device), now_ns()
             )
-            if self.cuda and self._stream is None:
-                self._stream = self.torch.cuda.Stream(self.device)
             restore = paged.restore = Restore(
                 session,
                 order,
@@ -330,7 +434,7 @@ class Pager:
                 device=self.device,
                 pipelined=self.pipelined,
                 hook=self.hook,
-                stream=self._stream,
+                stream=self._side_stream() if self.cuda else None,
             )
             session.usage.restores += 1
             if self.before_restore is not None:
@@ -384,6 +488,7 @@ class Pager:
                 "pipelined": "1" if stats.pipelined else "0",
                 "first_op_ns": str(stats.first_op_ns),
                 "device": stats.device,
+                "bytes_per_s": str(int(stats.bytes_per_s)),
             }
             slog = session.log
             slog.span(
@@ -511,4 +616,4 @@ def _held(session: Session, st: PagedStorage) -> bool:
     return any(session.handles.key(h) == st.key for h in st.handles)
 
 
-__all__ = ["DEFAULT_IDLE_S", "Pager"]
+__all__ = ["DEFAULT_IDLE_S", "PageOutStats", "Pager"]

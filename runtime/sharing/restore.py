@@ -49,6 +49,11 @@ class RestoreStats:
     first_op_ns: int = 0
     all_ns: int = 0
 
+    @property
+    def bytes_per_s(self) -> float:
+        """The restore's bandwidth (its bytes over ``all_ns``)."""
+        return self.bytes * 1e9 / self.all_ns if self.all_ns else 0.0
+
 
 class PagedStorage:
     """One paged-out storage: its host copy and every tensor object that points into it."""
