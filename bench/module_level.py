@@ -21,16 +21,20 @@ flusher's CPU. Configurations are interleaved in rounds (order rotated), each co
 unpatched steps of its round (the machinery of ``bench/patch_overhead.py``). Figures: median
 step, ratio to unpatched [p25-p75 over rounds], µs per forward module call, % of the step.
 
-``--parts`` adds configurations that switch parts of module level off (monkeypatched, for this
-bench only) to say where its time goes:
+``--parts`` adds configurations that switch parts of module level off (for this bench only) to
+say where its time goes:
 
-- ``module, wrapper``: the ``nn.Module.__call__`` wrapper and the name lookup, ranges not
-  recorded (``spans.begin``/``end`` do nothing);
-- ``module, forward``: forward ranges, no backward ranges (grad mode read as off by the wrapper:
-  no sequence numbers, nodes or hooks);
-- ``module, no hooks``: forward ranges, sequence numbers and nodes read, no hook placed;
-- ``module, idle hooks``: hooks placed and called by the engine, doing nothing;
-- ``module``: all of it (what is left over ``idle hooks`` is the ranges the hooks open and close).
+- ``module, hooks``: backward ranges from Python hooks on the autograd nodes, as before the
+  native observer made them (``GPU_TRACE_TORCH_OPS=kineto``; forward ranges in C);
+- ``module, python ranges``: forward ranges opened and closed in Python (``spans.begin``/``end``)
+  instead of the tracer's C call;
+- ``module, no observer``: no backward ranges (the observer stopped): the wrapper, its forward
+  ranges and the two sequence-number reads per call;
+- ``module, no ranges``: as ``no observer``, the ranges not recorded either: the wrapper, the name
+  lookup and the sequence-number reads.
+
+``process`` is the process's CPU time over the round divided by its steps (the flusher's
+conversion and the backward ranges' matching, off the training thread, included), not a median.
 """
 
 from __future__ import annotations
@@ -41,11 +45,13 @@ import logging
 import os
 import statistics
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import patch_overhead  # noqa: E402
 from patch_overhead import METRICS, measure, quartiles, recording, steady_allocator  # noqa: E402
 
 Step = Callable[[], None]
@@ -134,42 +140,33 @@ def cases() -> dict[str, Callable[[], tuple[Step, int]]]:
 def module_part(part: str) -> Iterator[None]:
     """Module level with ``part`` switched off (see the docstring); restored on exit."""
     from gpu_trace.framework_patches import spans
+    from gpu_trace.framework_patches import torch as pytorch
     from gpu_trace.framework_patches.torch import modules
 
-    with recording("GPU_TRACE_TORCH", "module"):
-        saved = {k: getattr(modules, k) for k in ("_grad_enabled", "_place_hooks", "_NodeHook")}
-        begin, end = spans.begin, spans.end
-        try:
-            if part == "wrapper":
-                spans.begin = lambda *a, **k: None  # type: ignore[assignment]
-                spans.end = lambda *a, **k: None  # type: ignore[assignment]
-            elif part == "forward":
-                modules._grad_enabled = lambda: False
-            elif part == "no hooks":
-
-                def forget(t: Any) -> None:
-                    t.marks.clear()
-                    if not t.stack:
-                        t.made.clear()
-
-                modules._place_hooks = forget
-            elif part == "idle hooks":
-
-                class Idle:
-                    __slots__ = ("calls",)
-
-                    def __init__(self, calls: Any) -> None:
-                        self.calls = calls
-
-                    def __call__(self, grad: Any) -> None:
-                        return None
-
-                modules._NodeHook = Idle
-            yield
-        finally:
-            spans.begin, spans.end = begin, end
-            for k, v in saved.items():
-                setattr(modules, k, v)
+    old = os.environ.get("GPU_TRACE_TORCH_OPS")
+    if part == "hooks":
+        os.environ["GPU_TRACE_TORCH_OPS"] = "kineto"
+    try:
+        with recording("GPU_TRACE_TORCH", "module"):
+            saved = modules._in_range
+            begin, end = spans.begin, spans.end
+            try:
+                if part in ("python ranges", "no ranges"):
+                    modules._in_range = None
+                if part in ("no observer", "no ranges") and pytorch._ops is not None:
+                    pytorch._ops.stop()
+                if part == "no ranges":
+                    spans.begin = lambda *a, **k: None  # type: ignore[assignment]
+                    spans.end = lambda *a, **k: None  # type: ignore[assignment]
+                yield
+            finally:
+                spans.begin, spans.end = begin, end
+                modules._in_range = saved
+    finally:
+        if old is None:
+            os.environ.pop("GPU_TRACE_TORCH_OPS", None)
+        else:
+            os.environ["GPU_TRACE_TORCH_OPS"] = old
 
 
 def configs(parts: bool) -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
@@ -184,9 +181,35 @@ def configs(parts: bool) -> dict[str, Callable[[], contextlib.AbstractContextMan
         ),
     }
     if parts:
-        for part in ("wrapper", "forward", "no hooks", "idle hooks"):
+        for part in ("hooks", "python ranges", "no observer", "no ranges"):
             out[f"module, {part}"] = lambda part=part: module_part(part)
     return out
+
+
+def run_round(step: Step, ctx: Any, steps: int) -> tuple[dict[str, float], float]:
+    """Median wall and training-thread time per step inside ``ctx``, and the process's CPU time
+    per step over the round and its exit (the flusher's work included); and the exit time."""
+    wall, thread = [], []
+    pc, tt, pt = time.perf_counter_ns, time.thread_time_ns, time.process_time_ns
+    cm = ctx()
+    cm.__enter__()
+    try:
+        step()  # the first steps after patching name modules, create buffers
+        step()
+        p0 = pt()
+        for _ in range(steps):
+            w, t = pc(), tt()
+            step()
+            t1, w1 = tt(), pc()
+            wall.append(w1 - w)
+            thread.append(t1 - t)
+    finally:
+        s = pc()
+        cm.__exit__(None, None, None)
+        stop_ns = pc() - s
+        proc = (pt() - p0) / steps
+    med = statistics.median
+    return {"wall": med(wall), "thread": med(thread), "process": proc}, stop_ns
 
 
 def report(title: str, results: dict, calls: int) -> None:
@@ -218,6 +241,7 @@ def main() -> int:
     ap.add_argument("--configs", default="", help="comma-separated subset (unpatched always)")
     args = ap.parse_args()
     steady_allocator()
+    patch_overhead.run_round = run_round  # measure()'s rounds: process CPU per step, flusher in
     logging.basicConfig(level=logging.ERROR)
     import torch
 

@@ -50,8 +50,8 @@ import logging
 import sys
 import threading
 import weakref
-from threading import get_ident as _thread_id
 from collections.abc import Callable
+from threading import get_ident as _thread_id
 from typing import Any
 
 from gpu_trace._imports import discard, when_imported

@@ -433,12 +433,8 @@ class NativeOpSource:
         after_top[1:] = (b["tid"][1:] == b["tid"][:-1]) & ~is_node[:-1]
         keep = is_node | ~after_top
         b, is_node = b[keep], is_node[keep]
-        # (thread, start, end, seq): seq None for a top-level forward op (it ends open ranges)
-        seqs = b["seq"].astype(object)
-        seqs[~is_node] = None
-        nodes = list(zip(b["tid"].tolist(), b["start"].tolist(), b["end"].tolist(), seqs.tolist()))
-        if self.nodes_only:
-            nodes = _passes_apart(nodes, b)
+        sep = _passes_apart(b) if self.nodes_only else None
+        nodes = _runs(b, is_node, both, passes, sep)
         prefix = (private_bits(31) | 1) << 32
         ids = iter(range(prefix + 1, prefix + (1 << 32)))
         made = torch_backward.ranges(nodes, both, passes, ids.__next__)
@@ -457,27 +453,81 @@ class NativeOpSource:
 LANE = kineto_ops.LANE
 
 
-def _passes_apart(nodes: list, b: np.ndarray) -> list:
-    """Nodes-only records (``b``, sorted by thread and start; ``nodes`` their events): a
-    separator (an event with seq None, which ends the open ranges as a forward op does at op
-    level) before each outermost node of another pass (graph task) than the outermost node
-    before it on its thread. A pass run inside a node (reentrant checkpointing) is not apart
-    from the one around it: its calls nest in that node's."""
+def _passes_apart(b: np.ndarray) -> np.ndarray:
+    """Nodes-only records ``b`` (sorted by thread and start): where a separator goes (an event
+    with seq None, which ends the open ranges as a forward op does at op level), before each
+    outermost node of another pass (graph task) than the outermost node before it on its
+    thread. A pass run inside a node (reentrant checkpointing) is not apart from the one around
+    it: its calls nest in that node's."""
+    sep = np.zeros(len(b), dtype=bool)
     top = np.flatnonzero(b["depth"] == 0)
-    if len(top) < 2:
-        return nodes
-    task, tid = b["task"][top], b["tid"][top]
-    new = top[1:][(task[1:] != task[:-1]) & (tid[1:] == tid[:-1])]
-    if not len(new):
-        return nodes
-    out = []
-    last = 0
-    for i in new.tolist():
-        out += nodes[last:i]
-        t, start = nodes[i][0], nodes[i][1]
-        out.append((t, start, start, None))
-        last = i
-    out += nodes[last:]
+    if len(top) > 1:
+        task, tid = b["task"][top], b["tid"][top]
+        sep[top[1:][(task[1:] != task[:-1]) & (tid[1:] == tid[:-1])]] = True
+    return sep
+
+
+def _runs(
+    b: np.ndarray, is_node: np.ndarray, calls: list, passes: list, sep: np.ndarray | None
+) -> list[tuple[int, int, int, int | None]]:
+    """The walk's events (:func:`.backward.ranges`) for records ``b`` (sorted by thread and
+    start), with each run of consecutive nodes of a thread that belong to the same innermost
+    module call in the same pass given as one event (its first node's start and sequence number,
+    its last end), and the nodes with no forward op (``AccumulateGrad``) that follow one joined
+    to it. The walk makes the same ranges from them (a node of the call just made extends its
+    open ranges, nothing else), for several times fewer events in Python: a module call's
+    backward is several nodes. A forward op (seq None) is an event of its own, and ``sep`` marks
+    where a separator (seq None) goes before a node."""
+    n = len(b)
+    seq, tid, start, end = b["seq"], b["tid"], b["start"], b["end"]
+    # each node's innermost call, as backward.innermost finds it, for all nodes at once
+    starts, order, parent = torch_backward.owners(calls)
+    firsts = np.asarray(starts, dtype=np.int64)
+    order_a = np.asarray(order, dtype=np.int64)
+    parent_a = np.asarray([*parent, -1], dtype=np.int64)  # [-1]: "none" stays none
+    ends = np.asarray([c[1] for c in calls] + [1 << 62], dtype=np.int64)
+    k = np.searchsorted(firsts, seq, side="right") - 1
+    inner = np.where(k >= 0, order_a[np.maximum(k, 0)], -1)
+    while True:
+        outside = (inner >= 0) & (ends[inner] <= seq)
+        if not outside.any():
+            break
+        inner[outside] = parent_a[inner[outside]]
+    # the pass window each node starts in (as the walk finds it), -1 for none
+    if passes:
+        w0 = np.asarray([p[0] for p in passes], dtype=np.int64)
+        w1 = np.asarray([p[1] or (1 << 62) for p in passes], dtype=np.int64)
+        byw = np.argsort(w0, kind="stable")
+        w0, w1 = w0[byw], w1[byw]
+        w = np.searchsorted(w0, start, side="right") - 1
+        w = np.where((w >= 0) & (w1[np.maximum(w, 0)] >= start), w, -1)
+    else:
+        w = np.full(n, -1, dtype=np.int64)
+    pos = np.arange(n)
+    label = np.where(is_node, inner, -3 - pos)  # a forward op: a label of its own
+    # a node with no forward op joins the run before it on its thread
+    own = ~is_node | (seq >= 0)
+    last = np.maximum.accumulate(np.where(own, pos, -1))
+    join = ~own & (last >= 0)
+    join &= tid == tid[np.maximum(last, 0)]
+    label = np.where(join, label[np.maximum(last, 0)], np.where(own, label, -3 - pos))
+    w = np.where(join, w[np.maximum(last, 0)], w)
+    new = np.ones(n, dtype=bool)
+    new[1:] = (tid[1:] != tid[:-1]) | (w[1:] != w[:-1]) | (label[1:] != label[:-1])
+    if sep is not None:
+        new |= sep
+    first = np.flatnonzero(new)
+    run_end = np.maximum.reduceat(end, first) if n else end
+    seqs = seq[first].astype(object)
+    seqs[~is_node[first]] = None
+    events = list(zip(tid[first].tolist(), start[first].tolist(), run_end.tolist(), seqs.tolist()))
+    if sep is None or not sep.any():
+        return events
+    out: list[tuple[int, int, int, int | None]] = []
+    for e, s in zip(events, sep[first].tolist()):
+        if s:
+            out.append((e[0], e[1], e[1], None))
+        out.append(e)
     return out
 
 

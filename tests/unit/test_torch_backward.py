@@ -6,6 +6,8 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpu_trace.framework_patches.torch.backward import chain, owners, ranges
 
@@ -113,6 +115,45 @@ def test_a_pass_puts_its_ranges_under_its_range_and_skips_calls_still_running() 
 
 def test_no_calls_no_ranges() -> None:
     assert ranges([(1, 0, 1, 0)], [], [], iter(range(5)).__next__) == []
+
+
+def records(rows: list[tuple[int, int, int, int | None]]):
+    """Observer records (ops_native.RECORD) for events (thread, start, end, seq): seq None is a
+    forward op, the rest autograd nodes."""
+    import numpy as np
+
+    from gpu_trace.framework_patches.torch.ops_native import RECORD
+
+    b = np.zeros(len(rows), dtype=RECORD)
+    for i, (tid, start, end, seq) in enumerate(rows):
+        b[i]["tid"], b[i]["start"], b[i]["end"] = tid, start, end
+        b[i]["seq"] = -1 if seq is None else seq
+    return b, np.array([seq is not None for _, _, _, seq in rows], dtype=bool)
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from([1, 2]), st.sampled_from([None, -1, *range(12)])),
+        max_size=40,
+    ),
+    st.booleans(),
+)
+@settings(max_examples=150, deadline=None)
+def test_runs_of_a_calls_nodes_make_the_ranges_their_nodes_make(steps, windowed) -> None:
+    """The native source gives the walk each run of nodes of one innermost call (and the
+    AccumulateGrad nodes after it) as one event: the ranges are those of the nodes one by one."""
+    from gpu_trace.framework_patches.torch.ops_native import _runs
+
+    rows = sorted(
+        ((tid, 10 * i, 10 * i + 5, seq) for i, (tid, seq) in enumerate(steps)),
+        key=lambda r: (r[0], r[1]),
+    )
+    passes = [[0, 10 * len(rows) // 2, 7, 1, set(), None]] if windowed else []
+    b, is_node = records(rows)
+    one_by_one = ranges(rows, CALLS, passes, itertools.count(100).__next__)
+    events = _runs(b, is_node, CALLS, passes, None)
+    assert ranges(events, CALLS, passes, itertools.count(100).__next__) == one_by_one
+    assert len(events) <= len(rows)
 
 
 # ---- recorded: module level (hooks) and op level (collected ops) on shapes that re-enter ------
