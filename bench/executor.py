@@ -22,15 +22,18 @@ rules, sizing and the quota check, the memory accounting that follows every hand
 a traced session's spans (on: one span per op). Decoding the op stream (``expand``, the
 connection's thread) is timed over the recorded streams.
 
-``--before PATH``: also run a second tree (a ``git worktree`` of an older commit), in child
+``--before PATH`` (and ``--after PATH``, else this tree): also run a second tree (a ``git worktree`` of an older commit), in child
 processes interleaved with this tree's, round after round: the same measurement before and after
 a change, in one run. Each child records its own stream (the client's code is the tree's too).
 
-Models: ``mlp``, six Linear+ReLU of ``--width`` (default 256, batch 64) and SGD with momentum;
+Models: ``mlp``, six Linear+ReLU of ``--width`` (default 64, batch 64: small ops, as a
+launch-bound GPU step's are to the CPU) and SGD with momentum;
 ``lm``, a small GPT-style model (embedding, two pre-norm ``TransformerEncoderLayer``, d=64, four
 heads, a linear head, AdamW), batch 8 x 32 tokens.
 
-The machine is shared and noisy: compare figures within one run, peers against each other.
+Times are the replaying thread's CPU time (``time.thread_time_ns``): the machine is shared and
+noisy, and CPU time leaves out the time the thread waits for a CPU (not what other processes
+do to its caches). Compare figures within one run, peers against each other.
 """
 
 from __future__ import annotations
@@ -45,6 +48,11 @@ import time
 from typing import Any
 
 TOKEN = "bench-executor-token-0123456789"
+
+#: The replays and the bare loop run on one thread: its CPU time, not the wall clock, so that
+#: time the thread spends descheduled on this shared machine is not counted (the record step's
+#: client and server threads are not timed).
+CLOCK = time.thread_time_ns
 
 
 # ---- which tree ----------------------------------------------------------------------------------
@@ -197,10 +205,28 @@ class Replay:
         self.items, self.first = items, first
         self.server = Server("127.0.0.1:0", token=TOKEN, spin_us=0)
         self.ops = sum(len(head["ops"]) for kind, head, _ in items[first:] if kind == "batch")
+        self.batches = sum(1 for kind, _, _ in items[first:] if kind == "batch")
         #: Sessions whose tensors are still used (the bare loop's).
         self.keep: list[Any] = []
         #: ``rt::`` ops in the timed batches (the runtime's own: autograd on the server...).
         self.rt_ops = 0
+
+    def empty_batches(self, n: int) -> float:
+        """Seconds of ``n`` batches without ops or frees: what every batch costs."""
+        from gpu_trace.runtime.server.sessions import Session
+        from gpu_trace.runtime.sharing.scheduler import Work
+
+        srv = self.server
+        session = Session({}, lambda *a: None, srv.tenants[0])
+        session.binary = True
+        srv.memory.attach(session)
+        t0 = CLOCK()
+        for seq in range(n):
+            srv.executor.run(session, Work("batch", {"seq": seq, "ops": [], "free": []}))
+        took = CLOCK() - t0
+        srv.executor.run(session, Work("close"))
+        srv.memory.detach(session)
+        return took / 1e9
 
     def templates(self) -> list[Any]:
         from gpu_trace.runtime.protocol.templates import TOp
@@ -222,7 +248,7 @@ class Replay:
 
         run_pseudo = ex.run_pseudo
         in_rt = [0, 0]
-        clock = time.perf_counter_ns
+        clock = CLOCK
 
         def timed_pseudo(*args: Any) -> Any:
             t0 = clock()
@@ -235,6 +261,7 @@ class Replay:
         for t in self.templates():  # each replay prepares its templates again
             t.prep = None
         srv = self.server
+        srv.executor._ops.clear()  # and resolves its ops again (a part turned off: see _ablate)
         session = Session({"trace": trace}, lambda *a: None, srv.tenants[0])
         session.trace = trace
         session.binary = True
@@ -320,10 +347,10 @@ def bare_calls(replay: Replay) -> list[Any]:
 
 
 def time_bare(calls: list[Any]) -> float:
-    t0 = time.perf_counter_ns()
+    t0 = CLOCK()
     for call, a, k in calls:
         call(*a, **k)
-    return (time.perf_counter_ns() - t0) / 1e9
+    return (CLOCK() - t0) / 1e9
 
 
 # ---- one child: record, replay, peers ------------------------------------------------------------
@@ -370,7 +397,8 @@ def child(model: str, width: int, warm: int, steps: int, repeat: int) -> dict[st
     replay = Replay(items, first)
     calls = bare_calls(replay)
     runs: dict[str, list[float]] = {
-        k: [] for k in ("exec", "bare", "traced", "rules", "sizing", "accounting", "expand")
+        k: []
+        for k in ("exec", "bare", "traced", "rules", "sizing", "accounting", "expand", "batch")
     }
     replay.once()  # warm
     for _ in range(repeat):  # interleaved: each variant once per round
@@ -383,10 +411,11 @@ def child(model: str, width: int, warm: int, steps: int, repeat: int) -> dict[st
                 runs[part].append(replay.once())
             finally:
                 undo()
-        t0 = time.perf_counter_ns()
+        t0 = CLOCK()
         for templates, stream, json_ops in streams:
             expand(templates, stream, json_ops)
-        runs["expand"].append((time.perf_counter_ns() - t0) / 1e9)
+        runs["expand"].append((CLOCK() - t0) / 1e9)
+        runs["batch"].append(replay.empty_batches(replay.batches))
     ops = replay.ops - replay.rt_ops
     us = {k: min(v) / max(ops, 1) * 1e6 for k, v in runs.items()}  # best of the rounds
     return {
@@ -402,6 +431,9 @@ def child(model: str, width: int, warm: int, steps: int, repeat: int) -> dict[st
         "accounting_us": us["exec"] - us["accounting"],
         "spans_us": us["traced"] - us["exec"],
         "expand_us": us["expand"],
+        "batch_us": us["batch"],
+        "per_op_us": us["exec"] - us["bare"] - us["batch"],
+        "ops_per_batch": ops / max(replay.batches, 1),
         "median_exec_us": statistics.median(runs["exec"]) / max(ops, 1) * 1e6,
     }
 
@@ -422,9 +454,12 @@ def _run_child(tree: str | None, args: argparse.Namespace, model: str) -> dict[s
 
 ROWS = (
     ("ops_per_step", "ops per step", "{:.0f}"),
+    ("ops_per_batch", "ops per batch", "{:.1f}"),
     ("exec_us", "replayed batches, µs/op", "{:.2f}"),
     ("bare_us", "peer: bare ATen loop, µs/op", "{:.2f}"),
     ("overhead_us", "executor overhead, µs/op", "{:.2f}"),
+    ("batch_us", "  a batch's own (an empty batch's)", "{:.2f}"),
+    ("per_op_us", "  the ops' own", "{:.2f}"),
     ("rules_us", "  bounds rules", "{:.2f}"),
     ("sizing_us", "  sizing + quota check", "{:.2f}"),
     ("accounting_us", "  memory accounting", "{:.2f}"),
@@ -439,9 +474,10 @@ def main() -> None:
     parser.add_argument("--warm", type=int, default=3, help="warm-up steps (not timed)")
     parser.add_argument("--rounds", type=int, default=3, help="child processes per tree")
     parser.add_argument("--repeat", type=int, default=3, help="replays per child (best kept)")
-    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--width", type=int, default=64, help="the MLP's width")
     parser.add_argument("--models", default="mlp,lm")
     parser.add_argument("--before", help="another tree to measure too (a git worktree)")
+    parser.add_argument("--after", help="the tree to measure (default: this one)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--tree", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -450,7 +486,9 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.child, args.width, args.warm, args.steps, args.repeat)))
         return
-    trees: list[tuple[str, str | None]] = [("after", None)]
+    trees: list[tuple[str, str | None]] = [
+        ("after", os.path.abspath(args.after) if args.after else None)
+    ]
     if args.before:
         trees.insert(0, ("before", os.path.abspath(args.before)))
     results: dict[tuple[str, str], list[dict[str, Any]]] = {}

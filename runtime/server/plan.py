@@ -125,6 +125,7 @@ class Plan:
         "outs",
         "sizes",
         "out",
+        "base",
     )
 
     def __init__(
@@ -143,8 +144,12 @@ class Plan:
             _Tensor = torch.Tensor
         self.entry = entry
         self.call, self.rule, self.sized, self.rerunnable, self.seeded, self.size = entry
+        #: The hole of the argument whose storage its result shares (-1: none known).
+        self.base = -1
         if name in NO_ALLOC:
             self.size = None
+            if holes and holes[0][0] == 0:
+                self.base = holes[0][1]
         self.args = args
         self.holes = tuple(holes)
         self.kwargs = kwargs
@@ -221,18 +226,27 @@ class Plan:
                 value = c.ex._assign(c.session, result, outs)
             else:
                 value = None
-                storage = result.untyped_storage()
-                skey = storage.data_ptr() or id(storage)
                 if h <= 0 or h in tensors or len(tensors) >= MAX_HANDLES:
                     c.handles.put(h, result)  # raises: the table's message
-                entry = c.storages.get(skey)
-                if entry is None:  # a new storage: counted as charge() counts it
-                    n = storage.nbytes()
-                    block = account.block_bytes
-                    if block > 1 and n:
-                        n = -(-n // block) * block
-                    entry = c.storages[skey] = [n, 0]
-                    account._add(n)  # and the tenant's sums (on_change)
+                # Its storage: its first argument's for an op that allocates nothing (its key
+                # is known), else the result's own.
+                skey = c.keys.get(vals[self.base]) if self.base >= 0 else None
+                entry = None if skey is None else c.storages.get(skey)
+                if entry is None:
+                    storage = result.untyped_storage()
+                    skey = storage.data_ptr() or id(storage)
+                    entry = c.storages.get(skey)
+                    if entry is None:  # a new storage: counted as charge() counts it
+                        n = storage.nbytes()
+                        block = account.block_bytes
+                        if block > 1 and n:
+                            n = -(-n // block) * block
+                        entry = c.storages[skey] = [n, 0]
+                        account.bytes += n
+                        if account.bytes > account.peak_bytes:
+                            account.peak_bytes = account.bytes
+                        if account.on_change is not None:  # the tenant's sums
+                            account.on_change(account)
                 entry[1] += 1
                 tensors[h] = result
                 c.keys[h] = skey
@@ -264,7 +278,7 @@ class Calls:
         self.session = session
         self.handles = handles = session.handles
         self.tensors = handles._tensors
-        self.keys = handles._keys
+        self.keys: dict[int, Any] = handles._keys
         self.account = account = session.account
         self.storages = account._storages
         self.memory = memory = ex.memory
