@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -147,11 +148,19 @@ def _result(out: subprocess.CompletedProcess) -> dict:
     return json.loads(line[len("RESULT ") :])
 
 
-def _first_line(proc: subprocess.Popen, timeout_s: float) -> str:
+def _serving_line(proc: subprocess.Popen, timeout_s: float) -> str:
+    """The server's "serving ..." line (warnings may come first), waiting at most ``timeout_s``
+    for each line."""
     assert proc.stderr is not None
-    ready, _, _ = select.select([proc.stderr], [], [], timeout_s)
-    assert ready, "the server said nothing"
-    return proc.stderr.readline()
+    seen = []
+    for _ in range(50):
+        ready, _, _ = select.select([proc.stderr], [], [], timeout_s)
+        assert ready, "the server said nothing: " + "".join(seen)
+        line = proc.stderr.readline()
+        if not line or line.startswith("gpu-trace: serving"):
+            return line or "".join(seen)
+        seen.append(line)
+    return "".join(seen)
 
 
 @pytest.fixture(scope="module")
@@ -166,17 +175,21 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict
          "--gpu-activity", "off", "--metrics", "off"],
         stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
+    rest: list[str] = []
     try:
-        serving = _first_line(server, 120)
+        serving = _serving_line(server, 120)
         assert "serving cuda:0 on" in serving, serving
+        # Read what else it says, so a full pipe never blocks it.
+        drain = threading.Thread(target=lambda: rest.extend(server.stderr or []), daemon=True)
+        drain.start()
         yield serving.split(" on ")[1].split()[0], env
     finally:
         server.send_signal(signal.SIGINT)
         try:
-            server.communicate(timeout=60)
+            server.wait(timeout=60)
         except subprocess.TimeoutExpired:
             server.kill()
-            server.communicate(timeout=10)
+            server.wait(timeout=10)
 
 
 @pytest.mark.parametrize("which", ["gpt", "lstm", "cnn"])
