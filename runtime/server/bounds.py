@@ -451,7 +451,7 @@ def rules_for(schema: Any) -> list[Rule]:
     if "batch_norm" in schema.name and "input" in at:
         eval_only = "no_update" in schema.name or "no_training" in schema.name
         rules.append(_batch_norm_rule(op, at, "backward" in schema.name, eval_only))
-    if schema.name.startswith(("aten::_foreach_", "aten::_amp_foreach_")) and len(lists) > 1:
+    if schema.name.startswith("aten::_foreach_") and len(lists) > 1:
         rules.append(_lists_rule(op, lists))
     if schema.name.startswith("aten::_fused_") and len(lists) > 1:
         rules.append(_fused_optimizer_rule(op, lists))
