@@ -31,6 +31,12 @@ launch-bound GPU step's are to the CPU) and SGD with momentum;
 ``lm``, a small GPT-style model (embedding, two pre-norm ``TransformerEncoderLayer``, d=64, four
 heads, a linear head, AdamW), batch 8 x 32 tokens.
 
+``--device cuda:0`` runs the server (recording and replays) and the bare loop on the GPU: the
+times are then those of the thread that launches the kernels (the device is drained between
+parts; both wait for it at the step's ``.item()``), the server's side of a launch-bound step.
+The ``lm`` model's server-side autograd (``rt::fn``) is refused on CUDA in a process shared with
+a client, so on a GPU use ``--models mlp``.
+
 Times are the replaying thread's CPU time (``time.thread_time_ns``): the machine is shared and
 noisy, and CPU time leaves out the time the thread waits for a CPU (not what other processes
 do to its caches). Compare figures within one run, peers against each other.
@@ -146,7 +152,9 @@ MODELS = {"mlp": _mlp, "lm": _lm}
 # ---- record --------------------------------------------------------------------------------------
 
 
-def record(model: str, width: int, warm: int, steps: int) -> tuple[list[Any], list[Any], int]:
+def record(
+    model: str, width: int, warm: int, steps: int, device: str = "cpu"
+) -> tuple[list[Any], list[Any], int]:
     """Train ``model`` through a loopback server; the executor's work items and the op streams
     the connection expanded, and the index of the first item of the timed steps."""
     import threading
@@ -157,7 +165,7 @@ def record(model: str, width: int, warm: int, steps: int) -> tuple[list[Any], li
     from gpu_trace.runtime.server import server as server_module
     from gpu_trace.runtime.server.server import Server
 
-    srv = Server("127.0.0.1:0", token=TOKEN, spin_us=0).start()
+    srv = Server("127.0.0.1:0", token=TOKEN, spin_us=0, device=device).start()
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     items: list[Any] = []
     streams: list[Any] = []
@@ -199,11 +207,11 @@ def record(model: str, width: int, warm: int, steps: int) -> tuple[list[Any], li
 class Replay:
     """The recorded items run on fresh sessions of a server built for it (never listening)."""
 
-    def __init__(self, items: list[Any], first: int) -> None:
+    def __init__(self, items: list[Any], first: int, device: str = "cpu") -> None:
         from gpu_trace.runtime.server.server import Server
 
         self.items, self.first = items, first
-        self.server = Server("127.0.0.1:0", token=TOKEN, spin_us=0)
+        self.server = Server("127.0.0.1:0", token=TOKEN, spin_us=0, device=device)
         self.ops = sum(len(head["ops"]) for kind, head, _ in items[first:] if kind == "batch")
         self.batches = sum(1 for kind, _, _ in items[first:] if kind == "batch")
         #: Sessions whose tensors are still used (the bare loop's).
@@ -346,6 +354,15 @@ def bare_calls(replay: Replay) -> list[Any]:
     return calls
 
 
+def _drain(device: str) -> None:
+    """Wait for the device's queued work (outside the timed parts: on CUDA they time the
+    launching thread, and the next part starts with an idle device)."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
 def time_bare(calls: list[Any]) -> float:
     t0 = CLOCK()
     for call, a, k in calls:
@@ -387,28 +404,36 @@ def _ablate(part: str) -> Any:
     raise ValueError(part)
 
 
-def child(model: str, width: int, warm: int, steps: int, repeat: int) -> dict[str, Any]:
+def child(
+    model: str, width: int, warm: int, steps: int, repeat: int, device: str = "cpu"
+) -> dict[str, Any]:
     import torch
 
     from gpu_trace.runtime.protocol.templates import expand
 
     torch.set_num_threads(1)
-    items, streams, first = record(model, width, warm, steps)
-    replay = Replay(items, first)
+    items, streams, first = record(model, width, warm, steps, device)
+    replay = Replay(items, first, device)
     calls = bare_calls(replay)
     runs: dict[str, list[float]] = {
         k: []
         for k in ("exec", "bare", "traced", "rules", "sizing", "accounting", "expand", "batch")
     }
     replay.once()  # warm
+    time_bare(calls)
+    _drain(device)
     for _ in range(repeat):  # interleaved: each variant once per round
         runs["exec"].append(replay.once())
+        _drain(device)
         runs["bare"].append(time_bare(calls))
+        _drain(device)
         runs["traced"].append(replay.once(trace=True))
+        _drain(device)
         for part in ("rules", "sizing", "accounting"):
             undo = _ablate(part)
             try:
                 runs[part].append(replay.once())
+                _drain(device)
             finally:
                 undo()
         t0 = CLOCK()
@@ -444,6 +469,7 @@ def child(model: str, width: int, warm: int, steps: int, repeat: int) -> dict[st
 def _run_child(tree: str | None, args: argparse.Namespace, model: str) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", model]
     cmd += ["--width", str(args.width), "--steps", str(args.steps), "--repeat", str(args.repeat)]
+    cmd += ["--device", args.device]
     if tree is not None:
         cmd += ["--tree", tree]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -476,6 +502,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="replays per child (best kept)")
     parser.add_argument("--width", type=int, default=64, help="the MLP's width")
     parser.add_argument("--models", default="mlp,lm")
+    parser.add_argument(
+        "--device", default="cpu", help="the server's device (cuda:0: the launching thread's time)"
+    )
     parser.add_argument("--before", help="another tree to measure too (a git worktree)")
     parser.add_argument("--after", help="the tree to measure (default: this one)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -484,8 +513,15 @@ def main() -> None:
     if args.tree:
         _use_tree(args.tree)
     if args.child:
-        print(json.dumps(child(args.child, args.width, args.warm, args.steps, args.repeat)))
+        result = child(args.child, args.width, args.warm, args.steps, args.repeat, args.device)
+        print(json.dumps(result))
         return
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            print(f"bench/executor.py: no CUDA device here for --device {args.device}")
+            sys.exit(2)
     trees: list[tuple[str, str | None]] = [
         ("after", os.path.abspath(args.after) if args.after else None)
     ]
