@@ -33,8 +33,27 @@ sys.exit(main(["serve", "--listen", "127.0.0.1:0", "--device", "cpu"]))
 """
 
 
-def test_serve_keeps_the_accelerator_slot_free() -> None:
-    env = {**os.environ, "GPU_TRACE_REMOTE_TOKEN": "serving-process-token-0123"}
+TOKEN = "serving-process-token-0123"
+
+# A client that runs a backward pass on the CPU before it connects: the autograd engine sizes its
+# device queues at the first backward, so the remote device must exist by then (docs/remote.md).
+CLIENT = """
+import sys
+import gpu_trace.runtime as runtime
+import torch
+
+x = torch.ones(3, requires_grad=True)
+(x * 2).sum().backward()
+dev = runtime.connect(sys.argv[1])
+w = torch.ones(3).to(dev).requires_grad_()
+(w * 3).sum().backward()
+print(torch._C._get_privateuse1_backend_name(), w.grad.cpu().tolist(), flush=True)
+runtime.disconnect()
+"""
+
+
+def test_serve_keeps_the_accelerator_and_clients_register_before_their_first_backward() -> None:
+    env = {**os.environ, "GPU_TRACE_REMOTE_TOKEN": TOKEN}
     proc = subprocess.Popen(
         [sys.executable, "-c", SERVE_AND_PROBE],
         stdin=subprocess.PIPE,
@@ -47,27 +66,23 @@ def test_serve_keeps_the_accelerator_slot_free() -> None:
         assert proc.stderr is not None and proc.stdin is not None
         line = proc.stderr.readline()
         assert "serving cpu on" in line, line
+        address = line.split(" on ")[1].split()[0]
+        client = subprocess.run(
+            [sys.executable, "-c", CLIENT, address],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
         out, rest = proc.communicate("go\n", timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+    assert client.returncode == 0, client.stderr[-2000:]
+    assert client.stdout.split() == ["remote", "[3.0,", "3.0,", "3.0]"], client.stdout
     assert proc.returncode == 0, rest
     assert out.split() == ["privateuseone", "None"], out
-
-
-def test_a_client_registers_when_torch_loads_before_any_backward() -> None:
-    # The promise clients rely on (docs/remote.md): importing the runtime, then torch, makes the
-    # device before the program's first backward pass sizes the autograd engine's queues.
-    code = (
-        "import gpu_trace.runtime, torch\n"
-        "print(torch._C._get_privateuse1_backend_name(),"
-        " torch.accelerator.current_accelerator().type)\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
-    )
-    assert out.stdout.split() == ["remote", "remote"], out.stderr
 
 
 def test_whole_op_autograd_on_cuda_is_refused_where_another_backend_holds_the_accelerator() -> None:
