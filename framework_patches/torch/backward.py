@@ -112,14 +112,16 @@ def ranges(
     calls: Sequence[Sequence[Any]],
     passes: Sequence[Sequence[Any]],
     next_id: Callable[[], int],
+    index: tuple | None = None,
 ) -> list[Range]:
-    """The module backward ranges the backward-node ``events`` make (see the module docstring)."""
+    """The module backward ranges the backward-node ``events`` make (see the module docstring);
+    ``index``: :func:`owners` of ``calls`` where the caller has it."""
     if not calls:
         return []
     by_thread: dict[int, list[Event]] = {}
     for e in events:
         by_thread.setdefault(e[0], []).append(e)
-    walk = _Walk(calls, passes, next_id)
+    walk = _Walk(calls, passes, next_id, index)
     for tid, evs in by_thread.items():
         evs.sort(key=lambda e: e[1])
         walk.thread(tid, evs)
@@ -129,9 +131,15 @@ def ranges(
 class _Walk:
     """One thread's nodes at a time, in time order, with the ranges open so far."""
 
-    def __init__(self, calls: Sequence, passes: Sequence[Sequence[Any]], next_id: Callable) -> None:
+    def __init__(
+        self,
+        calls: Sequence,
+        passes: Sequence[Sequence[Any]],
+        next_id: Callable,
+        index: tuple | None = None,
+    ) -> None:
         self.calls = calls
-        self.index = owners(calls)
+        self.index = owners(calls) if index is None else index
         self.windows = sorted(((p[0], p[1] or (1 << 62), *p[2:]) for p in passes), key=_first)
         self.starts = [w[0] for w in self.windows]
         self.next_id = next_id

@@ -80,6 +80,12 @@ CHUNK = 1 << 16
 #: Records a thread keeps between drains; more are dropped and counted (72 bytes each).
 CAPACITY = 1 << 22
 _BW = {"pass": "backward"}  # a module backward range's attrs, as module level's
+#: Nodes only (module level): cuts at top-level module calls at least this far apart, each
+#: matched with the calls of the :data:`KEEP_CUTS` before it too (a graph whose backward runs up
+#: to 0.2 s after its forward). Op level cuts as its sessions do (every 20 ms, six kept: Kineto's
+#: stops), which at module level made the flusher index each call seven times.
+CUT_INTERVAL_S = 0.1
+KEEP_CUTS = 2
 #: gt_start's flags (observer.cpp): record_function ranges too; autograd nodes only.
 USER_SCOPES, NODES_ONLY = 1, 2
 #: at::RecordScope::BACKWARD_FUNCTION: an autograd node's own record (``AddmmBackward0``).
@@ -230,7 +236,10 @@ class NativeOpSource:
         self.calls: list[tuple[int, int, ModuleRef, int]] = []
         #: The owner's Tensor.backward passes: [start_ns, end_ns, parent, depth, running].
         self.passes: list[list[object]] = []
-        self._last_calls: deque[list] = deque(maxlen=kineto_ops.KEEP_SESSIONS)
+        self._last_calls: deque[list] = deque(
+            maxlen=KEEP_CUTS if nodes_only else kineto_ops.KEEP_SESSIONS
+        )
+        self._interval_ns = (CUT_INTERVAL_S if nodes_only else kineto_ops.HARVEST_INTERVAL_S) * 1e9
         self._cuts: list[tuple[int, list, list]] = []  # (cut_ns, calls, passes), in order
         self._pending = np.empty(0, dtype=RECORD)  # taken, not yet before a cut
         self._names: list[str] = []
@@ -268,7 +277,7 @@ class NativeOpSource:
         if not self._on or threading.get_ident() != self.owner:
             return
         t = now_ns()
-        if force or t - self._last >= kineto_ops.HARVEST_INTERVAL_S * 1e9:
+        if force or t - self._last >= self._interval_ns:
             self._last = t
             self._cut(t)
 
@@ -409,6 +418,8 @@ class NativeOpSource:
         order = np.argsort(wsel, kind="stable")
         sel, wsel, nsel = sel[order], wsel[order], nsel[order]
         bounds = np.searchsorted(wsel, np.arange(len(cuts) + 1), side="left")
+        rows: list[tuple[object, ...]] = []
+        rtids: list[int] = []
         for i, (_, calls, passes) in enumerate(cuts):
             last = [c for kept in self._last_calls for c in kept]
             if calls:
@@ -416,14 +427,21 @@ class NativeOpSource:
             lo, hi = int(bounds[i]), int(bounds[i + 1])
             if lo == hi or not (calls or last) or not nsel[lo:hi].any():
                 continue
-            table = self._backward(sel[lo:hi], nsel[lo:hi], last + calls, passes)
-            if table is not None:
-                yield table
+            self._backward(sel[lo:hi], nsel[lo:hi], last + calls, passes, rows, rtids)
+        if rows:  # one table a drain: making one costs about as much as walking a cut
+            yield spans_to_table(rows, os.getpid(), np.asarray(rtids, dtype=np.uint64))
 
     def _backward(
-        self, b: np.ndarray, is_node: np.ndarray, both: list, passes: list
-    ) -> pa.Table | None:
-        """The module backward ranges of one cut's nodes and top-level forward ops ``b``."""
+        self,
+        b: np.ndarray,
+        is_node: np.ndarray,
+        both: list,
+        passes: list,
+        rows: list[tuple[object, ...]],
+        rtids: list[int],
+    ) -> None:
+        """The module backward ranges of one cut's nodes and top-level forward ops ``b``, added
+        to ``rows`` (span tuples) and ``rtids`` (their threads)."""
         # In time order per thread, a forward op right after another ends nothing more (the
         # first closed every open range): only the first of each run is kept. On a program of
         # many small ops that halves the walk (forward ops are as many as the nodes).
@@ -434,20 +452,15 @@ class NativeOpSource:
         keep = is_node | ~after_top
         b, is_node = b[keep], is_node[keep]
         sep = _passes_apart(b) if self.nodes_only else None
-        nodes = _runs(b, is_node, both, passes, sep)
+        index = torch_backward.owners(both)
+        nodes = _runs(b, is_node, both, passes, sep, index)
         prefix = (private_bits(31) | 1) << 32
         ids = iter(range(prefix + 1, prefix + (1 << 32)))
-        made = torch_backward.ranges(nodes, both, passes, ids.__next__)
-        if not made:
-            return None
-        rows: list[tuple[object, ...]] = []
-        rtids = []
+        made = torch_backward.ranges(nodes, both, passes, ids.__next__, index)
+        lane = DOMAIN.lane
         for sid, parent, rtid, call, start, end, depth in made:
-            rows.append(
-                (sid, parent, DOMAIN.lane, MODULE, both[call][2].bw_name, start, end, depth, _BW)
-            )
+            rows.append((sid, parent, lane, MODULE, both[call][2].bw_name, start, end, depth, _BW))
             rtids.append(rtid)
-        return spans_to_table(rows, os.getpid(), np.asarray(rtids, dtype=np.uint64))
 
 
 LANE = kineto_ops.LANE
@@ -468,7 +481,12 @@ def _passes_apart(b: np.ndarray) -> np.ndarray:
 
 
 def _runs(
-    b: np.ndarray, is_node: np.ndarray, calls: list, passes: list, sep: np.ndarray | None
+    b: np.ndarray,
+    is_node: np.ndarray,
+    calls: list,
+    passes: list,
+    sep: np.ndarray | None,
+    index: tuple | None = None,
 ) -> list[tuple[int, int, int, int | None]]:
     """The walk's events (:func:`.backward.ranges`) for records ``b`` (sorted by thread and
     start), with each run of consecutive nodes of a thread that belong to the same innermost
@@ -481,7 +499,7 @@ def _runs(
     n = len(b)
     seq, tid, start, end = b["seq"], b["tid"], b["start"], b["end"]
     # each node's innermost call, as backward.innermost finds it, for all nodes at once
-    starts, order, parent = torch_backward.owners(calls)
+    starts, order, parent = torch_backward.owners(calls) if index is None else index
     firsts = np.asarray(starts, dtype=np.int64)
     order_a = np.asarray(order, dtype=np.int64)
     parent_a = np.asarray([*parent, -1], dtype=np.int64)  # [-1]: "none" stays none
