@@ -299,15 +299,17 @@ class Pager:
         """Copy ``groups`` into their host buffers on the pager's stream, and wait for them.
 
         The side stream first waits for the session's stream (its last batch may still be
-        writing these tensors) and for this thread's current one (uploads, made outside
-        batches): events on those two streams, where a device-wide synchronize would also wait
-        for every other tenant's kernels in flight. The host then waits for the copies' own
-        event only, so the device storages can be freed (the allocator may hand them to the
-        session's stream at once).
+        writing these tensors) and for the device's default stream (work outside batches; the
+        pager's stream, like every stream from PyTorch's pool, does not synchronize with it by
+        itself): events on those two, where a device-wide synchronize, or this thread's current
+        stream (another session's, when a batch of it asks for room), would also wait for other
+        tenants' kernels in flight. The host then waits for the copies' own event only, so the
+        device storages can be freed (the allocator may hand them to the session's stream at
+        once).
         """
         torch = self.torch
         side = self._side_stream()
-        side.wait_stream(torch.cuda.current_stream(self.device))
+        side.wait_stream(torch.cuda.default_stream(self.device))
         own = self.stream_of(session) if self.stream_of is not None else None
         if own is not None:
             side.wait_stream(own)
