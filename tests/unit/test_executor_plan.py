@@ -30,10 +30,11 @@ from gpu_trace.runtime.sharing.tenants import Tenant
 class Rig:
     """An executor, its memory, and one session of a tenant with ``quota`` bytes."""
 
-    def __init__(self, quota: int | None = None, block: int = 1) -> None:
+    def __init__(self, quota: int | None = None, block: int = 1, device: str = "cpu") -> None:
         scheduler = PolicyScheduler()
         self.memory = Memory(1 << 40, block_bytes=block, wake=scheduler.unpark)
-        self.ex = Executor("cpu", scheduler, memory=self.memory)
+        self.ex = Executor(device, scheduler, memory=self.memory)
+        self.device = device
         self.replies: list[bytes] = []
         tenant = Tenant(name="t", token="x" * 24, memory_bytes=quota)
         self.memory.add_tenants([tenant])
@@ -43,7 +44,7 @@ class Rig:
         self.seq = 0
 
     def put(self, handle: int, tensor: torch.Tensor) -> None:
-        self.session.handles.put(handle, tensor)
+        self.session.handles.put(handle, tensor.to(self.device))
 
     def batch(self, ops: list[list[Any]], templated: bool) -> None:
         """Run ``ops`` (wire ops) in one batch: as template calls, or as JSON ops."""
@@ -68,7 +69,7 @@ class Rig:
         """What both paths must agree on."""
         s = self.session
         tm = self.memory.tenants["t"]
-        handles = {h: (t.shape, t.stride(), t.tolist()) for h, t in s.handles.items()}
+        handles = {h: (t.dtype, t.shape, t.stride()) for h, t in s.handles.items()}
         return {
             "handles": handles,
             "bytes": s.account.bytes,
@@ -84,6 +85,9 @@ class Rig:
                 for hh, _ in s.handles.items()
             ),
         }
+
+    def values(self) -> dict[int, torch.Tensor]:
+        return {h: t.cpu() for h, t in self.session.handles.items()}
 
     def drain(self) -> list[tuple[int, int]]:
         """Free every handle, one at a time: the account's bytes and the tenant's after each
@@ -132,16 +136,33 @@ def test_compiled_calls_leave_what_json_ops_leave(quota: int | None, block: int)
     """Same handles, values, account, tenant and device sums, and the same first error (a
     quota error with the same numbers, at the same op), whatever the tenant's quota, with
     storages counted as they are (1) or as CUDA's allocator rounds them (512)."""
+    assert_same_as_json_ops(quota, block, "cpu")
+
+
+def assert_same_as_json_ops(quota: int | None, block: int, device: str, exact: bool = True) -> None:
+    """The STEP batch as template calls and as JSON ops, on ``device``: the same outcome
+    (``exact``: the same values, bit for bit; else within float32 rounding, and the same kind
+    of reply)."""
     got = []
     for templated in (True, False):
-        rig = Rig(quota if quota is None else quota + 1536, block)  # the inputs fit
+        rig = Rig(quota if quota is None else quota + 1536, block, device)  # the inputs fit
         _inputs(rig)
         rig.batch(STEP, templated)
-        got.append((rig.state(), rig.replies[-1], rig.drain()))
-    (fast, fast_reply, fast_frees), (general, general_reply, general_frees) = got
+        got.append((rig.state(), rig.values(), rig.replies[-1], rig.drain()))
+    (fast, fast_values, fast_reply, fast_frees), (general, general_values, *rest) = got
+    general_reply, general_frees = rest
     assert fast == general
+    assert fast_values.keys() == general_values.keys()
+    for h, value in fast_values.items():
+        if exact:
+            assert torch.equal(value, general_values[h]), h
+        else:
+            torch.testing.assert_close(value, general_values[h], rtol=1e-5, atol=1e-5)
     assert fast_frees == general_frees
-    assert _reply_without_times(fast_reply) == _reply_without_times(general_reply)
+    if exact:
+        assert _reply_without_times(fast_reply) == _reply_without_times(general_reply)
+    else:
+        assert fast_reply[4] == general_reply[4]  # the reply's message type
 
 
 def _reply_without_times(frame: bytes) -> Any:
