@@ -26,7 +26,6 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -36,7 +35,7 @@ from gpu_trace.runtime.client import tensor as rt
 log = logging.getLogger(__name__)
 
 BACKEND = "remote"
-_KEY = torch._C.DispatchKey.AutocastPrivateUse1
+_KEY = torch._C.DispatchKey.AutocastPrivateUse1  # type: ignore[attr-defined]  # stubs lack it
 _EXCLUDED = torch._C.DispatchKeySet(_KEY)
 _F32 = torch.float32
 _F64 = torch.float64
@@ -47,14 +46,15 @@ _BANNED_MESSAGE = (
 )
 
 _lock = threading.Lock()
-_libs: list[Any] = []
+_libs: list[torch.library.Library] = []
 _local = threading.local()
-_patched: dict[str, Any] = {}
+_patched: dict[str, Callable[..., object]] = {}
 
-Kernel = Callable[..., Any]
+Kernel = Callable[..., object]
+Op = torch._ops.OpOverload
 
 
-def _casts() -> dict[int, tuple[Any, Any]]:
+def _casts() -> dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]]:
     """This thread's cached casts (ATen's cache is thread-local too): id -> (weakref, cast)."""
     casts = getattr(_local, "casts", None)
     if casts is None:
@@ -67,7 +67,7 @@ def clear_cache() -> None:
     _casts().clear()
 
 
-def _cast(to: Any, t: Any) -> Any:
+def _cast(to: torch.dtype, t: object) -> object:
     """ATen's ``cached_cast`` for one argument on the remote device."""
     if type(t) is not rt.RemoteTensor or not t.is_floating_point():
         return t
@@ -92,17 +92,17 @@ def _cast(to: Any, t: Any) -> Any:
     return t.to(to)
 
 
-def _cast_value(to: Any, value: Any) -> Any:
+def _cast_value(to: torch.dtype, value: object) -> object:
     if type(value) is list or type(value) is tuple:
         return [_cast(to, v) for v in value]
     return _cast(to, value)
 
 
-def _eligible(t: Any) -> bool:
+def _eligible(t: object) -> bool:
     return type(t) is rt.RemoteTensor and t.is_floating_point() and t.dtype is not _F64
 
 
-def _promote(lower: Any, values: list[Any]) -> Any:
+def _promote(lower: torch.dtype, values: list[object]) -> torch.dtype:
     """ATen's ``promote_type``: float32 if any eligible input is, else the low dtype (doubles
     are ignored; another low dtype is an error, as in ATen)."""
     current = lower
@@ -122,7 +122,7 @@ def _promote(lower: Any, values: list[Any]) -> Any:
     return current
 
 
-def _tensor_args(op: Any) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
+def _tensor_args(op: Op) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
     """The arguments ``cached_cast`` reaches (Tensor, Tensor?, Tensor[]) and those
     ``prioritize`` reads (Tensor, Tensor[]: ATen has no overload for an optional tensor), as
     ``(position, name)``."""
@@ -137,18 +137,18 @@ def _tensor_args(op: Any) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]
     return cast, promote
 
 
-def _casting_kernel(op: Any, policy: str) -> Kernel:
+def _casting_kernel(op: Op, policy: str) -> Kernel:
     """Lower precision, float32 and promote: cast the tensor arguments, then run the op."""
     cast, promote = _tensor_args(op)
 
-    def kernel(*args: Any, **kwargs: Any) -> Any:
+    def kernel(*args: object, **kwargs: object) -> object:
         with torch._C._ExcludeDispatchKeyGuard(_EXCLUDED):
             if policy == "FP32":
                 to = _F32
             else:
                 to = torch.get_autocast_dtype(BACKEND)
                 if policy == "PROMOTE":
-                    values: list[Any] = []
+                    values: list[object] = []
                     for i, name in promote:
                         v = args[i] if i < len(args) else kwargs.get(name)
                         if type(v) is list or type(v) is tuple:
@@ -168,12 +168,12 @@ def _casting_kernel(op: Any, policy: str) -> Kernel:
     return kernel
 
 
-def _set_opt_dtype_kernel(op: Any) -> Kernel:
+def _set_opt_dtype_kernel(op: Op) -> Kernel:
     """softmax, sum...: ``dtype=float32`` unless given, when the first argument is eligible
     (inputs are not cast)."""
     position = next(i for i, a in enumerate(op._schema.arguments) if a.name == "dtype")
 
-    def kernel(*args: Any, **kwargs: Any) -> Any:
+    def kernel(*args: object, **kwargs: object) -> object:
         with torch._C._ExcludeDispatchKeyGuard(_EXCLUDED):
             if args and _eligible(args[0]):
                 if position < len(args):
@@ -186,25 +186,28 @@ def _set_opt_dtype_kernel(op: Any) -> Kernel:
     return kernel
 
 
-def _append_dtype_kernel(op: Any, target: Any) -> Kernel:
+def _append_dtype_kernel(op: Op, target: Op) -> Kernel:
     """``norm`` without a dtype: redispatched to its overload with one, float32 for an
     eligible input, else the input's own."""
     defaults = [a.default_value for a in op._schema.arguments]
 
-    def kernel(*args: Any, **kwargs: Any) -> Any:
+    def kernel(*args: object, **kwargs: object) -> object:
         with torch._C._ExcludeDispatchKeyGuard(_EXCLUDED):
             full = [*args, *defaults[len(args) :]]
-            out_type = _F32 if _eligible(full[0]) else full[0].dtype
+            first = full[0]
+            out_type = (
+                _F32 if _eligible(first) or not isinstance(first, torch.Tensor) else first.dtype
+            )
             return target(*full, dtype=out_type, **kwargs)
 
     return kernel
 
 
-def _banned_kernel(*args: Any, **kwargs: Any) -> Any:
+def _banned_kernel(*args: object, **kwargs: object) -> object:
     raise RuntimeError(_BANNED_MESSAGE)
 
 
-def _overload(name: str) -> Any:
+def _overload(name: str) -> Op | None:
     base, _, overload = name.partition(".")
     try:
         return getattr(getattr(torch.ops.aten, base), overload)
@@ -255,29 +258,30 @@ def patch() -> None:
     """Clear the remote casts with ATen's; mirror ``cuda`` autocast onto ``remote`` while
     ``rt.cuda_alias`` (transparent mode) is set. Undone by :func:`unpatch`."""
     unpatch()
-    clear = torch.clear_autocast_cache
-    set_enabled = torch.set_autocast_enabled
-    set_dtype = torch.set_autocast_dtype
+    clear: Callable[..., object] = torch.clear_autocast_cache
+    set_enabled: Callable[..., object] = torch.set_autocast_enabled
+    set_dtype: Callable[..., object] = torch.set_autocast_dtype
 
     def clear_autocast_cache() -> None:
         clear()
         clear_cache()
 
-    def set_autocast_enabled(*args: Any) -> None:
+    def set_autocast_enabled(*args: object) -> None:
         set_enabled(*args)
         if rt.cuda_alias and (len(args) == 1 or args[0] == "cuda"):
             set_enabled(BACKEND, args[-1])
 
-    def set_autocast_dtype(device_type: str, dtype: Any) -> None:
+    def set_autocast_dtype(device_type: str, dtype: torch.dtype) -> None:
         set_dtype(device_type, dtype)
         if rt.cuda_alias and device_type == "cuda":
             set_dtype(BACKEND, dtype)
 
-    for name, fn in (
-        ("clear_autocast_cache", clear_autocast_cache),
-        ("set_autocast_enabled", set_autocast_enabled),
-        ("set_autocast_dtype", set_autocast_dtype),
-    ):
+    wrappers: dict[str, Callable[..., object]] = {
+        "clear_autocast_cache": clear_autocast_cache,
+        "set_autocast_enabled": set_autocast_enabled,
+        "set_autocast_dtype": set_autocast_dtype,
+    }
+    for name, fn in wrappers.items():
         _patched[name] = getattr(torch, name)
         fn.__wrapped__ = _patched[name]  # type: ignore[attr-defined]
         setattr(torch, name, fn)
