@@ -66,7 +66,9 @@ ENVIRONMENT: dict[str, str] = {
     "GPU_TRACE_TORCH_OPS": "Where op level's PyTorch op ranges come from: native (a RecordFunction "
     "observer in C++, built with the C++ compiler, CXX or g++, and waited for), kineto (the "
     "profiler's collection in short sessions) or unset: native where its build is cached, else "
-    "kineto while it builds in the background. GPU_TRACE_TORCH_SHAPES uses kineto.",
+    "kineto while it builds in the background. GPU_TRACE_TORCH_SHAPES uses kineto. At module "
+    "level: module backward ranges from the observer (native, unset where cached) or from "
+    "Python hooks on autograd nodes (kineto).",
     "GPU_TRACE_TF": "TensorFlow ranges when the program imports tensorflow: layer (Keras layer "
     "calls, tf.function calls, gradients, steps; the default), op (layer plus eager ops) or off. "
     "`gpu-trace record --tf` sets it.",
