@@ -31,6 +31,7 @@ __all__ = [
     "connect",
     "current",
     "disconnect",
+    "serving_process",
     "synchronize",
 ]
 
