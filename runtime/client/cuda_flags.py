@@ -45,7 +45,16 @@ _sent: backend_flags.Flags | None = None
 
 
 def install() -> None:
-    """Wrap the setters and send the settings as they are now."""
+    """Wrap the setters and send the settings as they are now (a failure is logged: the
+    program runs on, its settings not forwarded)."""
+    try:
+        _install()
+    except Exception:
+        uninstall()
+        log.warning("gpu-trace: backend settings will not follow the program", exc_info=True)
+
+
+def _install() -> None:
     global _sent
     import torch
 
@@ -58,7 +67,9 @@ def install() -> None:
         with contextlib.suppress(RuntimeError):  # already mixed: read from the table
             _legacy[name] = getter()
     for name in SETTERS:
-        _wrap(torch._C, name, getattr(torch._C, name))
+        original = getattr(torch._C, name, None)
+        if original is not None:  # an older torch may lack some
+            _wrap(torch._C, name, original)
     props: dict[str, object] = dict(vars(type(torch.backends.cudnn)))
     for name in CUDNN_PROPS:
         prop = props.get(name)

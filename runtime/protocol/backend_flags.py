@@ -49,79 +49,107 @@ PAIRS = ("fp16_reduction", "bf16_reduction")  # (allow reduced precision, allow 
 KEYS = frozenset({"matmul_precision", *BOOLS, *PAIRS, *(f"fp32:{b}:{o}" for b, o in FP32_KEYS)})
 
 
-LEGACY = ("matmul_precision", "cudnn_allow_tf32")
+#: Plain settings: name -> (getter, setter) in ``torch._C``.
+_PLAIN = {
+    "cudnn_enabled": ("_get_cudnn_enabled", "_set_cudnn_enabled"),
+    "cudnn_benchmark": ("_get_cudnn_benchmark", "_set_cudnn_benchmark"),
+    "cudnn_deterministic": ("_get_cudnn_deterministic", "_set_cudnn_deterministic"),
+    "fill_uninitialized_memory": (
+        "_get_deterministic_fill_uninitialized_memory",
+        "_set_deterministic_fill_uninitialized_memory",
+    ),
+    "fp16_reduction": (
+        "_get_cublas_allow_fp16_reduced_precision_reduction",
+        "_set_cublas_allow_fp16_reduced_precision_reduction",
+    ),
+    "bf16_reduction": (
+        "_get_cublas_allow_bf16_reduced_precision_reduction",
+        "_set_cublas_allow_bf16_reduced_precision_reduction",
+    ),
+}
 
 
 def read(torch: ModuleType, legacy: dict[str, str | bool] | None = None) -> Flags:
-    """This process's settings, as plain JSON values.
+    """This process's settings, as plain JSON values (those this torch has).
 
     The legacy switches cannot be read once a program has mixed the legacy and the new APIs
     (PyTorch raises); ``legacy`` gives them where the caller has followed their setters (the
     client does), else they are taken from the table."""
     c = torch._C
-    table = {f"fp32:{b}:{o}": str(c._get_fp32_precision_getter(b, o)) for b, o in FP32_KEYS}
+    flags: Flags = {}
+    if hasattr(c, "_get_fp32_precision_getter"):
+        for b, o in FP32_KEYS:
+            flags[f"fp32:{b}:{o}"] = str(c._get_fp32_precision_getter(b, o))
     known = legacy or {}
     matmul = known.get("matmul_precision")
     if matmul is None:
         try:
             matmul = str(c._get_float32_matmul_precision())
         except RuntimeError:
-            matmul = "high" if table["fp32:cuda:matmul"] == "tf32" else "highest"
+            matmul = "high" if flags.get("fp32:cuda:matmul") == "tf32" else "highest"
     cudnn_tf32 = known.get("cudnn_allow_tf32")
     if cudnn_tf32 is None:
         try:
             cudnn_tf32 = bool(c._get_cudnn_allow_tf32())
         except RuntimeError:
-            cudnn_tf32 = table["fp32:cuda:conv"] == "tf32"
-    return {
-        "matmul_precision": matmul,
-        "cudnn_enabled": bool(c._get_cudnn_enabled()),
-        "cudnn_benchmark": bool(c._get_cudnn_benchmark()),
-        "cudnn_deterministic": bool(c._get_cudnn_deterministic()),
-        "cudnn_allow_tf32": cudnn_tf32,
-        "deterministic": bool(c._get_deterministic_algorithms()),
-        "deterministic_warn_only": bool(c._get_deterministic_algorithms_warn_only()),
-        "fill_uninitialized_memory": bool(c._get_deterministic_fill_uninitialized_memory()),
-        "fp16_reduction": [bool(v) for v in c._get_cublas_allow_fp16_reduced_precision_reduction()],
-        "bf16_reduction": [bool(v) for v in c._get_cublas_allow_bf16_reduced_precision_reduction()],
-        **table,
-    }
+            cudnn_tf32 = flags.get("fp32:cuda:conv") == "tf32"
+    flags["matmul_precision"] = matmul
+    flags["cudnn_allow_tf32"] = cudnn_tf32
+    flags["deterministic"] = bool(c._get_deterministic_algorithms())
+    flags["deterministic_warn_only"] = bool(c._get_deterministic_algorithms_warn_only())
+    for name, (getter, _) in _PLAIN.items():
+        if hasattr(c, getter):
+            value = getattr(c, getter)()
+            if name in PAIRS:  # (allow, allow split-K) in torch 2.10+, one boolean before
+                value = (
+                    [bool(v) for v in value] if isinstance(value, tuple) else [bool(value), True]
+                )
+            flags[name] = value if name in PAIRS else bool(value)
+    return flags
 
 
 def check(value: object) -> Flags:
-    """``value`` from the wire as settings, or ValueError saying what is wrong with it."""
-    if type(value) is not dict or set(value) != KEYS:
-        raise ValueError(f"backend settings are an object with exactly the keys {sorted(KEYS)}")
-    if value["matmul_precision"] not in MATMUL_PRECISIONS:
+    """``value`` from the wire as settings (any of :data:`KEYS`: a peer's torch may lack some),
+    or ValueError saying what is wrong with it."""
+    if type(value) is not dict or not set(value) <= KEYS:
+        raise ValueError(f"backend settings are an object with keys among {sorted(KEYS)}")
+    if value.get("matmul_precision", "highest") not in MATMUL_PRECISIONS:
         raise ValueError(f"matmul_precision is one of {sorted(MATMUL_PRECISIONS)}")
     for name in BOOLS:
-        if type(value[name]) is not bool:
+        if name in value and type(value[name]) is not bool:
             raise ValueError(f"{name} is a boolean")
     for name in PAIRS:
-        pair = value[name]
+        pair = value.get(name, [True, True])
         if type(pair) is not list or len(pair) != 2 or any(type(v) is not bool for v in pair):
             raise ValueError(f"{name} is two booleans")
     for b, o in FP32_KEYS:
-        if value[f"fp32:{b}:{o}"] not in PRECISIONS:
+        if value.get(f"fp32:{b}:{o}", "none") not in PRECISIONS:
             raise ValueError(f"fp32:{b}:{o} is one of {sorted(PRECISIONS)}")
     return value
 
 
 def apply(torch: ModuleType, flags: Flags) -> None:
-    """Make ``flags`` (checked) this process's settings."""
+    """Make ``flags`` (checked) this process's settings, those this torch has."""
     c = torch._C
-    c._set_float32_matmul_precision(flags["matmul_precision"])
-    c._set_cudnn_allow_tf32(flags["cudnn_allow_tf32"])
-    for b, o in FP32_KEYS:
-        wanted = flags[f"fp32:{b}:{o}"]
-        if c._get_fp32_precision_getter(b, o) != wanted:
-            c._set_fp32_precision_setter(b, o, wanted)
-    c._set_cudnn_enabled(flags["cudnn_enabled"])
-    c._set_cudnn_benchmark(flags["cudnn_benchmark"])
-    c._set_cudnn_deterministic(flags["cudnn_deterministic"])
-    c._set_deterministic_algorithms(
-        flags["deterministic"], warn_only=flags["deterministic_warn_only"]
-    )
-    c._set_deterministic_fill_uninitialized_memory(flags["fill_uninitialized_memory"])
-    c._set_cublas_allow_fp16_reduced_precision_reduction(*flags["fp16_reduction"])
-    c._set_cublas_allow_bf16_reduced_precision_reduction(*flags["bf16_reduction"])
+    if "matmul_precision" in flags:
+        c._set_float32_matmul_precision(flags["matmul_precision"])
+    if "cudnn_allow_tf32" in flags:
+        c._set_cudnn_allow_tf32(flags["cudnn_allow_tf32"])
+    if hasattr(c, "_set_fp32_precision_setter"):
+        for b, o in FP32_KEYS:
+            wanted = flags.get(f"fp32:{b}:{o}")
+            if wanted is not None and c._get_fp32_precision_getter(b, o) != wanted:
+                c._set_fp32_precision_setter(b, o, wanted)
+    if "deterministic" in flags:
+        c._set_deterministic_algorithms(
+            flags["deterministic"], warn_only=flags.get("deterministic_warn_only", False)
+        )
+    for name, (_, setter) in _PLAIN.items():
+        if name in flags and hasattr(c, setter):
+            if name in PAIRS:
+                try:
+                    getattr(c, setter)(*flags[name])
+                except TypeError:  # one boolean before torch 2.10
+                    getattr(c, setter)(flags[name][0])
+            else:
+                getattr(c, setter)(flags[name])

@@ -93,6 +93,7 @@ def run(ex: Executor, session: Session, name: str, args: list[object]) -> Any:
         except ValueError as exc:
             raise ProtocolError(f"rt::flags: {exc}") from None
         own = _server_own(ex.torch)
+        flags = {**own, **flags}  # what a client's torch lacks stays the server's own
         if flags == own:  # the usual case: nothing to switch between it and other sessions
             flags = own
         _flags[session] = flags

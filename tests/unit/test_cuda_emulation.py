@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from gpu_trace import runtime
 from gpu_trace.runtime.client import cuda, cuda_streams
+from gpu_trace.runtime.protocol import backend_flags
 from gpu_trace.runtime.protocol.errors import RemoteOpError
 from gpu_trace.runtime.server import device_ops
 from tests.conftest import REPO
@@ -276,6 +277,7 @@ def test_backend_settings_apply_on_the_server_per_session(served: str) -> None:
         "cuda.patch()\n"
         "print(json.dumps(cuda_streams._call('rt::flags', [], wait='flags')))\n"
     )
+    before = backend_flags.read(torch)
     with CudaBuild():
         runtime.connect(served, token=TOKEN)
         cuda.patch()
@@ -296,12 +298,9 @@ def test_backend_settings_apply_on_the_server_per_session(served: str) -> None:
             # Deterministic algorithms fill new tensors with NaN: on the server, so it is set there.
             filled = torch.empty(4, device="cuda").isnan().all().item()
         finally:
-            torch.use_deterministic_algorithms(False)
-            torch.set_float32_matmul_precision("highest")
-            torch.backends.cudnn.benchmark = False
-            torch.backends.cudnn.deterministic = False
             cuda.unpatch()
             runtime.disconnect()
+            backend_flags.apply(torch, before)
     assert mine["matmul_precision"] == "medium" and mine["fp32:cuda:matmul"] == "tf32"
     assert mine["cudnn_benchmark"] and mine["cudnn_deterministic"] and mine["deterministic"]
     assert not defaults["cudnn_benchmark"] and defaults["matmul_precision"] == "highest"
@@ -358,3 +357,29 @@ def test_record_remote_runs_a_program_on_a_cuda_build_without_a_gpu(
     assert "DEVICE cpu (" in remote.stdout
     losses = [line for line in remote.stdout.splitlines() if line.startswith("LOSS")]
     assert len(expected) == 3 and losses == expected
+
+
+def test_settings_a_peer_lacks_stay_the_servers_own(served: str) -> None:
+    """A client whose torch lacks some settings sends the others: its session runs under the
+    server's own for the rest, never under another session's."""
+    other = (  # another session, in force before this one's next batch
+        "import torch\n"
+        "from gpu_trace import runtime\n"
+        "from gpu_trace.runtime.client import cuda_streams\n"
+        f"runtime.connect({served!r}, token={TOKEN!r})\n"
+        "cuda_streams._call('rt::flags', [{'matmul_precision': 'medium'}], wait='flags')\n"
+        "assert cuda_streams._call('rt::flags', [], wait='flags')['matmul_precision'] == 'medium'\n"
+    )
+    runtime.connect(served, token=TOKEN)  # explicit mode: no settings sent
+    try:
+        own = server_flags()
+        flipped = not own["cudnn_benchmark"]
+        cuda_streams._call("rt::flags", [{"cudnn_benchmark": flipped}])
+        assert server_flags() == {**own, "cudnn_benchmark": flipped}
+        out = subprocess.run(
+            [sys.executable, "-c", other], cwd=REPO, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr
+        assert server_flags() == {**own, "cudnn_benchmark": flipped}
+    finally:
+        runtime.disconnect()
