@@ -31,7 +31,16 @@ At op level the profiler's collection already records every backward node as it 
 sequence number of the forward op that made it, so no hooks are placed: the wrapper notes the
 range of sequence numbers each module call's forward ops took (two reads of a thread-local
 counter), and the op collection makes the backward ranges from them (see
-:mod:`.ops`, "Module backward ranges").
+:mod:`.ops`, "Module backward ranges"). Module level does the same where the native observer is
+built (:mod:`.ops_native`, recording autograd nodes only): a hook costs the program's thread
+several µs per module call (placing it, and the engine calling Python for it), the observer
+about a quarter of a µs per node, and the matching runs in the flusher. The hooks stay for a
+machine without the build (and with ``GPU_TRACE_TORCH_OPS=kineto``), and for forwards on threads
+other than the one that started recording.
+
+The forward range is opened and closed by the tracer's C ``call_in_range`` around the call where
+``gpu_trace.range``'s C type is loaded (``tracer/_fastpath.c``; :func:`spans.begin` and
+:func:`spans.end` are its Python twin, used when an NVTX tool mirrors the ranges).
 
 Inside ``torch.compile`` tracing the wrapper does nothing: a compiled module is one range.
 
