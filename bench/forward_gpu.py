@@ -192,17 +192,42 @@ class Trainer:
         return loss
 
 
-def timed_steps(step: Any, warmup: int, steps: int) -> tuple[list[float], list[str]]:
-    """``step()`` returns a float (a sync point); its times in ms and its losses (as hex)."""
+def timed_steps(step: Any, warmup: int, steps: int, server_pid: int = 0) -> dict[str, Any]:
+    """``step()`` returns a float (a sync point): its times in ms, its losses (as hex), and the
+    CPU time per timed step, ms, of this process (all threads) and of the server's
+    (``server_pid``, on this machine), which the machine's other load moves less than the
+    wall time."""
     losses = []
     for _ in range(warmup):
         losses.append(step())
     times = []
+    cpu0, server0 = time.process_time_ns(), cpu_ns(server_pid)
     for _ in range(steps):
         t = time.perf_counter()
         losses.append(step())
         times.append((time.perf_counter() - t) * 1e3)
-    return times, [float(v).hex() for v in losses]
+    cpu1, server1 = time.process_time_ns(), cpu_ns(server_pid)
+    out: dict[str, Any] = {"times_ms": times, "losses": [float(v).hex() for v in losses]}
+    out["client_cpu_ms"] = (cpu1 - cpu0) / 1e6 / max(1, steps)
+    if server0 is not None and server1 is not None:
+        out["server_cpu_ms"] = (server1 - server0) / 1e6 / max(1, steps)
+    return out
+
+
+def cpu_ns(pid: int) -> int | None:
+    """CPU time of every thread of process ``pid`` so far, ns (Linux's schedstat); None where
+    it cannot be read."""
+    if not pid:
+        return None
+    total = 0
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(FileNotFoundError):  # a thread that just ended
+                with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                    total += int(f.read().split()[0])
+    except OSError:
+        return None
+    return total
 
 
 # ---- the peers' processes --------------------------------------------------------------------------
@@ -219,20 +244,20 @@ def _device(kind: str) -> str:
 
 
 def worker(
-    peer: str, model: str, kind: str, warmup: int, steps: int, address: str
+    peer: str, model: str, kind: str, warmup: int, steps: int, address: str, server_pid: int = 0
 ) -> dict[str, Any]:
     """One peer's run of one model in this process (a fresh one)."""
     size = SIZES[kind][model]
     if peer == "local":
         trainer = Trainer(model, size, _device(kind))
-        return _result(*timed_steps(lambda: trainer.step().item(), warmup, steps))
+        return timed_steps(lambda: trainer.step().item(), warmup, steps)
     if peer.startswith("forwarded"):
         from gpu_trace import runtime
 
         dev = runtime.connect(address, token=TOKEN)
         try:
             trainer = Trainer(model, size, dev)
-            res = _result(*timed_steps(lambda: trainer.step().item(), warmup, steps))
+            res = timed_steps(lambda: trainer.step().item(), warmup, steps, server_pid)
             res["runtime"] = os.path.dirname(os.path.dirname(os.path.realpath(runtime.__file__)))
             return res
         finally:
@@ -252,18 +277,15 @@ def worker(
             if cuda:
                 batch = [b.to("cuda:0") for b in batch]
             x, y = batch
-            return _result(
-                *timed_steps(
-                    lambda: rpc.rpc_sync("server", _rpc_step, args=(x, y)).item(), warmup, steps
-                )
+            return timed_steps(
+                lambda: rpc.rpc_sync("server", _rpc_step, args=(x, y)).item(),
+                warmup,
+                steps,
+                server_pid,
             )
         finally:
             rpc.shutdown()
     raise ValueError(f"unknown peer {peer!r}")
-
-
-def _result(times: list[float], losses: list[str]) -> dict[str, Any]:
-    return {"times_ms": times, "losses": losses}
 
 
 _rpc_trainer: Trainer | None = None
@@ -343,11 +365,12 @@ def _spawn(args: list[str], env: dict[str, str], **kw: Any) -> subprocess.Popen:
 
 
 @contextlib.contextmanager
-def peer_of(peer: str, kind: str) -> Iterator[str]:
-    """The server side of ``peer`` (a fresh process; none for ``local``): yields its address."""
+def peer_of(peer: str, kind: str) -> Iterator[tuple[str, int]]:
+    """The server side of ``peer`` (a fresh process; none for ``local``): yields its address
+    and process id."""
     env = _env(kind, False, peer.endswith("@base"))
     if peer == "local":
-        yield ""
+        yield "", 0
         return
     if peer.startswith("forwarded"):
         proc = _spawn(["--serve", kind], env, stdout=subprocess.PIPE, text=True)
@@ -360,7 +383,7 @@ def peer_of(peer: str, kind: str) -> Iterator[str]:
     try:
         if not address:
             raise RuntimeError(f"the {peer} server did not start")
-        yield address
+        yield address, proc.pid
     finally:
         if peer.startswith("forwarded"):
             proc.terminate()
@@ -374,8 +397,8 @@ def peer_of(peer: str, kind: str) -> Iterator[str]:
 def run_peer(peer: str, model: str, kind: str, warmup: int, steps: int) -> dict[str, Any]:
     """One peer's run of one model: its processes, its result (or the error it ended with)."""
     try:
-        with peer_of(peer, kind) as address:
-            args = ["--worker", peer, "--model", model, "--kind", kind]
+        with peer_of(peer, kind) as (address, pid):
+            args = ["--worker", peer, "--model", model, "--kind", kind, "--server-pid", str(pid)]
             args += ["--warmup", str(warmup), "--steps", str(steps), "--address", address]
             proc = _spawn(
                 args,
@@ -405,7 +428,8 @@ def peers(kind: str) -> list[str]:
 
 def summarize(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """Per peer: the median of its rounds' medians (ms), the ratios to ``local`` of the same
-    round (median, lowest, highest), whether every loss was bitwise ``local``'s, and errors."""
+    round (median, lowest, highest), whether every loss was bitwise ``local``'s, the median CPU
+    ms per step of the client and of the server (where measured), and errors."""
     out: dict[str, dict[str, Any]] = {}
     names = [p for p in rounds[0]] if rounds else []
     for name in names:
@@ -423,6 +447,10 @@ def summarize(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, An
         row: dict[str, Any] = {"rounds": len(medians), "errors": errors}
         if medians:
             row["median_ms"] = statistics.median(medians)
+        for side in ("client_cpu_ms", "server_cpu_ms"):
+            cpu = [r[name][side] for r in rounds if side in r.get(name, {})]
+            if cpu:
+                row[side] = statistics.median(cpu)
         if ratios:
             row.update(ratio=statistics.median(ratios), low=min(ratios), high=max(ratios))
             row["bitwise"] = same
@@ -452,6 +480,7 @@ def main() -> None:
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--kind", help=argparse.SUPPRESS)
     parser.add_argument("--address", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--server-pid", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         _serve(args.serve)
@@ -460,7 +489,15 @@ def main() -> None:
         _rpc_server(args.rpc_server)
         return
     if args.worker:
-        res = worker(args.worker, args.model, args.kind, args.warmup, args.steps, args.address)
+        res = worker(
+            args.worker,
+            args.model,
+            args.kind,
+            args.warmup,
+            args.steps,
+            args.address,
+            args.server_pid,
+        )
         print(json.dumps(res), flush=True)
         return
 
@@ -509,7 +546,8 @@ def main() -> None:
 
 def table(model: str, summary: dict[str, dict[str, Any]]) -> str:
     lines = [
-        f"{model}: peer, median step ms, ratio to local (lowest-highest), losses bitwise local's"
+        f"{model}: peer, median step ms, ratio to local (lowest-highest), CPU ms a step"
+        " (client/server), losses bitwise local's"
     ]
     for name, row in summary.items():
         if "median_ms" not in row:
@@ -524,7 +562,12 @@ def table(model: str, summary: dict[str, dict[str, Any]]) -> str:
         failed = (
             f"  {len(row['errors'])} round(s) failed: {row['errors'][0]}" if row["errors"] else ""
         )
-        lines.append(f"  {name:<18} {row['median_ms']:9.2f}  {ratio:<22} {bitwise}{failed}")
+        cpu = f"{row.get('client_cpu_ms', 0):.2f}/" + (
+            f"{row['server_cpu_ms']:.2f}" if "server_cpu_ms" in row else "-"
+        )
+        lines.append(
+            f"  {name:<18} {row['median_ms']:9.2f}  {ratio:<22} {cpu:<13} {bitwise}{failed}"
+        )
     return "\n".join(lines)
 
 

@@ -51,6 +51,7 @@ def test_quick_cpu_variant_times_the_forwarded_step_with_local_losses() -> None:
     (round_,) = result["models"]["mlp"]["rounds"]
     assert len(round_["forwarded"]["times_ms"]) == 5
     assert round_["forwarded"]["runtime"] == str(REPO)
+    assert summary["forwarded"]["server_cpu_ms"] > 0 and summary["forwarded"]["client_cpu_ms"] > 0
 
 
 def test_figures_are_medians_and_ratios_to_local_of_the_same_round() -> None:
@@ -83,8 +84,9 @@ def test_every_model_trains_a_step_on_the_cpu() -> None:
     pytest.importorskip("torch")
     for model in bench.MODELS:
         trainer = bench.Trainer(model, bench.SIZES["cpu"][model], "cpu")
-        times, losses = bench.timed_steps(lambda t=trainer: t.step().item(), 1, 1)
-        assert len(times) == 1 and len(losses) == 2
+        got = bench.timed_steps(lambda t=trainer: t.step().item(), 1, 1)
+        assert len(got["times_ms"]) == 1 and len(got["losses"]) == 2
+        assert got["client_cpu_ms"] > 0 and "server_cpu_ms" not in got
 
 
 def test_baseline_path_imports_the_other_checkouts_package(tmp_path: Path) -> None:
