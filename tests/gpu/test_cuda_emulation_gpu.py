@@ -47,6 +47,7 @@ PROGRAM = textwrap.dedent(
         losses, ms = [], []
         for _ in range(3):
             start.record()
+            side.wait_stream(torch.cuda.current_stream())  # x and the weights were made there
             with torch.cuda.stream(side):
                 opt.zero_grad()
                 loss = F.mse_loss(model(x), y)
