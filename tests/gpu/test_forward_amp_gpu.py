@@ -1,0 +1,168 @@
+"""Mixed-precision training forwarded to a CUDA server in transparent mode, bitwise equal to the
+same program run on the GPU locally (skipped without a GPU).
+
+The server is `gpu-trace serve` in its own process, on cuda:0. The client is the same program with
+``CUDA_VISIBLE_DEVICES=""`` (the machine's torch is a CUDA build: a CUDA build without a GPU, as
+on a CPU-only machine) and ``GPU_TRACE_REMOTE`` set, in transparent mode: it says ``cuda``,
+``torch.autocast("cuda", ...)``, ``torch.amp.GradScaler("cuda")`` and ``AdamW(fused=True)``
+unchanged, and the runtime maps them onto the server (runtime/client/autocast.py applies CUDA's
+autocast policy on the client's side; the casts and ops run on the server's GPU). Two runs: bf16
+autocast, and fp16 autocast with a GradScaler whose third step's loss is infinite (skipped, scale
+backed off). Deterministic settings on both sides, as in test_forward_training_gpu.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+TOKEN = "forward-amp-gpu-token-0123"
+DETERMINISTIC = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+SERVE = textwrap.dedent(
+    """
+    import sys
+    from gpu_trace._imports import when_imported
+    when_imported("torch", lambda torch: torch.use_deterministic_algorithms(True))
+    from gpu_trace.cli import main
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+PROGRAM = textwrap.dedent(
+    """
+    import hashlib, json, os, sys
+    if os.environ.get("GPU_TRACE_REMOTE"):  # what `gpu-trace record --remote` starts with
+        from gpu_trace.runtime.client import cuda as forwarding
+        forwarding.install_from_env()
+    import torch, torch.nn as nn, torch.nn.functional as F
+
+    torch.use_deterministic_algorithms(True)
+    which = sys.argv[1]
+    if os.environ.get("GPU_TRACE_REMOTE"):
+        from gpu_trace.runtime.client import tensor as rt
+        assert rt.conn is not None, "transparent mode did not connect"
+
+    class Net(nn.Module):
+        def __init__(self, vocab=256, d=128):
+            super().__init__()
+            self.emb = nn.Embedding(vocab, d)
+            self.norm = nn.LayerNorm(d)
+            self.up = nn.Linear(d, 4 * d)
+            self.down = nn.Linear(4 * d, d)
+            self.head = nn.Linear(d, vocab)
+
+        def forward(self, idx):
+            x = self.emb(idx)
+            x = x + self.down(F.gelu(self.up(self.norm(x))))
+            return self.head(x)
+
+    def xent(logits, onehot):  # log_softmax runs in float32 under autocast; no nll_loss atomics
+        return -(F.log_softmax(logits, -1) * onehot).sum(-1).mean()
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    model = Net().to("cuda")
+    tokens = torch.randint(0, 256, (16, 33), generator=g)
+    x = tokens[:, :-1].to("cuda")
+    y = F.one_hot(tokens[:, 1:], 256).float().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    low = torch.bfloat16 if which == "bf16" else torch.float16
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**14, growth_interval=2,
+                                  enabled=which == "fp16")
+    losses, scales = [], []
+    for step in range(5):
+        opt.zero_grad()
+        with torch.autocast("cuda", dtype=low):
+            logits = model(x)
+            loss = xent(logits, y)
+        assert logits.dtype == low and loss.dtype == torch.float32
+        if which == "fp16" and step == 2:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        losses.append(loss.item().hex())
+        scales.append(scaler.get_scale())
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().cpu().numpy().tobytes())
+    out = {"losses": losses, "scales": scales, "params": digest.hexdigest()}
+    print("RESULT " + json.dumps(out), flush=True)
+    """
+)
+
+
+def _result(out: subprocess.CompletedProcess) -> dict:
+    assert out.returncode == 0, out.stderr[-4000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :])
+
+
+def _first_line(proc: subprocess.Popen, timeout_s: float) -> str:
+    assert proc.stderr is not None
+    ready, _, _ = select.select([proc.stderr], [], [], timeout_s)
+    assert ready, "the server said nothing"
+    return proc.stderr.readline()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, str]]]:
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    home = tmp_path_factory.mktemp("home")
+    env = {**os.environ, **DETERMINISTIC, "GPU_TRACE_HOME": str(home)}
+    env["GPU_TRACE_REMOTE_TOKEN"] = TOKEN
+    env.pop("GPU_TRACE_REMOTE", None)
+    server = subprocess.Popen(
+        [sys.executable, "-c", SERVE, "serve", "--listen", "127.0.0.1:0", "--device", "cuda:0",
+         "--gpu-activity", "off", "--metrics", "off"],
+        stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        serving = _first_line(server, 120)
+        assert "serving cuda:0 on" in serving, serving
+        yield serving.split(" on ")[1].split()[0], env
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.communicate(timeout=10)
+
+
+@pytest.mark.parametrize("which", ["bf16", "fp16"])
+def test_forwarded_mixed_precision_is_bitwise_the_local_run(
+    served: tuple[str, dict[str, str]], which: str, tmp_path: Path
+) -> None:
+    address, env = served
+    prog = tmp_path / "amp.py"
+    prog.write_text(PROGRAM)
+    local = _result(
+        subprocess.run(
+            [sys.executable, str(prog), which],
+            capture_output=True, text=True, env=env, timeout=300,
+        )
+    )  # fmt: skip
+    gpu_less = {**env, "CUDA_VISIBLE_DEVICES": "", "GPU_TRACE_REMOTE": address}
+    forwarded = _result(
+        subprocess.run(
+            [sys.executable, str(prog), which],
+            capture_output=True, text=True, env=gpu_less, timeout=300,
+        )
+    )  # fmt: skip
+    assert len(local["losses"]) == 5
+    if which == "fp16":
+        assert local["losses"][2] == "inf" and local["scales"][2] < local["scales"][1]
+    assert forwarded == local
