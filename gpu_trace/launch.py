@@ -150,7 +150,7 @@ def prepare(
     )
     notes: list[str] = []
     _build_fast_range()
-    if env["GPU_TRACE_TORCH"] == "op" and environ.get("GPU_TRACE_TORCH_OPS") != "kineto":
+    if env["GPU_TRACE_TORCH"] != "off" and environ.get("GPU_TRACE_TORCH_OPS") != "kineto":
         _build_op_observer()
     if mode == "native":
         from gpu_trace.collectors import nvtx as nvtx_collector
@@ -245,9 +245,10 @@ def _build_fast_range() -> None:
 
 
 def _build_op_observer() -> None:
-    """Op level: build the native op observer into the per-user cache now (once per torch, a few
-    seconds), so the program records ops with it from the start rather than with the profiler's
-    sessions while it builds (framework_patches/torch/ops_native.py)."""
+    """Build the native op observer into the per-user cache now (once per torch, a few seconds),
+    so the program records with it from the start (op level: ops; module level: the autograd
+    nodes its module backward ranges come from) rather than with the profiler's sessions or
+    Python hooks while it builds in the program (framework_patches/torch/ops_native.py)."""
     if importlib.util.find_spec("torch") is None:
         return
     try:

@@ -172,9 +172,11 @@ def test_a_bad_source_setting_is_one_clear_message() -> None:
     assert "native" in str(err.value) and "kineto" in str(err.value)
 
 
-def test_record_at_op_level_builds_the_observer_before_the_program(tmp_path, monkeypatch, home):
-    """`gpu-trace record --torch op` builds it into the cache, so the program's first run at op
-    level uses it rather than the sessions while it builds."""
+@pytest.mark.parametrize("level", ["op", "module"])
+def test_record_builds_the_observer_before_the_program(tmp_path, monkeypatch, home, level):
+    """`gpu-trace record --torch op` (and `module`, the default) builds it into the cache, so
+    the program's first run uses it rather than the sessions (op level) or Python hooks on the
+    autograd nodes (module level) while it builds in the program."""
     from gpu_trace import launch
 
     source = tmp_path / "observer.cpp"
@@ -184,7 +186,7 @@ def test_record_at_op_level_builds_the_observer_before_the_program(tmp_path, mon
     got = launch.prepare(
         [sys.executable, "-c", "pass"],
         run_dir=tmp_path / "run",
-        torch="op",
+        torch=level,
         nvml_hz=0,
         host_hz=0,
         gpu_activity="off",
