@@ -137,35 +137,72 @@ def _tensor_args(op: Op) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
     return cast, promote
 
 
-def _casting_kernel(op: Op, policy: str) -> Kernel:
-    """Lower precision, float32 and promote: cast the tensor arguments, then run the op."""
+Caster = Callable[[tuple[object, ...], dict[str, object]], list[object]]
+
+
+def _caster(op: Op, policy: str) -> Caster:
+    """Lower precision, float32 and promote: ``cast(args, kwargs)`` casts the tensor arguments
+    (the positional ones returned as a list, keyword ones in place)."""
     cast, promote = _tensor_args(op)
+
+    def cast_args(args: tuple[object, ...], kwargs: dict[str, object]) -> list[object]:
+        if policy == "FP32":
+            to = _F32
+        else:
+            to = torch.get_autocast_dtype(BACKEND)
+            if policy == "PROMOTE":
+                values: list[object] = []
+                for i, name in promote:
+                    v = args[i] if i < len(args) else kwargs.get(name)
+                    if type(v) is list or type(v) is tuple:
+                        values.extend(v)
+                    else:
+                        values.append(v)
+                to = _promote(to, values)
+        n = len(args)
+        args_ = list(args)
+        for i, name in cast:
+            if i < n:
+                args_[i] = _cast_value(to, args_[i])
+            elif name in kwargs:
+                kwargs[name] = _cast_value(to, kwargs[name])
+        return args_
+
+    return cast_args
+
+
+def _casting_kernel(op: Op, policy: str) -> Kernel:
+    cast_args = _caster(op, policy)
 
     def kernel(*args: object, **kwargs: object) -> object:
         with torch._C._ExcludeDispatchKeyGuard(_EXCLUDED):
-            if policy == "FP32":
-                to = _F32
-            else:
-                to = torch.get_autocast_dtype(BACKEND)
-                if policy == "PROMOTE":
-                    values: list[object] = []
-                    for i, name in promote:
-                        v = args[i] if i < len(args) else kwargs.get(name)
-                        if type(v) is list or type(v) is tuple:
-                            values.extend(v)
-                        else:
-                            values.append(v)
-                    to = _promote(to, values)
-            n = len(args)
-            args_ = list(args)
-            for i, name in cast:
-                if i < n:
-                    args_[i] = _cast_value(to, args_[i])
-                elif name in kwargs:
-                    kwargs[name] = _cast_value(to, kwargs[name])
-            return op(*args_, **kwargs)
+            return op(*cast_args(args, kwargs), **kwargs)
 
     return kernel
+
+
+#: Functions that travel whole (:mod:`gpu_trace.runtime.protocol.functions`) and the op whose
+#: policy applies to them: their call never reaches the dispatcher on the client, and the server
+#: runs them without autocast, so their arguments are cast here (what the op's kernel would do).
+WHOLE = {"sdpa": "scaled_dot_product_attention.default"}
+_whole: dict[str, Caster] = {}
+
+
+def cast_whole(
+    name: str, args: tuple[object, ...], kwargs: dict[str, object]
+) -> tuple[object, ...]:
+    """The arguments of a function that travels whole, cast as CUDA's autocast casts its op's
+    while autocast is on for the remote device (``kwargs`` in place)."""
+    if not torch.is_autocast_enabled(BACKEND):
+        return args
+    caster = _whole.get(name)
+    if caster is None:
+        op = _overload(WHOLE.get(name, ""))
+        if op is None:
+            return args
+        caster = _whole[name] = _caster(op, "LOWER_PRECISION_FP")
+    with torch._C._ExcludeDispatchKeyGuard(_EXCLUDED):
+        return tuple(caster(args, kwargs))
 
 
 def _set_opt_dtype_kernel(op: Op) -> Kernel:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from gpu_trace.runtime.client import autocast
 from gpu_trace.runtime.client import tensor as rt
 from gpu_trace.runtime.client.connection import OpRecord, now_ns
 from gpu_trace.runtime.protocol.functions import FUNCTIONS
@@ -55,6 +56,7 @@ def _wrapper(name: str, original: Any) -> Any:
     def call(*args: Any, **kwargs: Any) -> Any:
         if not _has_remote(args) and not _has_remote(kwargs.values()):
             return original(*args, **kwargs)
+        args = autocast.cast_whole(name, args, kwargs)  # the server runs it without autocast
         return _remote_call(name, original, args, kwargs)
 
     call.__wrapped__ = original  # type: ignore[attr-defined]
