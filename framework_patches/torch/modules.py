@@ -339,7 +339,8 @@ def _wrap_call(original: Any) -> Any:
                 t.made.clear()
             raise
         stack.pop()
-        spans.end(token)
+        if token is not None:
+            spans.end(token)
         try:
             if calls is not None:
                 end = _seq()
