@@ -249,7 +249,7 @@ def _one_element_rule(op: str, at: tuple[tuple[int, str, str | None], ...]) -> R
     The fused optimizers' CPU kernels do not check (an empty ``grad_scale`` was read past its
     storage: NaN params), the ``_amp`` ones do; all are checked here, before any device runs."""
 
-    def rule(args: list[Any], kwargs: dict[str, Any]) -> None:
+    def rule(args: list[object], kwargs: dict[str, object]) -> None:
         for position, name, dtype in at:
             t = _arg(args, kwargs, position, name)
             if not hasattr(t, "numel"):
