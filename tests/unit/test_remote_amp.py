@@ -8,6 +8,7 @@ applied by hand."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import signal
 import subprocess
 import sys
@@ -37,7 +38,7 @@ def served() -> Iterator[str]:
         [sys.executable, "-m", "gpu_trace", "serve", "--listen", "127.0.0.1:0", "--device", "cpu"],
         stderr=subprocess.PIPE,
         text=True,
-        env={**__import__("os").environ, "GPU_TRACE_REMOTE_TOKEN": TOKEN},
+        env={**os.environ, "GPU_TRACE_REMOTE_TOKEN": TOKEN},
     )
     assert proc.stderr is not None
     line = proc.stderr.readline()
