@@ -52,7 +52,14 @@ from gpu_trace.runtime.protocol.wire import (
 )
 from gpu_trace.runtime.server import allowlist
 from gpu_trace.runtime.server.device_ops import use_flags
-from gpu_trace.runtime.server.plan import MAX_TEMPLATE_SIZES, Calls, Plan, check_sizes
+from gpu_trace.runtime.server.plan import (
+    MAX_TEMPLATE_SIZES,
+    Calls,
+    Plan,
+    check_sizes,
+    held_storages,
+    recount,
+)
 from gpu_trace.runtime.server.pseudo_ops import rng_state, run_pseudo, seed_device, set_rng_state
 from gpu_trace.runtime.server.sessions import Session
 from gpu_trace.runtime.server.sink import (
@@ -518,7 +525,8 @@ class Executor:
         taken = self._blobs_taken
         a = decoder.decode_args(args)
         k = decoder.decode_kwargs(kwargs) if kwargs else {}
-        return self._run_op(session, entry, a, k, outs, before, taken)
+        idents = _idents(args, kwargs if k else {})  # kwargs: an object, as decoded
+        return self._run_op(session, entry, a, k, outs, before, taken, idents=idents)
 
     def _resolve(self, name: str) -> tuple[Any, Any, bool, bool, bool, Any]:
         """An allow-listed ATen op's entry (see :func:`_entry`), made once per name."""
@@ -554,6 +562,7 @@ class Executor:
             taken,
             plan.sizes,
             tuple(key),
+            [vals[hole] for _, hole in plan.holes],
         )
 
     def _prepare(self, t: Template) -> Plan | bool:
@@ -597,13 +606,17 @@ class Executor:
         taken: int,
         sizes: dict[Any, int] | None = None,
         key: Any = None,
+        idents: list[int] | None = None,
     ) -> Any:
         """Run a decoded op: its rules and memory checks, the op, its outputs' handles.
 
         ``sizes``: a template's own sizes by ``key``, its tensors' signatures (see :meth:`_top`).
+        ``idents``: the handles it takes (their storages are counted again after an op that may
+        grow them in place: :func:`~gpu_trace.runtime.server.plan.recount`).
         """
         target, rule, sized, rerunnable, seeded, size = entry
         account = session.account
+        held = None
         if rule is not None:
             rule(a, k)
         if sized:
@@ -621,10 +634,14 @@ class Executor:
                     sizes[key] = asked
             if asked:
                 self.admit(session, asked, taken)
+                if not rerunnable and idents:  # it may grow its inputs' storages in place
+                    held = held_storages(session.handles, idents)
         rng = None
         if seeded and session.tenant.on_quota == "wait":
             rng = rng_state(self.torch, self.device)  # a re-run must draw the same numbers
         result = target(*a, **k)
+        if held is not None:
+            recount(session.handles, held)
         if type(outs) is list and len(outs) == 1 and isinstance(result, self.torch.Tensor):
             h = outs[0]  # one tensor result: most ops
             if h is not None:
@@ -943,6 +960,15 @@ def _ints(value: Any, out: set[int], depth: int) -> None:
     elif t is dict and depth < 16:
         for v in value.values():
             _ints(v, out, depth + 1)
+
+
+def _idents(args: list[Any], kwargs: dict[str, Any]) -> list[int]:
+    """The handles a JSON op names as arguments, top level and keyword (``out=``)."""
+    out = []
+    for v in (*args, *kwargs.values()):
+        if type(v) is dict and len(v) == 1 and type(v.get("h")) is int:
+            out.append(v["h"])
+    return out
 
 
 def _handles(outs: Any) -> list[int]:

@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gpu_trace.runtime.protocol.errors import OpError
-from gpu_trace.runtime.server.sessions import MAX_HANDLES
+from gpu_trace.runtime.server.sessions import MAX_HANDLES, HandleTable
 
 if TYPE_CHECKING:
     from gpu_trace.runtime.server.executor import Executor
@@ -191,6 +191,7 @@ class Plan:
         if self.sized:
             check_sizes(a, kwargs)
         checked = 0  # bytes the memory check let it allocate with room to spare
+        held = None
         size = self.size
         if size is not None:  # what it will allocate, checked before it does
             known = None if sizes is None else sizes.get(key)
@@ -212,7 +213,11 @@ class Plan:
                     checked = asked  # Memory.refusal's first answer: it fits, all counted
                 else:
                     c.ex.admit(c.session, asked, c.ex._blobs_taken)
+                if not self.rerunnable:  # it may grow its inputs' storages in place
+                    held = held_storages(c.handles, [vals[hole] for _, hole in self.holes])
         result = self.call(*a, **kwargs) if kwargs else self.call(*a)
+        if held is not None:
+            recount(c.handles, held)
         out = self.out
         if out == DROP:  # an in-place op's result: its input, kept by its own handle
             value = None
@@ -285,6 +290,32 @@ class Calls:
         # The tenant's sums (None: not attached; Memory.refusal lets it allocate then too, and
         # every check goes to Executor.admit).
         self.tm = memory.tenants.get(session.tenant.name)
+
+
+def held_storages(handles: HandleTable, idents: list[int]) -> list[tuple[int, int, int]]:
+    """``(handle, data pointer, bytes)`` of the storages of ``idents`` (handles an op takes),
+    before an op that may grow them in place: see :func:`recount`."""
+    out = []
+    for ident in idents:
+        tensor = handles._tensors.get(ident)
+        if tensor is not None:
+            storage = tensor.untyped_storage()
+            out.append((ident, storage.data_ptr(), storage.nbytes()))
+    return out
+
+
+def recount(handles: HandleTable, held: list[tuple[int, int, int]]) -> None:
+    """After an op that could grow its arguments' storages (its sizing counted the growth, and
+    it writes its inputs: ``resize_``, ``out=``): count again those that grew or moved. The
+    account keys storages as they were when their handles were made; without this a grown
+    storage stayed counted at its old size, and a tenant could grow storages past its quota
+    one checked op at a time."""
+    for ident, ptr, nbytes in held:
+        tensor = handles._tensors.get(ident)
+        if tensor is not None:
+            storage = tensor.untyped_storage()
+            if storage.nbytes() != nbytes or storage.data_ptr() != ptr:
+                handles.regrown(ident)
 
 
 def check_sizes(args: list[Any], kwargs: dict[str, Any]) -> None:

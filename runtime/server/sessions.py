@@ -97,6 +97,30 @@ class MemoryAccount:
             self.on_change(self)
         return entry[0]
 
+    def regrow(self, key: int, storage: Any) -> int:
+        """An op grew the storage counted under ``key`` in place (``resize_``, an ``out=``
+        argument too small), which may have moved its data: count it at its size now, under its
+        key now. Returns that key."""
+        entry = self._storages.pop(key, None)
+        new_key = storage.data_ptr() or id(storage)
+        if entry is None:
+            return new_key
+        if self._paged:  # not paged out any more: ops run on restored storages only
+            self.paged_bytes -= self._paged.pop(key, 0)
+        n = storage.nbytes()
+        if self.block_bytes > 1 and n:
+            n = -(-n // self.block_bytes) * self.block_bytes
+        other = self._storages.get(new_key)
+        if other is not None:  # counted under its new key already: one entry
+            other[1] += entry[1]
+            self._add(-entry[0])
+            return new_key
+        grown, entry[0] = n - entry[0], n
+        self._storages[new_key] = entry
+        if grown:
+            self._add(grown)
+        return new_key
+
     @property
     def resident_bytes(self) -> int:
         """Bytes on the device: ``bytes`` less what is paged out to host memory."""
@@ -157,6 +181,18 @@ class HandleTable:
             if keys.get(handle) == old_key:
                 keys[handle] = new_key
         return self.account.move(old_key, new_key, paged)
+
+    def regrown(self, handle: int) -> None:
+        """An op grew ``handle``'s storage in place: count it anew (see
+        :meth:`MemoryAccount.regrow`), for every handle that shares it."""
+        key = self._keys.get(handle)
+        if key is None:
+            return
+        new_key = self.account.regrow(key, self._tensors[handle].untyped_storage())
+        if new_key != key:
+            keys = self._keys
+            for h in [h for h, k in keys.items() if k == key]:
+                keys[h] = new_key
 
     def key(self, handle: int) -> int | None:
         """The account key of ``handle``'s storage (None: no such handle)."""

@@ -293,3 +293,39 @@ def test_no_alloc_ops_are_allowed_and_allocate_nothing(name: str) -> None:
     assert result.untyped_storage().data_ptr() == base
     size = sizer(target)
     assert Sizing().op_bytes(size, target._op, SAMPLES[name](), {}) == 0
+
+
+# ---- storages grown in place ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("templated", [True, False])
+def test_a_storage_grown_in_place_is_counted_and_held_to_the_quota(templated: bool) -> None:
+    """``resize_`` grows a tensor's storage in place: the account counts it at its new size
+    (it stayed at the old one: a tenant grew storages past its quota, each growth checked
+    against an account that never saw the ones before), for every handle that shares it."""
+    rig = Rig(quota=6000)
+    rig.put(1, torch.ones(4))
+    rig.put(2, torch.ones(4))
+    rig.batch([["aten::view.default", [_h(1), [2, 2]], {}, [3]]], templated)  # shares 1's storage
+    rig.batch([["aten::resize_.default", [_h(1), [1000]], {}, [None]]], templated)
+    assert b'"ok":true' in rig.replies[-1]
+    assert rig.session.account.bytes == 4000 + 16
+    assert rig.memory.tenants["t"].used_bytes == 4000 + 16
+    rig.batch([["aten::resize_.default", [_h(2), [1000]], {}, [None]]], templated)
+    assert b"QuotaError" in rig.replies[-1]  # 4016 held + 3984 more > 6000
+    assert rig.session.account.bytes == 4000 + 16
+    rig.session.free(1)
+    assert rig.session.account.bytes == 4000 + 16  # handle 3 holds the grown storage still
+    rig.session.free(3)
+    assert rig.session.account.bytes == 16
+
+
+def test_an_out_argument_grown_by_the_op_is_counted() -> None:
+    """``out=`` of the wrong size: the op resizes it (a JSON op: its out names a handle)."""
+    rig = Rig()
+    rig.put(1, torch.ones(100))
+    rig.put(2, torch.empty(0))
+    rig.batch([["aten::add.out", [_h(1), _h(1)], {"out": _h(2)}, [None]]], templated=False)
+    assert b'"ok":true' in rig.replies[-1]
+    assert rig.session.handles.get(2).shape == (100,)
+    assert rig.session.account.bytes == 400 + 400
