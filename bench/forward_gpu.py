@@ -77,6 +77,8 @@ SIZES: dict[str, dict[str, dict[str, int]]] = {
         "cnn": {"channels": 8, "batch": 8, "size": 16},
     },
 }
+#: The environment variable that carries ``--connect`` to the forwarded peers' clients.
+CONNECT_OPTIONS = "FORWARD_GPU_BENCH_CONNECT"
 #: How long a client process or a server start may take, seconds.
 PROCESS_TIMEOUT_S = 600
 
@@ -254,7 +256,8 @@ def worker(
     if peer.startswith("forwarded"):
         from gpu_trace import runtime
 
-        dev = runtime.connect(address, token=TOKEN)
+        options = json.loads(os.environ.get(CONNECT_OPTIONS, "{}")) if "@" not in peer else {}
+        dev = runtime.connect(address, token=TOKEN, **options)
         try:
             trainer = Trainer(model, size, dev)
             res = timed_steps(lambda: trainer.step().item(), warmup, steps, server_pid)
@@ -469,6 +472,11 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="the CPU-device variant even on a GPU")
     parser.add_argument("--json", action="store_true", help="the figures as JSON on stdout")
     parser.add_argument(
+        "--connect",
+        metavar="JSON",
+        help="options for runtime.connect in the forwarded peers (not @base), e.g. '{\"hold_us\": 250}'",
+    )
+    parser.add_argument(
         "--baseline",
         metavar="CHECKOUT",
         help="also run the forwarded peers with this checkout's runtime (client and server), as"
@@ -516,6 +524,8 @@ def main() -> None:
         if m not in MODELS:
             parser.error(f"unknown model {m!r}; one of {', '.join(MODELS)}")
     chosen = peers(kind)
+    if args.connect:
+        os.environ[CONNECT_OPTIONS] = json.dumps(json.loads(args.connect))
     if args.baseline:
         _BASELINE["path"] = str(
             baseline_path(Path(args.baseline).resolve(), Path(tempfile.mkdtemp()))

@@ -1,12 +1,14 @@
 """The forwarding client's connection: batching, sync points, errors, heartbeats, clock sync.
 
 Ops are appended to the pending batch; the batch is sent when nothing is in flight (the server
-would otherwise sit idle), when it reaches ``max_batch_ops``, when its first op has waited
-``hold_us``, or at a sync point. While one batch is in flight the next one fills, so batches grow
-as large as the network and the server make them, but no op is held longer than ``hold_us``:
-the DONE that frees the window is handled by the receiver thread, which needs the GIL that the
-program's thread holds while it issues ops, so it can come hundreds of µs after the server sent
-it, and the server would sit idle all that time with work the client already has. At most
+would otherwise sit idle), when it reaches ``max_batch_ops``, or at a sync point; with
+``hold_us``, also when its first op has waited that long. While one batch is in flight the next
+one fills, so batches grow exactly as large as the network and the server make them: the DONE
+that frees the window is handled by the receiver thread, which gets the GIL at the program's
+next op (PyTorch lets it go around each op's dispatch). ``hold_us`` bounds the wait where the
+receiver thread gets no CPU (a machine short of CPUs); it is off by default because every batch
+costs both sides a send and a wake-up: on the 2-vCPU VM this was measured on, 250 µs sent twice
+the batches and cost more CPU than it saved waiting (docs/remote.md, "Performance"). At most
 ``max_in_flight`` batches are outstanding; past that, issuing waits (like CUDA's launch queue).
 In ``sync`` mode every op is sent alone and waited for.
 
@@ -93,7 +95,7 @@ class Connection(Receiver):
         max_batch_ops: int = 512,
         min_batch_ops: int = 8,
         linger_us: float = 300.0,
-        hold_us: float = 250.0,
+        hold_us: float | None = None,
         max_in_flight: int = 16,
         trace: bool | None = None,
         spin_us: float | None = None,
@@ -108,8 +110,9 @@ class Connection(Receiver):
         self.min_batch_ops = max(1, min(min_batch_ops, self.max_batch_ops))
         self.linger_s = linger_us / 1e6
         self.max_in_flight = max_in_flight
-        #: The longest an issued op waits in the pending batch while another is in flight (ns).
-        self.hold_ns = int(hold_us * 1e3)
+        #: The longest an issued op waits in the pending batch while another is in flight (ns;
+        #: ``hold_us``, none by default: see the module docstring).
+        self.hold_ns = int(hold_us * 1e3) if hold_us is not None else 1 << 62
         #: How long a waiting thread polls for the reply before sleeping (ns).
         self.spin_ns = FrameReader.spin_budget(config.spin_us(spin_us))
         host, port = parse_address(address)

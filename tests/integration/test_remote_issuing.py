@@ -39,10 +39,10 @@ def _conn() -> Connection:
     return c
 
 
-def test_a_batch_in_flight_holds_no_op_back_past_hold_us(server: Server) -> None:
-    """While a batch is in flight the next one fills; but an op that has waited ``hold_us`` goes
-    without waiting for the DONE (handled by a thread that needs the program's GIL, so it can come
-    long after the server went idle)."""
+def test_with_hold_us_a_batch_in_flight_holds_no_op_back_longer(server: Server) -> None:
+    """While a batch is in flight the next one fills; with ``hold_us``, an op that has waited that
+    long goes without waiting for the DONE (handled by a thread that may get no CPU for a while
+    on a loaded machine)."""
     dev = runtime.connect(server.address, token=TOKEN, hold_us=1000)
     try:
         c = _conn()
