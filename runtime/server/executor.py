@@ -550,6 +550,9 @@ class Executor:
         for pos, hole in plan.holes:
             x = a[pos] = get(vals[hole])
             key.append((x.dtype, x.shape, x.stride(), x.storage_offset()))
+        for pos, hs in plan.lists:
+            xs = a[pos] = [get(vals[hole]) for hole in hs]
+            key += [(x.dtype, x.shape, x.stride(), x.storage_offset()) for x in xs]
         outs = plan.outs
         filled = None if outs is None else [None if h is None else vals[h] for h in outs]
         return self._run_op(
@@ -562,7 +565,7 @@ class Executor:
             taken,
             plan.sizes,
             tuple(key),
-            [vals[hole] for _, hole in plan.holes],
+            [vals[hole] for hole in plan.inputs],
         )
 
     def _prepare(self, t: Template) -> Plan | bool:
@@ -582,9 +585,13 @@ class Executor:
         decoder = ArgDecoder(constant, constant, self.device)
         args: list[Any] = []
         holes: list[tuple[int, int]] = []
+        lists: list[tuple[int, tuple[int, ...]]] = []
         for pos, v in enumerate(t.args):
             if type(v) is dict and len(v) == 1 and "xh" in v:
                 holes.append((pos, v["xh"]))
+                args.append(None)
+            elif type(v) is list and v and all(_is_hole(x) for x in v):  # a list of tensors
+                lists.append((pos, tuple(x["xh"] for x in v)))
                 args.append(None)
             elif has_hole(v):
                 return False
@@ -593,7 +600,7 @@ class Executor:
         if has_hole(t.kwargs):
             return False
         kwargs = decoder.decode_kwargs(t.kwargs) if t.kwargs else {}
-        return Plan(t.name, entry, args, holes, kwargs, t.outs)
+        return Plan(t.name, entry, args, holes, kwargs, t.outs, tuple(lists))
 
     def _run_op(
         self,
@@ -960,6 +967,11 @@ def _ints(value: Any, out: set[int], depth: int) -> None:
     elif t is dict and depth < 16:
         for v in value.values():
             _ints(v, out, depth + 1)
+
+
+def _is_hole(v: Any) -> bool:
+    """A template's tensor hole, ``{"xh": k}``."""
+    return type(v) is dict and len(v) == 1 and "xh" in v
 
 
 def _idents(args: list[Any], kwargs: dict[str, Any]) -> list[int]:

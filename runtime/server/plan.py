@@ -93,6 +93,9 @@ NO_ALLOC = frozenset(
 
 #: :attr:`Plan.out` of an op whose one result is not kept (an in-place op's: its input).
 DROP = 1 << 62
+#: :attr:`Plan.out` of an op whose result is no tensor kept (``outs`` null: ``.item()``, a
+#: ``_foreach_`` op's nothing): it goes back as a value, if any.
+VALUE = -2
 
 #: Largest tensor a size argument may ask for: a plain byte bound, checked before sizing.
 MAX_FACTORY_BYTES = 64 << 30
@@ -108,7 +111,9 @@ class Plan:
     (:func:`~gpu_trace.runtime.server.sizing.sizer`; None: it allocates nothing, see
     :data:`NO_ALLOC`); ``sizes``: what it allocates, by its tensors' signatures (None: sized
     per call). ``out``: the hole of its one output when it
-    takes the fast path (:meth:`run`), :data:`DROP` for one result not kept, else -1.
+    takes the fast path (:meth:`run`), :data:`DROP` for one result not kept, :data:`VALUE` for
+    none kept (a value goes back), else -1. ``lists``: ``(position, holes)`` of each argument
+    that is a list of tensors.
     """
 
     __slots__ = (
@@ -121,6 +126,8 @@ class Plan:
         "size",
         "args",
         "holes",
+        "lists",
+        "inputs",
         "kwargs",
         "outs",
         "sizes",
@@ -136,6 +143,7 @@ class Plan:
         holes: list[tuple[int, int]],
         kwargs: dict[str, Any],
         outs: list[int | None] | None,
+        lists: tuple[tuple[int, tuple[int, ...]], ...] = (),
     ) -> None:
         global _Tensor
         if _Tensor is None:
@@ -152,12 +160,19 @@ class Plan:
                 self.base = holes[0][1]
         self.args = args
         self.holes = tuple(holes)
+        self.lists = lists
+        #: Every hole that names an argument, top level or in a list (not the outputs).
+        self.inputs = (*(hole for _, hole in holes), *(h for _, hs in lists for h in hs))
         self.kwargs = kwargs
         self.outs = outs
         # Its sizes by its tensors' signatures (its constants are its own): no key of them all.
         self.sizes: dict[Any, int] | None = {} if type(self.size) is str else None
         self.out = -1
-        if outs is not None and len(outs) == 1 and not self.seeded:
+        if self.seeded:
+            pass  # a re-run must draw the same numbers: the general path keeps the generator
+        elif outs is None:
+            self.out = VALUE
+        elif len(outs) == 1:
             out = outs[0]
             self.out = out if type(out) is int else DROP if out is None else -1
 
@@ -180,6 +195,15 @@ class Plan:
                 a[pos] = x
                 sig.append((x.dtype, x.shape, x.stride(), x.storage_offset()))
             key = tuple(sig)
+        if self.lists:  # lists of tensors (``_foreach_`` ops, ``cat``)
+            for pos, hs in self.lists:
+                xs = []
+                for hole in hs:
+                    x = tensors.get(vals[hole])
+                    xs.append(x if x is not None else c.handles.get(vals[hole]))
+                a[pos] = xs
+                if sizes is not None:
+                    key = (*key, *[(x.dtype, x.shape, x.stride(), x.storage_offset()) for x in xs])
         account = c.account
         before = account.bytes
         kwargs = self.kwargs
@@ -214,14 +238,17 @@ class Plan:
                 else:
                     c.ex.admit(c.session, asked, c.ex._blobs_taken)
                 if not self.rerunnable:  # it may grow its inputs' storages in place
-                    held = held_storages(c.handles, [vals[hole] for _, hole in self.holes])
+                    held = held_storages(c.handles, [vals[hole] for hole in self.inputs])
         result = self.call(*a, **kwargs) if kwargs else self.call(*a)
         if held is not None:
             recount(c.handles, held)
         out = self.out
-        if out == DROP:  # an in-place op's result: its input, kept by its own handle
+        if out == VALUE:
+            outs: Any = None
+            value = c.ex._assign(c.session, result, None)
+        elif out == DROP:  # an in-place op's result: its input, kept by its own handle
             value = None
-            outs: list[Any] = [None]
+            outs = [None]
             if type(result) is not _Tensor and not isinstance(result, _Tensor):
                 value = c.ex._assign(c.session, result, outs)
         else:

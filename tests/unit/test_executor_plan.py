@@ -8,6 +8,7 @@ the same quota error. Real executor, real memory book-keeping, real PyTorch on t
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 
 from gpu_trace.runtime.protocol.templates import Templates, define, expand
 from gpu_trace.runtime.server.executor import Executor
-from gpu_trace.runtime.server.plan import NO_ALLOC, Plan
+from gpu_trace.runtime.server.plan import NO_ALLOC, VALUE, Plan
 from gpu_trace.runtime.server.sessions import Session
 from gpu_trace.runtime.server.sizing import Sizing
 from gpu_trace.runtime.sharing.memory import Memory
@@ -41,6 +42,7 @@ class Rig:
         self.session = Session({}, self.replies.append, tenant)
         self.memory.attach(self.session)
         self.templates = Templates()
+        self.tids: dict[str, int] = {}
         self.seq = 0
 
     def put(self, handle: int, tensor: torch.Tensor) -> None:
@@ -51,11 +53,14 @@ class Rig:
         from gpu_trace.runtime.protocol.templates import make_template, numbers
 
         self.seq += 1
-        if templated:
+        if templated:  # one template per wire form, as the client keeps them
             defs, stream = [], []
             for name, args, kwargs, outs in ops:
-                tid = len(self.templates) + len(defs) + 1
-                defs.append(make_template(tid, name, args, kwargs, outs))
+                form = json.dumps(make_template(0, name, args, kwargs, outs))
+                tid = self.tids.get(form)
+                if tid is None:
+                    tid = self.tids[form] = len(self.tids) + 1
+                    defs.append(make_template(tid, name, args, kwargs, outs))
                 stream += [tid, *numbers(args, kwargs, outs)]
             define(self.templates, defs)
             body = b"".join(v.to_bytes(8, "little", signed=True) for v in stream)
@@ -104,7 +109,8 @@ def _h(n: int) -> dict[str, int]:
 
 
 #: A few steps of a training loop's kinds of ops, as the client sends them: allocating ops (one
-#: output, several outputs), views, in-place updates (nothing kept), a scalar read.
+#: output, several outputs), views, in-place updates (nothing kept), a scalar read, ops on
+#: lists of tensors (``_foreach_``, ``cat``).
 STEP: list[list[Any]] = [
     ["aten::mm.default", [_h(1), _h(2)], {}, [10]],
     ["aten::t.default", [_h(10)], {}, [11]],
@@ -118,6 +124,9 @@ STEP: list[list[Any]] = [
     ["aten::sum.dim_IntList", [_h(10), [0], True], {}, [18]],
     ["aten::_local_scalar_dense.default", [_h(18)], {}, None],
     ["aten::mm.default", [_h(13), _h(13)], {}, [19]],
+    ["aten::_foreach_add_.List", [[_h(1), _h(2)], [_h(10), _h(13)]], {}, None],
+    ["aten::_foreach_mul_.Scalar", [[_h(1), _h(2)], 0.5], {}, None],
+    ["aten::cat.default", [[_h(1), _h(19), _h(2)], 0], {}, [20]],
 ]
 
 
@@ -166,8 +175,6 @@ def assert_same_as_json_ops(quota: int | None, block: int, device: str, exact: b
 
 
 def _reply_without_times(frame: bytes) -> Any:
-    import json
-
     body = frame[5:]
     if body[:1] != b"{":  # binary DONE_OK / DONE_VALUE: seq, five times, then the value
         return body[:8] + body[48:]
@@ -183,8 +190,6 @@ def test_a_quota_refusal_on_the_compiled_path_is_the_general_paths() -> None:
     _inputs(rig)
     before = rig.state()
     rig.batch([STEP[0]], templated=True)
-    import json
-
     done = json.loads(rig.replies[-1][5:])
     assert done["error"]["type"] == "QuotaError"
     assert done["error"]["quota"] == {
@@ -220,6 +225,9 @@ def test_the_common_calls_take_the_compiled_path() -> None:
     assert plans["aten::mm.default"].out >= 0
     assert plans["aten::add_.Tensor"].out != -1
     assert plans["aten::max.dim"].out == -1
+    assert plans["aten::_foreach_add_.List"].out == VALUE  # nothing kept
+    assert plans["aten::_foreach_add_.List"].lists == ((0, (0, 1)), (1, (2, 3)))
+    assert plans["aten::cat.default"].out >= 0 and plans["aten::cat.default"].lists
 
 
 # ---- ops that never allocate ---------------------------------------------------------------------
@@ -329,3 +337,20 @@ def test_an_out_argument_grown_by_the_op_is_counted() -> None:
     assert b'"ok":true' in rig.replies[-1]
     assert rig.session.handles.get(2).shape == (100,)
     assert rig.session.account.bytes == 400 + 400
+
+
+def test_a_list_of_tensors_is_sized_by_its_tensors_on_each_call() -> None:
+    """One ``cat`` template called on small then large tensors: the second call is checked for
+    what it will make (its own signature), not for what the first made."""
+    rig = Rig(quota=2176 + 128 + 1000)  # the inputs, the small cat, not the large one
+    rig.put(1, torch.ones(2, 8))
+    rig.put(2, torch.ones(2, 8))
+    rig.put(3, torch.ones(32, 8))
+    rig.put(4, torch.ones(32, 8))
+    rig.batch([["aten::cat.default", [[_h(1), _h(2)], 0], {}, [5]]], templated=True)
+    rig.batch([["aten::cat.default", [[_h(3), _h(4)], 0], {}, [6]]], templated=True)
+    assert len(rig.templates) == 1
+    done = json.loads(rig.replies[-1][5:])
+    assert done["error"]["quota"]["asked"] == 64 * 8 * 4
+    assert rig.session.handles.key(6) is None
+    assert rig.session.account.peak_bytes == 2176 + 128  # refused before it allocated
