@@ -24,13 +24,13 @@ step, ratio to unpatched [p25-p75 over rounds], µs per forward module call, % o
 ``--parts`` adds configurations that switch parts of module level off (for this bench only) to
 say where its time goes:
 
-- ``module, hooks``: backward ranges from Python hooks on the autograd nodes, as before the
+- ``module: hooks``: backward ranges from Python hooks on the autograd nodes, as before the
   native observer made them (``GPU_TRACE_TORCH_OPS=kineto``; forward ranges in C);
-- ``module, python ranges``: forward ranges opened and closed in Python (``spans.begin``/``end``)
+- ``module: python ranges``: forward ranges opened and closed in Python (``spans.begin``/``end``)
   instead of the tracer's C call;
-- ``module, no observer``: no backward ranges (the observer stopped): the wrapper, its forward
+- ``module: no observer``: no backward ranges (the observer stopped): the wrapper, its forward
   ranges and the two sequence-number reads per call;
-- ``module, no ranges``: as ``no observer``, the ranges not recorded either: the wrapper, the name
+- ``module: no ranges``: as ``no observer``, the ranges not recorded either: the wrapper, the name
   lookup and the sequence-number reads.
 
 ``process`` is the process's CPU time over the round divided by its steps (the flusher's
@@ -50,6 +50,38 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def use_tree(root: str) -> None:
+    """Import gpu_trace from the checkout at ``root`` (a ``git worktree`` of an earlier commit:
+    "before"), not the installed one; its packages map as pyproject.toml's package-dir does."""
+    import importlib.util
+
+    folders = {
+        "gpu_trace": "gpu_trace",
+        "gpu_trace.tracer": "tracer",
+        "gpu_trace.collectors": "collectors",
+        "gpu_trace.dashboard": "dashboard",
+        "gpu_trace.framework_patches": "framework_patches",
+        "gpu_trace.runtime": "runtime",
+    }
+
+    class Finder:
+        @classmethod
+        def find_spec(cls, name: str, path: Any = None, target: Any = None) -> Any:
+            if name not in folders:
+                return None
+            d = os.path.join(root, folders[name])
+            init = os.path.join(d, "__init__.py")
+            return importlib.util.spec_from_file_location(
+                name, init, submodule_search_locations=[d]
+            )
+
+    sys.meta_path.insert(0, Finder)
+
+
+if "--tree" in sys.argv[:-1]:  # before gpu_trace is imported (patch_overhead imports it)
+    use_tree(os.path.abspath(sys.argv[sys.argv.index("--tree") + 1]))
 
 import patch_overhead  # noqa: E402
 from patch_overhead import METRICS, measure, quartiles, recording, steady_allocator  # noqa: E402
@@ -182,7 +214,7 @@ def configs(parts: bool) -> dict[str, Callable[[], contextlib.AbstractContextMan
     }
     if parts:
         for part in ("hooks", "python ranges", "no observer", "no ranges"):
-            out[f"module, {part}"] = lambda part=part: module_part(part)
+            out[f"module: {part}"] = lambda part=part: module_part(part)
     return out
 
 
@@ -232,6 +264,85 @@ def report(title: str, results: dict, calls: int) -> None:
         print(line)
 
 
+# ---- another checkout (--tree), instructions (--instructions) ---------------------------------
+
+
+def instructions(models: list[str], steps: int, chosen: list[str], tree: str | None) -> int:
+    """Run this bench's models under callgrind (``bench/patch_instructions.py``'s way: the
+    training thread, the measured steps only) and print instructions per step and per call."""
+    import glob
+    import re
+    import shutil
+    import subprocess
+    import tempfile
+
+    from patch_instructions import _ENV, _TOGGLE_C
+
+    if shutil.which("valgrind") is None or shutil.which("cc") is None:
+        print("valgrind and cc are needed", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as d:
+        src, lib = os.path.join(d, "toggle.c"), os.path.join(d, "toggle.so")
+        with open(src, "w") as f:
+            f.write(_TOGGLE_C)
+        subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", lib, src], check=True)
+        out = os.path.join(d, "cg.out")
+        cmd = ["valgrind", "--tool=callgrind", "--collect-atstart=no", "--separate-threads=yes"]
+        cmd += [f"--callgrind-out-file={out}", sys.executable, os.path.abspath(__file__)]
+        cmd += ["--models", ",".join(models), "--steps", str(steps)]
+        cmd += ["--configs", ",".join(chosen)] + (["--tree", tree] if tree else [])
+        cmd += ["--parts"] if any(c.startswith("module:") for c in chosen) else []
+        run = subprocess.run(
+            cmd,
+            env=dict(os.environ, **{_ENV: lib}),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        if run.returncode != 0:
+            print(run.stderr.decode(errors="replace")[-3000:], file=sys.stderr)
+            return 1
+        rows = []
+        for path in glob.glob(out + ".*-01"):  # the training (main) thread's dumps
+            with open(path, errors="replace") as f:
+                text = f.read()
+            label = re.search(r"^desc: Trigger: Client Request: (.*)$", text, re.M)
+            total = re.search(r"^(?:totals|summary): (\d+)", text, re.M)
+            if label and total:
+                rows.append((label.group(1).split("|"), int(total.group(1))))
+    print(f"instructions per step, training thread only, {steps} steps, tree {tree or 'this'}")
+    for name in models:
+        got = {c: n for (m, c, _), n in rows if m == name}
+        calls = next((int(k) for (m, _, k), _n in rows if m == name), 1)
+        base = got.get("unpatched")
+        print(f"\n{name}: {calls} module calls/step")
+        for c, n in got.items():
+            if base:
+                print(
+                    f"  {c:22} | {n / steps / 1e6:9.3f} M/step | {n / base:6.4f}"
+                    f" | {(n - base) / steps / calls / 1e3:7.1f} k/call"
+                )
+    return 0
+
+
+def inside_callgrind(models: list[str], steps: int, chosen: dict) -> None:
+    import ctypes
+
+    cg = ctypes.CDLL(os.environ["GPU_TRACE_BENCH_CALLGRIND_LIB"])
+    table = cases()
+    for name in models:
+        step, calls = table[name]()
+        for cname, ctx in chosen.items():
+            with ctx():
+                for _ in range(3):
+                    step()
+                cg.cg_zero()
+                cg.cg_toggle()
+                for _ in range(steps):
+                    step()
+                cg.cg_toggle()
+                cg.cg_dump(f"{name}|{cname}|{calls}".encode())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=12)
@@ -239,7 +350,14 @@ def main() -> int:
     ap.add_argument("--models", default="lm,cells", help="comma-separated: lm, cells")
     ap.add_argument("--parts", action="store_true", help="module level with parts switched off")
     ap.add_argument("--configs", default="", help="comma-separated subset (unpatched always)")
+    ap.add_argument("--tree", help="import gpu_trace from this checkout (a worktree: before)")
+    ap.add_argument("--instructions", action="store_true", help="count under callgrind")
+    ap.add_argument("--steps", type=int, default=4, help="--instructions: steps counted")
     args = ap.parse_args()
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    if args.instructions:
+        keep = ["unpatched", *(c.strip() for c in args.configs.split(",") if c.strip())]
+        return instructions(models, args.steps, keep, args.tree)
     steady_allocator()
     patch_overhead.run_round = run_round  # measure()'s rounds: process CPU per step, flusher in
     logging.basicConfig(level=logging.ERROR)
@@ -249,14 +367,18 @@ def main() -> int:
 
     print(
         f"PyTorch {torch.__version__}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, "
-        f"native op observer {'built' if ops_native.available() else 'not built'}"
+        f"native op observer {'built' if ops_native.available() else 'not built'}, "
+        f"gpu_trace from {os.path.dirname(os.path.dirname(ops_native.__file__))}"
     )
     table = cases()
     chosen = configs(args.parts)
     if args.configs:
         keep = {"unpatched", *(c.strip() for c in args.configs.split(","))}
         chosen = {k: v for k, v in chosen.items() if k in keep}
-    for name in (m.strip() for m in args.models.split(",") if m.strip()):
+    if os.environ.get("GPU_TRACE_BENCH_CALLGRIND_LIB"):
+        inside_callgrind(models, args.steps, chosen)
+        return 0
+    for name in models:
         if name not in table:
             print(f"unknown model {name!r}", file=sys.stderr)
             return 2
