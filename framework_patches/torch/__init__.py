@@ -51,7 +51,7 @@ def patch(torch: Any, level: str = "module", *, shapes: bool = False, rec: Any =
         except Exception as exc:
             log.debug("gpu-trace: patching PyTorch %s failed", what, exc_info=True)
             failed.append(f"{what} ({type(exc).__name__}: {exc})")
-    if level == "module":
+    if level == "module" and rec is not None:  # its records need a recorder to drain them
         nodes = backward_source()
         if nodes is not None and nodes.start():
             _ops = nodes
