@@ -356,6 +356,7 @@ def test_patch_is_idempotent_and_symmetric() -> None:
     pytorch.patch(torch, "module")
     assert nn.Module.__call__ is not call and nn.Module.__call__.__wrapped__ is call
     assert len(m._global_forward_hooks) == hooks_before[1]  # module calls keep the fast path
+    assert pytorch._ops is None  # no recorder: no observer filling buffers nobody drains
     pytorch.unpatch()
     pytorch.unpatch()
     assert nn.Module.__call__ is call and torch.Tensor.backward is backward
