@@ -554,7 +554,7 @@ class Executor:
             xs = a[pos] = [get(vals[hole]) for hole in hs]
             key += [(x.dtype, x.shape, x.stride(), x.storage_offset()) for x in xs]
         outs = plan.outs
-        filled = None if outs is None else [None if h is None else vals[h] for h in outs]
+        filled = None if outs is None else [_filled(h, vals) for h in outs]
         return self._run_op(
             session,
             plan.entry,
@@ -575,7 +575,7 @@ class Executor:
         filled in per call)."""
         if t.name.startswith("rt::") or type(t.outs) not in (list, type(None)):
             return False
-        if t.outs is not None and not all(o is None or type(o) is int for o in t.outs):
+        if t.outs is not None and not all(_out_hole(o) for o in t.outs):
             return False
         entry = self._resolve(t.name)
 
@@ -967,6 +967,21 @@ def _ints(value: Any, out: set[int], depth: int) -> None:
     elif t is dict and depth < 16:
         for v in value.values():
             _ints(v, out, depth + 1)
+
+
+def _out_hole(o: Any) -> bool:
+    """An output of a template a plan takes: a hole, none, or a list of them (a list result:
+    ``_foreach_sqrt``, ``split``)."""
+    return o is None or type(o) is int or type(o) is list and all(_out_hole(x) for x in o)
+
+
+def _filled(out: Any, vals: list[int]) -> Any:
+    """A template's output hole filled with its call's handle number (lists: each)."""
+    if type(out) is int:
+        return vals[out]
+    if type(out) is list:
+        return [_filled(o, vals) for o in out]
+    return None
 
 
 def _is_hole(v: Any) -> bool:
