@@ -323,6 +323,12 @@ def _rpc_server(port: int) -> None:
 
 
 def _serve(kind: str) -> None:
+    from gpu_trace import runtime
+
+    # Before torch loads, as `gpu-trace serve` does: a server's process must not register the
+    # remote backend, or CUDA backward passes fail in it (docs/remote.md). A baseline checkout
+    # older than this call has none.
+    getattr(runtime, "serving_process", lambda: None)()
     from gpu_trace.runtime.server.server import Server
 
     server = Server("127.0.0.1:0", token=TOKEN, device=_device(kind)).start()
