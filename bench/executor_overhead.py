@@ -1,6 +1,6 @@
 """The server executor's own time per op, next to the same ATen ops run bare, in one run.
 
-    python bench/executor.py [--steps 30] [--rounds 3] [--before PATH] [--models mlp,lm]
+    python bench/executor_overhead.py [--steps 30] [--rounds 3] [--before PATH] [--models mlp,lm]
 
 The forwarding server spends time per op in Python on top of the op itself: finding the op's
 tensors by handle, its bounds rules, its memory check and account, keeping its outputs' handles.
@@ -520,7 +520,7 @@ def main() -> None:
         import torch
 
         if not torch.cuda.is_available():
-            print(f"bench/executor.py: no CUDA device here for --device {args.device}")
+            print(f"bench/executor_overhead.py: no CUDA device here for --device {args.device}")
             sys.exit(2)
     trees: list[tuple[str, str | None]] = [
         ("after", os.path.abspath(args.after) if args.after else None)
