@@ -383,7 +383,11 @@ def main() -> int:
             print(f"unknown model {name!r}", file=sys.stderr)
             return 2
         step, calls = table[name]()
-        results, _, steps = measure(step, chosen, args.rounds, args.round_s)
+        results, stops, steps = measure(step, chosen, args.rounds, args.round_s)
+        print(
+            "\n  stop ms (median): "
+            + ", ".join(f"{k} {statistics.median(v) / 1e6:.1f}" for k, v in stops.items())
+        )
         report(
             f"{name}: {calls} forward module calls/step, {args.rounds} rounds x {steps} steps; "
             f"median, ratio to unpatched in the round [p25-p75], µs per module call, % of step",
