@@ -878,7 +878,7 @@ def _done_frame(seq: int, t: tuple[int, ...]) -> bytes:
     return HEADER.pack(len(body), MsgType.DONE) + body
 
 
-def _name(op: Any) -> str:
+def _name(op: object) -> str:
     """An op's name for its span and its error (``?`` where it has none)."""
     if type(op) is TOp:
         return op.t.name[:200]
@@ -969,13 +969,13 @@ def _ints(value: Any, out: set[int], depth: int) -> None:
             _ints(v, out, depth + 1)
 
 
-def _out_hole(o: Any) -> bool:
+def _out_hole(o: object) -> bool:
     """An output of a template a plan takes: a hole, none, or a list of them (a list result:
     ``_foreach_sqrt``, ``split``)."""
     return o is None or type(o) is int or type(o) is list and all(_out_hole(x) for x in o)
 
 
-def _filled(out: Any, vals: list[int]) -> Any:
+def _filled(out: object, vals: list[int]) -> object:
     """A template's output hole filled with its call's handle number (lists: each)."""
     if type(out) is int:
         return vals[out]
@@ -984,12 +984,12 @@ def _filled(out: Any, vals: list[int]) -> Any:
     return None
 
 
-def _is_hole(v: Any) -> bool:
+def _is_hole(v: object) -> bool:
     """A template's tensor hole, ``{"xh": k}``."""
     return type(v) is dict and len(v) == 1 and "xh" in v
 
 
-def _idents(args: list[Any], kwargs: dict[str, Any]) -> list[int]:
+def _idents(args: list[object], kwargs: dict[str, object]) -> list[int]:
     """The handles a JSON op names as arguments, top level and keyword (``out=``)."""
     out = []
     for v in (*args, *kwargs.values()):

@@ -28,14 +28,28 @@ outputs, a result that is not a tensor) take the general path
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from gpu_trace.runtime.protocol.errors import OpError
 from gpu_trace.runtime.server.sessions import MAX_HANDLES, HandleTable
 
 if TYPE_CHECKING:
+    import torch
+
     from gpu_trace.runtime.server.executor import Executor
     from gpu_trace.runtime.server.sessions import Session
+
+#: What the executor knows of an ATen op (``Executor._entry``): its callable, its rule, whether
+#: it takes sizes, may run again, draws random numbers, and how it is sized.
+Entry = tuple[
+    Callable[..., object],
+    Callable[[list[object], dict[str, object]], None] | None,
+    bool,
+    bool,
+    bool,
+    object,
+]
 
 #: Most sizes one template keeps (by its tensors' signatures); past it, it starts over.
 MAX_TEMPLATE_SIZES = 64
@@ -100,7 +114,8 @@ VALUE = -2
 #: Largest tensor a size argument may ask for: a plain byte bound, checked before sizing.
 MAX_FACTORY_BYTES = 64 << 30
 
-_Tensor: Any = None
+#: ``torch.Tensor``, set when the first plan is made (torch loads lazily).
+_Tensor: type[torch.Tensor]
 
 
 class Plan:
@@ -138,15 +153,15 @@ class Plan:
     def __init__(
         self,
         name: str,
-        entry: tuple[Any, Any, bool, bool, bool, Any],
-        args: list[Any],
+        entry: Entry,
+        args: list[object],
         holes: list[tuple[int, int]],
-        kwargs: dict[str, Any],
+        kwargs: dict[str, object],
         outs: list[int | None] | None,
         lists: tuple[tuple[int, tuple[int, ...]], ...] = (),
     ) -> None:
         global _Tensor
-        if _Tensor is None:
+        if "_Tensor" not in globals():
             import torch
 
             _Tensor = torch.Tensor
@@ -166,7 +181,7 @@ class Plan:
         self.kwargs = kwargs
         self.outs = outs
         # Its sizes by its tensors' signatures (its constants are its own): no key of them all.
-        self.sizes: dict[Any, int] | None = {} if type(self.size) is str else None
+        self.sizes: dict[tuple[object, ...], int] | None = {} if type(self.size) is str else None
         self.out = -1
         if self.seeded:
             pass  # a re-run must draw the same numbers: the general path keeps the generator
@@ -176,7 +191,7 @@ class Plan:
             out = outs[0]
             self.out = out if type(out) is int else DROP if out is None else -1
 
-    def run(self, c: Calls, vals: list[int]) -> Any:
+    def run(self, c: Calls, vals: list[int]) -> object:
         """One call, with the call's handle numbers ``vals`` (the fast path: ``out != -1``)."""
         tensors = c.tensors
         a = self.args.copy()
@@ -185,7 +200,7 @@ class Plan:
             for pos, hole in self.holes:
                 x = tensors.get(vals[hole])
                 a[pos] = x if x is not None else c.handles.get(vals[hole])
-            key: Any = None
+            key: tuple[object, ...] = ()
         else:
             sig = []
             for pos, hole in self.holes:
@@ -244,7 +259,7 @@ class Plan:
             recount(c.handles, held)
         out = self.out
         if out == VALUE:
-            outs: Any = None
+            outs: list[int | None] | None = None
             value = c.ex._assign(c.session, result, None)
         elif out == DROP:  # an in-place op's result: its input, kept by its own handle
             value = None
@@ -262,9 +277,11 @@ class Plan:
                     c.handles.put(h, result)  # raises: the table's message
                 # Its storage: its first argument's for an op that allocates nothing (its key
                 # is known), else the result's own.
-                skey = c.keys.get(vals[self.base]) if self.base >= 0 else None
-                entry = None if skey is None else c.storages.get(skey)
-                if entry is None:
+                base = c.keys.get(vals[self.base]) if self.base >= 0 else None
+                entry = None if base is None else c.storages.get(base)
+                if entry is not None and base is not None:
+                    skey = base
+                else:
                     storage = result.untyped_storage()
                     skey = storage.data_ptr() or id(storage)
                     entry = c.storages.get(skey)
@@ -310,7 +327,7 @@ class Calls:
         self.session = session
         self.handles = handles = session.handles
         self.tensors = handles._tensors
-        self.keys: dict[int, Any] = handles._keys
+        self.keys = handles._keys
         self.account = account = session.account
         self.storages = account._storages
         self.memory = memory = ex.memory
@@ -345,7 +362,7 @@ def recount(handles: HandleTable, held: list[tuple[int, int, int]]) -> None:
                 handles.regrown(ident)
 
 
-def check_sizes(args: list[Any], kwargs: dict[str, Any]) -> None:
+def check_sizes(args: list[object], kwargs: dict[str, object]) -> None:
     """Refuse factory sizes beyond any device's memory before allocating (a cheap bound)."""
     for value in (*args, *kwargs.values()):
         if (
