@@ -62,6 +62,18 @@ def test_with_hold_us_a_batch_in_flight_holds_no_op_back_longer(server: Server) 
         runtime.disconnect()
 
 
+def test_with_nothing_in_flight_an_op_goes_at_once(dev: torch.device) -> None:
+    """A step's first op is not held for company: the server starts on it while the program
+    issues the rest (and no thread is woken to send it later)."""
+    c = _conn()
+    x = torch.arange(3.0).to(dev)
+    x.sum().item()  # nothing in flight now
+    sent = c.batches_sent
+    y = x * 2
+    assert c.batches_sent == sent + 1
+    assert y.tolist() == [0.0, 2.0, 4.0]
+
+
 def test_optimizers_take_their_foreach_path_on_remote_tensors(dev: torch.device) -> None:
     """As on CUDA, where PyTorch defaults to foreach: a step issues an op per parameter group,
     not per parameter, and computes what the same step computes locally."""
