@@ -4,9 +4,9 @@ Connections put work (uploads, batches, close) into a
 :class:`~gpu_trace.runtime.sharing.scheduler.Scheduler`; the executor takes one item at a time and
 runs it (or a connection runs a lone small batch itself when the device is idle). ATen ops are
 resolved against the allow-list; a template's calls run compiled, one Python call per op
-(:mod:`gpu_trace.runtime.server.plan`), with the same checks as every other op; the runtime's own ``rt::`` ops are in
-:mod:`gpu_trace.runtime.server.pseudo_ops`; each traced batch's spans go to the server's sink
-(:mod:`gpu_trace.runtime.server.sink`).
+(:mod:`gpu_trace.runtime.server.plan`), with the same checks as every other op; the runtime's
+own ``rt::`` ops are in :mod:`gpu_trace.runtime.server.pseudo_ops`; each traced batch's spans go
+to the server's sink (:mod:`gpu_trace.runtime.server.sink`).
 
 Everything that touches a session's tables happens on this thread, so they need no locks. The
 random generator's state is switched with the session, so tenants never share a random stream.
