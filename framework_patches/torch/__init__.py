@@ -133,5 +133,10 @@ def _on_root() -> None:
     # opened in this session, would end in the next one, which writes its end into another
     # op's event (seen: ops ending seconds after their parent) or crashes.
     torch_training.iteration_starts()
-    if _ops is not None and not torch_training.in_optimizer_step():
+    # The native observer has no session: its cuts are bookkeeping, made inside a step too (a
+    # program whose every module call runs in LBFGS's closure had none, and its nodes waited
+    # past MAX_WAIT_S, then were matched to no call: no module backward ranges).
+    if _ops is not None and (
+        isinstance(_ops, NativeOpSource) or not torch_training.in_optimizer_step()
+    ):
         _ops.harvest()

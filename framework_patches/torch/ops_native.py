@@ -297,12 +297,15 @@ class NativeOpSource:
         records = self._take()
         with self._lock:
             cuts, self._cuts = self._cuts, []
+        peek: tuple[list, list] | None = None
         if not cuts and len(records):
-            # No top-level module call for a while (a program of bare ops): cut here, the
-            # owner's calls staying for the next cut.
+            # No top-level module call for a while (a program of bare ops, or a long step):
+            # cut here, matching the records to the owner's calls so far too (a copy: they
+            # stay for the next cut, and are not kept as a cut's).
             t = now_ns()
             if t - int(records["end"].min()) > kineto_ops.MAX_WAIT_S * 1e9:
                 cuts = [(t, [], [])]
+                peek = (list(self.calls), [list(p) for p in self.passes])
         if not cuts:
             self._pending = records
             return
@@ -314,7 +317,7 @@ class NativeOpSource:
         records, where = records[done], where[done]
         if len(records) and not self.nodes_only:
             yield "spans", self._ops_table(records)
-        for table in self._backward_tables(records, where, cuts):
+        for table in self._backward_tables(records, where, cuts, peek):
             yield "spans", table
 
     def _take(self) -> np.ndarray:
@@ -396,10 +399,16 @@ class NativeOpSource:
         return columns_to_table(columns, os.getpid())
 
     def _backward_tables(
-        self, b: np.ndarray, where: np.ndarray, cuts: list[tuple[int, list, list]]
+        self,
+        b: np.ndarray,
+        where: np.ndarray,
+        cuts: list[tuple[int, list, list]],
+        peek: tuple[list, list] | None = None,
     ) -> Iterable[pa.Table]:
         """Module backward ranges, cut by cut: each cut's autograd nodes matched to its module
-        calls and those of the cuts before (as :meth:`.ops.OpSource._table` does a session's)."""
+        calls and those of the cuts before (as :meth:`.ops.OpSource._table` does a session's);
+        ``peek``: the owner's calls and passes not cut yet, matched too (a cut made by the
+        flusher)."""
         if self.nodes_only:
             # nodes made by the owner's forward, and those with no forward op (AccumulateGrad)
             is_node = b["scope"] == BACKWARD_FUNCTION
@@ -424,6 +433,8 @@ class NativeOpSource:
             last = [c for kept in self._last_calls for c in kept]
             if calls:
                 self._last_calls.append(calls)
+            if peek is not None:
+                calls, passes = peek
             lo, hi = int(bounds[i]), int(bounds[i + 1])
             if lo == hi or not (calls or last) or not nsel[lo:hi].any():
                 continue

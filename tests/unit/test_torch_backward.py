@@ -456,6 +456,36 @@ def test_lbfgs_closure_at_op_level_keeps_every_op_inside_its_parent(tmp_path, mo
     assert problems(rows) == []
 
 
+def test_lbfgs_closure_at_module_level_gets_every_backward_range(tmp_path, monkeypatch):
+    """Every module call of a program that trains only through LBFGS's closure runs inside
+    ``optimizer.step``: the native source cuts there too (it has no session), so nodes drained
+    while the step runs are matched to the calls made so far rather than to none."""
+    import gpu_trace
+    from gpu_trace.framework_patches.torch import ops as torch_ops
+    from gpu_trace.tracer import recorder
+
+    monkeypatch.setattr(torch_ops, "MAX_WAIT_S", 0.0)  # a drain with no cut takes all records
+    torch.manual_seed(0)
+    model, x = Cells(), torch.randn(2, 4)
+    optimizer = torch.optim.LBFGS(model.parameters(), max_iter=3)
+    closures = []
+
+    def closure():
+        optimizer.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        closures.append(None)
+        recorder.active.flush()  # the flusher drains while the step runs
+        return loss
+
+    def body() -> None:
+        for _ in range(2):
+            optimizer.step(closure)
+
+    rows = record_module(tmp_path, monkeypatch, "lbfgs", body)
+    assert sum(r["name"] == "Cells.backward" for r in rows) == len(closures) > 2
+
+
 def test_a_pass_that_raises_leaves_no_range_open_for_the_next_step(tmp_path, monkeypatch):
     """A backward pass that raises skips the engine's end-of-pass callback: its open module
     backward ranges close when the next forward starts, not around the next step's ranges."""
