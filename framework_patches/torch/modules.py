@@ -372,7 +372,7 @@ def backward_begins() -> None:
     inside a module's forward, before the outermost module returns)."""
     _in_backward.append(None)
     sink = _calls_sink
-    if sink is not None:
+    if sink is not None and sink.owner == _thread_id():
         _note_pass(sink)
         return
     t = getattr(_local, "t", None)

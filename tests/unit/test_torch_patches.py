@@ -136,9 +136,19 @@ class TrainStep(nn.Module):
         return x
 
 
-def test_backward_called_inside_a_module_has_module_backward_ranges(record) -> None:
+@pytest.mark.parametrize("thread", ["recording", "another"])
+def test_backward_called_inside_a_module_has_module_backward_ranges(record, thread) -> None:
+    """Also on a thread other than the one that started recording (its calls place hooks,
+    before the backward inside the forward runs)."""
+    import threading
+
     run = record()
-    TrainStep()(torch.randn(2, 3))
+    if thread == "another":
+        t = threading.Thread(target=lambda: TrainStep()(torch.randn(2, 3)))
+        t.start()
+        t.join()
+    else:
+        TrainStep()(torch.randn(2, 3))
     gpu_trace.stop()
     rows = spans(run)
     by_id = {r["span_id"]: r for r in rows}
