@@ -121,14 +121,14 @@ _Tensor: type[torch.Tensor]
 class Plan:
     """A prepared template: its op's entry unpacked and its constant arguments decoded.
 
-    ``holes``: ``(position, hole)`` of each top-level tensor argument; ``outs``: the template's
-    outs (hole indices); ``size``: how the op is sized
-    (:func:`~gpu_trace.runtime.server.sizing.sizer`; None: it allocates nothing, see
-    :data:`NO_ALLOC`); ``sizes``: what it allocates, by its tensors' signatures (None: sized
-    per call). ``out``: the hole of its one output when it
-    takes the fast path (:meth:`run`), :data:`DROP` for one result not kept, :data:`VALUE` for
-    none kept (a value goes back), else -1. ``lists``: ``(position, holes)`` of each argument
-    that is a list of tensors.
+    ``holes``: ``(position, hole)`` of each top-level tensor argument; ``lists``: ``(position,
+    holes)`` of each argument that is a list of tensors; ``outs``: the template's outs (hole
+    indices); ``sized``: why its size arguments are beyond the plain bound (None: they are
+    not); ``size``: how the op is sized (:func:`~gpu_trace.runtime.server.sizing.sizer`; None:
+    it allocates nothing, see :data:`NO_ALLOC`); ``sizes``: what it allocates, by its tensors'
+    signatures (None: sized per call). ``out``: the hole of its one output when it takes the
+    fast path (:meth:`run`), :data:`DROP` for one result not kept, :data:`VALUE` for none kept
+    (a value goes back), else -1.
     """
 
     __slots__ = (
@@ -166,7 +166,15 @@ class Plan:
 
             _Tensor = torch.Tensor
         self.entry = entry
-        self.call, self.rule, self.sized, self.rerunnable, self.seeded, self.size = entry
+        self.call, self.rule, sized, self.rerunnable, self.seeded, self.size = entry
+        #: Why its size arguments are refused (None: they are not, or it takes none). They are
+        #: constants of the template (its holes are tensors), so the bound is checked once.
+        self.sized: str | None = None
+        if sized:
+            try:
+                check_sizes(args, kwargs)
+            except OpError as exc:
+                self.sized = str(exc)
         #: The hole of the argument whose storage its result shares (-1: none known).
         self.base = -1
         if name in NO_ALLOC:
@@ -227,8 +235,8 @@ class Plan:
             if kwargs:
                 kwargs = kwargs.copy()  # a rule may change its arguments in place
             rule(a, kwargs)
-        if self.sized:
-            check_sizes(a, kwargs)
+        if self.sized is not None:  # its size arguments are constants: checked once
+            raise OpError(self.sized)
         checked = 0  # bytes the memory check let it allocate with room to spare
         held = None
         size = self.size

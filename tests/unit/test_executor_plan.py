@@ -359,3 +359,19 @@ def test_a_list_of_tensors_is_sized_by_its_tensors_on_each_call() -> None:
     assert done["error"]["quota"]["asked"] == 64 * 8 * 4
     assert rig.session.handles.key(6) is None
     assert rig.session.account.peak_bytes == 2176 + 128  # refused before it allocated
+
+
+@pytest.mark.parametrize("templated", [True, False])
+def test_sizes_beyond_the_plain_bound_are_refused_on_both_paths(templated: bool) -> None:
+    """A size argument of 2**40 elements (a template's constant: checked once for its plan)
+    is refused before anything is sized or allocated, call after call."""
+    rig = Rig()
+    rig.put(1, torch.ones(4))
+    huge = [1 << 20, 1 << 20]
+    for _ in range(2):
+        rig.batch([["aten::expand.default", [_h(1), [*huge, 4]], {}, [5]]], templated)
+        assert b"elements is beyond the server's limit" in rig.replies[-1]
+        rig.batch([["aten::empty.memory_format", [huge], {}, [6]]], templated)
+        assert b"elements is beyond the server's limit" in rig.replies[-1]
+    assert sorted(h for h, _ in rig.session.handles.items()) == [1]
+    assert rig.session.account.peak_bytes == 16
