@@ -201,8 +201,11 @@ class Executor:
         except ConnectionClosed as exc:  # the client went away with work in flight
             log.debug("gpu-trace serve: session %d: client gone: %s", session.id, exc)
             session.closed = True
-        except Exception:  # a bug here must not take the server down
+        except Exception as exc:  # a bug here must not take the server down
             log.exception("gpu-trace serve: session %d: work failed", session.id)
+            # Nor leave its client waiting for a reply that will never come: the session ends
+            # with an ERROR saying so, which the client raises at its next sync point.
+            self._fail(session, f"internal error in the server ({type(exc).__name__}: {exc})")
         finally:
             self.current = None
 
