@@ -32,13 +32,24 @@ TOKEN = "remote-amp-token-0123456"
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 
 
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Local references on one intra-op thread, as the server runs (``OMP_NUM_THREADS=1``): a
+    CPU reduction's result depends on how many threads split it, so bitwise comparisons need
+    the same count on both sides, whatever an earlier test left this process at."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def served() -> Iterator[str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "gpu_trace", "serve", "--listen", "127.0.0.1:0", "--device", "cpu"],
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "GPU_TRACE_REMOTE_TOKEN": TOKEN},
+        env={**os.environ, "GPU_TRACE_REMOTE_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"},
     )
     assert proc.stderr is not None
     line = proc.stderr.readline()
