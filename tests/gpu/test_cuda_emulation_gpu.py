@@ -11,10 +11,6 @@ run's in both, so the settings reached the server's matmuls (and TF32 does chang
 
 from __future__ import annotations
 
-import json
-import os
-import select
-import signal
 import subprocess
 import sys
 import textwrap
@@ -23,6 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.gpu import serving
 
 TOKEN = "cuda-emulation-gpu-token-01"
 
@@ -77,42 +75,12 @@ PROGRAM = textwrap.dedent(
 )
 
 
-def _result(out: subprocess.CompletedProcess) -> dict:
-    assert out.returncode == 0, out.stderr[-4000:]
-    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, str]]]:
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA here")
-    home = tmp_path_factory.mktemp("home")
-    env = {
-        **os.environ,
-        "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
-        "GPU_TRACE_HOME": str(home),
-        "GPU_TRACE_REMOTE_TOKEN": TOKEN,
-    }
-    server = subprocess.Popen(
-        [sys.executable, "-m", "gpu_trace", "serve", "--listen", "127.0.0.1:0", "--device",
-         "cuda:0", "--gpu-activity", "off", "--metrics", "off"],
-        stderr=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
-    try:
-        assert server.stderr is not None
-        ready, _, _ = select.select([server.stderr], [], [], 120)
-        assert ready, "the server said nothing"
-        serving = server.stderr.readline()
-        assert "serving cuda:0 on" in serving, serving
-        yield serving.split(" on ")[1].split()[0], env
-    finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.communicate(timeout=10)
+    with serving.served(tmp_path_factory.mktemp("home"), TOKEN, deterministic=False) as server:
+        yield server
 
 
 def test_a_gpu_less_cuda_build_trains_as_the_gpu_does(
@@ -121,13 +89,13 @@ def test_a_gpu_less_cuda_build_trains_as_the_gpu_does(
     address, env = served
     prog = tmp_path / "train.py"
     prog.write_text(PROGRAM)
-    local = _result(
+    local = serving.result(
         subprocess.run(
             [sys.executable, str(prog)], capture_output=True, text=True, env=env, timeout=300
         )
     )
     gpu_less = {**env, "CUDA_VISIBLE_DEVICES": ""}
-    forwarded = _result(
+    forwarded = serving.result(
         subprocess.run(
             [sys.executable, "-m", "gpu_trace", "record", "--remote", address, "--",
              sys.executable, str(prog)],

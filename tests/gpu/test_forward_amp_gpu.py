@@ -13,10 +13,6 @@ backed off). Deterministic settings on both sides, as in test_forward_training_g
 
 from __future__ import annotations
 
-import json
-import os
-import select
-import signal
 import subprocess
 import sys
 import textwrap
@@ -26,18 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-TOKEN = "forward-amp-gpu-token-0123"
-DETERMINISTIC = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+from tests.gpu import serving
 
-SERVE = textwrap.dedent(
-    """
-    import sys
-    from gpu_trace._imports import when_imported
-    when_imported("torch", lambda torch: torch.use_deterministic_algorithms(True))
-    from gpu_trace.cli import main
-    sys.exit(main(sys.argv[1:]))
-    """
-)
+TOKEN = "forward-amp-gpu-token-0123"
 
 PROGRAM = textwrap.dedent(
     """
@@ -103,43 +90,12 @@ PROGRAM = textwrap.dedent(
 )
 
 
-def _result(out: subprocess.CompletedProcess) -> dict:
-    assert out.returncode == 0, out.stderr[-4000:]
-    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
-
-
-def _first_line(proc: subprocess.Popen, timeout_s: float) -> str:
-    assert proc.stderr is not None
-    ready, _, _ = select.select([proc.stderr], [], [], timeout_s)
-    assert ready, "the server said nothing"
-    return proc.stderr.readline()
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, str]]]:
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA here")
-    home = tmp_path_factory.mktemp("home")
-    env = {**os.environ, **DETERMINISTIC, "GPU_TRACE_HOME": str(home)}
-    env["GPU_TRACE_REMOTE_TOKEN"] = TOKEN
-    env.pop("GPU_TRACE_REMOTE", None)
-    server = subprocess.Popen(
-        [sys.executable, "-c", SERVE, "serve", "--listen", "127.0.0.1:0", "--device", "cuda:0",
-         "--gpu-activity", "off", "--metrics", "off"],
-        stderr=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
-    try:
-        serving = _first_line(server, 120)
-        assert "serving cuda:0 on" in serving, serving
-        yield serving.split(" on ")[1].split()[0], env
-    finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.communicate(timeout=10)
+    with serving.served(tmp_path_factory.mktemp("home"), TOKEN) as server:
+        yield server
 
 
 @pytest.mark.parametrize("which", ["bf16", "fp16"])
@@ -149,14 +105,14 @@ def test_forwarded_mixed_precision_is_bitwise_the_local_run(
     address, env = served
     prog = tmp_path / "amp.py"
     prog.write_text(PROGRAM)
-    local = _result(
+    local = serving.result(
         subprocess.run(
             [sys.executable, str(prog), which],
             capture_output=True, text=True, env=env, timeout=300,
         )
     )  # fmt: skip
     gpu_less = {**env, "CUDA_VISIBLE_DEVICES": "", "GPU_TRACE_REMOTE": address}
-    forwarded = _result(
+    forwarded = serving.result(
         subprocess.run(
             [sys.executable, str(prog), which],
             capture_output=True, text=True, env=gpu_less, timeout=300,

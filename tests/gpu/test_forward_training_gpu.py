@@ -20,35 +20,18 @@ Dropout 0; weights and data drawn on the CPU, so both runs start from the same b
 
 from __future__ import annotations
 
-import json
-import os
-import select
-import signal
 import subprocess
 import sys
 import textwrap
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.gpu import serving
+
 TOKEN = "forward-training-gpu-token-01"
-DETERMINISTIC = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-
-# `gpu-trace serve` as `python -m gpu_trace serve` runs it, with deterministic algorithms turned on
-# when it imports torch (after its own start-up, so nothing else about the process changes).
-SERVE = textwrap.dedent(
-    """
-    import sys
-    from gpu_trace._imports import when_imported
-    when_imported("torch", lambda torch: torch.use_deterministic_algorithms(True))
-    from gpu_trace.cli import main
-    sys.exit(main(sys.argv[1:]))
-    """
-)
-
 PROGRAM = textwrap.dedent(
     """
     import hashlib, json, sys
@@ -142,54 +125,12 @@ PROGRAM = textwrap.dedent(
 )
 
 
-def _result(out: subprocess.CompletedProcess) -> dict:
-    assert out.returncode == 0, out.stderr[-4000:]
-    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
-
-
-def _serving_line(proc: subprocess.Popen, timeout_s: float) -> str:
-    """The server's "serving ..." line (warnings may come first), waiting at most ``timeout_s``
-    for each line."""
-    assert proc.stderr is not None
-    seen = []
-    for _ in range(50):
-        ready, _, _ = select.select([proc.stderr], [], [], timeout_s)
-        assert ready, "the server said nothing: " + "".join(seen)
-        line = proc.stderr.readline()
-        if not line or line.startswith("gpu-trace: serving"):
-            return line or "".join(seen)
-        seen.append(line)
-    return "".join(seen)
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, str]]]:
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA here")
-    home = tmp_path_factory.mktemp("home")
-    env = {**os.environ, **DETERMINISTIC, "GPU_TRACE_HOME": str(home)}
-    env["GPU_TRACE_REMOTE_TOKEN"] = TOKEN
-    server = subprocess.Popen(
-        [sys.executable, "-c", SERVE, "serve", "--listen", "127.0.0.1:0", "--device", "cuda:0",
-         "--gpu-activity", "off", "--metrics", "off"],
-        stderr=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
-    rest: list[str] = []
-    try:
-        serving = _serving_line(server, 120)
-        assert "serving cuda:0 on" in serving, serving
-        # Read what else it says, so a full pipe never blocks it.
-        drain = threading.Thread(target=lambda: rest.extend(server.stderr or []), daemon=True)
-        drain.start()
-        yield serving.split(" on ")[1].split()[0], env
-    finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(timeout=10)
+    with serving.served(tmp_path_factory.mktemp("home"), TOKEN) as server:
+        yield server
 
 
 @pytest.mark.parametrize("which", ["gpt", "lstm", "cnn"])
@@ -199,14 +140,14 @@ def test_forwarded_training_is_bitwise_the_local_one(
     address, env = served
     prog = tmp_path / "train.py"
     prog.write_text(PROGRAM)
-    local = _result(
+    local = serving.result(
         subprocess.run(
             [sys.executable, str(prog), which, "local"],
             capture_output=True, text=True, env=env, timeout=300,
         )
     )  # fmt: skip
     gpu_less = {**env, "CUDA_VISIBLE_DEVICES": ""}
-    forwarded = _result(
+    forwarded = serving.result(
         subprocess.run(
             [sys.executable, str(prog), which, address],
             capture_output=True, text=True, env=gpu_less, timeout=300,
