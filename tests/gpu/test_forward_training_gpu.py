@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.gpu import serving
+from tests import serving
 
 TOKEN = "forward-training-gpu-token-01"
 PROGRAM = textwrap.dedent(
@@ -129,7 +129,7 @@ PROGRAM = textwrap.dedent(
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, str]]]:
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA here")
-    with serving.served(tmp_path_factory.mktemp("home"), TOKEN) as server:
+    with serving.served(tmp_path_factory.mktemp("home"), TOKEN, deterministic=True) as server:
         yield server
 
 

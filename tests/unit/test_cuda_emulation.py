@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import platform
-import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -24,6 +23,7 @@ from gpu_trace.runtime.client import cuda, cuda_streams
 from gpu_trace.runtime.protocol import backend_flags
 from gpu_trace.runtime.protocol.errors import RemoteOpError
 from gpu_trace.runtime.server import device_ops
+from tests import serving
 from tests.conftest import REPO
 from tests.cuda_build import NO_DEVICE, CudaBuild
 
@@ -35,21 +35,12 @@ CAPACITY = 1 << 30
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A server whose one tenant has a quota (``mem_get_info``'s total)."""
-    tenants = tmp_path_factory.mktemp("tenants") / "tenants.toml"
+    home = tmp_path_factory.mktemp("home")
+    tenants = home / "tenants.toml"
     tenants.write_text(f'[[tenant]]\nname = "t"\ntoken = "{TOKEN}"\nmemory = {QUOTA}\n')
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gpu_trace", "serve", "--listen", "127.0.0.1:0", "--device",
-         "cpu", "--tenants", str(tenants), "--device-memory", str(CAPACITY)],
-        stderr=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
-    assert proc.stderr is not None
-    line = proc.stderr.readline()
-    assert "serving cpu on" in line, line
-    yield line.split(" on ")[1].split()[0]
-    proc.send_signal(signal.SIGINT)
-    proc.wait(timeout=20)
-    proc.stderr.close()
+    args = ("--tenants", str(tenants), "--device-memory", str(CAPACITY))
+    with serving.served(home, TOKEN, *args, device="cpu") as (address, _):
+        yield address
 
 
 @pytest.fixture

@@ -8,10 +8,6 @@ applied by hand."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,6 +21,7 @@ from gpu_trace import runtime
 from gpu_trace.runtime.client import autocast, autocast_table, cuda
 from gpu_trace.runtime.protocol.errors import OpError
 from gpu_trace.runtime.server import allowlist
+from tests import serving
 from tests.conftest import REPO
 from tests.cuda_build import CudaBuild
 
@@ -44,20 +41,10 @@ def one_thread() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gpu_trace", "serve", "--listen", "127.0.0.1:0", "--device", "cpu"],
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "GPU_TRACE_REMOTE_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.stderr is not None
-    line = proc.stderr.readline()
-    assert "serving cpu on" in line, line
-    yield line.split(" on ")[1].split()[0]
-    proc.send_signal(signal.SIGINT)
-    proc.wait(timeout=20)
-    proc.stderr.close()
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    home = tmp_path_factory.mktemp("home")
+    with serving.served(home, TOKEN, device="cpu", env={"OMP_NUM_THREADS": "1"}) as (address, _):
+        yield address
 
 
 @pytest.fixture
