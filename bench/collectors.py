@@ -1,7 +1,7 @@
 """CPU cost of the samplers: per sample, and the highest rate that stays under 1% of a core.
 
     python bench/collectors.py [--ticks 3000] [--seconds 3] [--nvml-file FILE] [--real-nvml]
-                               [--families default,+pcie] [--timeout 300]
+                               [--families default,+pcie] [--timeout 300] [--json FILE]
 
 For each sampler, two measurements on this machine:
 
@@ -19,7 +19,7 @@ caches on each wake-up and the flusher's fixed cost count there). The NVML sampl
 replay source (the real H100 recording, ``sample_traces/nvml-h100.jsonl``), so NVML's own call
 latency is not in these figures; ``--real-nvml`` uses the real source where a GPU is present, and
 then the per-family call latencies the sampler measured (``call_stats``) are printed too: that is
-the table in docs/collectors.md. The host sampler reads this machine through psutil with a child
+the table in docs/collectors.md (``--json FILE`` writes both tables' figures as JSON too). The host sampler reads this machine through psutil with a child
 process tree of two.
 
 It ends on its own, under a pipe too (``timeout 90 python bench/collectors.py --real-nvml | tail``):
@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import faulthandler
+import json
 import os
 import signal
 import subprocess
@@ -154,6 +155,7 @@ def main() -> None:
     ap.add_argument("--real-nvml", action="store_true", help="the real NVML source (needs a GPU)")
     ap.add_argument("--families", default="default", help="NVML families (GPU_TRACE_NVML_FAMILIES)")
     ap.add_argument("--timeout", type=float, default=300.0, help="give up (with stacks) after this")
+    ap.add_argument("--json", type=Path, help="also write the figures here, as JSON")
     args = ap.parse_args()
     families = parse_families(args.families)
     faulthandler.dump_traceback_later(args.timeout, exit=True)
@@ -220,6 +222,16 @@ def main() -> None:
         )
     if not args.real_nvml:
         say("(replayed: these are the replay source's costs, not NVML's; --real-nvml on a GPU)")
+    if args.json is not None:
+        keys = ("records", "sample_us", "flush_us", "total_us", "hz_at_1pct_hot")
+        keys += ("share_10hz", "share_50hz", "hz_at_1pct_live")
+        samplers = [
+            {"sampler": label, **dict(zip(keys, (cost["records"], cost["sample_us"],
+                                                 cost["flush_us"], *rest)))}
+            for label, cost, *rest in rows
+        ]  # fmt: skip
+        figures = {"nvml": "real" if args.real_nvml else "replay", "families": sorted(families)}
+        args.json.write_text(json.dumps({**figures, "samplers": samplers, "calls": calls}))
     faulthandler.cancel_dump_traceback_later()
 
 

@@ -2,6 +2,7 @@
 
     python bench/gpu_activity.py [--scale 150] [--rounds 5]      # any machine: conversion, ingest
     python bench/gpu_activity.py --gpu [--steps 60] [--rounds 3]  # a GPU machine: capture cost
+    ... [--capture-rounds N] [--json FILE]                         # rounds of the GPU part; figures
 
 Without a GPU (and always, first): the real H100 records (tests/data/cupti-h100-lm.jsonl.gz,
 13,329 records) repeated ``--scale`` times with fresh correlation ids (two million records at 150),
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +42,8 @@ DATA = ROOT / "tests" / "data" / "cupti-h100-lm.jsonl.gz"
 # ---- conversion and ingest (any machine) ---------------------------------------------------------
 
 
-def conversion(scale: int, rounds: int) -> None:
+def conversion(scale: int, rounds: int) -> dict[str, object]:
+    """Print the conversion's rates; return them (records per second per mode, each round)."""
     from gpu_trace.collectors.gpu_activity import activity_file
     from gpu_trace.collectors.gpu_activity.conversion import Parents, convert
     from gpu_trace.collectors.gpu_activity.replay_file import read_replay
@@ -106,6 +109,7 @@ def conversion(scale: int, rounds: int) -> None:
             f" min {min(rates) / 1e6:.2f}, max {max(rates) / 1e6:.2f}; {med / base:.2f}x convert)",
             flush=True,
         )
+    return {"records": len(records), "scale": scale, "records_per_s": results}
 
 
 # ---- capture cost (GPU machine) -------------------------------------------------------------------
@@ -113,6 +117,7 @@ def conversion(scale: int, rounds: int) -> None:
 WORKER = r"""
 import json, sys, time, torch, torch.nn as nn
 mode, steps, warmup = sys.argv[1], int(sys.argv[2]), 10
+count = sys.argv[3:4] == ["count"]
 torch.manual_seed(0)
 dev = "cuda"
 class LM(nn.Module):
@@ -137,37 +142,74 @@ for _ in range(warmup):
     step()
 torch.cuda.synchronize()
 times = []
+out = {}
 def timed():
+    out["t0"] = time.monotonic_ns()
     for _ in range(steps):
         t0 = time.perf_counter_ns()
         step()
         torch.cuda.synchronize()
         times.append(time.perf_counter_ns() - t0)
+    out["t1"] = time.monotonic_ns()
 if mode == "profiler":
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         timed()
+    if count:
+        out["kernels"] = sum(1 for e in prof.events() if e.device_type.name == "CUDA"
+                             and "Memcpy" not in e.name and "Memset" not in e.name)
 else:
     timed()
-print(json.dumps(times))
+out["times"] = times
+print(json.dumps(out))
 """
 
 
-def capture_cost(steps: int, rounds: int) -> None:
+def captured_kernels(run_dir: Path, t0: int, t1: int) -> tuple[int, int]:
+    """Kernel records in ``run_dir``'s activity files that start within ``[t0, t1]``
+    (CLOCK_MONOTONIC), and the records CUPTI said it dropped."""
+    from gpu_trace.collectors.gpu_activity import activity, activity_file
+    from gpu_trace.collectors.gpu_activity.conversion import to_monotonic
+    from gpu_trace.tracer.spool import spool_dir
+
+    data = activity_file.read(activity_file.activity_files(spool_dir(run_dir)))
+    kernels = data.records[data.records["kind"] == activity.CONCURRENT_KERNEL]
+    start = to_monotonic(kernels["start"], data.anchors)
+    return int(((start >= t0) & (start <= t1)).sum()), int(data.dropped)
+
+
+def capture_cost(
+    steps: int, rounds: int, report: dict[str, object], save: Callable[[], None]
+) -> None:
+    """The GPU part: interleaved rounds of the three modes; figures into ``report["capture"]``,
+    ``save()`` after every round."""
     from gpu_trace import config
     from gpu_trace.collectors.gpu_activity import library
 
     inject, why = library.injection_env(config.home() / "lib", cc=config.c_compiler())
     if not inject:
         print(f"capture cost: not measured: {why}")
+        report["capture"] = {"skipped": f"not measured: {why}"}
+        save()
         return
     modes = ["plain", "gpu activity", "profiler"]
     times: dict[str, list[int]] = {m: [] for m in modes}
     windows: dict[str, list[float]] = {m: [] for m in modes}
-    for _ in range(rounds):
+    medians: dict[str, list[float]] = {m: [] for m in modes}
+    kernels: dict[str, int] = {}
+    capture: dict[str, object] = {
+        "steps": steps,
+        "rounds": 0,
+        "round_median_ms": medians,
+        "worst_window": windows,
+        "kernels": kernels,
+    }
+    report["capture"] = capture
+    for r in range(rounds):
         order = modes[:]
         random.shuffle(order)
         for mode in order:
+            count = r == 0 and mode != "plain"
             with tempfile.TemporaryDirectory() as run_dir:
                 env = dict(os.environ)
                 if mode == "gpu activity":
@@ -175,15 +217,25 @@ def capture_cost(steps: int, rounds: int) -> None:
                     env["GPU_TRACE_RUN_DIR"] = run_dir
                 arg = "profiler" if mode == "profiler" else "plain"
                 out = subprocess.run(
-                    [sys.executable, "-c", WORKER, arg, str(steps)],
+                    [sys.executable, "-c", WORKER, arg, str(steps), *(["count"] if count else [])],
                     capture_output=True, text=True, env=env, timeout=600, check=True,
                 )  # fmt: skip
-            t = json.loads(out.stdout.strip().splitlines()[-1])
+                res = json.loads(out.stdout.strip().splitlines()[-1])
+                if count and mode == "gpu activity":
+                    kernels[mode], kernels["dropped"] = captured_kernels(
+                        Path(run_dir), res["t0"], res["t1"]
+                    )
+            if count and mode == "profiler":
+                kernels[mode] = res["kernels"]
+            t = res["times"]
             times[mode] += t
             med = statistics.median(t)
+            medians[mode].append(med / 1e6)
             windows[mode].append(
                 max(statistics.mean(t[i : i + 5]) for i in range(len(t) - 4)) / med
             )
+        capture["rounds"] = r + 1
+        save()
     plain = statistics.median(times["plain"])
     print(f"capture cost: {steps} steps x {rounds} rounds per mode, interleaved")
     for mode in modes:
@@ -191,6 +243,11 @@ def capture_cost(steps: int, rounds: int) -> None:
         print(
             f"  {mode:<13} median step {med / 1e6:7.2f} ms  {med / plain:5.2f}x plain"
             f"  worst 5-step window {max(windows[mode]):.2f}x median"
+        )
+    if "gpu activity" in kernels and "profiler" in kernels:
+        print(
+            f"  kernels in the {steps} timed steps: captured {kernels['gpu activity']:,},"
+            f" torch.profiler {kernels['profiler']:,}; CUPTI dropped {kernels['dropped']:,} records"
         )
 
 
@@ -200,12 +257,24 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--capture-rounds", type=int, help="the GPU part's (default: rounds//2+1)")
+    parser.add_argument("--json", type=Path, help="also write the figures here, as JSON")
     args = parser.parse_args()
-    conversion(args.scale, args.rounds)
+    report: dict[str, object] = {}
+
+    def save() -> None:
+        if args.json is not None:
+            args.json.write_text(json.dumps(report, indent=1))
+
+    report["conversion"] = conversion(args.scale, args.rounds)
+    save()
     if args.gpu:
-        capture_cost(args.steps, max(1, args.rounds // 2 + 1))
+        rounds = args.capture_rounds or max(1, args.rounds // 2 + 1)
+        capture_cost(args.steps, rounds, report, save)
     else:
         print("capture cost: not measured (no --gpu; it needs an NVIDIA GPU and CUDA PyTorch)")
+        report["capture"] = {"skipped": "not measured (no --gpu)"}
+        save()
 
 
 if __name__ == "__main__":

@@ -297,7 +297,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smoke test: CPU model, 2 short rounds")
     ap.add_argument("--cpu", action="store_true", help="the CPU model even where there is a GPU")
     ap.add_argument("--timeout", type=float, default=300.0, help="per run (a hang is a failure)")
-    ap.add_argument("--json", type=Path, help="also write every run's step times here")
+    ap.add_argument(
+        "--json", type=Path, help="also write every run's step times here (after every round)"
+    )
     args = ap.parse_args()
     gpu = has_gpu() and not args.cpu and not args.quick
     configs = [c for c in args.configs.split(",") if c]
@@ -358,9 +360,9 @@ def main() -> None:
                     flush=True,
                 )
             rounds.append(got)
+            if args.json is not None:  # after every round: a run cut short keeps its rounds
+                args.json.write_text(json.dumps({"model": model, "rounds": rounds}))
 
-    if args.json is not None:
-        args.json.write_text(json.dumps({"model": model, "rounds": rounds}))
     print(
         f"\n{'configuration':14} {'ms/step':>9} {'x none':>8} {'+-95%':>7} {'worst/med':>10}"
         f" {'rounds':>7}"
