@@ -139,6 +139,16 @@ class Executor:
         self.pager = pager
         #: The session whose work runs now (None: none).
         self.current: Session | None = None
+        #: Told each op's name before it runs, and "" once its batch is over (a worker's
+        #: :class:`~gpu_trace.runtime.channel.beacon.Beacon`, so that the front can name the op a
+        #: crash ended; None: nobody asks).
+        self.mark: Callable[[str], None] | None = None
+        #: Told of every error an op or a batch raised, with the op's name ("" for a batch's),
+        #: before it goes back to the client (a worker checks whether its CUDA context survived).
+        self.on_error: Callable[[Exception, str], None] | None = None
+        #: More ``rt::`` ops by name, each called with the session and the op's arguments (a
+        #: worker's test probes; empty in a server).
+        self.extra_ops: dict[str, Callable[[Session, list[object]], object]] = {}
         #: Device memory by tenant; a server passes its own (``Server.memory``).
         self.memory = memory if memory is not None else Memory(1 << 62, wake=scheduler.unpark)
         #: What ops will allocate, worked out before they run
@@ -203,11 +213,15 @@ class Executor:
             session.closed = True
         except Exception as exc:  # a bug here must not take the server down
             log.exception("gpu-trace serve: session %d: work failed", session.id)
+            if self.on_error is not None:
+                self.on_error(exc, "")
             # Nor leave its client waiting for a reply that will never come: the session ends
             # with an ERROR saying so, which the client raises at its next sync point.
             self._fail(session, f"internal error in the server ({type(exc).__name__}: {exc})")
         finally:
             self.current = None
+            if self.mark is not None:
+                self.mark("")
 
     def run(self, session: Session, work: Work) -> None:
         if work.kind == "batch" and not session.closed:  # most work: first
@@ -361,11 +375,14 @@ class Executor:
         # Runs of compiled calls go on in a tight loop (below) where nothing is done between
         # two ops: no page-in gate, no spans, no memory wait to end.
         chain = gate is None and not trace
+        mark = self.mark
         n = len(ops)
         index = first - 1
         while index + 1 < n:
             index += 1
             op = ops[index]
+            if mark is not None:
+                mark(op.t.name if type(op) is TOp else _name(op))
             try:
                 try:
                     if gate is not None:
@@ -392,6 +409,8 @@ class Executor:
                                         break
                                     index += 1
                                     op = nxt
+                                    if mark is not None:
+                                        mark(op.t.name)
                                     value = plan.run(calls, op.vals)
                         else:
                             value = self._top(session, plan, op.vals)
@@ -442,6 +461,8 @@ class Executor:
 
     def _op_error(self, session: Session, exc: Exception, index: int, name: str) -> dict[str, Any]:
         """The reply's ``error`` for the op at ``index`` that raised ``exc``."""
+        if self.on_error is not None:
+            self.on_error(exc, name)
         error: dict[str, Any] = {"index": index, "op": name[:200], "type": type(exc).__name__}
         error["message"] = str(exc)[:4000]
         if isinstance(exc, QuotaError):

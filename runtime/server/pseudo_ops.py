@@ -83,6 +83,9 @@ def run_pseudo(
         return [session.account.bytes, session.account.peak_bytes, len(session.handles)]
     if name in device_ops.NAMES:  # events, device queries, backend settings
         return device_ops.run(ex, session, name, args)
+    extra = ex.extra_ops.get(name)
+    if extra is not None:
+        return extra(session, args)
     raise OpError(f"unknown runtime op {name[:100]!r}")
 
 

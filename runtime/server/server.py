@@ -22,7 +22,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from gpu_trace import config
@@ -57,9 +57,11 @@ from gpu_trace.runtime.protocol.wire import (
 )
 from gpu_trace.runtime.server.device_activity import DeviceActivity
 from gpu_trace.runtime.server.executor import Executor
+from gpu_trace.runtime.server.front import Front
 from gpu_trace.runtime.server.handshakes import Handshakes
 from gpu_trace.runtime.server.sessions import Session
 from gpu_trace.runtime.server.sink import ReturnSink, Sink
+from gpu_trace.runtime.server.standby import Standby
 from gpu_trace.runtime.sharing import admin
 from gpu_trace.runtime.sharing.memory import CUDA_BLOCK_BYTES, Memory, device_capacity
 from gpu_trace.runtime.sharing.pager import DEFAULT_IDLE_S, Pager
@@ -72,6 +74,8 @@ now_ns = time.perf_counter_ns
 
 #: Batches of at most this many ops may run on the connection's thread when the device is idle.
 INLINE_OPS = 16
+#: Where sessions' work runs: ``process`` (a worker process each) or ``shared`` (this process).
+ISOLATIONS = ("process", "shared")
 
 
 class Server:
@@ -109,8 +113,22 @@ class Server:
         idle_s: float | None = DEFAULT_IDLE_S,
         spin_us: float | None = None,
         gpu_activity: DeviceActivity | None = None,
+        isolation: str = "shared",
+        standby: int = 2,
+        worker_env: Mapping[str, str] | None = None,
     ) -> None:
         self.host, self.port = parse_address(listen)
+        if isolation not in ISOLATIONS:
+            raise ValueError(f"isolation is one of {', '.join(ISOLATIONS)}, not {isolation!r}")
+        if isolation == "process" and gpu_activity is not None:
+            raise ValueError("the server's GPU activity capture runs with --isolation shared only")
+        #: ``process``: each session in a worker process of its own (:mod:`.front`); ``shared``:
+        #: every session's work in this process.
+        self.isolation = isolation
+        self._standby_size = standby
+        self._worker_env = worker_env
+        #: The front's side of the workers (None: ``shared``, or not started).
+        self.front: Front | None = None
         if token is not None and tenants is not None:
             raise ValueError("a server takes a token or tenants, not both")
         if tenants is None:
@@ -192,15 +210,28 @@ class Server:
         sock = socket.create_server((self.host, self.port), reuse_port=False)
         self.port = sock.getsockname()[1]
         self._sock = sock
-        self.executor.start()
-        self.pager.start()
-        if self.gpu_activity is not None:
-            self.gpu_activity.start()
+        if self.isolation == "process":
+            standby = Standby(self.device, self._standby_size, self._worker_env)
+            self.front = Front(self, standby.start())
+        else:
+            self.start_engine()
         t = threading.Thread(target=self._accept_loop, name="gpu-trace-accept", daemon=True)
         t.start()
         self._threads.append(t)
         log.info("gpu-trace serve: listening on %s, device %s", self.address, self.device)
         return self
+
+    def batches_served(self) -> int:
+        """Batches run so far (by this process's executor, or by the workers)."""
+        return self.front.batches() if self.front is not None else self.executor.batches
+
+    def start_engine(self) -> None:
+        """Start what runs the work: the executor, the pager, GPU activity capture (a server
+        with ``shared`` isolation, and each worker process for its one session)."""
+        self.executor.start()
+        self.pager.start()
+        if self.gpu_activity is not None:
+            self.gpu_activity.start()
 
     def serve_forever(self) -> None:
         if self._sock is None:
@@ -232,12 +263,15 @@ class Server:
                 self._sock.shutdown(socket.SHUT_RDWR)  # wakes accept() (close alone does not)
             with contextlib.suppress(OSError):
                 self._sock.close()
+        if self.front is not None:  # each worker ends its session and flushes its spans
+            why = f" ({self.stop_reason})" if self.stop_reason else ""
+            self.front.close(f"shutting down{why}")
         self.pager.stop()
         self.executor.stop()
         locked = self.executor.lock.acquire(timeout=10)  # no inline work either
         try:
-            with self._lock:
-                sessions = list(self.sessions.values())
+            with self._lock:  # with workers, each told its client and flushed its spans
+                sessions = list(self.sessions.values()) if self.front is None else []
             why = f" ({self.stop_reason})" if self.stop_reason else ""
             if self.gpu_activity is not None:
                 self.gpu_activity.close()  # its last spans join the sessions' logs first
@@ -292,11 +326,20 @@ class Server:
             session.tenant.name,
             by or "an administrator",
         )
+        if self.front is not None:
+            return self.front.page_out(session)
         return self.pager.request_page_out(session, reason="admin")
+
+    def end_session(self, session: Session, message: str, reason: str) -> None:
+        """End ``session``, its client told ``message`` (at its next sync point)."""
+        self._end(session, message, reason)
 
     def _end(self, session: Session, message: str, reason: str) -> None:
         """Tell ``session``'s client why it ends, then end it: its connection's thread sees the
-        socket shut and frees the session, as at a disconnect."""
+        socket shut and frees the session, as at a disconnect (with ``process`` isolation, its
+        worker does so)."""
+        if self.front is not None and self.front.end(session, message, reason):
+            return
         with contextlib.suppress(ConnectionClosed):
             session.send(json_frame(MsgType.ERROR, {"message": message, "reason": reason}))
         session.closed = True
@@ -348,10 +391,69 @@ class Server:
         try:
             tune(conn)
             session = self._handshake(conn, writer, deadline)
-            if session is None:
-                return
+        except Exception as exc:
+            self._conn_failed(exc, conn, writer, peer)
+        if session is not None:
+            if self.front is not None:  # its own worker process runs it
+                try:
+                    self.front.run(conn, session)
+                except Exception:  # a bug must cost one connection, never the server
+                    log.exception("gpu-trace serve: %s: session %d failed", peer, session.id)
+                finally:
+                    self._forget(session)
+                    self.memory.detach(session)
+                    session.closed = True
+            else:
+                self.serve_session(conn, session, writer, peer)
+        self.handshakes.done(conn)
+        with self._lock:
+            self._conns.discard(conn)
+        with contextlib.suppress(OSError):
+            conn.close()
+
+    def serve_session(
+        self,
+        conn: socket.socket,
+        session: Session,
+        writer: FrameWriter,
+        peer: Any = None,
+    ) -> None:
+        """Run ``session``'s connection until it ends: its messages read and its work run here
+        (the server of ``--isolation shared``, and a worker process's, which is handed one
+        authenticated connection by the front)."""
+        try:
             self._read_loop(conn, writer, session)
-        except ProtocolError as exc:
+        except Exception as exc:
+            self._conn_failed(exc, conn, writer, peer)
+        finally:
+            self._forget(session)
+            session.closed = True
+            self.scheduler.drop(session)
+            self.scheduler.submit(session, Work("close"))
+
+    def adopt(self, conn: socket.socket, session: Session) -> FrameWriter:
+        """Take on ``session``, authenticated elsewhere, on ``conn`` (a worker process's one
+        session); :meth:`serve_session` then runs it."""
+        writer = FrameWriter(conn)
+        session.send = writer.send
+        with self._lock:
+            self.sessions[session.id] = session
+            self.memory.attach(session)
+            self._session_conns[session.id] = conn
+        self.ledger.open(session)
+        return writer
+
+    def _forget(self, session: Session) -> None:
+        with self._lock:
+            self.sessions.pop(session.id, None)
+            self._session_conns.pop(session.id, None)
+        self.ledger.retire(session)
+
+    def _conn_failed(
+        self, exc: Exception, conn: socket.socket, writer: FrameWriter, peer: Any
+    ) -> None:
+        """How a connection's end by ``exc`` is counted, logged and told to its client."""
+        if isinstance(exc, ProtocolError):
             self.protocol_errors += 1
             refused = isinstance(exc, Refused)
             if self.handshakes.done(conn) or refused:  # no session: counted, logged in bulk
@@ -361,26 +463,12 @@ class Server:
                 log.info("gpu-trace serve: %s: protocol error: %s", peer, exc)
             with contextlib.suppress(ConnectionClosed, OSError):
                 writer.send(json_frame(MsgType.ERROR, {"message": str(exc)[:500]}))
-        except (ConnectionClosed, TimeoutError, OSError) as exc:
+        elif isinstance(exc, (ConnectionClosed, TimeoutError, OSError)):
             if self.handshakes.done(conn) and isinstance(exc, TimeoutError):
                 self.handshakes.failed("timeout")
             log.debug("gpu-trace serve: %s: connection ended: %s", peer, exc)
-        except Exception:  # a bug must cost one connection, never the server
-            log.exception("gpu-trace serve: %s: connection failed", peer)
-        finally:
-            if session is not None:
-                with self._lock:
-                    self.sessions.pop(session.id, None)
-                    self._session_conns.pop(session.id, None)
-                self.ledger.retire(session)
-                session.closed = True
-                self.scheduler.drop(session)
-                self.scheduler.submit(session, Work("close"))
-            self.handshakes.done(conn)
-            with self._lock:
-                self._conns.discard(conn)
-            with contextlib.suppress(OSError):
-                conn.close()
+        else:  # a bug must cost one connection, never the server
+            log.error("gpu-trace serve: %s: connection failed", peer, exc_info=exc)
 
     def _handshake(
         self, conn: socket.socket, writer: FrameWriter, deadline: float

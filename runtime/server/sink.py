@@ -351,6 +351,23 @@ class SpoolSink:
             self._runs.pop(session.id, None)
             self._clock.pop(session.id, None)
 
+    @property
+    def worker_sink(self) -> str:
+        """What a worker process writes its session's spans with (the same spool root)."""
+        return f"spool:{self.root}"
+
+    def mark_dirty(self, path: str) -> None:
+        """A worker wrote spool files in run directory ``path``: ingest it with the others
+        (only a directory right under this sink's root counts: a worker is not trusted)."""
+        d = Path(path)
+        try:
+            if d.resolve().parent != self.root.resolve() or not d.is_dir():
+                return
+        except OSError:
+            return
+        with self._lock:
+            self._dirty.add(d)
+
     def take_dirty(self) -> list[Path]:
         with self._lock:
             dirty, self._dirty = self._dirty, set()

@@ -127,6 +127,12 @@ def _state(session: Session, running: Any, parked: set[int], queued: int) -> str
     return "idle"
 
 
+def _front_state(server: Server, session: Session) -> str | None:
+    """A session's state as its worker last reported it (``--isolation process``)."""
+    front = getattr(server, "front", None)
+    return front.state(session) if front is not None else None
+
+
 def session_row(
     server: Server, session: Session, now_ns: int, parked: set[int], cap: int | None = None
 ) -> dict[str, Any]:
@@ -147,7 +153,8 @@ def session_row(
         "memory_limit_bytes": account.limit_bytes if account.limit_bytes is not None else limit,
         "evicted_bytes": int(usage.get("evicted_bytes") or 0),
         "queued": queued,
-        "state": _state(session, getattr(server.executor, "current", None), parked, queued),
+        "state": _front_state(server, session)
+        or _state(session, getattr(server.executor, "current", None), parked, queued),
         **{key: int(usage.get(key) or 0) for key in COUNTERS},
         **{key: usage.get(key) for key in MEASURED},
     }

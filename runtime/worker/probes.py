@@ -1,0 +1,65 @@
+"""Test-only: code an attacker runs inside their worker, as the pseudo-op ``rt::worker_probe``.
+
+Installed only when the worker's environment has ``GPU_TRACE_WORKER_PROBES=1`` (the tests' servers
+set it; ``gpu-trace serve`` never does). Each probe tries one thing a compromised worker would try
+and says what happened, so that a test can check the containment from outside
+(:mod:`gpu_trace.runtime.worker.sandbox`), or ends the worker as a crash in a kernel would.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gpu_trace.runtime.server.executor import Executor
+    from gpu_trace.runtime.server.sessions import Session
+
+
+def install(executor: Executor) -> None:
+    executor.extra_ops["rt::worker_probe"] = probe
+
+
+def probe(session: Session, args: list[object]) -> object:
+    """``[what, arg]``: ``segv``, ``fpe``, ``abort``, ``exit`` end the worker as a crash would;
+    ``pid`` returns this worker's; ``open PATH``, ``connect HOST:PORT``, ``signal PID``, ``read-mem PID``, ``alloc BYTES``,
+    ``spawn`` try one thing and return ``"ok"`` or ``"refused: ..."``."""
+    what = str(args[0]) if args else ""
+    arg = str(args[1]) if len(args) > 1 else ""
+    if what == "segv":
+        ctypes.string_at(0)  # a real SIGSEGV, as a kernel's wild pointer would raise
+    if what == "fpe":
+        os.kill(os.getpid(), signal.SIGFPE)
+    if what == "abort":
+        os.abort()
+    if what == "exit":
+        os._exit(1)
+    if what == "pid":
+        return os.getpid()
+    try:
+        if what == "open":
+            with open(arg, "rb") as f:
+                f.read(1)
+        elif what == "connect":
+            host, port = arg.rsplit(":", 1)
+            with socket.create_connection((host, int(port)), timeout=2):
+                pass
+        elif what == "signal":
+            os.kill(int(arg), 0)
+        elif what == "read-mem":
+            with open(f"/proc/{int(arg)}/mem", "rb") as f:
+                f.read(1)
+        elif what == "alloc":
+            block = bytearray(int(arg))
+            block[::4096] = b"x" * len(block[::4096])  # touch every page
+        elif what == "spawn":
+            subprocess.run(["/bin/true"], check=True, timeout=5)
+        else:
+            return f"unknown probe {what!r}"
+    except (OSError, MemoryError, ValueError, subprocess.SubprocessError) as exc:
+        return f"refused: {type(exc).__name__}: {exc}"[:300]
+    return "ok"
