@@ -221,6 +221,13 @@ class Server:
         log.info("gpu-trace serve: listening on %s, device %s", self.address, self.device)
         return self
 
+    def tenant_sessions(self, tenant: Tenant) -> int:
+        """The most sessions ``tenant`` may have at once: its ``max_sessions``, else the
+        server's less one for each other tenant (so one tenant cannot take every slot)."""
+        if tenant.max_sessions is not None:
+            return min(tenant.max_sessions, self.max_sessions)
+        return max(1, self.max_sessions - (len(self.tenants) - 1))
+
     def batches_served(self) -> int:
         """Batches run so far (by this process's executor, or by the workers)."""
         return self.front.batches() if self.front is not None else self.executor.batches
@@ -526,6 +533,9 @@ class Server:
         with self._lock:
             if len(self.sessions) >= self.max_sessions:
                 raise Refused(f"server full ({self.max_sessions} sessions)")
+            cap = self.tenant_sessions(tenant)
+            if sum(s.tenant.name == tenant.name for s in self.sessions.values()) >= cap:
+                raise Refused(f"tenant {tenant.name!r} has its {cap} sessions open already")
             session = Session(client, writer.send, tenant)
             session.trace = self.sink.accepts(client)
             session.binary = binary

@@ -16,6 +16,7 @@ The file is TOML, one ``[[tenant]]`` table per tenant (docs/sharing.md, "Tenants
     on_quota = "wait"             # or "fail"
     wait_s = 60
     idle_s = 30
+    max_sessions = 4              # most sessions at once (default: all but one per other tenant)
     admin = false
 
 A malformed file is refused whole, with the line and the field named
@@ -67,6 +68,7 @@ class Tenant:
     on_quota: str = "fail"
     wait_s: float = 60.0
     idle_s: float | None = None
+    max_sessions: int | None = None
     admin: bool = False
 
     def limit_bytes(self, capacity: int) -> int | None:
@@ -96,6 +98,7 @@ KEYS = (
     "on_quota",
     "wait_s",
     "idle_s",
+    "max_sessions",
     "admin",
 )
 #: The smallest byte quota (an integer below it is almost surely a mistaken fraction).
@@ -249,6 +252,11 @@ def _tenant(
                 bound = "> 0" if lo is None else ">= 0"
                 bad(key, f"{key} must be a number of seconds {bound}, got {_show(v)}")
             fields[key] = float(v)
+    if "max_sessions" in table:
+        m = table["max_sessions"]
+        if type(m) is not int or not 1 <= m <= 1 << 16:
+            bad("max_sessions", f"max_sessions must be an integer >= 1, got {_show(m)}")
+        fields["max_sessions"] = m
     if "admin" in table:
         if type(table["admin"]) is not bool:
             bad("admin", f"admin must be true or false, got {_show(table['admin'])}")

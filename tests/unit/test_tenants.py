@@ -31,6 +31,7 @@ priority = 1
 on_quota = "wait"
 wait_s = 30
 idle_s = 45.5
+max_sessions = 3
 
 [[tenant]]
 name = "bob"
@@ -62,6 +63,7 @@ def test_a_good_file_gives_its_tenants(tmp_path: Path) -> None:
         on_quota="wait",
         wait_s=30.0,
         idle_s=45.5,
+        max_sessions=3,
     )
     assert bob == Tenant(name="bob", token=BOB, memory_bytes=8 << 30)
     assert ops.admin and ops.memory_fraction is None and ops.memory_bytes is None
@@ -144,6 +146,8 @@ BAD = {
     "wait-negative": (_tenant("wait_s = -1"), 8, "wait_s must be a number of seconds >= 0"),
     "idle-zero": (_tenant("idle_s = 0"), 8, "idle_s must be a number of seconds > 0"),
     "admin-string": (_tenant('admin = "yes"'), 8, 'admin must be true or false, got "yes"'),
+    "max-sessions-zero": (_tenant("max_sessions = 0"), 8, "max_sessions must be an integer >= 1"),
+    "max-sessions-float": (_tenant("max_sessions = 2.0"), 8, "max_sessions must be an integer"),
     "unknown-key": (_tenant("memroy = 0.5"), 8, "tenant \"bob\": unknown key 'memroy'"),
     "unknown-top-key": (
         f'quota = 3\n[[tenant]]\nname = "a"\ntoken = "{ALICE}"\n',
