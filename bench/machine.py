@@ -3,7 +3,7 @@ versions, which tools and packages are there, and whether each C part builds and
 
     python bench/machine.py [--json FILE] [--no-build]
 
-Prints one JSON object (and writes it to ``--json``). Each probe is caught on its own: one that
+Prints one JSON object (with ``--json FILE``: writes it there and prints a few lines). Each probe is caught on its own: one that
 fails says why in its place and the rest still answer. The C parts are built as a program would
 build them on first use (``GPU_TRACE_HOME/lib``; op level's observer next to its source, as
 tests/conftest.py builds it, so that tests with a fresh ``GPU_TRACE_HOME`` find it too), so a
@@ -262,9 +262,15 @@ def main() -> int:
     args = ap.parse_args()
     info = probe(build=not args.no_build)
     text = json.dumps(info, indent=1)
-    if args.json is not None:
-        args.json.write_text(text)
-    print(text, flush=True)
+    if args.json is None:
+        print(text, flush=True)
+        return 0
+    args.json.write_text(text)
+    torch = info["torch"]
+    print(f"torch {torch.get('version', torch.get('error'))}; GPU: {info['gpu']}", flush=True)
+    for name, state in (info["c_parts"] if "error" not in info["c_parts"] else {}).items():
+        print(f"{name}: {state}", flush=True)
+    print(f"wrote {args.json}", flush=True)
     return 0
 
 

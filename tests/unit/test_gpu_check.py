@@ -1,0 +1,428 @@
+"""scripts/gpu_check.py, the one command that proves the GPU parts (issue 24), kept from rotting
+where no GPU is: its CPU dry run end to end (every part has a status, Markdown and JSON agree),
+the one line without a GPU, a part past its deadline killed with its process group while the
+rest still run, a stop (SIGTERM) mid-part, the report rewritten after every part, and the
+readers of the benches' outputs and of pytest's JUnit files against their targets."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "gpu_check.py"
+sys.path.insert(0, str(SCRIPT.parent))  # gpu_check imports its pieces (scripts/gpucheck/) so
+spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+assert spec is not None and spec.loader is not None
+gpu_check = importlib.util.module_from_spec(spec)
+sys.modules["gpu_check"] = gpu_check
+spec.loader.exec_module(gpu_check)
+sys.path.remove(str(SCRIPT.parent))
+
+from gpucheck import figures, parts, report  # noqa: E402
+from gpucheck.parts import Outcome, Part, Run  # noqa: E402
+from gpucheck.runner import Step  # noqa: E402
+
+PARTS = ["machine", "tests", "tenants", "activity", "overhead", "forward", "paging", "nvml"]
+FINAL = {s for s in report.STATUSES if s not in ("pending", "running", "cut short")}
+
+
+def md_parts(md: str) -> dict[str, str]:
+    """The Parts table of a Markdown report: part name -> status."""
+    section = md.split("## Parts", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ")][1:]
+    return {cells[1].strip(): cells[2].strip() for cells in (r.split("|") for r in rows)}
+
+
+def md_figures(md: str) -> list[tuple[str, str, str]]:
+    """The Figures table: (figure, value, result) per row."""
+    section = md.split("## Figures", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ")][1:]
+    return [(c[1].strip(), c[2].strip(), c[5].strip()) for c in (r.split("|") for r in rows)]
+
+
+def assert_md_matches_json(out: Path) -> dict[str, Any]:
+    data = json.loads((out / "report.json").read_text())
+    md = (out / "report.md").read_text()
+    assert md_parts(md) == {p["name"]: p["status"] for p in data["parts"]}
+    shown = [(f["name"], f["value"], f["verdict"]) for p in data["parts"] for f in p["figures"]]
+    assert md_figures(md) == shown
+    assert data["verdict"] in md
+    return data
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_cpu_dry_run_reports_every_part_and_markdown_agrees_with_json(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--cpu-dry-run", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=800,
+        cwd=tmp_path,  # it runs from any folder
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = assert_md_matches_json(out)
+    assert data["mode"] == "cpu-dry-run" and data["finished"]
+    assert [p["name"] for p in data["parts"]] == PARTS
+    for p in data["parts"]:
+        assert p["status"] in FINAL, p
+        for f in p["figures"]:  # CPU figures never pass or miss a GPU target
+            assert f["verdict"] in ("n/a (CPU)", "not measured", "peer", "info"), f
+    by = {p["name"]: p for p in data["parts"]}
+    assert by["machine"]["status"] == "ok" and data["machine"]["gpu"] is False
+    assert "skipped" in by["tests"]["summary"] and len(by["tests"]["details"]["files"]) >= 10
+    expected = "not present" if not (REPO / parts.TENANT_TEST).is_file() else "ok"
+    assert by["tenants"]["status"] == expected
+    # only a few files come back from a GPU machine: the logs travel packed
+    assert sorted(x.name for x in out.iterdir()) == ["logs.tar.gz", "report.json", "report.md"]
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        names = tar.getnames()
+    assert "logs/machine-machine.log" in names and "data/machine.json" in names
+
+
+def test_without_a_gpu_it_says_so_in_one_line_and_writes_a_report(tmp_path: Path) -> None:
+    if shutil.which("nvidia-smi"):
+        pytest.skip("a GPU may be here: this would run the whole check")
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(out), "--commit", "abc"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 1 and "No GPU here" in lines[0], done.stdout
+    data = assert_md_matches_json(out)
+    assert data["mode"] == "no-gpu" and data["commit"] == "abc" and data["finished"]
+    assert [p["status"] for p in data["parts"]] == ["ok"] + ["not run"] * (len(PARTS) - 1)
+    assert "No GPU here" in (out / "report.md").read_text()
+
+
+# ---- the runner, through the check's seam: a list of parts -------------------------------------
+
+HANG = """
+import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+open(sys.argv[1], "w").write(str(child.pid))
+print("started", child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie no longer does: it may wait for a reaper here)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _part(name: str, argv: list[str], limit: float = 30.0, expect: float = 0.0, **kw: Any) -> Part:
+    def collect(run: Run, results: list) -> Outcome:
+        return Outcome(parts.steps_status(results), f"{name} done")
+
+    return Part(
+        name,
+        f"the {name} part",
+        expect,
+        limit,
+        lambda run: [Step(name, argv, limit)],
+        kw.pop("collect", collect),
+        **kw,
+    )
+
+
+def _check(tmp_path: Path, plist: list[Part], budget: float = 60.0) -> dict[str, Any]:
+    run = Run("cpu-dry-run", tmp_path / "work")
+    rep = gpu_check.new_report(plist, "cpu-dry-run", budget, "test")
+    return gpu_check.check(plist, run, tmp_path / "out", budget, rep, grace_s=1.0, say=str)
+
+
+def test_a_part_past_its_deadline_is_killed_with_its_group_and_the_rest_run(
+    tmp_path: Path,
+) -> None:
+    pid_file = tmp_path / "grandchild.pid"
+    plist = [
+        _part("hang", [sys.executable, "-c", HANG, str(pid_file)], limit=3.0),
+        _part("after", [sys.executable, "-c", "print('after ran')"]),
+        _part("big", [sys.executable, "-c", "pass"], expect=1000.0),
+        _part("absent", [sys.executable, "-c", "pass"], absent=lambda run: "not here"),
+        _part("broken", [sys.executable, "-c", "pass"], collect=lambda run, results: 1 / 0),
+    ]
+    t0 = time.monotonic()
+    data = _check(tmp_path, plist)
+    assert time.monotonic() - t0 < 30
+    grandchild = int(pid_file.read_text())
+    assert not alive(grandchild)  # the whole group, not only the child
+    status = {p["name"]: p for p in data["parts"]}
+    hang = status["hang"]
+    assert hang["status"] == "timed out" and hang["steps"][0]["timed_out"]
+    assert any("started" in line for line in hang["steps"][0]["tail"])
+    assert any("process group killed" in line for line in hang["steps"][0]["tail"])
+    assert status["after"]["status"] == "ok"
+    assert status["after"]["steps"][0]["tail"] == ["after ran"]
+    assert status["big"]["status"] == "skipped" and "budget left" in status["big"]["summary"]
+    assert status["absent"]["status"] == "not present"
+    assert (
+        status["broken"]["status"] == "failed"
+        and "ZeroDivisionError" in status["broken"]["summary"]
+    )
+    assert_md_matches_json(tmp_path / "out")
+
+
+def test_the_report_is_rewritten_after_every_part(tmp_path: Path) -> None:
+    seen: list[dict[str, str]] = []
+
+    def snapshot(run: Run) -> list[Step]:
+        data = json.loads((tmp_path / "out" / "report.json").read_text())
+        seen.append({p["name"]: p["status"] for p in data["parts"]})
+        return [Step("snap", [sys.executable, "-c", "pass"], 30)]
+
+    plist = [_part(n, [sys.executable, "-c", "pass"]) for n in ("one", "two")]
+    plist[1].steps = snapshot
+    _check(tmp_path, plist)
+    assert seen == [{"one": "ok", "two": "running"}]
+
+
+def test_a_stop_mid_part_ends_its_group_and_says_cut_short(tmp_path: Path) -> None:
+    pid_file = tmp_path / "grandchild.pid"
+    plist = [
+        _part("hang", [sys.executable, "-c", HANG, str(pid_file)], limit=60.0),
+        _part("later", [sys.executable, "-c", "pass"]),
+    ]
+    old = signal.signal(signal.SIGUSR1, gpu_check._stop)
+
+    def stop_soon() -> None:
+        deadline = time.monotonic() + 30
+        while not pid_file.is_file() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    stopper = threading.Thread(target=stop_soon)
+    stopper.start()
+    try:
+        with pytest.raises(gpu_check.Stopped):
+            _check(tmp_path, plist)
+    finally:
+        stopper.join()
+        signal.signal(signal.SIGUSR1, old)
+    assert not alive(int(pid_file.read_text()))
+    data = assert_md_matches_json(tmp_path / "out")
+    assert [p["status"] for p in data["parts"]] == ["cut short", "pending"]
+    assert not data["finished"] and data["verdict"].startswith("Cut short (SIGUSR1)")
+
+
+# ---- pytest's JUnit files ----------------------------------------------------------------------
+
+SAMPLE_TESTS = """
+import pytest
+
+def test_passes():
+    pass
+
+def test_fails():
+    assert 1 + 1 == 3, "arithmetic"
+
+def test_skips():
+    pytest.skip("needs something absent")
+"""
+
+
+def test_a_test_files_failures_and_skips_come_from_its_junit_file(tmp_path: Path) -> None:
+    (tmp_path / "tests").mkdir()
+    sample = tmp_path / "tests" / "test_sample.py"
+    sample.write_text(SAMPLE_TESTS)
+    run = Run("gpu", tmp_path / "work")
+    (run.work / "data").mkdir(parents=True)
+    step = parts.pytest_step(run, str(sample), 60)
+    assert "ignore::pytest.PytestConfigWarning" in step.argv
+    done = gpu_check.run_step(step, tmp_path / "log", 60)
+    assert done.rc == 1
+    outcome = parts.pytest_outcome(run, [done])
+    assert outcome.status == "failed"
+    assert outcome.summary.startswith("1 passed, 1 failed, 1 skipped in 1 file")
+    assert "needs something absent" in outcome.summary
+    (entry,) = outcome.details["files"]
+    (failure,) = entry["failures"]
+    assert failure["test"].endswith("::test_fails") and "arithmetic" in failure["message"]
+    assert parts.junit(tmp_path / "missing.xml") is None
+
+
+def test_tests_gpu_files_run_most_important_first_and_the_tenant_check_apart(
+    tmp_path: Path,
+) -> None:
+    gpu = tmp_path / "tests" / "gpu"
+    gpu.mkdir(parents=True)
+    for name in ("test_zeta.py", "test_pager_gpu.py", "test_gpu_activity.py"):
+        (gpu / name).write_text("")
+    (tmp_path / parts.TENANT_TEST).write_text("")
+    assert parts.test_files(tmp_path) == [
+        "tests/gpu/test_gpu_activity.py",
+        "tests/gpu/test_pager_gpu.py",
+        "tests/gpu/test_zeta.py",
+    ]
+
+
+# ---- the benches' outputs against their targets ------------------------------------------------
+
+
+def _by_name(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {r["name"]: r for r in rows}
+
+
+def test_capture_cost_and_kernels_against_their_targets() -> None:
+    data = {
+        "conversion": {"records": 10, "scale": 1, "records_per_s": {"convert": [2e6, 3e6]}},
+        "capture": {
+            "steps": 30,
+            "rounds": 3,
+            "round_median_ms": {
+                "plain": [20.0, 21.0, 20.0],
+                "gpu activity": [20.6, 21.3, 21.5],  # 1.03, 1.014, 1.075: median 1.03
+                "profiler": [28.0, 29.0, 30.0],
+            },
+            "worst_window": {"plain": [1.0], "gpu activity": [1.1, 1.6], "profiler": [1.2]},
+            "kernels": {"gpu activity": 13_250, "profiler": 13_200, "dropped": 0},
+        },
+    }
+    rows = _by_name(figures.activity(data, dry=False))
+    capture = rows["GPU activity capture: LM step vs plain"]
+    assert capture["verdict"] == "pass" and capture["value"] == "1.030x"
+    assert capture["spread"] == "1.014-1.075 (3 rounds)"
+    assert rows["torch.profiler (CPU + CUDA activities): LM step vs plain"]["verdict"] == "peer"
+    assert rows["GPU activity: worst 5-step window / median"]["verdict"] == "miss"
+    kernels = rows["kernels captured vs torch.profiler's (timed steps)"]
+    assert kernels["verdict"] == "pass" and "0.38% apart" in kernels["value"]
+    data["capture"]["kernels"]["gpu activity"] = 13_500  # 2.3% more
+    rows = _by_name(figures.activity(data, dry=False))
+    assert rows["kernels captured vs torch.profiler's (timed steps)"]["verdict"] == "miss"
+    dry = figures.activity(data, dry=True)
+    assert {r["verdict"] for r in dry} == {"n/a (CPU)"}
+    skipped = figures.activity({"capture": {"skipped": "no CUPTI"}}, dry=False)
+    assert skipped[0]["verdict"] == "not measured" and skipped[0]["note"] == "no CUPTI"
+
+
+def test_overhead_ratios_are_per_round_against_the_same_rounds_runs() -> None:
+    def run(ms: float) -> list[float]:
+        return [ms] * 30
+
+    data = {
+        "rounds": [
+            {"none": run(20), "off": run(20.1), "off-nonvml": run(20.0), "module": run(20.4),
+             "op": run(27)},
+            {"none": run(10), "off": run(10.3), "off-nonvml": run(10.0), "module": run(10.2),
+             "op": run(12)},
+        ]
+    }  # fmt: skip
+    rows = _by_name(figures.overhead(data, dry=False))
+    nvml = rows["NVML default families: record --torch off vs --no-nvml"]
+    assert nvml["number"] == pytest.approx((1.005 + 1.03) / 2) and nvml["verdict"] == "miss"
+    module = rows["module level (record --torch module) vs no recording"]
+    assert module["number"] == pytest.approx(1.02) and module["verdict"] == "pass"
+    op = rows["op level (record --torch op) vs no recording"]
+    assert op["number"] == pytest.approx((1.35 + 1.2) / 2) and op["verdict"] == "pass"
+
+
+def test_forwarded_step_ratio_and_bitwise_losses() -> None:
+    summary = {
+        "local": {"rounds": 2, "errors": [], "median_ms": 20.0},
+        "forwarded": {"rounds": 2, "errors": [], "median_ms": 24.0, "ratio": 1.2, "low": 1.1,
+                      "high": 1.3, "bitwise": True, "client_cpu_ms": 5.0},
+        "forwarded-gpuless": {"rounds": 2, "errors": [], "median_ms": 34.0, "ratio": 1.7,
+                              "low": 1.6, "high": 1.8, "bitwise": False, "client_cpu_ms": 6.0},
+    }  # fmt: skip
+    rows = _by_name(figures.forward({"models": {"lm": {"summary": summary}}}, dry=False))
+    assert rows["forwarded lm step vs local (client sees the GPU)"]["verdict"] == "pass"
+    assert rows["forwarded lm step vs local (GPU-less client)"]["verdict"] == "miss"
+    assert rows["forwarded lm losses bitwise the local run's (GPU-less client)"]["value"] == "NO"
+    assert (
+        rows["forwarded lm losses bitwise the local run's (GPU-less client)"]["verdict"] == "miss"
+    )
+
+
+def test_a_part_missing_a_target_or_its_output_says_so(tmp_path: Path) -> None:
+    run = Run("gpu", tmp_path)
+    (tmp_path / "data").mkdir()
+    ok = gpu_check.StepResult("x", ["x"], tmp_path / "log", rc=0)
+
+    def read(data: dict[str, Any], dry: bool) -> list[dict[str, Any]]:
+        return [figures.figure("a", data["a"], str(data["a"]), target=figures.OP, dry=dry)]
+
+    (tmp_path / "data" / "x.json").write_text(json.dumps({"a": 1.2}))
+    assert parts.bench_outcome(run, [ok], [("x.json", read)]).status == "ok"
+    (tmp_path / "data" / "x.json").write_text(json.dumps({"a": 1.4}))
+    missed = parts.bench_outcome(run, [ok], [("x.json", read)])
+    assert missed.status == "missed" and "missed: a 1.4" in missed.summary
+    assert parts.bench_outcome(run, [ok], [("y.json", read)]).status == "failed"
+    failed = gpu_check.StepResult("x", ["x"], tmp_path / "log", rc=1)
+    assert parts.bench_outcome(run, [failed], [("x.json", read)]).status == "failed"
+
+
+def test_the_check_imports_nothing_but_the_standard_library() -> None:
+    code = (
+        f"import sys; sys.path.insert(0, {str(SCRIPT.parent)!r});"
+        f" sys.argv = ['gpu_check']; import runpy;"
+        f" runpy.run_path({str(SCRIPT)!r}, run_name='not_main');"
+        " print(sorted(m for m in ('torch', 'numpy', 'pyarrow', 'gpu_trace') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+# ---- the benches' machine-readable outputs ------------------------------------------------------
+
+
+def _load_bench(name: str) -> Any:
+    bspec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
+    assert bspec is not None and bspec.loader is not None
+    module = importlib.util.module_from_spec(bspec)
+    bspec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_activity_counts_the_kernels_that_start_inside_the_timed_steps(tmp_path: Path) -> None:
+    np = pytest.importorskip("numpy")
+    from gpu_trace.collectors.gpu_activity import activity, activity_file
+
+    bench = _load_bench("gpu_activity")
+    records = np.zeros(5, activity.RECORD)
+    records["kind"] = [activity.CONCURRENT_KERNEL] * 3 + [activity.MEMCPY, activity.RUNTIME]
+    records["start"] = [100, 200, 300, 200, 200]  # CUPTI's clock: monotonic is +1000
+    records["end"] = records["start"] + 10
+    blob = activity_file.encode(records, {}, [(0, 1000)], dropped=2)
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    activity_file.write(spool / "gpu_activity-1-x.bin", blob)
+    assert bench.captured_kernels(tmp_path, 1150, 1300) == (2, 2)  # 1200 and 1300, not 1100
+
+
+def test_machine_probe_answers_every_section_here() -> None:
+    out = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "machine.py"), "--no-build"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert set(info) >= {"host", "torch", "nvml", "cupti", "tools", "packages", "c_parts", "gpu"}
+    assert re.match(r"\d+\.\d+", info["host"]["python"])
+    assert info["packages"]["pytest"]
