@@ -16,6 +16,7 @@ ends (SIGKILL too), and the worker exits, so a front leaves no workers behind. (
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import shutil
@@ -148,6 +149,7 @@ class Standby:
         self.last_error = ""
 
     def start(self) -> Standby:
+        _undumpable()  # a worker of this uid may not read the front's memory or environment
         for _ in range(self.size):
             self._spawn()
         return self
@@ -239,3 +241,13 @@ class Standby:
         if worker.wait(5) is None:
             worker.kill()
         worker.close()
+
+
+def _undumpable() -> None:
+    """``PR_SET_DUMPABLE`` 0 for this process (the front): workers that run as its uid (a server
+    not started as root) may then not ptrace it or read its ``/proc/PID/environ`` (tokens from
+    ``token_env``) or memory. Linux only; elsewhere nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE

@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 #: Exit status of a worker whose CUDA context failed.
 DEVICE_FAILED = 3
 #: Host memory a worker may use beyond its session's bytes: kernels' temporaries, the runtime.
-HOST_SLACK = 2 << 30
+HOST_SLACK = 1 << 30
 
 #: Text of CUDA errors after which a context is not to be trusted.
 _STICKY = (

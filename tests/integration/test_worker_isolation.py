@@ -285,3 +285,24 @@ def test_a_killed_front_leaves_no_workers(tmp_path: Path) -> None:
     gone, alive = psutil.wait_procs([psutil.Process(p) for p in workers], timeout=60)
     assert not alive, [p.pid for p in alive]
     alice.sock.close()
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        ["aten::mvlgamma.default", [{"h": 1}, 1 << 25], {}, [2]],  # 1.2 GB of temporaries
+        ["aten::eye.default", [17000], {}, [2]],  # 1.2 GB, no device given
+        ["aten::arange.start_step", [0, 10**8, 1], {"dtype": {"d": "int64"}}, [2]],
+        ["aten::randperm.default", [10**9], {}, [2]],
+    ],
+    ids=["mvlgamma", "eye", "arange", "randperm"],
+)
+def test_what_a_quota_misses_stops_at_the_workers_allowance(server: Served, op: list) -> None:
+    """Kernels' temporaries and factories sized only after they allocate: within a worker they
+    stop at its host-memory allowance (alice: 64 MiB + 1 GiB), and its session goes on."""
+    alice = Raw(server.address, token=ALICE)
+    alice.sock.settimeout(120)
+    assert alice.batch([["aten::ones.default", [[8]], {}, [1]]])["ok"]
+    done = alice.batch([op])
+    assert not done["ok"], done
+    assert torch.equal(alice.fetch(1), torch.ones(8))
