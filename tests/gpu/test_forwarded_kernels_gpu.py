@@ -1,18 +1,24 @@
 """A forwarded model on a CUDA server (skipped without a GPU): its kernels under its ops in the
 client's run, as many as torch.profiler counts for the same steps run locally, and its tenant's
-GPU busy time measured."""
+GPU busy time measured.
+
+The client's run is read from its spool (``record --no-ingest``; the server's spans, counters and
+GPU activity are written there by the client as they come back), not from a store: the GPU
+machines have no chDB (shared/gpu-box/README.md)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
-from gpu_trace.tracer.store import Store
+from gpu_trace.tracer.ingest import convert_spool
+from tests.conftest import recorded
 
 TOKEN = "gpu-remote-activity-token-01"
 
@@ -47,14 +53,25 @@ PROGRAM = textwrap.dedent(
     """
 )
 
-KERNELS = """
-SELECT count(), countIf(o.lane = 'server/op' AND e.lane = 'server/execute')
-FROM spans AS k
-  LEFT JOIN (SELECT span_id, parent_span_id FROM spans) AS a ON k.parent_span_id = a.span_id
-  LEFT JOIN (SELECT span_id, parent_span_id, lane FROM spans) AS o ON a.parent_span_id = o.span_id
-  LEFT JOIN (SELECT span_id, lane FROM spans) AS e ON o.parent_span_id = e.span_id
-WHERE k.category = 'kernel' AND k.lane LIKE 'gpu%/stream%'
-"""
+
+def kernels_under_ops(spans: list[dict]) -> tuple[int, int]:
+    """The server's kernels (lanes ``gpu<d>/stream<s>``), and how many of them are under an op
+    (``server/op``, through their launch) under an execute (``server/execute``)."""
+    by_id = {s["span_id"]: s for s in spans}
+
+    def up(span: dict | None) -> dict | None:
+        return None if span is None else by_id.get(span["parent_span_id"])
+
+    kernels = [
+        s for s in spans if s["category"] == "kernel" and re.match(r"gpu\d+/stream", s["lane"])
+    ]
+    under = 0
+    for k in kernels:
+        op = up(up(k))  # kernel -> its launch (a CUDA call) -> the op
+        execute = up(op)
+        if op and op["lane"] == "server/op" and execute and execute["lane"] == "server/execute":
+            under += 1
+    return len(kernels), under
 
 
 def test_forwarded_kernels_under_their_ops_match_a_local_profile(tmp_path: Path) -> None:
@@ -81,10 +98,10 @@ def test_forwarded_kernels_under_their_ops_match_a_local_profile(tmp_path: Path)
         serving = server.stderr.readline()
         assert "GPU activity on" in serving, serving + server.stderr.readline()
         address = serving.split(" on ")[1].split()[0]
-        dsn = f"chdb://{tmp_path / 'store'}"
+        run_dir = tmp_path / "run"
         out = subprocess.run(
-            [sys.executable, "-m", "gpu_trace", "record", "--store", dsn, "--remote", address,
-             "--", sys.executable, str(prog), "plain"],
+            [sys.executable, "-m", "gpu_trace", "record", "--no-ingest", "--run-dir", str(run_dir),
+             "--remote", address, "--", sys.executable, str(prog), "plain"],
             capture_output=True, text=True, env=env, timeout=600,
         )  # fmt: skip
         assert out.returncode == 0, out.stderr
@@ -92,9 +109,9 @@ def test_forwarded_kernels_under_their_ops_match_a_local_profile(tmp_path: Path)
         server.send_signal(signal.SIGINT)
         closing = server.communicate(timeout=60)[1]
     assert "GPU activity spans sent (0 records dropped by CUPTI" in closing, closing
-    with Store(dsn) as store:
-        (total, under_ops), *_ = store.sql(KERNELS)[1]
-        (busy,), *_ = store.sql("SELECT max(value) FROM counters WHERE metric = 'gpu_busy_ns'")[1]
+    assert convert_spool(run_dir) == []
+    total, under_ops = kernels_under_ops(recorded(run_dir))
+    busy = max(c["value"] for c in recorded(run_dir, "counters") if c["metric"] == "gpu_busy_ns")
     assert total > 0 and under_ops == total  # every kernel: op -> execute
     assert abs(total - profiled["kernels"]) <= max(1, 0.01 * profiled["kernels"])
     assert busy > 0

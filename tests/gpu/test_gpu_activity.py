@@ -1,5 +1,9 @@
 """GPU activity on a real GPU (skipped elsewhere): the live injection library against
-torch.profiler on the same program, correlation, nesting, clock, and coexistence."""
+torch.profiler on the same program, correlation, nesting, clock, and coexistence.
+
+The runs are read from their spool (``record --no-ingest``, then the spool converters ingest
+runs first), not from a store: the GPU machines have no chDB (shared/gpu-box/README.md), and
+ingest is tested without a GPU (tests/integration/test_gpu_activity_replay.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +14,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-from gpu_trace.tracer.store import Store
+from gpu_trace.tracer.ingest import convert_spool
+from tests.conftest import recorded
 
 PROGRAM = textwrap.dedent(
     """
@@ -47,61 +52,59 @@ PROGRAM = textwrap.dedent(
 )
 
 
-def _record(tmp_path: Path, mode: str) -> tuple[dict, Store]:
+def _record(tmp_path: Path, mode: str) -> tuple[dict, list[dict]]:
+    """The program recorded with GPU activity at op level: its RESULT line, and its run's spans
+    (GPU activity converted to spans as ingest would, read from the spool)."""
     prog = tmp_path / "prog.py"
+    prog.parent.mkdir(parents=True, exist_ok=True)
     prog.write_text(PROGRAM)
-    dsn = f"chdb://{tmp_path / 'store'}"
+    run_dir = tmp_path / "run"
     env = {**os.environ, "GPU_TRACE_HOME": str(tmp_path / "home")}
     out = subprocess.run(
-        [sys.executable, "-m", "gpu_trace", "record", "--store", dsn, "--gpu-activity", "on",
-         "--torch", "op", "--", sys.executable, str(prog), mode],
+        [sys.executable, "-m", "gpu_trace", "record", "--no-ingest", "--run-dir", str(run_dir),
+         "--gpu-activity", "on", "--torch", "op", "--", sys.executable, str(prog), mode],
         capture_output=True, text=True, env=env, timeout=600, check=False,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
+    assert convert_spool(run_dir) == []
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[7:]), Store(dsn)
+    return json.loads(line[7:]), recorded(run_dir)
+
+
+def _within(spans: list[dict], category: str, t0: int, t1: int) -> list[dict]:
+    return [
+        s for s in spans if s["category"] == category and s["start_ns"] >= t0 and s["end_ns"] <= t1
+    ]
 
 
 def test_kernels_match_torch_profiler_and_all_are_correlated(tmp_path: Path) -> None:
-    plain, store = _record(tmp_path / "a", "plain")
-    window = {"t0": plain["t0"], "t1": plain["t1"]}
-    with store:
-        _, rows = store.sql(
-            "SELECT count(), countIf(parent_span_id = 0) FROM spans WHERE category = 'kernel'"
-            " AND start_ns >= {t0:Int64} AND end_ns <= {t1:Int64}",
-            window,
-        )
-        kernels, unlinked = rows[0]
-        assert unlinked == 0
-        # every launch inside the timed steps is nested in an op (op level records every ATen op)
-        _, rows = store.sql(
-            "SELECT count(), countIf(parent_span_id != 0) FROM spans WHERE category = 'cuda_api'"
-            " AND name LIKE 'cudaLaunchKernel%' AND start_ns >= {t0:Int64} AND end_ns <= {t1:Int64}",
-            window,
-        )
-        launches, nested = rows[0]
-        assert launches > 0 and nested / launches > 0.95
+    plain, spans = _record(tmp_path / "a", "plain")
+    kernels = _within(spans, "kernel", plain["t0"], plain["t1"])
+    assert sum(k["parent_span_id"] == 0 for k in kernels) == 0  # every kernel under its launch
+    # every launch inside the timed steps is nested in an op (op level records every ATen op)
+    launches = [
+        s
+        for s in _within(spans, "cuda_api", plain["t0"], plain["t1"])
+        if s["name"].startswith("cudaLaunchKernel")
+    ]
+    nested = sum(s["parent_span_id"] != 0 for s in launches)
+    assert launches and nested / len(launches) > 0.95
     profiled, _ = _record(tmp_path / "b", "profiler")
-    assert abs(kernels - profiled["kernels"]) <= 0.01 * profiled["kernels"]
+    assert abs(len(kernels) - profiled["kernels"]) <= 0.01 * profiled["kernels"]
 
 
 def test_device_times_lie_within_the_programs_own_clock_readings(tmp_path: Path) -> None:
-    plain, store = _record(tmp_path, "plain")
-    with store:
-        _, rows = store.sql(
-            "SELECT min(start_ns), max(end_ns) FROM spans WHERE category = 'kernel'"
-            " AND start_ns >= {t0:Int64} - 1000000",
-            {"t0": plain["t0"]},
-        )
-    first, last = rows[0]
+    plain, spans = _record(tmp_path, "plain")
+    kernels = [
+        s for s in spans if s["category"] == "kernel" and s["start_ns"] >= plain["t0"] - 1_000_000
+    ]
+    first, last = min(k["start_ns"] for k in kernels), max(k["end_ns"] for k in kernels)
     assert plain["t0"] <= first and last <= plain["t1"]
 
 
 def test_the_programs_own_profiler_keeps_working(tmp_path: Path) -> None:
     """torch.profiler (Kineto) started by the program under gpu-trace: its kernels are all there
     and the run completes."""
-    profiled, store = _record(tmp_path, "profiler")
+    profiled, spans = _record(tmp_path, "profiler")
     assert profiled["kernels"] > 0
-    with store:
-        _, rows = store.sql("SELECT count() FROM runs")
-    assert rows == [(1,)]
+    assert (tmp_path / "run" / "run.json").is_file() and spans
