@@ -160,7 +160,7 @@ class Connection(Receiver):
         self.epoch = next(_epochs)
         self._defined = 0  # templates defined in this session, and the JSON values they hold
         self._nodes = 0
-        self._fetches: dict[int, list[Any]] = {}
+        self._fetches = {}  # see Receiver
         self._ping_lock = threading.Lock()
         self._rx_lock = threading.Lock()  # whoever holds it reads the socket
         self._waiting = 0  # threads waiting for a message (they read themselves)

@@ -42,7 +42,11 @@ from gpu_trace.runtime.protocol.wire import (
 )
 
 if TYPE_CHECKING:
-    from gpu_trace.runtime.client.connection import Connection
+    import socket
+
+    from gpu_trace.runtime.client.batch import Batch, OpRecord
+    from gpu_trace.runtime.client.trace import ClientTrace
+    from gpu_trace.runtime.protocol.wire import FrameReader, FrameWriter
 
 log = logging.getLogger(__name__)
 
@@ -50,19 +54,47 @@ now_ns = time.perf_counter_ns
 
 
 class Receiver:
-    """Reading and handling the server's messages (a part of :class:`Connection`)."""
+    """Reading and handling the server's messages (a part of
+    :class:`~gpu_trace.runtime.client.connection.Connection`, its only subclass)."""
 
-    # Connection's state that these methods set, declared once for the type checker
-    # (Connection.__init__ gives the values).
+    # Connection's state that these methods read and set, declared once for the type checker
+    # (Connection.__init__ gives the values), so that this part needs no import of the whole.
+    address: str
+    sock: socket.socket
+    writer: FrameWriter
+    trace: ClientTrace
+    spin_ns: int
+    timeout_s: float
+    broken: str | None
+    closed: bool
     done_seq: int
+    last_recv_ns: int
+    _reader: FrameReader
+    _lock: threading.RLock
+    _cond: threading.Condition
+    _rx_lock: threading.Lock
+    _ping_lock: threading.Lock
+    _rx_wanted: threading.Event
+    _stop: threading.Event
+    _waiting: int
+    _closing: bool
+    _in_flight: dict[int, Batch]
+    _records: list[OpRecord]
+    _fetches: dict[int, list[Any]]  # fetch id -> [dtype, shape, buffer, bytes received]
     _error: RemoteOpError | None
     _pong: tuple[int, int, int, int] | None
     _pong_event: threading.Event
     _bye: threading.Event
 
+    if TYPE_CHECKING:  # Connection's, which these methods call
+
+        def _break(self, reason: str, told: bool = False) -> None: ...
+
+        def _flush_locked(self, urgent: bool = False) -> None: ...
+
     # ---- reading ---------------------------------------------------------------------------------
 
-    def read_while(self: Connection, waiting: Callable[[], bool], deadline: float = 0.0) -> None:
+    def read_while(self, waiting: Callable[[], bool], deadline: float = 0.0) -> None:
         """Read and handle messages while ``waiting()`` and the connection works.
 
         ``deadline`` (``time.monotonic()``; 0 for none): give up then (the caller decides what
@@ -88,7 +120,7 @@ class Receiver:
                 return
             self._handle(*got)
 
-    def wait_for(self: Connection, waiting: Callable[[], bool], deadline: float = 0.0) -> None:
+    def wait_for(self, waiting: Callable[[], bool], deadline: float = 0.0) -> None:
         """Until ``not waiting()``: read ourselves, or let whoever reads do it."""
         self._waiting += 1
         try:
@@ -103,7 +135,7 @@ class Receiver:
         finally:
             self._waiting -= 1
 
-    def _readable(self: Connection, timeout: float) -> bool:
+    def _readable(self, timeout: float) -> bool:
         # poll, not select: select() refuses descriptors numbered 1024 or more, which a program
         # with many files, sockets or DataLoader workers open reaches, and the connection read
         # as closed (every forwarded call then failed with ServerGone).
@@ -114,7 +146,7 @@ class Receiver:
         except (OSError, ValueError):  # closed under us
             raise ConnectionClosed("connection closed") from None
 
-    def _receive_loop(self: Connection) -> None:
+    def _receive_loop(self) -> None:
         """Reads DONEs of batches in flight while no other thread is reading."""
         reader = self._reader
         wanted = self._rx_wanted
@@ -147,7 +179,7 @@ class Receiver:
             finally:
                 self._rx_lock.release()
 
-    def _last_words(self: Connection) -> None:
+    def _last_words(self) -> None:
         """A send failed: handle what the server sent before it closed (an ERROR saying why),
         unless another thread is reading (it will)."""
         if not self._rx_lock.acquire(False):
@@ -163,7 +195,7 @@ class Receiver:
         finally:
             self._rx_lock.release()
 
-    def _lost(self: Connection, exc: Exception) -> None:
+    def _lost(self, exc: Exception) -> None:
         if not self.closed and not self._closing:
             self._break(f"the server at {self.address} went away: {exc}")
         elif self._closing:
@@ -171,7 +203,7 @@ class Receiver:
 
     # ---- handling --------------------------------------------------------------------------------
 
-    def _handle(self: Connection, mtype: int, body: bytes) -> None:
+    def _handle(self, mtype: int, body: bytes) -> None:
         self.last_recv_ns = now_ns()
         try:
             self._on_message(mtype, body)
@@ -180,7 +212,7 @@ class Receiver:
         except Exception:
             log.exception("gpu-trace: remote: handling a %s message failed", mtype)
 
-    def _on_message(self: Connection, mtype: int, body: bytes) -> None:
+    def _on_message(self, mtype: int, body: bytes) -> None:
         if mtype == MsgType.DONE_OK:
             if len(body) != DONE_OK_BODY.size:
                 raise ProtocolError("malformed DONE_OK")
@@ -228,7 +260,7 @@ class Receiver:
             else:  # "session evicted by an administrator", a protocol error...
                 self._break(f"the server at {self.address} closed the session: {text}", told=True)
 
-    def _done(self: Connection, seq: Any, results: Any, error: Any, t: Any, t_done: int) -> None:
+    def _done(self, seq: Any, results: Any, error: Any, t: Any, t_done: int) -> None:
         """Batch ``seq`` is done (a DONE's fields; ``t``: the server's times)."""
         batch = self._in_flight.pop(seq, None)
         if batch is None:
@@ -266,7 +298,7 @@ class Receiver:
             finally:
                 self._lock.release()
 
-    def take_fetch(self: Connection, fid: int) -> Any:
+    def take_fetch(self, fid: int) -> Any:
         entry = self._fetches.pop(fid, None)
         if entry is None:
             raise ServerGone(f"the server at {self.address} sent no data for a fetch")
@@ -275,7 +307,7 @@ class Receiver:
 
     # ---- clock sync ------------------------------------------------------------------------------
 
-    def ping(self: Connection) -> tuple[int, int, int, int]:
+    def ping(self) -> tuple[int, int, int, int]:
         """One clock-sync exchange ``(t0, t1, t2, t3)``; ServerGone if no answer in time."""
         with self._ping_lock:
             self._pong_event.clear()
@@ -292,7 +324,7 @@ class Receiver:
                 raise ServerGone(self.broken)
             return self._pong
 
-    def send_clock(self: Connection, samples: list[tuple[int, int, int, int]]) -> None:
+    def send_clock(self, samples: list[tuple[int, int, int, int]]) -> None:
         """Finished exchanges to a server that keeps its spans itself (a CLOCK message)."""
         for i in range(0, len(samples), MAX_CLOCK_SAMPLES):
             part = samples[i : i + MAX_CLOCK_SAMPLES]

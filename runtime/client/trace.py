@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gpu_trace.runtime.protocol.span_tables import (
     counter_table,
@@ -43,17 +43,32 @@ from gpu_trace.tracer.spool import SpoolWriter
 
 if TYPE_CHECKING:
     from gpu_trace.runtime.client.batch import Batch
-    from gpu_trace.runtime.client.connection import Connection
 
 log = logging.getLogger(__name__)
 
 MAX_SAMPLES = 2000
 
 
+class Peer(Protocol):
+    """What the trace reads of its connection
+    (:class:`~gpu_trace.runtime.client.connection.Connection`, which owns the trace): the server
+    at the other end, as its WELCOME named it, and the clock-sync exchanges."""
+
+    server_host: str
+    server_pid: int
+    server_device: str
+    server_sink: str
+    session_id: int
+
+    def ping(self) -> tuple[int, int, int, int]: ...
+
+    def send_clock(self, samples: list[tuple[int, int, int, int]]) -> None: ...
+
+
 class ClientTrace:
     """The client side of forwarded-call tracing for one connection."""
 
-    def __init__(self, conn: Connection, enabled: bool | None) -> None:
+    def __init__(self, conn: Peer, enabled: bool | None) -> None:
         self.conn = conn
         self.rec = recorder.active
         self.enabled = self.rec is not None and enabled is not False
