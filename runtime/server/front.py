@@ -132,8 +132,8 @@ class Front:
                 rc = worker.kill()
             if link.ended is None:
                 self._died(link, rc)
-            elif link.ended.reason == "device-failed":
-                self._lost_device(link)
+            elif link.ended.reason in ("device-failed", "batch-limit"):
+                self._ended_by_worker(link)
             worker.close()
             with self._lock:
                 self._batches_ended += session.batches
@@ -311,18 +311,21 @@ class Front:
             "worker-died",
         )
 
-    def _lost_device(self, link: Link) -> None:
+    def _ended_by_worker(self, link: Link) -> None:
+        """The worker ended its session itself (its CUDA context failed, a batch ran past its
+        tenant's ``batch_s``) and said why: one line, one ERROR."""
         ended = link.ended
         assert ended is not None
         self.deaths += 1
+        # what a worker says is not trusted: printable, bounded
+        message = "".join(c if c.isprintable() else "?" for c in ended.message[:1000])
         log.warning(
-            "gpu-trace serve: session %d of tenant %s: %s; its worker ended, the other sessions"
-            " go on",
+            "gpu-trace serve: session %d of tenant %s: %s",
             link.session.id,
             link.session.tenant.name,
-            ended.message,
+            message,
         )
-        self._tell(link.conn, ended.message, "device-failed")
+        self._tell(link.conn, message, ended.reason[:40])
 
     @staticmethod
     def _tell(conn: socket.socket, message: str, reason: str = "") -> None:

@@ -17,6 +17,7 @@ The file is TOML, one ``[[tenant]]`` table per tenant (docs/sharing.md, "Tenants
     wait_s = 60
     idle_s = 30
     max_sessions = 4              # most sessions at once (default: all but one per other tenant)
+    batch_s = 30                  # a batch running longer ends its session (--isolation process)
     admin = false
 
 A malformed file is refused whole, with the line and the field named
@@ -69,6 +70,7 @@ class Tenant:
     wait_s: float = 60.0
     idle_s: float | None = None
     max_sessions: int | None = None
+    batch_s: float | None = None
     admin: bool = False
 
     def limit_bytes(self, capacity: int) -> int | None:
@@ -99,6 +101,7 @@ KEYS = (
     "wait_s",
     "idle_s",
     "max_sessions",
+    "batch_s",
     "admin",
 )
 #: The smallest byte quota (an integer below it is almost surely a mistaken fraction).
@@ -244,7 +247,7 @@ def _tenant(
         if q not in ON_QUOTA:
             bad("on_quota", f"on_quota must be one of {', '.join(ON_QUOTA)}, got {_show(q)}")
         fields["on_quota"] = q
-    for key, lo in (("wait_s", 0.0), ("idle_s", None)):
+    for key, lo in (("wait_s", 0.0), ("idle_s", None), ("batch_s", None)):
         if key in table:
             v = table[key]
             ok = type(v) in (int, float) and math.isfinite(v) and (v > 0 if lo is None else v >= lo)

@@ -50,8 +50,9 @@ from gpu_trace.runtime.worker import sandbox
 
 log = logging.getLogger(__name__)
 
-#: Exit status of a worker whose CUDA context failed.
+#: Exit status of a worker whose CUDA context failed, and of one whose batch ran too long.
 DEVICE_FAILED = 3
+BATCH_LIMIT = 4
 #: Host memory a worker may use beyond its session's bytes: kernels' temporaries, the runtime.
 HOST_SLACK = 1 << 30
 
@@ -183,6 +184,8 @@ class Worker:
         server.start_engine()
         threading.Thread(target=self._listen, name="gpu-trace-channel", daemon=True).start()
         threading.Thread(target=self._report_loop, name="gpu-trace-report", daemon=True).start()
+        if self.session.tenant.batch_s is not None:
+            threading.Thread(target=self._watch, name="gpu-trace-watch", daemon=True).start()
         server.serve_session(self.conn, self.session, writer)
         # The executor closes the session (its "close" work) and flushes its spans; then go.
         server.executor.stop()
@@ -270,6 +273,29 @@ class Worker:
             )
         )
 
+    def _watch(self) -> None:
+        """A batch that runs past its tenant's ``batch_s`` ends the session: the front is told
+        why (naming the op that runs) and this worker exits, whatever the kernel is doing."""
+        limit = self.session.tenant.batch_s
+        assert limit is not None
+        executor, session = self.server.executor, self.session
+        seen, since = -1, time.monotonic()
+        while not session.closed:
+            time.sleep(min(0.1, limit / 4))
+            now = time.monotonic()
+            if executor.current is None or session.batches != seen:
+                seen, since = session.batches, now
+                continue
+            if now - since > limit:
+                op = self.beacon.read() or "a batch"
+                message = (
+                    f"a batch of the session ran past its tenant's limit of {limit:g} s (running"
+                    f" {op}); the session is over, the server and the other sessions go on"
+                )
+                log.info("%s", message)  # the front logs it
+                self._send(Ended("batch-limit", message))
+                os._exit(BATCH_LIMIT)
+
     # ---- faults ----------------------------------------------------------------------------------
 
     def _on_error(self, exc: Exception, op: str) -> None:
@@ -285,7 +311,7 @@ class Worker:
             f"the session's CUDA context failed ({first}) running {op or 'a batch'}; the session"
             " is over, the server and the other sessions go on"
         )
-        log.warning("%s", self.failed)
+        log.info("%s", self.failed)  # the front logs it
         self.session.closed = True
         with contextlib.suppress(OSError):
             self.conn.shutdown(socket.SHUT_RD)  # the read loop ends; the reply still goes

@@ -27,6 +27,7 @@ from tests.integration.test_remote_server import Raw
 ALICE = "alice-token-isolation-0123"
 BOB = "bob-token-isolation-012345"
 OPS = "ops-token-isolation-012345"
+CAROL = "carol-token-isolation-0123"
 TENANTS = f"""\
 [[tenant]]
 name = "alice"
@@ -81,9 +82,9 @@ BOB_SCRIPT = textwrap.dedent(
 class Served:
     """A `gpu-trace serve --isolation process` with the tenants above; its stderr in a file."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, extra: str = "") -> None:
         tmp.mkdir(parents=True, exist_ok=True)
-        (tmp / "tenants.toml").write_text(TENANTS)
+        (tmp / "tenants.toml").write_text(TENANTS + extra)
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_TRACE_")}
         env.update(GPU_TRACE_HOME=str(tmp / "home"), GPU_TRACE_WORKER_PROBES="1")
         env["OMP_NUM_THREADS"] = "1"
@@ -306,3 +307,25 @@ def test_what_a_quota_misses_stops_at_the_workers_allowance(server: Served, op: 
     done = alice.batch([op])
     assert not done["ok"], done
     assert torch.equal(alice.fetch(1), torch.ones(8))
+
+
+def test_a_batch_past_its_tenants_limit_ends_its_session(tmp_path: Path) -> None:
+    """carol's batch_s is 1 s: twenty 2048 x 2048 products in one batch run longer."""
+    carol_tenant = f'\n[[tenant]]\nname = "carol"\ntoken = "{CAROL}"\nbatch_s = 1\n'
+    served = Served(tmp_path, extra=carol_tenant)
+    try:
+        carol = Raw(served.address, token=CAROL)
+        carol.sock.settimeout(120)
+        setup = [
+            ["aten::ones.default", [[2048, 2048]], {}, [1]],
+            ["aten::empty.memory_format", [[2048, 2048]], {}, [2]],
+        ]
+        assert carol.batch(setup)["ok"]
+        mm = ["aten::mm.out", [{"h": 1}, {"h": 1}], {"out": {"h": 2}}, [None]]
+        with pytest.raises(ProtocolError, match=r"limit of 1 s \(running aten::mm.out\)"):
+            carol.batch([mm] * 20)
+        bob = Raw(served.address, token=BOB)
+        assert bob.batch([["aten::ones.default", [[4]], {}, [1]]])["ok"]
+        assert [ln for ln in served.text().splitlines() if "ran past" in ln] != []
+    finally:
+        served.close()

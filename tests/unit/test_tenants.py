@@ -146,6 +146,7 @@ BAD = {
     "wait-negative": (_tenant("wait_s = -1"), 8, "wait_s must be a number of seconds >= 0"),
     "idle-zero": (_tenant("idle_s = 0"), 8, "idle_s must be a number of seconds > 0"),
     "admin-string": (_tenant('admin = "yes"'), 8, 'admin must be true or false, got "yes"'),
+    "batch-zero": (_tenant("batch_s = 0"), 8, "batch_s must be a number of seconds > 0"),
     "max-sessions-zero": (_tenant("max_sessions = 0"), 8, "max_sessions must be an integer >= 1"),
     "max-sessions-float": (_tenant("max_sessions = 2.0"), 8, "max_sessions must be an integer"),
     "unknown-key": (_tenant("memroy = 0.5"), 8, "tenant \"bob\": unknown key 'memroy'"),
