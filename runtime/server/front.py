@@ -23,8 +23,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
+import os
 import socket
 import threading
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from gpu_trace.runtime.channel.messages import (
@@ -44,6 +47,8 @@ from gpu_trace.runtime.server.standby import Standby, Worker, WorkerFailed, exit
 if TYPE_CHECKING:
     from gpu_trace.runtime.server.server import Server
     from gpu_trace.runtime.server.sessions import Session
+    from gpu_trace.runtime.sharing.scheduler import PolicyScheduler
+    from gpu_trace.runtime.sharing.tenants import Tenant
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +127,7 @@ class Front:
             return
         with self._lock:
             self.links[session.id] = link
+        self._renice(link)
         try:
             self._follow(link)
         finally:
@@ -152,8 +158,6 @@ class Front:
             except (ChannelClosed, ValueError):
                 return  # a worker that speaks nonsense is treated as dead
             if fd is not None:
-                import os
-
                 os.close(fd)
             if isinstance(msg, Report):
                 self._report(link, msg)
@@ -183,6 +187,18 @@ class Front:
             for path in report.dirty:
                 sink.mark_dirty(path)
         self._rebalance(session.tenant.name, but=session.id)
+
+    # ---- the policy across workers ---------------------------------------------------------------
+
+    def _renice(self, link: Link) -> None:
+        """The worker's CPU share, from its tenant's place in the policy: a lower priority
+        class runs at nice 10 and more (the kernel then gives it a few percent of a CPU that a
+        higher class wants), and under ``fair`` a smaller weight runs at a higher nice (each
+        nice step is about 1.25x less CPU: weight 2 against 1 is 3 steps)."""
+        nice = worker_nice(link.session.tenant, self.server.tenants, self.server.scheduler)
+        if nice:
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, link.worker.pid, nice)
 
     # ---- memory across workers -------------------------------------------------------------------
 
@@ -337,6 +353,17 @@ class Front:
             FrameWriter(conn).send(json_frame(MsgType.ERROR, body))
         with contextlib.suppress(OSError):
             conn.shutdown(socket.SHUT_RDWR)
+
+
+def worker_nice(tenant: Tenant, tenants: Sequence[Tenant], scheduler: PolicyScheduler) -> int:
+    """The nice value (0-19) of a worker of ``tenant``'s, among ``tenants`` (see
+    :meth:`Front._renice`)."""
+    top = max(t.priority for t in tenants)
+    nice = 0 if tenant.priority >= top else min(19, 10 + top - tenant.priority)
+    if scheduler.policy.name == "fair":
+        heaviest = max(t.weight for t in tenants if t.priority == tenant.priority)
+        nice += round(math.log(heaviest / tenant.weight, 1.25))
+    return max(0, min(19, nice))
 
 
 def _near(a: int | None, b: int | None) -> bool:

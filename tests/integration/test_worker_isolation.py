@@ -310,8 +310,9 @@ def test_what_a_quota_misses_stops_at_the_workers_allowance(server: Served, op: 
 
 
 def test_a_batch_past_its_tenants_limit_ends_its_session(tmp_path: Path) -> None:
-    """carol's batch_s is 1 s: twenty 2048 x 2048 products in one batch run longer."""
-    carol_tenant = f'\n[[tenant]]\nname = "carol"\ntoken = "{CAROL}"\nbatch_s = 1\n'
+    """carol's batch_s is 1 s: twenty 2048 x 2048 products in one batch run longer. (Her
+    priority class is below the others': her worker runs at a higher nice.)"""
+    carol_tenant = f'\n[[tenant]]\nname = "carol"\ntoken = "{CAROL}"\nbatch_s = 1\npriority = -1\n'
     served = Served(tmp_path, extra=carol_tenant)
     try:
         carol = Raw(served.address, token=CAROL)
@@ -321,6 +322,8 @@ def test_a_batch_past_its_tenants_limit_ends_its_session(tmp_path: Path) -> None
             ["aten::empty.memory_format", [[2048, 2048]], {}, [2]],
         ]
         assert carol.batch(setup)["ok"]
+        pid = carol.batch([["rt::worker_probe", ["pid"], {}, [3]]])["results"]["0"]
+        assert os.getpriority(os.PRIO_PROCESS, pid) == 11  # a lower priority class: nice 10 + 1
         mm = ["aten::mm.out", [{"h": 1}, {"h": 1}], {"out": {"h": 2}}, [None]]
         with pytest.raises(ProtocolError, match=r"limit of 1 s \(running aten::mm.out\)"):
             carol.batch([mm] * 20)
