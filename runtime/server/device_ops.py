@@ -23,7 +23,7 @@ import platform
 import time
 import weakref
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gpu_trace.runtime.protocol import backend_flags
 from gpu_trace.runtime.protocol.backend_flags import Flags
@@ -32,7 +32,9 @@ from gpu_trace.runtime.protocol.wire import ProtocolError
 from gpu_trace.runtime.server.sessions import Session
 
 if TYPE_CHECKING:
-    from gpu_trace.runtime.server.executor import Executor
+    from torch import device as TorchDevice
+
+    from gpu_trace.runtime.sharing.memory import Memory
 
 #: Events a session keeps on the server (the oldest are forgotten first).
 MAX_MARKS = 1024
@@ -45,7 +47,21 @@ _in_force: Flags | None = None
 _owner: Session | None = None  # whose settings were put in force last
 
 
-def run(ex: Executor, session: Session, name: str, args: list[object]) -> Any:
+class Runner(Protocol):
+    """What these ops read of the executor that runs them
+    (:class:`~gpu_trace.runtime.server.executor.Executor`)."""
+
+    @property
+    def torch(self) -> ModuleType: ...
+
+    @property
+    def device(self) -> TorchDevice: ...
+
+    @property
+    def memory(self) -> Memory: ...
+
+
+def run(ex: Runner, session: Session, name: str, args: list[object]) -> Any:
     """One of :data:`NAMES`."""
     if name == "rt::mark":
         if len(args) != 1 or type(args[0]) is not int:
@@ -130,7 +146,7 @@ def _put_in_force(torch: ModuleType, session: Session, flags: Flags) -> None:
     _owner = session
 
 
-def _mark(ex: Executor) -> object:
+def _mark(ex: Runner) -> object:
     if ex.device.type == "cuda":
         event = ex.torch.cuda.Event(enable_timing=True)
         event.record()  # the current stream: the session's, while its batch runs
@@ -138,7 +154,7 @@ def _mark(ex: Executor) -> object:
     return time.perf_counter_ns()
 
 
-def _device(ex: Executor) -> list[str | int]:
+def _device(ex: Runner) -> list[str | int]:
     """[name, major, minor, total memory, multiprocessors]; the CPU device: the machine's
     processor, capability (0, 0), physical memory and CPU count."""
     if ex.device.type == "cuda":

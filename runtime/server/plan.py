@@ -29,7 +29,7 @@ outputs, a result that is not a tensor) take the general path
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from gpu_trace.runtime.protocol.errors import OpError
 from gpu_trace.runtime.server.sessions import MAX_HANDLES, HandleTable
@@ -37,8 +37,9 @@ from gpu_trace.runtime.server.sessions import MAX_HANDLES, HandleTable
 if TYPE_CHECKING:
     import torch
 
-    from gpu_trace.runtime.server.executor import Executor
     from gpu_trace.runtime.server.sessions import Session
+    from gpu_trace.runtime.server.sizing import Sizing
+    from gpu_trace.runtime.sharing.memory import Memory
 
 #: What the executor knows of an ATen op (``Executor._entry``): its callable, its rule, whether
 #: it takes sizes, may run again, draws random numbers, and how it is sized.
@@ -315,6 +316,30 @@ class Plan:
         return value
 
 
+class PlanRunner(Protocol):
+    """What a plan's calls read of the executor that runs them, and the checks they ask of it
+    (:class:`~gpu_trace.runtime.server.executor.Executor`)."""
+
+    memory: Memory
+    sizing: Sizing
+    _blobs_taken: int
+
+    def admit(self, session: Session, nbytes: int, taken: int | None = None) -> None: ...
+
+    def _assign(
+        self, session: Session, result: object, outs: list[int | None] | None
+    ) -> object: ...
+
+    def _admit_output(
+        self,
+        session: Session,
+        before: int,
+        outs: list[int | None] | None,
+        rerunnable: bool,
+        rng: object,
+    ) -> None: ...
+
+
 class Calls:
     """What :meth:`Plan.run` reads of one session, gathered once per batch."""
 
@@ -330,7 +355,7 @@ class Calls:
         "tm",
     )
 
-    def __init__(self, ex: Executor, session: Session) -> None:
+    def __init__(self, ex: PlanRunner, session: Session) -> None:
         self.ex = ex
         self.session = session
         self.handles = handles = session.handles

@@ -10,7 +10,8 @@ the random-state helpers that keep each session on its own random stream.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from gpu_trace.runtime.protocol.errors import OpError
 from gpu_trace.runtime.protocol.values import ArgDecoder, tensor_bytes
@@ -23,14 +24,29 @@ from gpu_trace.runtime.protocol.wire import (
 )
 from gpu_trace.runtime.server import device_ops
 from gpu_trace.runtime.server.sessions import Session
+from gpu_trace.runtime.server.sizing import Sizing
 from gpu_trace.runtime.sharing.memory import allocator_bytes
 
-if TYPE_CHECKING:
-    from gpu_trace.runtime.server.executor import Executor
+
+class PseudoRunner(device_ops.Runner, Protocol):
+    """What these ops read (and the random stream's owner they set) of the executor that runs
+    them (:class:`~gpu_trace.runtime.server.executor.Executor`)."""
+
+    sizing: Sizing
+    extra_ops: dict[str, Callable[[Session, list[object]], object]]
+    _rng_owner: Session | None
+
+    def admit(
+        self,
+        session: Session,
+        nbytes: int,
+        taken: int | None = None,
+        undo: Callable[[], object] | None = None,
+    ) -> None: ...
 
 
 def run_pseudo(
-    ex: Executor, session: Session, decoder: ArgDecoder, name: str, args: Any, outs: Any
+    ex: PseudoRunner, session: Session, decoder: ArgDecoder, name: str, args: Any, outs: Any
 ) -> Any:
     torch = ex.torch
     if type(args) is not list:
@@ -89,7 +105,7 @@ def run_pseudo(
     raise OpError(f"unknown runtime op {name[:100]!r}")
 
 
-def _function(ex: Executor, session: Session, decoder: ArgDecoder, args: Any, outs: Any) -> Any:
+def _function(ex: PseudoRunner, session: Session, decoder: ArgDecoder, args: Any, outs: Any) -> Any:
     """``rt::fn``: a whole function (:mod:`gpu_trace.runtime.protocol.functions`), its graph kept
     for backward."""
     from gpu_trace.runtime.protocol import functions
@@ -145,7 +161,7 @@ def _function(ex: Executor, session: Session, decoder: ArgDecoder, args: Any, ou
     return None
 
 
-def _backward(ex: Executor, session: Session, decoder: ArgDecoder, args: Any, outs: Any) -> Any:
+def _backward(ex: PseudoRunner, session: Session, decoder: ArgDecoder, args: Any, outs: Any) -> Any:
     """``rt::backward``: gradients of a kept graph's leaves, given its outputs' gradients."""
     torch = ex.torch
     if len(args) != 2 or type(args[0]) is not int or type(args[1]) is not list:
