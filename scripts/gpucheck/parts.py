@@ -178,21 +178,25 @@ def test_files(root: Path = ROOT) -> list[str]:
     return [f"tests/gpu/{n}" for n in ordered]
 
 
-def pytest_step(run: Run, path: str, limit_s: float) -> Step:
-    stem = Path(path).stem
+def pytest_step(run: Run, paths: list[str], limit_s: float, name: str = "") -> Step:
+    """pytest on ``paths`` (named after the file, or ``name``), its JUnit file in the data."""
+    name = name or Path(paths[0]).stem
     argv = [run.python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfEs"]
     # pyproject.toml names pytest-timeout's `timeout` option: where the plugin is missing (the
     # GPU machines), pytest's unknown-option warning is an error under filterwarnings=error.
     argv += ["-W", "ignore::pytest.PytestConfigWarning"]
-    argv += ["--junitxml", str(run.data(f"junit-{stem}.xml"))]
+    argv += ["--junitxml", str(run.data(f"junit-{name}.xml"))]
     if importlib.util.find_spec("pytest_timeout") is not None:
         argv += ["--timeout", str(max(10, int(limit_s) - 10))]  # a hung test fails alone
-    return Step(stem, [*argv, path], limit_s)
+    return Step(name, [*argv, *paths], limit_s)
 
 
 def tests_steps(run: Run) -> list[Step]:
-    limit = 40.0 if run.dry else 90.0
-    return [pytest_step(run, f, limit) for f in test_files()]
+    """One process per file on a GPU (a hang or crash costs one file); on the dry run, where
+    every test skips, one for all (the same reading, a tenth of the start-ups)."""
+    if run.dry:
+        return [pytest_step(run, test_files(), 100.0, name="tests-gpu")]
+    return [pytest_step(run, [f], 90.0) for f in test_files()]
 
 
 def junit(path: Path) -> dict[str, Any] | None:
@@ -228,10 +232,13 @@ def junit(path: Path) -> dict[str, Any] | None:
 
 
 def pytest_outcome(run: Run, results: list[StepResult]) -> Outcome:
-    files, skips = [], []
+    files, skips, n_files = [], [], 0
     total = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
     for r in results:
-        entry: dict[str, Any] = {"file": f"tests/gpu/{r.name}.py", "seconds": round(r.seconds, 1)}
+        paths = [a for a in r.argv[3:] if a.endswith(".py")]
+        n_files += len(paths)
+        label = paths[0] if len(paths) == 1 else f"{len(paths)} files in one process"
+        entry: dict[str, Any] = {"file": label, "seconds": round(r.seconds, 1)}
         parsed = None if r.not_run or r.timed_out else junit(run.data(f"junit-{r.name}.xml"))
         if r.not_run:
             entry["result"] = f"not run: {r.not_run}"
@@ -253,7 +260,7 @@ def pytest_outcome(run: Run, results: list[StepResult]) -> Outcome:
     if status == "ok" and (total["failed"] or total["error"]):
         status = "failed"
     summary = ", ".join(f"{v} {k}" for k, v in total.items() if v) or "no tests ran"
-    summary += f" in {len(files)} file(s)"
+    summary += f" in {gpu_figures.plural(n_files, 'file')}"
     bad = [f["file"] for f in files if f["result"].startswith(("timed out", "not run", "no JUnit"))]
     if bad:
         summary += "; " + ", ".join(bad) + ": see details"
@@ -273,7 +280,7 @@ def tenants_absent(run: Run) -> str:
 
 
 def tenants_steps(run: Run) -> list[Step]:
-    return [pytest_step(run, TENANT_TEST, 40.0 if run.dry else 90.0)]
+    return [pytest_step(run, [TENANT_TEST], 40.0 if run.dry else 90.0)]
 
 
 # the figures
