@@ -127,7 +127,6 @@ def serving(isolation: str, device: str, home: Path) -> Iterator[str]:
                 raise SystemExit(f"the {isolation} server did not start: {log.read_text()}")
             time.sleep(0.1)
         line = next(ln for ln in log.read_text().splitlines() if " on " in ln)
-        time.sleep(3 if isolation == "process" else 0)  # its standby workers get ready
         yield line.split(" on ")[1].split()[0]
     finally:
         proc.terminate()

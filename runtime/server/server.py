@@ -59,13 +59,13 @@ from gpu_trace.runtime.server.device_activity import DeviceActivity
 from gpu_trace.runtime.server.executor import Executor
 from gpu_trace.runtime.server.front import Front
 from gpu_trace.runtime.server.handshakes import Handshakes
-from gpu_trace.runtime.server.sessions import Session
 from gpu_trace.runtime.server.sink import ReturnSink, Sink
-from gpu_trace.runtime.server.standby import Standby
+from gpu_trace.runtime.server.standby import Standby, WorkerFailed
 from gpu_trace.runtime.sharing import admin
 from gpu_trace.runtime.sharing.memory import CUDA_BLOCK_BYTES, Memory, device_capacity
 from gpu_trace.runtime.sharing.pager import DEFAULT_IDLE_S, Pager
 from gpu_trace.runtime.sharing.scheduler import PolicyScheduler, Work
+from gpu_trace.runtime.sharing.sessions import Session
 from gpu_trace.runtime.sharing.tenants import Tenant, check_tenants, single_tenant
 
 log = logging.getLogger(__name__)
@@ -211,8 +211,15 @@ class Server:
         self.port = sock.getsockname()[1]
         self._sock = sock
         if self.isolation == "process":
-            standby = Standby(self.device, self._standby_size, self._worker_env)
-            self.front = Front(self, standby.start())
+            standby = Standby(self.device, self._standby_size, self._worker_env).start()
+            try:
+                if self._standby_size:
+                    standby.wait_first()
+            except WorkerFailed as exc:
+                standby.close()
+                sock.close()
+                raise ValueError(f"cannot start a worker process: {exc}") from None
+            self.front = Front(self, standby)
         else:
             self.start_engine()
         t = threading.Thread(target=self._accept_loop, name="gpu-trace-accept", daemon=True)

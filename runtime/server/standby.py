@@ -221,6 +221,19 @@ class Standby:
         self._spawn()
         return worker
 
+    def wait_first(self, timeout: float = READY_S) -> None:
+        """Wait until a worker is ready (a server says it serves only then: its first session
+        does not wait for torch to load); :class:`WorkerFailed` if the first ones failed."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not self._ready:
+                if self._starting == 0 or self._closed:
+                    raise WorkerFailed(self.last_error or "no worker process could be started")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WorkerFailed(f"no worker process was ready within {timeout:.0f} s")
+                self._cond.wait(left)
+
     def ready_count(self) -> int:
         with self._cond:
             return len(self._ready)

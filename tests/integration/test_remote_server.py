@@ -48,7 +48,8 @@ class Raw:
         binary: Any = False,
     ) -> None:
         host, port = address.rsplit(":", 1)
-        self.sock = socket.create_connection((host, int(port)), timeout=5)
+        # 60 s: a session's first op may wait for a worker process to be made (a busy machine)
+        self.sock = socket.create_connection((host, int(port)), timeout=60)
         _open.append(self)
         self.reader = wire.FrameReader(self.sock, wire.MAX_FRAME)
         self.writer = wire.FrameWriter(self.sock)
