@@ -221,8 +221,8 @@ class Replay:
 
     def empty_batches(self, n: int) -> float:
         """Seconds of ``n`` batches without ops or frees: what every batch costs."""
-        from gpu_trace.runtime.server.sessions import Session
         from gpu_trace.runtime.sharing.scheduler import Work
+        from gpu_trace.runtime.sharing.sessions import Session
 
         srv = self.server
         session = Session({}, lambda *a: None, srv.tenants[0])
@@ -251,8 +251,8 @@ class Replay:
         """One replay: the timed batches' seconds, less their ``rt::`` ops' (not ATen ops: no
         bare peer; counted in :attr:`rt_ops`)."""
         from gpu_trace.runtime.server import executor as ex
-        from gpu_trace.runtime.server.sessions import Session
         from gpu_trace.runtime.sharing.scheduler import Work
+        from gpu_trace.runtime.sharing.sessions import Session
 
         run_pseudo = ex.run_pseudo
         in_rt = [0, 0]
@@ -306,7 +306,7 @@ def bare_calls(replay: Replay) -> list[Any]:
     from gpu_trace.runtime.protocol.values import ArgDecoder
     from gpu_trace.runtime.server import allowlist
     from gpu_trace.runtime.server.pseudo_ops import run_pseudo
-    from gpu_trace.runtime.server.sessions import Session
+    from gpu_trace.runtime.sharing.sessions import Session
 
     srv = replay.server
     session = Session({}, lambda *a: None, srv.tenants[0])

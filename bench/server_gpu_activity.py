@@ -123,7 +123,7 @@ def _conversion(n_batches: int, ops: int, rounds: int) -> tuple[float, float, in
     from gpu_trace.collectors.gpu_activity.conversion import convert
     from gpu_trace.runtime.server.activity_tail import FileSource
     from gpu_trace.runtime.server.device_activity import DeviceActivity
-    from gpu_trace.runtime.server.sessions import Session
+    from gpu_trace.runtime.sharing.sessions import Session
 
     pid = os.getpid()
     batches, records = _laid(n_batches, ops, pid)

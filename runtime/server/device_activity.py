@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
     from gpu_trace.collectors.gpu_activity.activity_file import ActivityData
     from gpu_trace.collectors.gpu_activity.conversion import Parents
-    from gpu_trace.runtime.server.sessions import Session
+    from gpu_trace.runtime.sharing.sessions import Session
 
 log = logging.getLogger(__name__)
 

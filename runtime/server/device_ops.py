@@ -29,7 +29,7 @@ from gpu_trace.runtime.protocol import backend_flags
 from gpu_trace.runtime.protocol.backend_flags import Flags
 from gpu_trace.runtime.protocol.errors import OpError
 from gpu_trace.runtime.protocol.wire import ProtocolError
-from gpu_trace.runtime.server.sessions import Session
+from gpu_trace.runtime.sharing.sessions import Session
 
 if TYPE_CHECKING:
     from torch import device as TorchDevice

@@ -62,7 +62,6 @@ from gpu_trace.runtime.server.plan import (
     recount,
 )
 from gpu_trace.runtime.server.pseudo_ops import rng_state, run_pseudo, seed_device, set_rng_state
-from gpu_trace.runtime.server.sessions import Session
 from gpu_trace.runtime.server.sink import (
     ReturnSink,
     Sink,
@@ -73,6 +72,7 @@ from gpu_trace.runtime.server.sink import (
 from gpu_trace.runtime.server.sizing import Sizing, sizer
 from gpu_trace.runtime.sharing.memory import Memory, QuotaError, Refusal
 from gpu_trace.runtime.sharing.scheduler import Parked, PolicyScheduler, Wait, Work
+from gpu_trace.runtime.sharing.sessions import Session
 
 if TYPE_CHECKING:
     import torch

@@ -46,8 +46,8 @@ from gpu_trace.runtime.server.standby import Standby, Worker, WorkerFailed, exit
 
 if TYPE_CHECKING:
     from gpu_trace.runtime.server.server import Server
-    from gpu_trace.runtime.server.sessions import Session
     from gpu_trace.runtime.sharing.scheduler import PolicyScheduler
+    from gpu_trace.runtime.sharing.sessions import Session
     from gpu_trace.runtime.sharing.tenants import Tenant
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ path does through several (``_top``, ``_run_op``, the handle table's ``put``, th
 4. the op;
 5. its output's handle, and the account: a view of a storage the session already holds only
    counts one more reference, as :meth:`MemoryAccount.charge
-   <gpu_trace.runtime.server.sessions.MemoryAccount.charge>` does; a new storage goes through
+   <gpu_trace.runtime.sharing.sessions.MemoryAccount.charge>` does; a new storage goes through
    ``charge`` (and so the tenant's sums);
 6. the check after the op, when the account grew (:meth:`Executor._admit_output`).
 
@@ -32,14 +32,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from gpu_trace.runtime.protocol.errors import OpError
-from gpu_trace.runtime.server.sessions import MAX_HANDLES, HandleTable
+from gpu_trace.runtime.sharing.sessions import MAX_HANDLES, HandleTable
 
 if TYPE_CHECKING:
     import torch
 
-    from gpu_trace.runtime.server.sessions import Session
     from gpu_trace.runtime.server.sizing import Sizing
     from gpu_trace.runtime.sharing.memory import Memory
+    from gpu_trace.runtime.sharing.sessions import Session
 
 #: What the executor knows of an ATen op (``Executor._entry``): its callable, its rule, whether
 #: it takes sizes, may run again, draws random numbers, and how it is sized.

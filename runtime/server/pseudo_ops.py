@@ -23,9 +23,9 @@ from gpu_trace.runtime.protocol.wire import (
     split_frame,
 )
 from gpu_trace.runtime.server import device_ops
-from gpu_trace.runtime.server.sessions import Session
 from gpu_trace.runtime.server.sizing import Sizing
 from gpu_trace.runtime.sharing.memory import allocator_bytes
+from gpu_trace.runtime.sharing.sessions import Session
 
 
 class PseudoRunner(device_ops.Runner, Protocol):

@@ -3,7 +3,7 @@
 The executor records each traced batch's server spans (``server/receive``, ``server/queue``,
 ``server/execute`` with its ``server/op`` children, ``server/reply``), its GPU activity (tables
 from :mod:`gpu_trace.runtime.server.device_activity`, under ``gpu``) and a few counters in the
-session's :class:`~gpu_trace.runtime.server.sessions.SpanLog`, and hands them to the server's sink
+session's :class:`~gpu_trace.runtime.sharing.sessions.SpanLog`, and hands them to the server's sink
 every 200 ms and when the session says goodbye:
 
 - :class:`ReturnSink` (the default) sends them to the client in TRACE messages; the client writes
@@ -43,7 +43,7 @@ from gpu_trace.tracer.ingest import CLOCK_PEER
 
 if TYPE_CHECKING:
     from gpu_trace.runtime.server.device_activity import DeviceActivity
-    from gpu_trace.runtime.server.sessions import Session
+    from gpu_trace.runtime.sharing.sessions import Session
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ class Sink(Protocol):
     """Where a server sends its traced sessions' spans: what the server and executor call.
 
     ``export`` is the one that matters (a session's spans and counters, as
-    :meth:`~gpu_trace.runtime.server.sessions.SpanLog.take` gives them); the rest tell a sink
+    :meth:`~gpu_trace.runtime.sharing.sessions.SpanLog.take` gives them); the rest tell a sink
     which clients it traces, their clock samples, and when a session or the server ends. Called on
     the executor's thread, except ``accepts`` and ``clock`` (a connection's).
     """

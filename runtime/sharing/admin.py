@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from gpu_trace.runtime.server.server import Server
-    from gpu_trace.runtime.server.sessions import Session
+    from gpu_trace.runtime.sharing.sessions import Session
     from gpu_trace.runtime.sharing.tenants import Tenant
 
 #: A session's state in the listing, most pressing first: its work runs now; it waits for

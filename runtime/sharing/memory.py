@@ -1,7 +1,7 @@
 """Device memory on a shared server: per-tenant quotas, the device's capacity, and who waits.
 
 The server owns one :class:`Memory`. Every session's
-:class:`~gpu_trace.runtime.server.sessions.MemoryAccount` reports its changes here, summed per
+:class:`~gpu_trace.runtime.sharing.sessions.MemoryAccount` reports its changes here, summed per
 tenant, so several clients of one tenant share its quota. Two limits apply to an op that would
 allocate:
 
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from gpu_trace.runtime.protocol.errors import OpError
 
 if TYPE_CHECKING:
-    from gpu_trace.runtime.server.sessions import Session
+    from gpu_trace.runtime.sharing.sessions import Session
     from gpu_trace.runtime.sharing.tenants import Tenant
 
 #: The CUDA caching allocator hands out blocks in multiples of this many bytes.

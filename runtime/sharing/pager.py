@@ -49,8 +49,8 @@ from gpu_trace.runtime.sharing.restore import (
 if TYPE_CHECKING:
     import torch
 
-    from gpu_trace.runtime.server.sessions import Session
     from gpu_trace.runtime.sharing.scheduler import PolicyScheduler
+    from gpu_trace.runtime.sharing.sessions import Session
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from gpu_trace.runtime.protocol.errors import OpError
 
 if TYPE_CHECKING:
-    from gpu_trace.runtime.server.sessions import Session
+    from gpu_trace.runtime.sharing.sessions import Session
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from gpu_trace.runtime.server.sessions import Session
     from gpu_trace.runtime.sharing.memory import Refusal
+    from gpu_trace.runtime.sharing.sessions import Session
 
 
 @dataclass(slots=True)

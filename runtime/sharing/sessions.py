@@ -5,6 +5,10 @@ looked up only in this session's :class:`HandleTable`, so another session's tens
 reachable. :class:`MemoryAccount` counts the bytes of the distinct storages a session holds (views
 share their base's storage); the server's :class:`~gpu_trace.runtime.sharing.memory.Memory` sums the
 accounts per tenant for quotas (``on_change``), and the pager marks which bytes are paged out.
+
+It lives in sharing, below the server, because it is what sharing works on: the scheduler queues
+sessions' work, memory sums their accounts, the pager moves their handles' storages. The server
+makes sessions and runs their ops; sharing needs nothing of the server to hold them.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from gpu_trace.runtime.server.executor import Executor
-    from gpu_trace.runtime.server.sessions import Session
+    from gpu_trace.runtime.sharing.sessions import Session
 
 
 def install(executor: Executor) -> None:

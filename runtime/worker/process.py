@@ -132,7 +132,7 @@ class Worker:
         scratch: str,
     ) -> None:
         from gpu_trace.runtime.server.server import Server
-        from gpu_trace.runtime.server.sessions import Session
+        from gpu_trace.runtime.sharing.sessions import Session
         from gpu_trace.runtime.sharing.tenants import Tenant
 
         self.channel = channel

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from gpu_trace import runtime
 from gpu_trace.runtime.server.server import Server
-from gpu_trace.runtime.server.sessions import Session
+from gpu_trace.runtime.sharing.sessions import Session
 
 TOKEN = "pager-gpu-token-0123456789"
 

@@ -15,9 +15,9 @@ import torch
 
 from gpu_trace import runtime
 from gpu_trace.runtime.server.server import Server
-from gpu_trace.runtime.server.sessions import Session
 from gpu_trace.runtime.sharing.pager import Pager
 from gpu_trace.runtime.sharing.scheduler import PolicyScheduler
+from gpu_trace.runtime.sharing.sessions import Session
 
 TOKEN = "pager-pinning-token-0123456789"
 

@@ -327,7 +327,7 @@ LIVE_PROGRAM = textwrap.dedent(
     import ctypes, json, sys, time
     from gpu_trace.runtime.server.activity_tail import FileSource
     from gpu_trace.runtime.server.device_activity import DeviceActivity
-    from gpu_trace.runtime.server.sessions import Session
+    from gpu_trace.runtime.sharing.sessions import Session
 
     lib = ctypes.CDLL(sys.argv[1])
     fake = ctypes.CDLL(sys.argv[2])  # the libcupti the library opened: the same one

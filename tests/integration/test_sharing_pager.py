@@ -18,7 +18,7 @@ from gpu_trace import runtime
 from gpu_trace.runtime.protocol import auth, wire
 from gpu_trace.runtime.protocol.wire import MsgType
 from gpu_trace.runtime.server.server import Server
-from gpu_trace.runtime.server.sessions import Session
+from gpu_trace.runtime.sharing.sessions import Session
 from gpu_trace.runtime.sharing.tenants import Tenant
 
 TOKEN = "pager-test-token-0123456789"

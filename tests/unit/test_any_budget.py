@@ -31,8 +31,8 @@ BUDGET = {
     "runtime": 1,
     "runtime/client": 135,  # +2: rt:: results are JSON (cuda_streams)
     "runtime/protocol": 113,  # +2: backend settings as JSON (backend_flags)
-    "runtime/server": 260,  # +3: rt:: results, CUDA events or clock marks (device_ops)
-    "runtime/sharing": 62,
+    "runtime/server": 234,  # -26: sessions.py moved to sharing/ (its handles hold tensors)
+    "runtime/sharing": 88,  # +26: sessions.py, moved here from server/
     "tracer": 70,
 }
 PACKAGE_ROOTS = ("gpu_trace", "tracer", "collectors", "framework_patches", "runtime", "dashboard")

@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 from gpu_trace.runtime.protocol.templates import Templates, define, expand
 from gpu_trace.runtime.server.executor import Executor
 from gpu_trace.runtime.server.plan import NO_ALLOC, VALUE, Plan
-from gpu_trace.runtime.server.sessions import Session
 from gpu_trace.runtime.server.sizing import Sizing
 from gpu_trace.runtime.sharing.memory import Memory
 from gpu_trace.runtime.sharing.scheduler import PolicyScheduler, Work
+from gpu_trace.runtime.sharing.sessions import Session
 from gpu_trace.runtime.sharing.tenants import Tenant
 
 # ---- a session on a real executor ----------------------------------------------------------------

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from gpu_trace.runtime.protocol.errors import OpError
-from gpu_trace.runtime.server.sessions import MemoryAccount
 from gpu_trace.runtime.sharing.memory import Memory, QuotaError, allocator_bytes
+from gpu_trace.runtime.sharing.sessions import MemoryAccount
 from gpu_trace.runtime.sharing.tenants import Tenant
 from gpu_trace.runtime.sharing.usage import Usage
 

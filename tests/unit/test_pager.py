@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from gpu_trace.runtime.server.sessions import HandleTable, MemoryAccount
 from gpu_trace.runtime.sharing.restore import handle_refs
+from gpu_trace.runtime.sharing.sessions import HandleTable, MemoryAccount
 
 
 def test_handle_refs_in_op_order_nested_and_tagged() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from gpu_trace.runtime.server.executor import _free_early
-from gpu_trace.runtime.server.sessions import MemoryAccount
 from gpu_trace.runtime.sharing.scheduler import Parked, Work
+from gpu_trace.runtime.sharing.sessions import MemoryAccount
 
 
 def _session(sizes: dict[int, int]) -> SimpleNamespace:
