@@ -266,6 +266,14 @@ def test_a_test_files_failures_and_skips_come_from_its_junit_file(tmp_path: Path
     (failure,) = entry["failures"]
     assert failure["test"].endswith("::test_fails") and "arithmetic" in failure["message"]
     assert parts.junit(tmp_path / "missing.xml") is None
+    # on a GPU, a file whose tests all skipped has shown nothing
+    (run.work / "data" / "junit-only.xml").write_text(
+        '<testsuites><testsuite><testcase classname="t" name="a"><skipped message="no GPU"/>'
+        "</testcase></testsuite></testsuites>"
+    )
+    skipped = gpu_check.StepResult("only", ["python", "-m", "pytest", "t.py"], tmp_path / "l", rc=0)
+    assert parts.pytest_outcome(run, [skipped]).status == "failed"
+    assert parts.pytest_outcome(Run("cpu-dry-run", run.work), [skipped]).status == "ok"
 
 
 def test_tests_gpu_files_run_most_important_first_and_the_tenant_check_apart(
