@@ -118,7 +118,7 @@ def _serve_metrics(server: Any, listen: str, spec: str | None) -> Any:
     """``--metrics``: the /metrics server, started; None if off. The default (the listen port
     + 1 on 127.0.0.1) gives way with a warning when taken; an explicit address must work."""
     from gpu_trace.runtime.protocol.addresses import parse_address
-    from gpu_trace.runtime.sharing.metrics import MetricsServer
+    from gpu_trace.runtime.server.metrics import MetricsServer
 
     if spec is not None and spec.lower() == "off":
         return None

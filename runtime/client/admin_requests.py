@@ -2,7 +2,7 @@
 
 An admin client does the usual CHALLENGE/HELLO handshake with ``"mode": "admin"`` (it opens no
 session), sends ``ADMIN {op, ...}`` and gets ``ADMIN_REPLY {ok, ...}``; what the server answers,
-and who may ask what, is :mod:`gpu_trace.runtime.sharing.admin`.
+and who may ask what, is :mod:`gpu_trace.runtime.server.admin`.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def request(
 
 def list_sessions(address: str, token: str | None = None) -> dict[str, Any]:
     """The server's listing as the token's tenant may see it
-    (:func:`gpu_trace.runtime.sharing.admin.snapshot`)."""
+    (:func:`gpu_trace.runtime.server.admin.snapshot`)."""
     return request(address, {"op": "list"}, token)
 
 

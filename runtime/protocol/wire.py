@@ -24,7 +24,7 @@ A session, from the client's side::
     BYE ->           <- BYE                    (after the last TRACE)
 
 An admin client (``gpu-trace tenants``, :mod:`gpu_trace.runtime.client.admin_requests`; the server
-answers in :mod:`gpu_trace.runtime.sharing.admin`) says ``"mode": "admin"`` in its HELLO; it gets
+answers in :mod:`gpu_trace.runtime.server.admin`) says ``"mode": "admin"`` in its HELLO; it gets
 a WELCOME with no session, then::
 
     ADMIN {op: "list"} or {op: "evict", session} ->   <- ADMIN_REPLY {ok, ...}

@@ -28,7 +28,7 @@ import os
 import socket
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from gpu_trace.runtime.channel.messages import (
     REPORT_S,
@@ -45,7 +45,9 @@ from gpu_trace.runtime.protocol.wire import ConnectionClosed, FrameWriter, MsgTy
 from gpu_trace.runtime.server.standby import Standby, Worker, WorkerFailed, exit_text
 
 if TYPE_CHECKING:
-    from gpu_trace.runtime.server.server import Server
+    from gpu_trace.runtime.server.sink import Sink
+    from gpu_trace.runtime.sharing.memory import Memory
+    from gpu_trace.runtime.sharing.pager import Pager
     from gpu_trace.runtime.sharing.scheduler import PolicyScheduler
     from gpu_trace.runtime.sharing.sessions import Session
     from gpu_trace.runtime.sharing.tenants import Tenant
@@ -58,6 +60,32 @@ END_S = 10.0
 PAGE_OUT_S = 30.0
 #: Limits are sent again when a worker's allowance moved by more than this many bytes.
 LIMIT_SLACK = 1 << 20
+
+
+class ServerParts(Protocol):
+    """What the front reads of the server it fronts
+    (:class:`~gpu_trace.runtime.server.server.Server`, which imports this module)."""
+
+    @property
+    def idle_timeout_s(self) -> float: ...
+
+    @property
+    def spin_ns(self) -> int: ...
+
+    @property
+    def pager(self) -> Pager: ...
+
+    @property
+    def sink(self) -> Sink: ...
+
+    @property
+    def memory(self) -> Memory: ...
+
+    @property
+    def tenants(self) -> Sequence[Tenant]: ...
+
+    @property
+    def scheduler(self) -> PolicyScheduler: ...
 
 
 @dataclasses.dataclass(eq=False)
@@ -79,7 +107,7 @@ class Link:
 class Front:
     """Runs each of ``server``'s sessions in a worker from ``standby``."""
 
-    def __init__(self, server: Server, standby: Standby) -> None:
+    def __init__(self, server: ServerParts, standby: Standby) -> None:
         self.server = server
         self.standby = standby
         self.links: dict[int, Link] = {}

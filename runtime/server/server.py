@@ -55,13 +55,13 @@ from gpu_trace.runtime.protocol.wire import (
     json_frame,
     tune,
 )
+from gpu_trace.runtime.server import admin
 from gpu_trace.runtime.server.device_activity import DeviceActivity
 from gpu_trace.runtime.server.executor import Executor
 from gpu_trace.runtime.server.front import Front
 from gpu_trace.runtime.server.handshakes import Handshakes
 from gpu_trace.runtime.server.sink import ReturnSink, Sink
 from gpu_trace.runtime.server.standby import Standby, WorkerFailed
-from gpu_trace.runtime.sharing import admin
 from gpu_trace.runtime.sharing.memory import CUDA_BLOCK_BYTES, Memory, device_capacity
 from gpu_trace.runtime.sharing.pager import DEFAULT_IDLE_S, Pager
 from gpu_trace.runtime.sharing.scheduler import PolicyScheduler, Work

@@ -1,2 +1,3 @@
-"""Sharing one GPU between tenants: who they are, their memory, scheduling and its policies,
-paging idle sessions out and back, usage, the admin listing and ``/metrics``."""
+"""Sharing one GPU between tenants: who they are, their sessions' tables (handles, uploads,
+memory accounts), their memory, scheduling and its policies, paging idle sessions out and back,
+usage. Below the server: it imports nothing of it, not even for types."""

@@ -3,7 +3,7 @@
 
 The executor updates a session's :class:`Usage` as it runs its work (one thread, no locks),
 except ``gpu_busy_ns``, which the server's GPU activity thread adds to as kernels arrive (under
-the ledger's lock, :meth:`~gpu_trace.runtime.sharing.admin.Ledger.add_gpu_busy`); readers (the
+the ledger's lock, :meth:`~gpu_trace.runtime.server.admin.Ledger.add_gpu_busy`); readers (the
 metrics endpoint, the admin listing) take :meth:`Usage.snapshot` copies.
 """
 

@@ -26,11 +26,11 @@ from gpu_trace.collectors.gpu_activity import activity_file
 from gpu_trace.collectors.gpu_activity.activity_file import ActivityData
 from gpu_trace.runtime.client import tensor as rt
 from gpu_trace.runtime.client.admin_requests import format_listing
+from gpu_trace.runtime.server import admin, metrics
 from gpu_trace.runtime.server.activity_tail import FileSource
 from gpu_trace.runtime.server.device_activity import DeviceActivity
 from gpu_trace.runtime.server.server import Server
 from gpu_trace.runtime.server.sink import SpoolSink
-from gpu_trace.runtime.sharing import admin, metrics
 from gpu_trace.tracer.clocksync import ClockModel
 from gpu_trace.tracer.ingest import CLOCK_WINDOW_NS, ingest
 from gpu_trace.tracer.run import RunInfo

@@ -24,9 +24,9 @@ from gpu_trace.runtime.client import tensor as rt
 from gpu_trace.runtime.client.connection import Connection
 from gpu_trace.runtime.protocol import auth, wire
 from gpu_trace.runtime.protocol.wire import MsgType
+from gpu_trace.runtime.server import admin
+from gpu_trace.runtime.server.metrics import MetricsServer
 from gpu_trace.runtime.server.server import Server
-from gpu_trace.runtime.sharing import admin
-from gpu_trace.runtime.sharing.metrics import MetricsServer
 from gpu_trace.runtime.sharing.tenants import Tenant
 
 ALICE = "alice-token-0123456789"

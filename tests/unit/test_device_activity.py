@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from gpu_trace.collectors.gpu_activity import activity as act
 from gpu_trace.collectors.gpu_activity import activity_file
 from gpu_trace.runtime.protocol.span_tables import decode_tables, encode_tables, span_table
+from gpu_trace.runtime.server import admin
 from gpu_trace.runtime.server.activity_tail import FileSource
 from gpu_trace.runtime.server.device_activity import DeviceActivity, union_ns
-from gpu_trace.runtime.sharing import admin
 from gpu_trace.runtime.sharing.sessions import Session, SpanLog
 
 

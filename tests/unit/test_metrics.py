@@ -7,7 +7,7 @@ import math
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpu_trace.runtime.sharing.metrics import Family, exposition, format_value, is_loopback
+from gpu_trace.runtime.server.metrics import Family, exposition, format_value, is_loopback
 
 
 def test_labels_and_help_are_escaped_and_parse_back() -> None:

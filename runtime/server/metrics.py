@@ -2,7 +2,7 @@
 
 :class:`MetricsServer` is a small threaded HTTP server in the serve process (``gpu-trace serve
 --metrics HOST:PORT``; by default 127.0.0.1 and the listen port + 1). It renders
-:func:`gpu_trace.runtime.sharing.admin.snapshot` on every scrape, so it shows what ``gpu-trace
+:func:`gpu_trace.runtime.server.admin.snapshot` on every scrape, so it shows what ``gpu-trace
 tenants`` shows to an admin: server-wide numbers, per tenant (its live sessions plus the counters of
 its ended ones, so tenant counters never go down) and per live session. Bound to a loopback address
 anyone on the machine may read it; bound to any other, a request needs ``Authorization: Bearer
@@ -19,12 +19,9 @@ import socket
 import threading
 from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from gpu_trace.runtime.sharing import admin
-
-if TYPE_CHECKING:
-    from gpu_trace.runtime.server.server import Server
+from gpu_trace.runtime.server import admin
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +108,7 @@ def exposition(families: Iterable[Family]) -> str:
 
 
 def families(snap: dict[str, Any]) -> list[Family]:
-    """The metric families of an admin :func:`~gpu_trace.runtime.sharing.admin.snapshot`."""
+    """The metric families of an admin :func:`~gpu_trace.runtime.server.admin.snapshot`."""
     out: list[Family] = []
 
     def fam(name: str, kind: str, help_text: str) -> Family:
@@ -207,7 +204,7 @@ def _scaled(value: float | int, scale: float | int) -> float | int:
     return value if scale == 1 else value * scale
 
 
-def render(server: Server) -> str:
+def render(server: admin.ListedServer) -> str:
     """The server's ``/metrics`` page."""
     return exposition(families(admin.snapshot(server)))
 
@@ -224,7 +221,7 @@ def is_loopback(host: str) -> bool:
 class MetricsServer:
     """``/metrics`` of ``server`` over HTTP on ``listen`` (``HOST:PORT``), on its own threads."""
 
-    def __init__(self, server: Server, listen: str) -> None:
+    def __init__(self, server: admin.ListedServer, listen: str) -> None:
         from gpu_trace.runtime.protocol.addresses import parse_address
 
         self.server = server

@@ -15,16 +15,24 @@ sends ``ADMIN {op, ...}`` requests and gets ``ADMIN_REPLY {ok, ...}`` answers::
     ADMIN {"op": "list"}                  <- ADMIN_REPLY {ok, server, tenants, sessions}
     ADMIN {"op": "evict", "session": 7}   <- ADMIN_REPLY {ok, evicted} or {ok: false, error}
     ADMIN {"op": "page-out", "session": 7} <- ADMIN_REPLY {ok, paged_out, bytes}
+
+It describes a running server (its executor, its front, its connections), so it lives in the
+server's room; the server it lists is a :class:`ListedServer`, what it reads of
+:class:`~gpu_trace.runtime.server.server.Server`, which imports this module.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from gpu_trace.runtime.server.server import Server
+    from gpu_trace.runtime.server.executor import Executor
+    from gpu_trace.runtime.server.front import Front
+    from gpu_trace.runtime.sharing.memory import Memory
+    from gpu_trace.runtime.sharing.scheduler import PolicyScheduler
     from gpu_trace.runtime.sharing.sessions import Session
     from gpu_trace.runtime.sharing.tenants import Tenant
 
@@ -48,6 +56,51 @@ COUNTERS = (
 #: is None only when no session's is measured.
 MEASURED = ("gpu_busy_ns",)
 EVICTED = "session evicted by an administrator"
+
+
+class ListedServer(Protocol):
+    """What the listing reads of a running server, and the admin's requests it carries out
+    (:class:`~gpu_trace.runtime.server.server.Server`)."""
+
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def device(self) -> str: ...
+
+    @property
+    def device_memory(self) -> int | None: ...
+
+    @property
+    def tenants(self) -> Sequence[Tenant]: ...
+
+    @property
+    def sessions(self) -> dict[int, Session]: ...
+
+    @property
+    def _lock(self) -> threading.Lock: ...
+
+    @property
+    def memory(self) -> Memory: ...
+
+    @property
+    def scheduler(self) -> PolicyScheduler: ...
+
+    @property
+    def executor(self) -> Executor: ...
+
+    @property
+    def front(self) -> Front | None: ...
+
+    @property
+    def ledger(self) -> Ledger: ...
+
+    @property
+    def protocol_errors(self) -> int: ...
+
+    def evict(self, session_id: int, by: str = "") -> bool: ...
+
+    def page_out(self, session_id: int, by: str = "") -> int | None: ...
 
 
 class Ledger:
@@ -101,7 +154,7 @@ class Ledger:
 # ---- the listing ---------------------------------------------------------------------------------
 
 
-def capacity(server: Server) -> int | None:
+def capacity(server: ListedServer) -> int | None:
     """The device memory quota fractions are taken of: the memory manager's, else
     ``--device-memory``, else (CUDA) the device's total memory; None if unknown."""
     memory = getattr(server, "memory", None)
@@ -127,14 +180,14 @@ def _state(session: Session, running: Any, parked: set[int], queued: int) -> str
     return "idle"
 
 
-def _front_state(server: Server, session: Session) -> str | None:
+def _front_state(server: ListedServer, session: Session) -> str | None:
     """A session's state as its worker last reported it (``--isolation process``)."""
     front = getattr(server, "front", None)
     return front.state(session) if front is not None else None
 
 
 def session_row(
-    server: Server, session: Session, now_ns: int, parked: set[int], cap: int | None = None
+    server: ListedServer, session: Session, now_ns: int, parked: set[int], cap: int | None = None
 ) -> dict[str, Any]:
     """One session's line of the listing (``cap``: the device memory quotas are taken of)."""
     limit = session.tenant.limit_bytes(cap) if cap else session.tenant.memory_bytes
@@ -161,7 +214,7 @@ def session_row(
 
 
 def _tenant_rows(
-    server: Server, tenants: list[Tenant], rows: list[dict[str, Any]], cap: int | None
+    server: ListedServer, tenants: list[Tenant], rows: list[dict[str, Any]], cap: int | None
 ) -> list[dict[str, Any]]:
     memory = getattr(server, "memory", None)
     snapshot = getattr(memory, "snapshot", None)
@@ -204,7 +257,7 @@ def _tenant_rows(
     return out
 
 
-def snapshot(server: Server, viewer: Tenant | None = None) -> dict[str, Any]:
+def snapshot(server: ListedServer, viewer: Tenant | None = None) -> dict[str, Any]:
     """The listing as ``viewer`` may see it (None or an admin tenant: everything).
 
     ``server``: device, policy, memory capacity, sessions, queue depth, batches run;
@@ -248,7 +301,7 @@ def snapshot(server: Server, viewer: Tenant | None = None) -> dict[str, Any]:
     }
 
 
-def handle(server: Server, tenant: Tenant, req: dict[str, Any]) -> dict[str, Any]:
+def handle(server: ListedServer, tenant: Tenant, req: dict[str, Any]) -> dict[str, Any]:
     """The server's answer to one (validated) ADMIN request from ``tenant``."""
     if req["op"] == "list":
         return {"ok": True, **snapshot(server, tenant)}
