@@ -11,8 +11,8 @@ Explicit use::
     print(loss.item())                          # a sync point: waits for the server
 
 Transparent use: ``gpu-trace record --remote HOST:PORT -- python train.py`` (see docs/remote.md).
-The runtime's rooms (``protocol``, ``client``, ``server``, ``sharing``) are subpackages; see
-docs/architecture.md and docs/remote.md.
+The runtime's rooms (``protocol``, ``client``, ``server``, ``sharing``, ``channel``, ``worker``)
+are subpackages; see docs/architecture.md and docs/remote.md.
 torch is imported only when one of these names is used.
 """
 
