@@ -251,14 +251,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     dry = args.cpu_dry_run
     parts = default_parts(dry)
-    names = {p.name for p in parts}
+    names = [p.name for p in parts]
     only = None
     if args.only:
         only = {n for n in args.only.split(",") if n}
-        if only - names:
-            ap.error(
-                f"unknown part(s) {', '.join(sorted(only - names))}; parts: {', '.join(names)}"
-            )
+        if only - set(names):
+            unknown = ", ".join(sorted(only - set(names)))
+            ap.error(f"unknown part(s) {unknown}; the parts: {', '.join(names)}")
     budget = args.budget or (DRY_BUDGET_S if dry else GPU_BUDGET_S)
     mode = "cpu-dry-run" if dry else "gpu"
     report = new_report(parts, mode, budget, args.commit or git_commit())
