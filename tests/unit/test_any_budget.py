@@ -29,10 +29,12 @@ BUDGET = {
     "gpu_trace/_boot": 0,
     "gpu_trace/commands": 6,
     "runtime": 1,
+    "runtime/channel": 2,
     "runtime/client": 135,  # +2: rt:: results are JSON (cuda_streams)
     "runtime/protocol": 113,  # +2: backend settings as JSON (backend_flags)
     "runtime/server": 246,  # -26 +12: sessions.py to sharing/, admin.py and metrics.py from it
     "runtime/sharing": 76,  # +26 -12: sessions.py from server/, admin.py and metrics.py to it
+    "runtime/worker": 7,
     "tracer": 70,
 }
 PACKAGE_ROOTS = ("gpu_trace", "tracer", "collectors", "framework_patches", "runtime", "dashboard")
