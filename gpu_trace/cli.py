@@ -217,6 +217,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="poll for a client's next message this long while the device is idle, before "
         "sleeping (default GPU_TRACE_SPIN_US, else 200; 0 sleeps at once)",
     )
+    p.add_argument(
+        "--isolation",
+        choices=("process", "shared"),
+        default="process",
+        help="process (the default): each session's work in a worker process of its own, so a "
+        "crash, a broken CUDA context or a hostile op reaches no other session; shared: every "
+        "session in this process, for sessions that trust each other (docs/sharing.md)",
+    )
+    p.add_argument(
+        "--standby",
+        metavar="N",
+        type=int,
+        default=2,
+        help="with --isolation process: worker processes kept ready for new sessions (torch "
+        "imported, device context made; default 2)",
+    )
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser(

@@ -40,9 +40,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 raise ValueError("--device-memory must be more than 0 bytes")
         scheduler = PolicyScheduler(make_policy(args.policy))
         device = args.device
+        if args.standby < 0:
+            raise ValueError("--standby must be 0 or more")
         # GPU activity: the injection library is named before CUDA initializes in this process.
         activity, activity_note = None, None
-        if device is None or device.startswith("cuda"):
+        process = args.isolation == "process"
+        if process and config.gpu_activity(args.gpu_activity) == "on":
+            raise ValueError(
+                "the server's GPU activity capture runs with --isolation shared only (each "
+                "worker's own capture is not built yet); give --isolation shared, or no "
+                "--gpu-activity on"
+            )
+        if (device is None or device.startswith("cuda")) and not process:
             activity, activity_note = start_capture(args.gpu_activity)
         if device is None:
             import torch
@@ -70,6 +79,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             idle_s=args.idle_s,
             spin_us=args.spin_us,
             gpu_activity=activity,
+            isolation=args.isolation,
+            standby=args.standby,
         )
         server.start()
     except (ValueError, OSError) as exc:
@@ -85,7 +96,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         where = f"token in {token_path}"
     else:
         where = "token from --token/GPU_TRACE_REMOTE_TOKEN"
-    where += f"; policy {args.policy}; GPU activity {'on' if activity else 'off'}"
+    where += f"; policy {args.policy}; isolation {args.isolation}"
+    where += f"; GPU activity {'on' if activity else 'off'}"
     if sink is not None:
         where += f"; spans to {sink.display}"
     if metrics is not None:
@@ -110,7 +122,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             f"; {c.spans} GPU activity spans sent ({c.dropped} records dropped by CUPTI,"
             f" {c.unattributed} outside traced ops, {c.late} after their session ended)"
         )
-    err(f"stopped{why}: served {server.executor.batches} batches{gpu}")
+    err(f"stopped{why}: served {server.batches_served()} batches{gpu}")
     return 0
 
 
