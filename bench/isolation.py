@@ -8,7 +8,9 @@ machine), one per isolation, up for the whole run. Each figure is measured by a 
 process per round, the two servers' rounds interleaved (order turned every round):
 
 - ``session``: seconds from ``runtime.connect`` to its first op's result (with ``process``, a
-  standby worker takes the session; the next one is made meanwhile);
+  standby worker takes the session; the next one is made meanwhile, and each client waits
+  ``--settle`` seconds after its first op, in both modes, so that the figures below do not
+  measure that one-time start on a 2-CPU machine);
 - ``ops``: small forwarded ops per second (``x = x + 1`` on 16 floats, issued asynchronously,
   one sync at the end);
 - ``sync``: a synchronous round trip (``.item()`` of a sum), median of 200, microseconds;
@@ -50,12 +52,15 @@ name = "bob"
 token = "{TOKEN_B}"
 """
 
-# Each client prints one JSON line. argv: address, token, what, n.
+# Each client prints one JSON line. argv: address, token, what, n, settle seconds (after its first
+# op: with process isolation the worker taken from the pool is being replaced meanwhile, a torch
+# import that takes a CPU for seconds; a session pays it once, not per op, so it is left out).
 CLIENT = textwrap.dedent(
     """
     import json, statistics, sys, time, torch
     from gpu_trace import runtime
     address, token, what, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    settle = float(sys.argv[5])
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     dev = runtime.connect(address, token=token)
@@ -63,6 +68,7 @@ CLIENT = textwrap.dedent(
     (x + 1).sum().item()
     session = time.perf_counter() - t0
     out = {"session": session}
+    time.sleep(settle)
     if what == "ops":
         t = time.perf_counter()
         for _ in range(n):
@@ -136,10 +142,13 @@ def serving(isolation: str, device: str, home: Path) -> Iterator[str]:
             proc.kill()
 
 
+SETTLE = [6.0]
+
+
 def client(address: str, token: str, what: str, n: int) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_TRACE_")}
     return subprocess.Popen(
-        [sys.executable, "-c", CLIENT, address, token, what, str(n)],
+        [sys.executable, "-c", CLIENT, address, token, what, str(n), str(SETTLE[0])],
         stdout=subprocess.PIPE,
         text=True,
         env=env,
@@ -182,7 +191,11 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--quick", action="store_true", help="one short round (a smoke run)")
     ap.add_argument("--json", type=Path, help="also write the figures here")
+    ap.add_argument(
+        "--settle", type=float, default=6.0, help="seconds a client waits after its first op"
+    )
     args = ap.parse_args()
+    SETTLE[0] = args.settle
     if args.quick:
         args.rounds, args.ops, args.steps, args.hog_s = 1, 300, 8, 3
     modes = ("process", "shared")

@@ -188,7 +188,7 @@ class Server:
         )
         self.sessions: dict[int, Session] = {}
         #: Sessions' connection times and the usage of ended sessions
-        #: (:mod:`gpu_trace.runtime.sharing.admin`).
+        #: (:mod:`gpu_trace.runtime.server.admin`).
         self.ledger = admin.Ledger()
         if gpu_activity is not None:  # kernels come after their session may have ended
             gpu_activity.add_busy = self.ledger.add_gpu_busy
@@ -555,7 +555,7 @@ class Server:
         return session
 
     def _admin_loop(self, conn: socket.socket, writer: FrameWriter, tenant: Tenant) -> None:
-        """An admin client's requests (:mod:`gpu_trace.runtime.sharing.admin`); no session."""
+        """An admin client's requests (:mod:`gpu_trace.runtime.server.admin`); no session."""
         reader = FrameReader(conn, MAX_HANDSHAKE_FRAME)
         reader.set_timeout(self.idle_timeout_s)
         while not self._closing.is_set():
