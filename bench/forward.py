@@ -2,7 +2,8 @@
 
     python bench/forward.py [--ops 20000] [--quick]
 
-Starts its servers as separate processes (a `gpu-trace serve`-equivalent on the CPU device, one
+Starts its servers as separate processes (a `gpu-trace serve`-equivalent on the CPU device, with
+``--isolation process`` by default, as `gpu-trace serve`, or ``shared``; one
 with 0.5 ms held back on every received frame on each side, so 1 ms more round trip) and a
 torch.distributed.rpc worker (TensorPipe), then measures:
 
@@ -75,10 +76,15 @@ def _one_cpu() -> int | None:
     return min(os.sched_getaffinity(0))
 
 
-def _serve(port: int, delay_ms: float) -> None:
+ISOLATION = ["process"]
+
+
+def _serve(port: int, delay_ms: float, isolation: str) -> None:
     from gpu_trace.runtime.server.server import Server
 
-    server = Server(f"127.0.0.1:{port}", token=TOKEN, delay_ms=delay_ms).start()
+    server = Server(
+        f"127.0.0.1:{port}", token=TOKEN, delay_ms=delay_ms, isolation=isolation
+    ).start()
     print("ready", flush=True)
     server.serve_forever()
 
@@ -97,6 +103,8 @@ def _spawn_server(delay_ms: float, cpu: int | None = None) -> tuple[subprocess.P
             str(port),
             "--delay-ms",
             str(delay_ms),
+            "--isolation",
+            ISOLATION[0],
             *_cpu_args(cpu),
         ],
         stdout=subprocess.PIPE,
@@ -359,6 +367,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ops", type=int, default=20000)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument(
+        "--isolation",
+        choices=("process", "shared"),
+        default="process",
+        help="the servers' isolation (default process, as gpu-trace serve's)",
+    )
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--rpc-worker", type=int, help=argparse.SUPPRESS)
@@ -369,6 +383,7 @@ def main() -> None:
         "--no-one-cpu", action="store_true", help="skip the round trips pinned to one CPU"
     )
     args = parser.parse_args()
+    ISOLATION[0] = args.isolation
     _pin(args.cpu)
     if args.echo:
         _echo(args.echo)
@@ -377,7 +392,7 @@ def main() -> None:
         _rpc_client(args.rpc_client, args.ops)
         return
     if args.serve:
-        _serve(args.serve, args.delay_ms)
+        _serve(args.serve, args.delay_ms, args.isolation)
         return
     if args.rpc_worker:
         _rpc_worker(args.rpc_worker)

@@ -217,19 +217,30 @@ def timed_steps(step: Any, warmup: int, steps: int, server_pid: int = 0) -> dict
 
 
 def cpu_ns(pid: int) -> int | None:
-    """CPU time of every thread of process ``pid`` so far, ns (Linux's schedstat); None where
-    it cannot be read."""
+    """CPU time of every thread of process ``pid`` and of its child processes (a server's
+    workers) so far, ns (Linux's schedstat); None where it cannot be read."""
     if not pid:
         return None
     total = 0
     try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(FileNotFoundError):  # a thread that just ended
-                with open(f"/proc/{pid}/task/{task}/schedstat") as f:
-                    total += int(f.read().split()[0])
+        pids = [pid, *_children(pid)]
+        for p in pids:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with contextlib.suppress(FileNotFoundError):  # a thread that just ended
+                    with open(f"/proc/{p}/task/{task}/schedstat") as f:
+                        total += int(f.read().split()[0])
     except OSError:
         return None
     return total
+
+
+def _children(pid: int) -> list[int]:
+    """``pid``'s child processes (Linux's ``/proc/PID/task/*/children``)."""
+    out: list[int] = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as f:
+            out += [int(c) for c in f.read().split()]
+    return out
 
 
 # ---- the peers' processes --------------------------------------------------------------------------
@@ -322,7 +333,11 @@ def _rpc_server(port: int) -> None:
     rpc.shutdown()
 
 
-def _serve(kind: str) -> None:
+#: The forwarding servers' isolation (``--isolation``).
+ISOLATION = ["process"]
+
+
+def _serve(kind: str, isolation: str) -> None:
     from gpu_trace import runtime
 
     # Before torch loads, as `gpu-trace serve` does: a server's process must not register the
@@ -331,7 +346,8 @@ def _serve(kind: str) -> None:
     getattr(runtime, "serving_process", lambda: None)()
     from gpu_trace.runtime.server.server import Server
 
-    server = Server("127.0.0.1:0", token=TOKEN, device=_device(kind)).start()
+    extra = {"isolation": isolation} if isolation != "shared" else {}  # a baseline has none
+    server = Server("127.0.0.1:0", token=TOKEN, device=_device(kind), **extra).start()
     print(server.address, flush=True)
     server.serve_forever()
 
@@ -382,7 +398,10 @@ def peer_of(peer: str, kind: str) -> Iterator[tuple[str, int]]:
         yield "", 0
         return
     if peer.startswith("forwarded"):
-        proc = _spawn(["--serve", kind], env, stdout=subprocess.PIPE, text=True)
+        isolation = "shared" if peer.endswith("@base") else ISOLATION[0]  # a baseline has one
+        proc = _spawn(
+            ["--serve", kind, "--isolation", isolation], env, stdout=subprocess.PIPE, text=True
+        )
         assert proc.stdout is not None
         address = proc.stdout.readline().strip()
     else:
@@ -488,6 +507,12 @@ def main() -> None:
         help="also run the forwarded peers with this checkout's runtime (client and server), as"
         " PEER@base: before/after in one run (e.g. a `git worktree add` of an earlier commit)",
     )
+    parser.add_argument(
+        "--isolation",
+        choices=("process", "shared"),
+        default="process",
+        help="the forwarding server's isolation (default process, as gpu-trace serve's)",
+    )
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--rpc-server", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -496,8 +521,9 @@ def main() -> None:
     parser.add_argument("--address", default="", help=argparse.SUPPRESS)
     parser.add_argument("--server-pid", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    ISOLATION[0] = args.isolation
     if args.serve:
-        _serve(args.serve)
+        _serve(args.serve, args.isolation)
         return
     if args.rpc_server:
         _rpc_server(args.rpc_server)

@@ -65,6 +65,8 @@ class Assign(Message):
     spin_us: float | None
     #: ``return`` (spans back to the client) or ``spool:DIR`` (spool files the front ingests).
     sink: str = "return"
+    #: Milliseconds every received frame is held back (benchmarks simulate a longer network).
+    delay_ms: float = 0.0
 
 
 @dataclass

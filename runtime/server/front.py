@@ -146,6 +146,7 @@ class Front:
             idle_timeout_s=server.idle_timeout_s,
             idle_s=server.pager.idle_s,
             spin_us=server.spin_ns / 1000,
+            delay_ms=server.delay_ns / 1e6,
             sink=server.sink.worker_sink if hasattr(server.sink, "worker_sink") else "return",
         )
         try:

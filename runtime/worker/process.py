@@ -169,6 +169,7 @@ class Worker:
             sink=_sink(assign.sink),
             idle_s=assign.idle_s,
             spin_us=assign.spin_us,
+            delay_ms=assign.delay_ms,
         )
         session = Session(dict(assign.client), lambda *_: None, tenant)
         session.id = assign.session
