@@ -23,6 +23,13 @@ Peers, each in a fresh process per model and round, in an order that turns every
   elsewhere: one round trip a step;
 - ``rpc-gpuless``: the same with CPU tensors from a client without a GPU.
 
+The forwarding servers run ``--isolation process`` (a worker process per session, as
+`gpu-trace serve` does by default) or, with ``--isolation shared``, every session in one process.
+With ``process`` a forwarded peer waits 6 s after its first step before its timed steps: its
+session took a standby worker and the server is making the next one (a torch import, seconds of
+one CPU, once per session), which would otherwise load a small machine during the timing and
+count in the server's CPU (its workers' CPU counts with its own).
+
 Each step ends at ``loss.item()`` (a sync point), so its wall time (``perf_counter``) is the
 step's time on both sides. A peer's figure for a round is the median of its steps; its ratio is
 that over ``local``'s median of the same round; across rounds, the median ratio and the spread
@@ -271,6 +278,13 @@ def worker(
         dev = runtime.connect(address, token=TOKEN, **options)
         try:
             trainer = Trainer(model, size, dev)
+            if os.environ.get(SETTLE_ENV):
+                # With --isolation process the session took a standby worker, and the server is
+                # making another: a torch import that takes a CPU for seconds, paid once per
+                # session. Timed steps start after it, and the server's CPU (its workers
+                # included) then counts this session's worker alone.
+                trainer.step().item()
+                time.sleep(float(os.environ[SETTLE_ENV]))
             res = timed_steps(lambda: trainer.step().item(), warmup, steps, server_pid)
             res["runtime"] = os.path.dirname(os.path.dirname(os.path.realpath(runtime.__file__)))
             return res
@@ -335,6 +349,9 @@ def _rpc_server(port: int) -> None:
 
 #: The forwarding servers' isolation (``--isolation``).
 ISOLATION = ["process"]
+#: Seconds a forwarded peer waits after its first step (set for ``--isolation process``).
+SETTLE_ENV = "GPU_TRACE_BENCH_SETTLE_S"
+SETTLE_S = 6.0
 
 
 def _serve(kind: str, isolation: str) -> None:
@@ -522,6 +539,8 @@ def main() -> None:
     parser.add_argument("--server-pid", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     ISOLATION[0] = args.isolation
+    if args.isolation == "process":
+        os.environ[SETTLE_ENV] = str(SETTLE_S)
     if args.serve:
         _serve(args.serve, args.isolation)
         return

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Any
 
 from gpu_trace import _format as fmt
@@ -45,13 +46,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # GPU activity: the injection library is named before CUDA initializes in this process.
         activity, activity_note = None, None
         process = args.isolation == "process"
-        if process and config.gpu_activity(args.gpu_activity) == "on":
-            raise ValueError(
-                "the server's GPU activity capture runs with --isolation shared only (each "
-                "worker's own capture is not built yet); give --isolation shared, or no "
-                "--gpu-activity on"
-            )
-        if (device is None or device.startswith("cuda")) and not process:
+        worker_env = None
+        if process:  # each worker captures its own session's (runtime/worker/process.py)
+            setting = config.gpu_activity(args.gpu_activity)
+            worker_env = {**os.environ, "GPU_TRACE_GPU_ACTIVITY": setting}
+        elif device is None or device.startswith("cuda"):
             activity, activity_note = start_capture(args.gpu_activity)
         if device is None:
             import torch
@@ -81,8 +80,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             gpu_activity=activity,
             isolation=args.isolation,
             standby=args.standby,
+            worker_env=worker_env,
         )
         server.start()
+        if process:
+            state = server.gpu_activity_state()
+            if state not in ("on", "off") and (device.startswith("cuda") or args.gpu_activity):
+                activity_note = state
     except (ValueError, OSError) as exc:
         raise CLIError(f"cannot serve: {exc}", 2) from None
     try:
@@ -97,7 +101,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     else:
         where = "token from --token/GPU_TRACE_REMOTE_TOKEN"
     where += f"; policy {args.policy}; isolation {args.isolation}"
-    where += f"; GPU activity {'on' if activity else 'off'}"
+    where += f"; GPU activity {'on' if server.gpu_activity_state() == 'on' else 'off'}"
     if sink is not None:
         where += f"; spans to {sink.display}"
     if metrics is not None:

@@ -44,6 +44,8 @@ class Ready(Message):
     device: str
     #: Seconds the worker took to import torch and warm the device.
     warm_s: float
+    #: ``on`` when its GPU activity capture runs, else ``off`` or why not (one line).
+    gpu_activity: str = "off"
 
 
 @dataclass

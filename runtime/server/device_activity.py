@@ -37,6 +37,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
@@ -452,11 +453,14 @@ def _append_attrs(arr: pa.MapArray, extra: list[tuple[str, np.ndarray]]) -> pa.M
     )
 
 
-def start_capture(setting: str | None) -> tuple[DeviceActivity | None, str | None]:
-    """For ``gpu-trace serve``, before CUDA initializes in this process: name the injection
-    library to the CUDA driver (``CUDA_INJECTION64_PATH``, read at ``cuInit``) with a directory
-    of the server's for its files, and the capture that reads them; or None and why not, in one
-    line (None when not asked for and there is no driver). Never raises."""
+def start_capture(
+    setting: str | None, directory: Path | None = None
+) -> tuple[DeviceActivity | None, str | None]:
+    """For ``gpu-trace serve`` (or one of its worker processes), before CUDA initializes in this
+    process: name the injection library to the CUDA driver (``CUDA_INJECTION64_PATH``, read at
+    ``cuInit``) with a directory for its files (``directory``, else one of the server's under
+    ``GPU_TRACE_HOME``), and the capture that reads them; or None and why not, in one line (None
+    when not asked for and there is no driver). Never raises."""
     from gpu_trace import config
     from gpu_trace.collectors import gpu_activity
     from gpu_trace.collectors.gpu_activity import library
@@ -465,7 +469,8 @@ def start_capture(setting: str | None) -> tuple[DeviceActivity | None, str | Non
     if not env:
         return None, line
     try:
-        directory = config.home() / "serve-activity" / str(os.getpid())
+        if directory is None:
+            directory = config.home() / "serve-activity" / str(os.getpid())
         (directory / "spool").mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         return None, f"GPU activity is off: {exc}"

@@ -235,6 +235,14 @@ class Server:
             return min(tenant.max_sessions, self.max_sessions)
         return max(1, self.max_sessions - (len(self.tenants) - 1))
 
+    def gpu_activity_state(self) -> str:
+        """``on`` when the server's GPU activity capture runs (this process's, or its workers'),
+        else ``off`` or why not, in one line."""
+        if self.front is not None:
+            first = self.front.standby.first
+            return first.gpu_activity if first is not None else "off"
+        return "on" if self.gpu_activity is not None else "off"
+
     def batches_served(self) -> int:
         """Batches run so far (by this process's executor, or by the workers)."""
         return self.front.batches() if self.front is not None else self.executor.batches

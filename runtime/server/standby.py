@@ -147,6 +147,8 @@ class Standby:
         self.failed = 0
         #: The last start's failure, said to the next session that finds no worker.
         self.last_error = ""
+        #: What the first worker to get ready said (its device, its GPU activity capture).
+        self.first: Ready | None = None
 
     def start(self) -> Standby:
         _undumpable()  # a worker of this uid may not read the front's memory or environment
@@ -185,6 +187,8 @@ class Standby:
             self._starting -= 1
             if worker is not None:
                 self.started += 1
+                if self.first is None:
+                    self.first = worker.ready
                 if self._closed:
                     self._retire(worker)
                 else:

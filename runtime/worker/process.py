@@ -30,7 +30,8 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from gpu_trace.runtime.channel.beacon import Beacon
 from gpu_trace.runtime.channel.messages import (
@@ -47,6 +48,9 @@ from gpu_trace.runtime.channel.messages import (
     Report,
 )
 from gpu_trace.runtime.worker import sandbox
+
+if TYPE_CHECKING:
+    from gpu_trace.runtime.server.device_activity import DeviceActivity
 
 log = logging.getLogger(__name__)
 
@@ -89,18 +93,24 @@ def main(argv: list[str] | None = None) -> int:
 
     runtime.serving_process()  # before torch: CUDA stays this process's accelerator
     t0 = time.monotonic()
+    activity, activity_state = None, "off"
+    if args.device.startswith("cuda"):  # before CUDA initializes here: the injection library
+        from gpu_trace.runtime.server.device_activity import start_capture
+
+        activity, note = start_capture(None, Path(args.scratch) / "activity")
+        activity_state = "on" if activity is not None else (note or "off")
     warm(args.device)
     channel = Channel(socket.socket(fileno=args.channel))
     beacon = Beacon(args.beacon)
     try:
-        channel.send(Ready(os.getpid(), args.device, time.monotonic() - t0))
+        channel.send(Ready(os.getpid(), args.device, time.monotonic() - t0, activity_state))
         msg, fd = channel.recv(None)
     except ChannelClosed:
         return 0  # the front went away while this worker stood by
     if not isinstance(msg, Assign) or fd is None:
         return 0  # End: the server stops before this worker was needed
     conn = socket.socket(fileno=fd)
-    return Worker(channel, beacon, args.device, msg, conn, args.scratch).run()
+    return Worker(channel, beacon, args.device, msg, conn, args.scratch, activity).run()
 
 
 def warm(device: str) -> None:
@@ -141,6 +151,7 @@ class Worker:
         assign: Assign,
         conn: socket.socket,
         scratch: str,
+        activity: DeviceActivity | None = None,
     ) -> None:
         from gpu_trace.runtime.server.server import Server
         from gpu_trace.runtime.sharing.sessions import Session
@@ -170,6 +181,7 @@ class Worker:
             idle_s=assign.idle_s,
             spin_us=assign.spin_us,
             delay_ms=assign.delay_ms,
+            gpu_activity=activity,
         )
         session = Session(dict(assign.client), lambda *_: None, tenant)
         session.id = assign.session
@@ -202,6 +214,9 @@ class Worker:
         # The executor closes the session (its "close" work) and flushes its spans; then go.
         server.executor.stop()
         server.pager.stop()
+        if server.gpu_activity is not None:  # its last records, into the session's spans
+            with contextlib.suppress(Exception):
+                server.gpu_activity.close()
         with contextlib.suppress(Exception):
             server.sink.shutdown()
         self._report(force=True)
