@@ -98,6 +98,8 @@ class ListedServer(Protocol):
     @property
     def protocol_errors(self) -> int: ...
 
+    def batches_served(self) -> int: ...
+
     def evict(self, session_id: int, by: str = "") -> bool: ...
 
     def page_out(self, session_id: int, by: str = "") -> int | None: ...
@@ -287,8 +289,9 @@ def snapshot(server: ListedServer, viewer: Tenant | None = None) -> dict[str, An
                 "address": server.address,
                 "sessions": len(rows),
                 "queue_depth": server.scheduler.depth(),
-                "batches": server.executor.batches,
+                "batches": server.batches_served(),
                 "protocol_errors": server.protocol_errors,
+                "worker_deaths": server.front.deaths if server.front is not None else 0,
                 "uptime_ns": now - server.ledger.started_ns,
             }
         )

@@ -101,7 +101,6 @@ class Link:
     ended: Ended | None = None
     paged: list[int | None] = dataclasses.field(default_factory=list)
     paged_event: threading.Event = dataclasses.field(default_factory=threading.Event)
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
 class Front:

@@ -133,6 +133,11 @@ def families(snap: dict[str, Any]) -> list[Family]:
     fam("protocol_errors_total", "counter", "Connections closed for a protocol error").add(
         {}, server.get("protocol_errors")
     )
+    fam(
+        "worker_deaths_total",
+        "counter",
+        "Sessions ended by their worker process's death, lost CUDA context or batch limit",
+    ).add({}, server.get("worker_deaths"))
     uptime = server.get("uptime_ns")
     fam("uptime_seconds", "gauge", "Seconds since the server started").add(
         {}, uptime / 1e9 if uptime is not None else None

@@ -20,6 +20,7 @@ import psutil
 import pytest
 import torch
 
+from gpu_trace.runtime.client import admin_requests
 from gpu_trace.runtime.protocol.wire import ProtocolError
 from tests.integration import test_remote_server
 from tests.integration.test_remote_server import Raw
@@ -175,6 +176,9 @@ def test_a_crash_ends_only_its_own_session(
     again = Raw(server.address, token=ALICE)  # the server takes new sessions
     assert again.batch([["aten::ones.default", [[4]], {}, [1]]])["ok"]
     assert torch.equal(again.fetch(1), torch.ones(4))
+    listing = admin_requests.list_sessions(server.address, OPS)
+    assert listing["server"]["worker_deaths"] >= 1
+    assert listing["server"]["batches"] > 0  # the workers' batches, as they reported them
 
 
 def test_memory_another_tenant_freed_is_never_read(server: Served) -> None:
