@@ -70,6 +70,8 @@ _STICKY = (
     "an illegal instruction",
     "uncorrectable ECC",
 )
+#: A worker's log level (``debug``, ``info``: which containment layers held; default warning).
+LOG_ENV = "GPU_TRACE_WORKER_LOG"
 #: Set (by tests only) to let the pseudo-op ``rt::worker_probe`` act as code run by an attacker
 #: inside the worker (:mod:`gpu_trace.runtime.worker.probes`).
 PROBES_ENV = "GPU_TRACE_WORKER_PROBES"
@@ -85,8 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["TMPDIR"] = args.scratch
     tempfile.tempdir = args.scratch
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front ends this worker's session
+    level = os.environ.get(LOG_ENV, "WARNING").upper()
     logging.basicConfig(
-        level=os.environ.get("GPU_TRACE_WORKER_LOG", "WARNING").upper(),
+        level=level if level in ("DEBUG", "INFO", "WARNING", "ERROR") else "WARNING",
         format="gpu-trace serve: worker %(process)d: %(message)s",
     )
     from gpu_trace import runtime
@@ -130,11 +133,9 @@ def warm(device: str) -> None:
     a = torch.ones((256, 256), device=d)
     (a @ a).sum().item()
     allowlist.allowed()
-    for name in ("aten::addmm.default", "aten::relu.default", "aten::sum.default"):
-        op = allowlist.resolve(name)
-        if op is not None:
-            args = [a] if "addmm" not in name else [a, a, a]
-            on_meta(op, args, {}, meta_like)
+    aten = torch.ops.aten
+    on_meta(aten.addmm.default, [a, a, a], {}, meta_like)
+    on_meta(aten.relu.default, [a], {}, meta_like)
     del a
     if d.type == "cuda":
         torch.cuda.synchronize(d)
