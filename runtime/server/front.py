@@ -73,6 +73,9 @@ class ServerParts(Protocol):
     def spin_ns(self) -> int: ...
 
     @property
+    def delay_ns(self) -> int: ...
+
+    @property
     def pager(self) -> Pager: ...
 
     @property
