@@ -46,6 +46,8 @@ class Ready(Message):
     warm_s: float
     #: ``on`` when its GPU activity capture runs, else ``off`` or why not (one line).
     gpu_activity: str = "off"
+    #: Device memory its context holds before any session's tensor (CUDA; 0 where unknown).
+    context_bytes: int = 0
 
 
 @dataclass

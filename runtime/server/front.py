@@ -247,8 +247,10 @@ class Front:
             if lk.session.tenant.name == session.tenant.name and lk.session.id != session.id
         )
         resident = sum(lk.resident for lk in links if lk.session.id != session.id)
+        # every worker's CUDA context takes device memory no tenant's quota counts
+        contexts = sum(lk.worker.context_bytes for lk in links) + self.standby.context_bytes()
         limit = None if tm.limit_bytes is None else max(0, tm.limit_bytes - others)
-        return limit, max(0, capacity - resident)
+        return limit, max(0, capacity - resident - contexts)
 
     def _rebalance(self, tenant: str, but: int = 0) -> None:
         """Send new Limits to the workers whose allowance moved (by more than the slack)."""

@@ -81,6 +81,11 @@ class Worker:
         self.pid = self.proc.pid
         self.ready: Ready | None = None
 
+    @property
+    def context_bytes(self) -> int:
+        """Device memory its context holds (as it said when ready; 0 before, or unknown)."""
+        return self.ready.context_bytes if self.ready is not None else 0
+
     def wait_ready(self, timeout: float) -> Ready:
         """Its :class:`Ready`; :class:`WorkerFailed` if it ends or says anything else first."""
         try:
@@ -237,6 +242,11 @@ class Standby:
                 if left <= 0:
                     raise WorkerFailed(f"no worker process was ready within {timeout:.0f} s")
                 self._cond.wait(left)
+
+    def context_bytes(self) -> int:
+        """Device memory the standby workers' contexts hold."""
+        with self._cond:
+            return sum(w.context_bytes for w in self._ready)
 
     def ready_count(self) -> int:
         with self._cond:

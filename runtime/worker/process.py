@@ -106,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     channel = Channel(socket.socket(fileno=args.channel))
     beacon = Beacon(args.beacon)
     try:
-        channel.send(Ready(os.getpid(), args.device, time.monotonic() - t0, activity_state))
+        ready = Ready(os.getpid(), args.device, time.monotonic() - t0, activity_state)
+        ready.context_bytes = context_bytes(args.device)
+        channel.send(ready)
         msg, fd = channel.recv(None)
     except ChannelClosed:
         return 0  # the front went away while this worker stood by
@@ -139,6 +141,29 @@ def warm(device: str) -> None:
     del a
     if d.type == "cuda":
         torch.cuda.synchronize(d)
+
+
+def context_bytes(device: str) -> int:
+    """Device memory this process holds on a CUDA device (its context, the warm-up's blocks),
+    as NVML sees it; 0 on the CPU or where NVML cannot say."""
+    if not device.startswith("cuda"):
+        return 0
+    try:
+        import pynvml
+        import torch
+
+        pynvml.nvmlInit()
+        try:
+            index = torch.device(device).index or 0
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if proc.pid == os.getpid() and proc.usedGpuMemory:
+                    return int(proc.usedGpuMemory)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # NVML missing or refusing: the front counts none
+        log.debug("no context size from NVML", exc_info=True)
+    return 0
 
 
 class Worker:
