@@ -153,8 +153,9 @@ class Front:
         )
         try:
             worker.channel.send(assign, fd=conn.fileno())
-        except ChannelClosed:
-            self._died(link)
+        except ChannelClosed:  # it died standing by, between take() and now
+            self._died(link, worker.kill())
+            worker.close()
             return
         with self._lock:
             self.links[session.id] = link
