@@ -107,8 +107,14 @@ def _opt_post(opt: Any, args: Any, kwargs: Any) -> None:
 
 
 def _backward(original: Any) -> Any:
+    from torch.overrides import handle_torch_function, has_torch_function_unary
+
     @functools.wraps(original)
     def backward(self, *args: Any, **kwargs: Any) -> Any:
+        if has_torch_function_unary(self):
+            # A torch-function mode or subclass (a forwarding client's ``cuda`` mode) handles
+            # the call and calls this wrapper again, with itself off: one range, that call's.
+            return handle_torch_function(backward, (self,), self, *args, **kwargs)
         token = spans.begin(DOMAIN, MODULE, "Tensor.backward")
         torch_modules.backward_begins()
         try:
