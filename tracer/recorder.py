@@ -31,6 +31,7 @@ import numpy as np
 import pyarrow as pa
 
 from gpu_trace.config import RecorderSettings
+from gpu_trace.tracer.background import BackgroundThread
 from gpu_trace.tracer.buffer import ThreadBuffer, ThreadRef
 from gpu_trace.tracer.clock import now_ns
 from gpu_trace.tracer.columns import spans_to_table
@@ -114,8 +115,8 @@ class Recorder:
         self._io_level = logging.WARNING if warn_write_errors else logging.INFO
         self._warned_drop = False
         self._stop = threading.Event()
-        self._wake = threading.Event()  # flush now: see wake()
-        self._flusher: threading.Thread | None = None
+        self._due = 0.0  # time.monotonic() of the next interval's flush
+        self._flusher: BackgroundThread | None = None
         self._flush_lock = threading.Lock()
         self._closed = False
         self._open_writer()
@@ -135,11 +136,13 @@ class Recorder:
         self.writer = SpoolWriter(self.run_dir, meta)
 
     def start(self) -> None:
-        """Start the background flusher."""
+        """Start the background flusher: a thread with no Python frame between its flushes, so
+        the program's own profiler (torch.profiler with_stack) never shows it (background.py)."""
         self._stop.clear()
-        self._wake.clear()
-        self._flusher = threading.Thread(
-            target=self._flush_loop, name="gpu-trace-flusher", daemon=True
+        interval = self.settings.flush_interval_s
+        self._due = time.monotonic() + interval
+        self._flusher = BackgroundThread(
+            self._flush_step, "gpu-trace-flusher", min(interval, FILL_CHECK_S)
         )
         self._flusher.start()
 
@@ -154,7 +157,9 @@ class Recorder:
         wake it just before the program's thread stops a session, which releases the GIL for
         as long as PyTorch processes the session, so the flusher converts the previous one
         without taking the GIL from the program."""
-        self._wake.set()
+        flusher = self._flusher
+        if flusher is not None:
+            flusher.wake()
 
     # ---- hot path helpers ---------------------------------------------------------------------
 
@@ -204,23 +209,17 @@ class Recorder:
 
     # ---- flushing -----------------------------------------------------------------------------
 
-    def _flush_loop(self) -> None:
+    def _flush_step(self, woken: bool) -> bool:
         # Every flush_interval_s, and as soon as a buffer is a quarter full (see _filling): a
         # thread emitting ranges as fast as it can fills the default buffer in under a second,
         # and what is flushed before the buffer is full is never dropped. Looking costs a len()
-        # per buffer.
-        interval = self.settings.flush_interval_s
-        look = min(interval, FILL_CHECK_S)
-        due = time.monotonic() + interval
-        while True:
-            woken = self._wake.wait(look)
-            if self._stop.is_set():
-                return
-            if woken:
-                self._wake.clear()
-            if woken or time.monotonic() >= due or self._filling():
-                self.flush()
-                due = time.monotonic() + interval
+        # per buffer. Called every FILL_CHECK_S and when woken; False ends the flusher.
+        if self._stop.is_set():
+            return False
+        if woken or time.monotonic() >= self._due or self._filling():
+            self.flush()
+            self._due = time.monotonic() + self.settings.flush_interval_s
+        return True
 
     def _filling(self) -> bool:
         """Whether a thread's buffer is a quarter full and holds FILL_MIN_EVENTS or more."""
@@ -402,9 +401,9 @@ class Recorder:
             return
         self._closed = True
         self._stop.set()
-        self._wake.set()
+        self.wake()
         flusher = self._flusher
-        if flusher is not None and flusher is not threading.current_thread() and flusher.is_alive():
+        if flusher is not None and flusher.ident != threading.get_ident() and flusher.is_alive():
             flusher.join(timeout=5)
         with self._lock:
             self._close_step(now_ns())
@@ -441,7 +440,6 @@ class Recorder:
         self._write_error = ""
         self._closed = False
         self._stop = threading.Event()
-        self._wake = threading.Event()
         self._open_writer()
         for source in self._sources:
             try:

@@ -83,12 +83,12 @@ def test_no_op_is_lost_across_many_sessions(op_level: Path) -> None:
 
 def test_sessions_are_converted_on_the_flusher(op_level: Path, monkeypatch) -> None:
     """The program's thread only stops and starts sessions; the flusher makes their spans."""
-    threads: list[str] = []
+    threads: list[int] = []
     converted = threading.Event()
     table = torch_ops.OpSource._table
 
     def watched(self, *args, **kwargs):
-        threads.append(threading.current_thread().name)
+        threads.append(threading.get_ident())  # not current_thread(): not a threading.Thread
         if len(threads) >= 3:
             converted.set()
         return table(self, *args, **kwargs)
@@ -102,7 +102,7 @@ def test_sessions_are_converted_on_the_flusher(op_level: Path, monkeypatch) -> N
     before_stop = list(threads)
     gpu_trace.stop()
     assert len(before_stop) >= 3
-    assert set(before_stop) == {"gpu-trace-flusher"}
+    assert len(set(before_stop)) == 1 and threading.get_ident() not in before_stop
     rows = recorded(op_level)
     assert len([r for r in rows if r["name"] == "Linear"]) == len(
         [r for r in rows if r["name"] == "aten::linear"]
