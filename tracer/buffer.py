@@ -112,7 +112,13 @@ class ThreadBuffer:
         self.tid = threading.get_native_id()
         thread = running_thread()
         self.thread_name = thread.name if thread is not None else native_name(self.tid)
-        self.owner: ThreadRef = weakref.ref(thread) if thread is not None else FOREIGN
+        # The main thread is never taken for ended: threading marks it stopped once the
+        # program's last line has run (threading._shutdown, before the non-daemon threads are
+        # joined and atexit runs), while the flusher still flushes and atexit still records (the
+        # last step). Its buffer was dropped then, its lane lost its name ("thread <tid>") and
+        # what it recorded later was never drained.
+        main = thread is threading.main_thread()
+        self.owner: ThreadRef = weakref.ref(thread) if thread is not None and not main else FOREIGN
         # Span ids: a random 32-bit thread prefix and a sequence number, unique within a run with
         # overwhelming probability and allocated without any shared state.
         # The hot path inlines next_id: ``buf.seq += 1; sid = buf.prefix + buf.seq``.

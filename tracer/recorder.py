@@ -119,6 +119,7 @@ class Recorder:
         self._flusher: BackgroundThread | None = None
         self._flush_lock = threading.Lock()
         self._closed = False
+        self._thread_names: dict[str, str] = {}  # every thread that recorded, by OS thread id
         self._open_writer()
 
     # ---- set-up -------------------------------------------------------------------------------
@@ -371,7 +372,9 @@ class Recorder:
         sources: list[Source],
     ) -> None:
         """Per-process totals, rewritten at every flush so a killed process still reports them."""
-        threads = {str(b.tid): b.thread_name for _, b in buffers}
+        # Ended threads too (their buffers are dropped once drained): a lane keeps its name.
+        self._thread_names.update((str(b.tid), b.thread_name) for _, b in buffers)
+        threads = dict(self._thread_names)
         stats = {
             "pid": self.pid,
             "process_name": _process_name(),
@@ -432,6 +435,7 @@ class Recorder:
         self._flush_lock = threading.Lock()
         self._local = threading.local()
         self._buffers = []
+        self._thread_names = {}
         self._clock_samples = []
         self._step = None
         self._events = 0

@@ -142,6 +142,60 @@ def test_children_processes_are_recorded(tmp_path: Path) -> None:
     assert len(trace_ids) == 1, "every process of the run shares the run's trace id"
 
 
+def test_every_lane_keeps_its_threads_name(tmp_path: Path) -> None:
+    """The main thread's lanes are named MainThread and an ended thread's lanes keep its name,
+    however the flushes fall. threading takes the main thread for stopped once the program's
+    last line has run (before it joins non-daemon threads and runs atexit): a flush then dropped
+    its buffer, so the run's last stats had no name for it (Chrome lanes "thread <tid>", 23 of
+    151 real traces) and the step closed at exit was lost; and the stats named only the threads
+    whose buffers were still there. Here a non-daemon thread outlives the main one by many flush
+    intervals, so a flush falls in that window every time."""
+    prog = script(
+        tmp_path,
+        """
+        import os, threading, time
+        import gpu_trace
+
+        gpu_trace.step(0)  # closed when recording stops, at exit, on the main thread's buffer
+        with gpu_trace.range("main-work"):
+            pass
+        def short(i):
+            with gpu_trace.range(f"short-{i}"):
+                pass
+        for i in range(6):  # threads that end long before the run does
+            t = threading.Thread(target=short, args=(i,), name=f"short-{i}")
+            t.start()
+            t.join()
+        time.sleep(0.3)  # flushes drain and drop the ended threads' buffers
+        threading.Thread(target=time.sleep, args=(0.5,), name="late").start()  # non-daemon
+        print(os.getpid(), threading.get_native_id())
+        """,
+    )
+    for _ in range(2):
+        out = gpu_trace(
+            "record", "--", sys.executable, str(prog), env={"GPU_TRACE_FLUSH_INTERVAL": "0.05"}
+        )
+        assert out.returncode == 0, out.stderr
+        pid, main_tid = map(int, out.stdout.split())
+        run_id = last_run()["run"]["run_id"]
+        spans = sql_json(
+            "SELECT name, tid FROM gpu_trace.spans WHERE run_id = {r:String} AND pid = {p:UInt32}",
+            r=run_id,
+            p=str(pid),
+        )
+        threads = sql_json(
+            "SELECT tid, thread_name FROM gpu_trace.threads FINAL"
+            " WHERE run_id = {r:String} AND pid = {p:UInt32}",
+            r=run_id,
+            p=str(pid),
+        )
+        names = {int(t["tid"]): t["thread_name"] for t in threads}
+        by_span = {s["name"]: names.get(int(s["tid"])) for s in spans}
+        assert by_span["main-work"] == "MainThread" and names.get(main_tid) == "MainThread"
+        assert by_span.get("ProfilerStep#0") == "MainThread", "the step closed at exit is lost"
+        assert {by_span[f"short-{i}"] for i in range(6)} == {f"short-{i}" for i in range(6)}
+
+
 def test_uncaught_exception_and_sigterm_still_flush(tmp_path: Path) -> None:
     crash = script(
         tmp_path,
