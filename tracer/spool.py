@@ -108,17 +108,23 @@ def checksum(batch: pa.RecordBatch) -> int:
 
 
 def _feed(crc: int, arr: pa.Array) -> int:
+    # Buffers are read with NumPy, never through pyarrow's to_numpy/__array__ (nor pa.array):
+    # those ask whether pandas is installed and import it (about 350 modules), which the flusher
+    # did at its first flush in the middle of the traced program (records.py says why not).
     t = arr.type
     crc = zlib.crc32(f"{t}:{len(arr)}:{arr.null_count};".encode(), crc)
     if arr.null_count:
-        valid = arr.is_valid().to_numpy(zero_copy_only=False)
-        crc = zlib.crc32(np.packbits(valid).tobytes(), crc)
+        crc = zlib.crc32(np.packbits(_validity(arr)).tobytes(), crc)
     if pa.types.is_dictionary(t):
         return _feed(_feed(crc, arr.indices), arr.dictionary)
     if pa.types.is_list(t) or pa.types.is_map(t):
-        offsets = arr.offsets.to_numpy(zero_copy_only=False)
-        first, last = (int(offsets[0]), int(offsets[-1])) if len(offsets) else (0, 0)
-        crc = zlib.crc32((offsets - first).astype(np.int32).tobytes(), crc)
+        bounds = (
+            np.frombuffer(arr.buffers()[1], np.int32, len(arr) + 1, arr.offset * 4)
+            if len(arr)
+            else np.zeros(1, np.int32)
+        )
+        first, last = int(bounds[0]), int(bounds[-1])
+        crc = zlib.crc32((bounds - first).astype(np.int32).tobytes(), crc)
         values = arr.values.slice(first, last - first)
         children = values.flatten() if pa.types.is_struct(values.type) else [values]
         for child in children:
@@ -126,7 +132,11 @@ def _feed(crc: int, arr: pa.Array) -> int:
         return crc
     if pa.types.is_string(t) or pa.types.is_binary(t):
         bufs = arr.buffers()
-        offsets = np.frombuffer(bufs[1], np.int32, len(arr) + 1, arr.offset * 4) if len(arr) else []
+        offsets = (
+            np.frombuffer(bufs[1], np.int32, len(arr) + 1, arr.offset * 4)
+            if len(arr)
+            else np.empty(0, np.int32)
+        )
         first, last = (int(offsets[0]), int(offsets[-1])) if len(arr) else (0, 0)
         crc = zlib.crc32((np.asarray(offsets, np.int64) - first).astype(np.int32).tobytes(), crc)
         if last > first:
@@ -138,6 +148,15 @@ def _feed(crc: int, arr: pa.Array) -> int:
             memoryview(arr.buffers()[1])[arr.offset * width : (arr.offset + len(arr)) * width], crc
         )
     return zlib.crc32(repr(arr.to_pylist()).encode(), crc)  # no spool column is of another type
+
+
+def _validity(arr: pa.Array) -> np.ndarray:
+    """Whether each value of ``arr`` (which has nulls) is valid, as booleans, from its bitmap."""
+    bitmap = arr.buffers()[0]
+    if bitmap is None:  # nulls without a bitmap (a null-typed or union column): none valid
+        return np.zeros(len(arr), dtype=bool)
+    bits = np.unpackbits(np.frombuffer(bitmap, np.uint8), bitorder="little")
+    return bits[arr.offset : arr.offset + len(arr)].astype(bool)
 
 
 @dataclass

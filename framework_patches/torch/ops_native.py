@@ -52,7 +52,7 @@ from gpu_trace.tracer import recorder as _recorder
 from gpu_trace.tracer.buffer import private_bits
 from gpu_trace.tracer.clock import now_ns
 from gpu_trace.tracer.columns import columns_to_table, spans_to_table
-from gpu_trace.tracer.records import ATTRS, MODULE, OP
+from gpu_trace.tracer.records import ATTRS, MODULE, OP, numeric_column, string_column
 
 log = logging.getLogger(__name__)
 
@@ -374,7 +374,8 @@ class NativeOpSource:
         n = len(b)
         names = self._name_list()
         used, codes = np.unique(b["name"], return_inverse=True)
-        dictionary = pa.array([names[i] for i in used], pa.string())
+        # Columns from buffers, never pa.array: it imports pandas, on the flusher (records.py).
+        dictionary = string_column([names[i] for i in used])
         # One prefix for the source's ids: a parent may end in a later drain than its children.
         prefix = np.uint64(self._prefix)
         low = np.uint64(0xFFFFFFFF)
@@ -385,14 +386,14 @@ class NativeOpSource:
             "tid": b["tid"].astype(np.uint64),
             "lane": _constant(LANE, n),
             "category": _constant(OP, n),
-            "name": pa.DictionaryArray.from_arrays(pa.array(codes.astype(np.int32)), dictionary),
+            "name": pa.DictionaryArray.from_arrays(numeric_column(codes, pa.int32()), dictionary),
             "start_ns": b["start"],
             "end_ns": b["end"],
             "depth": np.minimum(b["depth"], 0xFFFF).astype(np.uint16),
             "attrs": pa.MapArray.from_arrays(
-                pa.array(np.zeros(n + 1, dtype=np.int32)),
-                pa.array([], pa.string()),
-                pa.array([], pa.string()),
+                numeric_column(np.zeros(n + 1, dtype=np.int32), pa.int32()),
+                string_column([]),
+                string_column([]),
                 type=ATTRS,
             ),
         }
@@ -562,5 +563,5 @@ def _runs(
 
 def _constant(value: str, n: int) -> pa.Array:
     return pa.DictionaryArray.from_arrays(
-        pa.array(np.zeros(n, dtype=np.int32)), pa.array([value], pa.string())
+        numeric_column(np.zeros(n, dtype=np.int32), pa.int32()), string_column([value])
     )
