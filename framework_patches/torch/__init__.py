@@ -12,6 +12,7 @@ others, and one warning says what is not captured.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from typing import Any
 
@@ -41,6 +42,7 @@ def patch(torch: Any, level: str = "module", *, shapes: bool = False, rec: Any =
         return []
     _patched = True
     failed: list[str] = []
+    _import_lazy_profiler_parts()
     spans.mirror(torch_modules.DOMAIN, spans.external_nvtx_tool() is not None)
     for what, part in (
         ("module ranges", torch_modules),
@@ -79,6 +81,22 @@ def patch(torch: Any, level: str = "module", *, shapes: bool = False, rec: Any =
             "; ".join(failed),
         )
     return failed
+
+
+#: Modules PyTorch imports the first time a profiler range opens (record_function, which
+#: Optimizer.step uses), often inside the program's own torch.profiler: a module body run while its
+#: Python tracer (with_stack) is on leaves that tracer names pointing into a freed code object,
+#: and key_averages() then fails with UnicodeDecodeError (PyTorch's own, plain too).
+LAZY_PROFILER_PARTS = ("torch.profiler._cupti_monitor",)
+
+
+def _import_lazy_profiler_parts() -> None:
+    """Import now, outside any profile, what PyTorch would import lazily inside one."""
+    for name in LAZY_PROFILER_PARTS:
+        try:
+            importlib.import_module(name)
+        except Exception:  # another version: nothing to import
+            log.debug("gpu-trace: %s not imported", name, exc_info=True)
 
 
 def op_source(torch: object, shapes: bool) -> OpSource | NativeOpSource:
