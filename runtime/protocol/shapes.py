@@ -134,7 +134,19 @@ def on_meta(
 
     margs = tuple(to_meta(a) for a in args)
     mkwargs = {k: to_meta(v) for k, v in kwargs.items()}
+    if not inputs and "device" not in mkwargs and _takes_device(func):
+        # a factory sent without a device would make a real (CPU) tensor here: sized on meta too
+        mkwargs["device"] = torch.device("meta")
     return func(*margs, **mkwargs), inputs, before
+
+
+def _takes_device(func: Any) -> bool:
+    """Whether ``func`` (an ATen overload) has a keyword-only ``device`` argument."""
+    schema = getattr(func, "_schema", None)
+    try:
+        return any(a.name == "device" and a.kwarg_only for a in schema.arguments)  # type: ignore[union-attr]
+    except AttributeError:
+        return False
 
 
 def _upload_like(x: Any) -> Any:

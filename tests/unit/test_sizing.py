@@ -206,3 +206,27 @@ def test_every_allowed_op_has_a_way_to_be_sized() -> None:
     assert len(ops) > 1000
     kinds = {type(sizer(op)).__name__ for op in ops}
     assert kinds == {"NoneType", "str", "function"}
+
+
+def test_factories_sent_without_a_device_are_sized_on_meta(tmp_path) -> None:
+    """``eye(17000)`` and ``arange(1e8)`` with no device argument: sized without allocating the
+    1.1 GB and 0.8 GB they ask for (they made real CPU tensors while being sized before)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import resource, torch
+        from gpu_trace.runtime.server.sizing import Sizing
+        s = Sizing(1)
+        aten = torch.ops.aten
+        print(s.op_bytes("eye", aten.eye.default, [17000], {}))
+        print(s.op_bytes("arange", aten.arange.start_step, [0, 10**8, 1], {}))
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    eye, arange, peak = (int(v) for v in out.stdout.split())
+    assert (eye, arange) == (17000 * 17000 * 4, 10**8 * 8)
+    assert peak < 1 << 30, peak
