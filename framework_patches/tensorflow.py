@@ -9,8 +9,12 @@
 - ``tf.function`` calls (``Function.__call__``), named ``tf.function:<name>``.
 - ``GradientTape.gradient``.
 - Steps ``ProfilerStep#N`` (unless the program calls ``gpu_trace.step``): one per ``model.fit``
-  batch (``on_train_batch_begin`` to ``on_train_batch_end``), and in custom loops one per eager
-  ``optimizer.apply_gradients``, from the first tape or layer call after the previous step.
+  batch (``on_train_batch_begin`` to ``on_train_batch_end``), and in custom loops one per
+  optimizer update, from the first tape, layer or ``tf.function`` call after the previous step:
+  an eager ``optimizer.apply`` or ``apply_gradients`` (Keras 3's own guide uses ``apply``, which
+  ``apply_gradients`` calls: one range and one step for both), or a call of a ``tf.function``
+  that applies an optimizer inside (the guide's compiled ``train_step``; seen while TensorFlow
+  traces it, as ``apply`` then runs in graph mode: every later call of that function is a step).
 
 ``op`` adds every eagerly executed op (``pywrap_tfe.TFE_Py_FastPathExecute`` and the
 ``execute.execute`` fallback), category ``op``. Ops inside a ``tf.function`` run in TensorFlow's
@@ -23,6 +27,7 @@ import functools
 import logging
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +48,11 @@ _eager: Callable[[], bool] = lambda: True  # noqa: E731
 _level = "off"
 _failed: list[str] = []
 _steps = Steps()
+#: tf.functions seen applying an optimizer while traced: each call of one is a training step.
+_step_functions: weakref.WeakSet[object] = weakref.WeakSet()
+#: A model.fit batch is in progress: its callbacks make the step (not the optimizer, nor its
+#: train function's call).
+_fit_batch = False
 
 
 def patch(tf: Any, level: str = "layer") -> list[str]:
@@ -88,6 +98,7 @@ def unpatch() -> None:
             setattr(owner, attr, original)
     _originals.clear()
     _steps.reset()
+    _step_functions.clear()
     spans.mirror(DOMAIN, False)
     _level = "off"
 
@@ -147,10 +158,43 @@ def _ranged(name_of: Callable[..., str], category: str = MODULE, eager_only: boo
 def _patch_function() -> None:
     from tensorflow.python.eager.polymorphic_function import polymorphic_function as pf
 
-    def name(self: Any, *_: Any) -> str:
-        return f"tf.function:{getattr(self, '_name', '') or '?'}"
+    def make(original: Callable[..., object]) -> Callable[..., object]:
+        @functools.wraps(original)
+        def __call__(self: object, *args: object, **kwargs: object) -> object:
+            try:
+                calls = _local.functions
+            except AttributeError:
+                calls = _local.functions = []
+            if not _eager():  # traced into another function's graph: no range of its own
+                calls.append(self)
+                try:
+                    return original(self, *args, **kwargs)
+                finally:
+                    calls.pop()
+            top = not calls
+            if top:
+                _steps.iteration_starts()
+            token = spans.begin(DOMAIN, MODULE, f"tf.function:{getattr(self, '_name', '') or '?'}")
+            calls.append(self)
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                calls.pop()
+                spans.end(token)
+                if top and not _fit_batch and self in _step_functions:
+                    _steps.end()
 
-    _wrap(pf.Function, "__call__", _ranged(name))
+        return __call__
+
+    _wrap(pf.Function, "__call__", make)
+
+
+def _applies_in_graph() -> None:
+    """An optimizer applies its update in graph mode: the tf.function being traced on this
+    thread (the outermost) is a training step's."""
+    calls = getattr(_local, "functions", None)
+    if calls:
+        _step_functions.add(calls[0])
 
 
 def _gradient(original: Any) -> Any:
@@ -274,7 +318,9 @@ def _patch_fit(module: Any) -> None:
     def begin(original: Any) -> Any:
         @functools.wraps(original)
         def on_train_batch_begin(self: Any, batch: Any, logs: Any = None) -> Any:
+            global _fit_batch
             _steps.start_ns = now_ns()
+            _fit_batch = True
             return original(self, batch, logs)
 
         return on_train_batch_begin
@@ -282,6 +328,8 @@ def _patch_fit(module: Any) -> None:
     def end(original: Any) -> Any:
         @functools.wraps(original)
         def on_train_batch_end(self: Any, batch: Any, logs: Any = None) -> Any:
+            global _fit_batch
+            _fit_batch = False
             _steps.end()
             return original(self, batch, logs)
 
@@ -294,21 +342,31 @@ def _patch_fit(module: Any) -> None:
 def _patch_optimizer(module: Any) -> None:
     BaseOptimizer = module.BaseOptimizer
 
-    def make(original: Any) -> Any:
-        @functools.wraps(original)
-        def apply_gradients(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if not _eager():
-                return original(self, *args, **kwargs)
-            token = spans.begin(DOMAIN, MODULE, f"Optimizer.apply_gradients#{type(self).__name__}")
-            try:
-                return original(self, *args, **kwargs)
-            finally:
-                spans.end(token)
-                _steps.end()
+    def make(method: str) -> Callable[[Callable[..., object]], Callable[..., object]]:
+        def wrap(original: Callable[..., object]) -> Callable[..., object]:
+            @functools.wraps(original)
+            def wrapper(self: object, *args: object, **kwargs: object) -> object:
+                if not _eager():
+                    _applies_in_graph()
+                    return original(self, *args, **kwargs)
+                if getattr(_local, "applying", False):  # apply, inside apply_gradients
+                    return original(self, *args, **kwargs)
+                _local.applying = True
+                token = spans.begin(DOMAIN, MODULE, f"Optimizer.{method}#{type(self).__name__}")
+                try:
+                    return original(self, *args, **kwargs)
+                finally:
+                    _local.applying = False
+                    spans.end(token)
+                    if not _fit_batch:
+                        _steps.end()
 
-        return apply_gradients
+            return wrapper
 
-    _wrap(BaseOptimizer, "apply_gradients", make)
+        return wrap
+
+    _wrap(BaseOptimizer, "apply_gradients", make("apply_gradients"))
+    _wrap(BaseOptimizer, "apply", make("apply"))
 
 
 _KERAS = {

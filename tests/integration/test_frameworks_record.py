@@ -188,3 +188,50 @@ def test_record_keras_fit_script(tmp_path: Path) -> None:
     assert {f"ProfilerStep#{i}" for i in range(8)} <= got
     assert any(n.startswith("tf.function:") for n in got)
     assert "MatMul" in got
+
+
+# Keras's guide "Writing a training loop from scratch" (TensorFlow backend), 6 batches: the
+# eager loop with optimizer.apply, then the same step compiled with tf.function.
+KERAS_GUIDE_LOOP = """
+    import numpy as np
+    import keras
+    import tensorflow as tf
+
+    inputs = keras.Input(shape=(8,), name="digits")
+    x1 = keras.layers.Dense(16, activation="relu")(inputs)
+    outputs = keras.layers.Dense(4, name="predictions")(x1)
+    model = keras.Model(inputs=inputs, outputs=outputs)
+    optimizer = keras.optimizers.Adam(learning_rate=1e-3)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    rng = np.random.default_rng(0)
+    dataset = tf.data.Dataset.from_tensor_slices(
+        (rng.random((48, 8), dtype=np.float32), rng.integers(0, 4, 48))
+    ).batch(8)
+
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            logits = model(x, training=True)
+            loss_value = loss_fn(y, logits)
+        grads = tape.gradient(loss_value, model.trainable_weights)
+        optimizer.apply(grads, model.trainable_weights)
+        return loss_value
+
+    step = tf.function(train_step) if COMPILED else train_step
+    for x_batch, y_batch in dataset:
+        step(x_batch, y_batch)
+    print("done")
+"""
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "tf.function"])
+def test_record_keras_custom_loop_steps(tmp_path: Path, compiled: bool) -> None:
+    pytest.importorskip("tensorflow")
+    prog = script(tmp_path, KERAS_GUIDE_LOOP.replace("COMPILED", str(compiled)))
+    out = gpu_trace("record", "--", sys.executable, str(prog))
+    assert out.returncode == 0, out.stderr
+    rows = sql_json(
+        "SELECT name, start_ns, end_ns FROM gpu_trace.spans WHERE run_id = {r:String}"
+        " AND lane = 'steps' ORDER BY start_ns",
+        r=last_run()["run"]["run_id"],
+    )
+    assert [r["name"] for r in rows] == [f"ProfilerStep#{i}" for i in range(6)]

@@ -111,6 +111,46 @@ def test_custom_loop_steps_from_apply_gradients(record) -> None:
     assert sum(r["name"] == "Optimizer.apply_gradients#SGD" for r in rows) == 2
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "tf.function"])
+@pytest.mark.parametrize("update", ["apply", "apply_gradients"])
+def test_custom_loop_one_step_per_iteration(record, update: str, compiled: bool) -> None:
+    """Keras's guide "Writing a training loop from scratch" (TensorFlow): a tape, then
+    ``optimizer.apply(grads, weights)``, in an eager loop and with the step compiled by
+    ``tf.function``. ``apply`` made no step (only ``apply_gradients`` did: 0 or 3 steps for 6
+    iterations), nor did a compiled step, whose optimizer runs in TensorFlow's graph."""
+    m = model()
+    opt = keras.optimizers.SGD(learning_rate=1e-3)
+    x = np.random.default_rng(0).random((48, 4), dtype=np.float32)
+    dataset = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(8)
+
+    def train_step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((m(xb, training=True) - yb) ** 2)
+        grads = tape.gradient(loss, m.trainable_weights)
+        if update == "apply":
+            opt.apply(grads, m.trainable_weights)
+        else:
+            opt.apply_gradients(zip(grads, m.trainable_weights))
+        return loss
+
+    if compiled:
+        train_step = tf.function(train_step)
+    run = record()
+    for xb, yb in dataset:
+        train_step(xb, yb)
+    gpu_trace.stop()
+    rows = spans(run)
+    steps = [r for r in rows if r["category"] == "step"]
+    assert [r["name"] for r in steps] == [f"ProfilerStep#{i}" for i in range(6)]
+    # each step holds its iteration: one optimizer update, or one call of the compiled step
+    unit = "tf.function:train_step" if compiled else f"Optimizer.{update}#SGD"
+    units = [r for r in rows if r["name"] == unit]
+    assert len(units) == 6
+    for s_, u in zip(steps, units):
+        assert s_["start_ns"] <= u["start_ns"] and u["end_ns"] <= s_["end_ns"]
+    assert not any(r["name"].startswith("Optimizer.apply#") for r in rows if update != "apply")
+
+
 def test_tf_module_calls_and_exceptions(record) -> None:
     class Scale(tf.Module):
         def __call__(self, x):
