@@ -78,6 +78,16 @@ def native_name(tid: int) -> str:
         return f"thread-{tid}"
 
 
+def thread_name(tid: int) -> str:
+    """The name of this process's thread ``tid`` (an OS thread id): its ``threading`` name where
+    ``threading`` runs it (the main thread: ``MainThread``), else the OS's (:func:`native_name`).
+    Never registers a thread with ``threading`` (see :func:`running_thread`)."""
+    for thread in threading.enumerate():
+        if thread.native_id == tid:
+            return thread.name
+    return native_name(tid)
+
+
 def private_bits(k: int) -> int:
     """``k`` random bits from the OS, never from the program's ``random``: a seeded program
     must draw the same numbers recorded or not (docs/frameworks.md, "What recording leaves

@@ -32,7 +32,7 @@ import pyarrow as pa
 
 from gpu_trace.config import RecorderSettings
 from gpu_trace.tracer.background import BackgroundThread
-from gpu_trace.tracer.buffer import ThreadBuffer, ThreadRef
+from gpu_trace.tracer.buffer import ThreadBuffer, ThreadRef, thread_name
 from gpu_trace.tracer.clock import now_ns
 from gpu_trace.tracer.columns import spans_to_table
 from gpu_trace.tracer.files import disk_full, replace_text
@@ -270,6 +270,8 @@ class Recorder:
         for source in sources:
             try:
                 for kind, table in source.drain():
+                    if kind == "spans":
+                        self._name_threads(table)
                     self._write(kind, table)
             except Exception:
                 log.exception("gpu-trace: source %s failed to drain; dropping it", source.name)
@@ -287,6 +289,17 @@ class Recorder:
                 "gpu-trace: a thread's event buffer filled up between flushes; events are being "
                 "dropped and counted (raise GPU_TRACE_BUFFER_EVENTS or lower GPU_TRACE_FLUSH_INTERVAL)"
             )
+
+    def _name_threads(self, table: pa.Table) -> None:
+        """Name the threads a source's spans were recorded on: those may have no buffer (the
+        main thread's ops at op level in a program without module calls, threads whose ops only
+        the native observer records), and their lanes were "thread <tid>"."""
+        for chunk in table.column("tid").chunks:
+            if len(chunk) and not chunk.null_count:  # read from the buffer: no pandas (spool.py)
+                tids = np.frombuffer(chunk.buffers()[1], np.uint64, len(chunk), chunk.offset * 8)
+                for tid in np.unique(tids).tolist():
+                    if str(tid) not in self._thread_names:
+                        self._thread_names[str(tid)] = thread_name(tid)
 
     def _write(self, kind: str, table: pa.Table) -> None:
         if table.num_rows:

@@ -196,6 +196,45 @@ def test_every_lane_keeps_its_threads_name(tmp_path: Path) -> None:
         assert {by_span[f"short-{i}"] for i in range(6)} == {f"short-{i}" for i in range(6)}
 
 
+@pytest.mark.parametrize("source", ["native", "kineto"])
+def test_op_spans_lanes_are_named(tmp_path: Path, source: str) -> None:
+    """Spans a source makes (PyTorch's ops at op level) name their thread too: a program of bare
+    ops records nothing on the main thread's buffer, and its op lanes were "thread <tid>"."""
+    pytest.importorskip("torch")
+    prog = script(
+        tmp_path,
+        """
+        import os, threading
+        import torch
+
+        a = torch.randn(16, 16)
+        for _ in range(20):
+            a = torch.tanh(a @ a)
+        print(os.getpid(), threading.get_native_id())
+        """,
+    )
+    env = {"GPU_TRACE_TORCH_OPS": source}
+    out = gpu_trace("record", "--torch", "op", "--", sys.executable, str(prog), env=env)
+    assert out.returncode == 0, out.stderr
+    pid, main_tid = map(int, out.stdout.split())
+    run_id = last_run()["run"]["run_id"]
+    tids = sql_json(
+        "SELECT DISTINCT tid FROM gpu_trace.spans WHERE run_id = {r:String} AND pid = {p:UInt32}"
+        " AND name = 'aten::tanh'",
+        r=run_id,
+        p=str(pid),
+    )
+    assert [int(t["tid"]) for t in tids] == [main_tid]
+    threads = sql_json(
+        "SELECT thread_name FROM gpu_trace.threads FINAL WHERE run_id = {r:String}"
+        " AND pid = {p:UInt32} AND tid = {t:UInt64}",
+        r=run_id,
+        p=str(pid),
+        t=str(main_tid),
+    )
+    assert [t["thread_name"] for t in threads] == ["MainThread"]
+
+
 def test_uncaught_exception_and_sigterm_still_flush(tmp_path: Path) -> None:
     crash = script(
         tmp_path,
