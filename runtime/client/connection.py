@@ -471,6 +471,17 @@ class Connection(Receiver):
         self._pong_event.set()
         self._rx_wanted.set()
 
+    def abandon(self, parent: int) -> None:
+        """In a process forked from the one that opened this session (``parent``): let go of it
+        without a word to the server. The parent's threads did not come along, and its locks
+        may be held by them, so nothing here takes a lock; this process's copy of the socket is
+        closed (not shut down: the parent's stays open)."""
+        self.closed = True
+        self._closing = True
+        self.broken = f"the session belongs to process {parent}"
+        with contextlib.suppress(OSError):
+            os.close(self.sock.detach())
+
     def close(self) -> None:
         """Send what is pending, say goodbye (the server sends its last spans), disconnect."""
         if self.closed:

@@ -1,8 +1,8 @@
 """Transparent mode: an unmodified program's ``cuda`` work runs on the forwarding server.
 
 `gpu-trace record --remote HOST:PORT` sets ``GPU_TRACE_REMOTE``; the traced interpreter's startup
-calls :func:`install_from_env`, which waits for the program to import torch and then connects,
-maps the ``cuda`` device onto ``remote`` (a torch-function mode rewrites ``device="cuda"``,
+calls :func:`install_from_env`, which waits for the program to import torch and then readies the
+session (opened at the device's first use), maps the ``cuda`` device onto ``remote`` (a torch-function mode rewrites ``device="cuda"``,
 ``.cuda()`` and ``.to("cuda")``) and answers ``torch.cuda``'s questions from the session, so that
 a CPU-only build of torch and a CUDA build on a machine without a GPU (pip's default on Linux,
 whose ``torch.cuda`` calls raise there: tests/cuda_build.py mimics it) both work:
@@ -53,13 +53,14 @@ def install_from_env() -> None:
 
 
 def _start(address: str) -> None:
-    from gpu_trace.runtime.client import device
+    """Transparent mode from torch's import on; the session opens at the device's first use
+    (``device.defer``: a process that never uses the device, a DataLoader worker, holds none),
+    with the backend settings the program made until then. A server that cannot be reached is
+    an error at that use, never a quiet local run (`record --remote` checks it before the
+    program starts; running locally instead is ``--fallback-local``, decided there)."""
+    from gpu_trace.runtime.client import cuda_flags, device
 
-    try:
-        device.connect(address)
-    except Exception as exc:
-        log.error("gpu-trace: cannot forward CUDA work to %s: %s", address, exc)
-        return
+    device.defer(address, on_open=cuda_flags.send)
     patch()
 
 
@@ -79,6 +80,7 @@ def _mode_class() -> Any:
     import torch
     from torch.overrides import TorchFunctionMode
 
+    from gpu_trace.runtime.client import pinned
     from gpu_trace.runtime.client import tensor as rt
 
     cuda_methods = {torch.Tensor.cuda}
@@ -106,9 +108,22 @@ def _mode_class() -> Any:
                 kwargs = {**kwargs, "device": rt.DEVICE}
             if func in positional and any(_is_cuda(a) for a in args[1:]):
                 args = tuple(rt.DEVICE if _is_cuda(a) else a for a in args)
+            if kwargs.get("pin_memory") is True and _is_cpu(kwargs.get("device")):
+                # torch.empty(..., pin_memory=True) and the like: an ordinary CPU tensor, marked
+                # pinned (the accelerator has no pinned allocator to give: see pinned.py)
+                out = func(*args, **{**kwargs, "pin_memory": False})
+                return pinned.mark(out) if isinstance(out, torch.Tensor) else out
             return func(*args, **kwargs)
 
     return CudaToRemote
+
+
+def _is_cpu(device: object) -> bool:
+    if device is None:
+        return True
+    if isinstance(device, str):
+        return device == "cpu"
+    return getattr(device, "type", None) == "cpu"
 
 
 #: What CUDA graphs get: they cannot be forwarded.

@@ -31,6 +31,8 @@ _local = threading.local()  # the current stream, per thread as in torch
 
 def _connection() -> Connection:
     c = rt.conn
+    if c is None and rt.on_demand is not None:
+        c = rt.on_demand()  # a session opened at the device's first use (device.defer)
     if c is None:
         raise RuntimeError("gpu-trace: no forwarding session (the program is not connected)")
     return c

@@ -1,25 +1,36 @@
 """The ``remote`` device: PyTorch's PrivateUse1 backend, renamed, backed by a forwarding session.
 
 :func:`connect` registers the backend once per process (device guard, hooks, ``torch.remote``
-module, ``Tensor.remote()``), connects, and returns ``torch.device("remote:0")``. Tensors and
-modules moved there are :class:`~gpu_trace.runtime.client.tensor.RemoteTensor`\\ s. Factory
+module, ``Tensor.remote()``), connects, and returns ``torch.device("remote:0")``; :func:`defer`
+(transparent mode) does the same but connects at the device's first use. Tensors and
+modules moved there are :class:`~gpu_trace.runtime.client.tensor.RemoteTensor`\\ s, and keep
+their parameters as on a GPU (:mod:`~gpu_trace.runtime.client.parameters`). Factory
 functions (``torch.zeros(..., device="remote")``, ``arange``, ``randn``...) get PrivateUse1 kernels
 that forward them as one op; ``copy_`` gets one for the paths that bypass ``__torch_dispatch__``
-(``torch.tensor(data, device=...)``).
+(``torch.tensor(data, device=...)``); pinned host memory gets its CPU kernels
+(:mod:`~gpu_trace.runtime.client.pinned`).
+
+A process forked from one with an open session (a DataLoader worker) inherits its socket and its
+state but not its threads: after the fork the child lets the session go without touching the
+socket, and has no remote device unless it connects itself (:func:`_forked`), as a child forked
+after its parent used CUDA cannot use it.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from gpu_trace.runtime.client import autocast, composites
+from gpu_trace.runtime.client import autocast, composites, parameters, pinned
 from gpu_trace.runtime.client import tensor as rt
 from gpu_trace.runtime.client.connection import Connection, OpRecord, now_ns
+from gpu_trace.runtime.protocol.errors import ServerGone
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +39,9 @@ _lock = threading.Lock()
 _registered = False
 _libs: list[Any] = []
 _last_seed: int | None = None
+#: What :func:`defer` connects to at the device's first use: ``(address, on_open)``.
+_deferred: tuple[str, Callable[[], object] | None] | None = None
+_opening = threading.Lock()
 
 #: Factory ops forwarded whole when their device is the remote one.
 FACTORIES = (
@@ -58,7 +72,9 @@ class RemoteModule:
 
     @staticmethod
     def is_available() -> bool:
-        return rt.conn is not None and not rt.conn.broken
+        if rt.conn is None:
+            return rt.on_demand is not None
+        return not rt.conn.broken
 
     @staticmethod
     def is_initialized() -> bool:
@@ -66,7 +82,9 @@ class RemoteModule:
 
     @staticmethod
     def _is_in_bad_fork() -> bool:
-        return False
+        """True in a process forked from one with an open session (torch then leaves the
+        device alone, e.g. ``torch.manual_seed`` in a DataLoader worker), as for CUDA."""
+        return rt.forked_from is not None and rt.conn is None
 
     @staticmethod
     def device_count() -> int:
@@ -138,7 +156,23 @@ def register() -> None:
             lib.impl(name, _factory(op), "PrivateUse1")
         lib.impl("copy_", _copy_kernel, "PrivateUse1")
         _libs.append(lib)
+        pinned.register()
+        os.register_at_fork(after_in_child=_forked)
         _registered = True
+
+
+def _forked() -> None:
+    """In a forked child: the parent's session is the parent's. The child has no remote device
+    unless it connects itself (as CUDA in a child forked after the parent used it); a session
+    not opened yet (:func:`defer`) stays to be opened, by the child, at its first use."""
+    c = rt.conn
+    if c is None:
+        return
+    rt.conn = None
+    rt.on_demand = None
+    parent = os.getppid()
+    rt.forked_from = parent
+    c.abandon(parent)
 
 
 def _factory(op: Any) -> Any:
@@ -169,16 +203,59 @@ def connect(
     again first closes the previous session.
     """
     register()
-    if rt.conn is not None:
+    if rt.conn is not None or rt.on_demand is not None:
         disconnect()
-    c = Connection(address, token=token, sync=sync, timeout_s=timeout_s, **options)
-    rt.conn = c
+    rt.conn = Connection(address, token=token, sync=sync, timeout_s=timeout_s, **options)
+    _patch()
+    _opened()
+    return rt.DEVICE
+
+
+def defer(address: str, on_open: Callable[[], object] | None = None) -> torch.device:
+    """Make the ``remote`` device ready and connect to ``address`` at its first use (an op on
+    it, a CUDA event, the device's properties), then call ``on_open``.
+
+    Transparent mode does this in every process of a `record --remote` run, so that only those
+    that use the device hold a session: not DataLoader workers, nor other helper processes.
+    A failed connection is raised to the op that wanted it (``ServerGone``).
+    """
+    global _deferred
+    register()
+    if rt.conn is not None or rt.on_demand is not None:
+        disconnect()
+    _deferred = (address, on_open)
+    _patch()
+    rt.on_demand = _open_deferred
+    return rt.DEVICE
+
+
+def _open_deferred() -> Connection:
+    with _opening:
+        c = rt.conn
+        if c is not None or _deferred is None:
+            if c is None:
+                raise ServerGone("no remote session: it was closed")
+            return c
+        address, on_open = _deferred
+        c = Connection(address)
+        rt.conn = c
+        rt.on_demand = None
+        _opened()
+        if on_open is not None:
+            on_open()
+        return c
+
+
+def _patch() -> None:
     composites.patch()
     autocast.register()
     autocast.patch()
+    parameters.patch()
+
+
+def _opened() -> None:
     if _last_seed is not None:
         RemoteModule.manual_seed_all(_last_seed)
-    return rt.DEVICE
 
 
 def current() -> Connection | None:
@@ -195,9 +272,13 @@ def synchronize() -> None:
 
 def disconnect() -> None:
     """Close the session: the server frees everything it held for this client."""
+    global _deferred
     c, rt.conn = rt.conn, None
+    rt.on_demand = None
+    _deferred = None
     composites.unpatch()
     autocast.unpatch()
+    parameters.unpatch()
     if c is not None:
         c.close()
 

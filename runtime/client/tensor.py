@@ -14,6 +14,7 @@ output shape depends on data (run at once, their shapes asked from the server).
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -47,6 +48,11 @@ _getframe = sys._getframe
 
 #: The active connection (one remote device per process).
 conn: Connection | None = None
+#: Opens the session at the device's first use where it is not open yet (transparent mode:
+#: ``device.defer``), or None.
+on_demand: Callable[[], Connection] | None = None
+#: The parent's pid in a process forked from one with an open session (which it cannot use).
+forked_from: int | None = None
 #: True in transparent mode, where remote tensors stand for CUDA tensors (``.is_cuda``).
 cuda_alias = False
 DEVICE = torch.device("privateuseone", 0)  # replaced by device.register() with remote:0
@@ -79,6 +85,10 @@ class _Handle:
             c.frees.append(self.id)
 
 
+#: ``Tensor.data``, the base class's attribute (``RemoteTensor.data`` extends its setter).
+_TENSOR_DATA: Any = vars(torch._C.TensorBase)["data"]
+
+
 class RemoteTensor(torch.Tensor):
     """A tensor that lives on the forwarding server."""
 
@@ -109,6 +119,20 @@ class RemoteTensor(torch.Tensor):
     @property
     def is_cuda(self) -> bool:  # type: ignore[override]
         return cuda_alias
+
+    @property
+    def data(self) -> torch.Tensor:
+        return _TENSOR_DATA.__get__(self)
+
+    @data.setter
+    def data(self, new: torch.Tensor) -> None:
+        # ``param.data = new`` replaces the tensor inside ``param`` (``Module.half()`` and
+        # ``.to(dtype)`` do it to each parameter); the handle is ours, not the tensor's, so it
+        # follows: else ``param`` would say ``new``'s dtype and shape and be the old tensor on
+        # the server.
+        _TENSOR_DATA.__set__(self, new)
+        if type(new) is RemoteTensor:
+            self._rt = new._rt
 
     def tolist(self) -> Any:
         return self.detach().cpu().tolist()
@@ -233,7 +257,15 @@ class _Encoder:
 
 def _session(args: tuple, kwargs: dict) -> Connection:
     c = conn
+    if c is None and on_demand is not None:
+        c = on_demand()
     if c is None:
+        if forked_from is not None:
+            raise ServerGone(
+                f"this process was forked from process {forked_from}, whose remote session it "
+                "cannot use (as CUDA cannot be used again in a forked subprocess): use the "
+                "'spawn' start method, or gpu_trace.runtime.connect() in this process"
+            )
         raise ServerGone("no remote session: call gpu_trace.runtime.connect() first")
     if c.broken:
         raise ServerGone(c.broken)
