@@ -16,9 +16,12 @@ docs/remote.md ("Security") lists the families and what happens to each.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpu_trace.runtime.protocol.errors import OpError
+
+if TYPE_CHECKING:
+    import torch
 
 Rule = Callable[[list[Any], dict[str, Any]], None]
 
@@ -188,7 +191,7 @@ def _embedding_backward_rule(op: str) -> Rule:
     return rule
 
 
-def _long_indices(op: str, name: str, indices: Any) -> bool:
+def _long_indices(op: str, name: str, indices: object) -> bool:
     """Whether ``indices`` is a tensor (False: not one, the op refuses it); refuses any but int64
     (the kernels read them as int64)."""
     if not hasattr(indices, "dtype"):
@@ -198,12 +201,12 @@ def _long_indices(op: str, name: str, indices: Any) -> bool:
     return True
 
 
-def _in_range(op: str, name: str, indices: Any, lo: int, hi: int, what: str) -> None:
+def _in_range(op: str, name: str, indices: torch.Tensor, lo: int, hi: int, what: str) -> None:
     """Refuse values of ``indices`` outside ``[lo, hi)`` (one pass over them)."""
     if indices.numel() == 0:
         return
-    low, high = indices.aminmax()
-    low, high = int(low), int(high)
+    least, most = indices.aminmax()
+    low, high = int(least), int(most)
     if low < lo or high >= hi:
         raise OpError(f"{op}: {name} from {low} to {high} out of range for {what}")
 
@@ -216,7 +219,7 @@ def _pool_backward_rule(op: str, dims: int, at: int) -> Rule:
     shaped as ``grad_output``, whose leading (batch, channel) sizes are the input's, and every
     index within the input's plane (its last ``dims`` sizes)."""
 
-    def rule(args: list[Any], kwargs: dict[str, Any]) -> None:
+    def rule(args: list[object], kwargs: dict[str, object]) -> None:
         grad = _arg(args, kwargs, 0, "grad_output")
         t = _arg(args, kwargs, 1, "self")
         indices = _arg(args, kwargs, at, "indices")
@@ -378,7 +381,7 @@ def _layer_norm_backward_rule(op: str) -> Rule:
     ``grad_out`` as the input and ``mean``/``rstd`` as one number per normalized row (an empty
     ``grad_out`` was a SIGSEGV)."""
 
-    def rule(args: list[Any], kwargs: dict[str, Any]) -> None:
+    def rule(args: list[object], kwargs: dict[str, object]) -> None:
         grad, x = _arg(args, kwargs, 0, "grad_out"), _arg(args, kwargs, 1, "input")
         shape = _ints(op, "normalized_shape", _arg(args, kwargs, 2, "normalized_shape"))
         mean, rstd = _arg(args, kwargs, 3, "mean"), _arg(args, kwargs, 4, "rstd")
@@ -406,11 +409,13 @@ def _layer_norm_backward_rule(op: str) -> Rule:
     return rule
 
 
-def _shape_of(t: Any) -> list[int] | None:
+def _shape_of(t: object) -> list[int] | None:
     return list(t.shape) if hasattr(t, "shape") else None
 
 
-def _meta_shape(op: str, forward: Any, tensors: list[Any], rest: list[Any]) -> list[int]:
+def _meta_shape(
+    op: str, forward: Callable[..., torch.Tensor], tensors: list[torch.Tensor], rest: list[object]
+) -> list[int]:
     """The shape of ``forward(*tensors, *rest)`` worked out on meta tensors (a forward that
     refuses these arguments refuses its backward too)."""
     import torch
@@ -429,7 +434,7 @@ def _forward_shape_rule(op: str, forward: str, grad: str, base: str, params: int
     ``avg_pool{2,3}d_backward`` (an empty gradient was a SIGSEGV). ``grad_output`` must have the
     shape ``forward(self, *the next params arguments)`` has, worked out on meta tensors."""
 
-    def rule(args: list[Any], kwargs: dict[str, Any]) -> None:
+    def rule(args: list[object], kwargs: dict[str, object]) -> None:
         import torch
 
         g, t = _arg(args, kwargs, 0, grad), _arg(args, kwargs, 1, base)
@@ -451,7 +456,7 @@ def _convolution_backward_rule(op: str) -> Rule:
     have the shape ``convolution`` gives the input and weight with these parameters (on meta
     tensors)."""
 
-    def rule(args: list[Any], kwargs: dict[str, Any]) -> None:
+    def rule(args: list[object], kwargs: dict[str, object]) -> None:
         import torch
 
         g, x, w = (
@@ -473,7 +478,7 @@ def _adaptive_avg_backward_rule(op: str, dims: int) -> Rule:
     """``_adaptive_avg_pool{2,3}d_backward``: the CPU kernel walks the input's batch and
     channels in ``grad_output`` (one row short corrupted the heap)."""
 
-    def rule(args: list[Any], kwargs: dict[str, Any]) -> None:
+    def rule(args: list[object], kwargs: dict[str, object]) -> None:
         g, t = _arg(args, kwargs, 0, "grad_output"), _arg(args, kwargs, 1, "self")
         if not (hasattr(g, "shape") and hasattr(t, "shape")):
             return  # not tensors: the op refuses them
@@ -492,7 +497,7 @@ def _same_shape_rule(op: str, names: tuple[tuple[int, str], ...]) -> Rule:
     ``_softmax_backward_data`` and ``_log_softmax_backward_data`` read ``output`` as
     ``grad_output`` (an empty ``output`` was read past its storage)."""
 
-    def rule(args: list[Any], kwargs: dict[str, Any]) -> None:
+    def rule(args: list[object], kwargs: dict[str, object]) -> None:
         shapes = [(n, _shape_of(_arg(args, kwargs, i, n))) for i, n in names]
         first = shapes[0][1]
         for name, shape in shapes[1:]:
@@ -506,7 +511,7 @@ def _cdist_backward_rule(op: str) -> Rule:
     """``_cdist_backward`` (what autograd of ``torch.cdist`` sends): the CPU kernel walks
     ``grad`` and ``cdist`` as ``x1``'s rows by ``x2``'s (an empty grad was a SIGSEGV)."""
 
-    def rule(args: list[Any], kwargs: dict[str, Any]) -> None:
+    def rule(args: list[object], kwargs: dict[str, object]) -> None:
         g, x1, x2 = (_arg(args, kwargs, i, n) for i, n in enumerate(("grad", "x1", "x2")))
         d = _arg(args, kwargs, 4, "cdist")
         if not all(hasattr(t, "shape") for t in (g, x1, x2, d)):
@@ -523,7 +528,7 @@ def _cdist_backward_rule(op: str) -> Rule:
     return rule
 
 
-def _norms_shape(op: str, v: Any, dim: Any) -> list[int]:
+def _norms_shape(op: str, v: torch.Tensor, dim: object) -> list[int]:
     """The shape of weight norm's ``g`` and norms: ``v``'s size at ``dim`` (0 or the last),
     ones elsewhere; ``-1``: one element."""
     if type(dim) is not int:
@@ -541,7 +546,7 @@ def _weight_norm_interface_rule(op: str, backward: bool) -> Rule:
     SIGSEGV) and ``grad_w`` as ``v``; an empty ``v`` divides by zero (SIGFPE)."""
     vs = ("saved_v", 1) if backward else ("v", 0)
 
-    def rule(args: list[Any], kwargs: dict[str, Any]) -> None:
+    def rule(args: list[object], kwargs: dict[str, object]) -> None:
         v = _arg(args, kwargs, vs[1], vs[0])
         if not hasattr(v, "numel"):
             return  # not a tensor: the op refuses it
@@ -573,7 +578,7 @@ def _col2im_rule(op: str, col2im: bool) -> Rule:
     for ever); ``col2im``'s input must hold as many blocks as these give (exact integers)."""
     names = ("kernel_size", "dilation", "padding", "stride")
 
-    def rule(args: list[Any], kwargs: dict[str, Any]) -> None:
+    def rule(args: list[object], kwargs: dict[str, object]) -> None:
         first = 2 if col2im else 1
         values = {}
         for i, name in enumerate(names):
@@ -615,10 +620,10 @@ def _attention_rule(op: str, positions: dict[str, int], query: str) -> Rule:
     length)``), 2 (``(batch, heads, length, length)``) with a mask of that shape, or no
     mask."""
 
-    def get(args: list[Any], kwargs: dict[str, Any], name: str) -> Any:
+    def get(args: list[object], kwargs: dict[str, object], name: str) -> Any:
         return _arg(args, kwargs, positions[name], name)
 
-    def rule(args: list[Any], kwargs: dict[str, Any]) -> None:
+    def rule(args: list[object], kwargs: dict[str, object]) -> None:
         e = get(args, kwargs, "embed_dim")
         heads = get(args, kwargs, "num_heads" if "num_heads" in positions else "num_head")
         if type(e) is not int or type(heads) is not int or e < 1 or heads < 1 or e % heads:
