@@ -117,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --remote: every forwarded op waits for the server (for comparison)",
     )
+    p.add_argument(
+        "--fallback-local",
+        action="store_true",
+        help="with --remote: if the server cannot be reached, run the program locally (said on "
+        "stderr; the run is recorded as local) instead of failing with exit status 69",
+    )
     telemetry.add_arguments(p, streaming=True)
     p.add_argument(
         "argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="the command to run, after --"

@@ -72,8 +72,15 @@ def prepare(
     remote: str | None = None,
     remote_sync: bool = False,
     gpu_activity: str | None = None,
+    fallback_local: bool = False,
 ) -> Launch:
-    """Create the run directory and the program's environment. Raises LaunchError."""
+    """Create the run directory and the program's environment. Raises LaunchError.
+
+    ``remote`` (or ``GPU_TRACE_REMOTE`` in ``environ``): the program's CUDA work is forwarded
+    there, and a server that cannot be reached stops the run before it starts
+    (:data:`SERVER_UNREACHABLE`), unless ``fallback_local``: then the program runs locally, the
+    run is recorded as local, and a note says so.
+    """
     if not argv:
         raise LaunchError("no command given: gpu-trace record [OPTIONS] -- COMMAND [ARGS...]", 2)
     environ = dict(os.environ if environ is None else environ)
@@ -84,6 +91,19 @@ def prepare(
     executable = shutil.which(argv[0], path=environ.get("PATH"))
     if executable is None:
         raise LaunchError(f"command not found: {argv[0]}", 127)
+    remote = remote or environ.get("GPU_TRACE_REMOTE") or None
+    fallback = ""
+    if remote:
+        unreachable = _unreachable(remote)
+        if unreachable and not fallback_local:
+            raise LaunchError(
+                f"cannot reach the forwarding server at {remote}: {unreachable} (nothing was "
+                "run; --fallback-local runs the program locally instead)",
+                SERVER_UNREACHABLE,
+            )
+        if unreachable:
+            fallback, remote = f"{remote}: {unreachable}", None
+            environ.pop("GPU_TRACE_REMOTE", None)
     run_id = new_run_id() if run_dir is None else Path(run_dir).name
     run_dir = Path(run_dir) if run_dir is not None else config.runs_dir() / run_id
     created = not run_dir.exists()
@@ -129,15 +149,18 @@ def prepare(
     env["GPU_TRACE_RUN_DIR"] = str(run_dir.resolve())
     env["GPU_TRACE_RUN_ID"] = run_id
     if remote:
-        from gpu_trace.runtime.protocol.addresses import parse_address
-
-        try:
-            parse_address(remote)
-        except ValueError as exc:
-            raise LaunchError(f"--remote: {exc}", 2) from None
         env["GPU_TRACE_REMOTE"] = remote
-        env["GPU_TRACE_REMOTE_SYNC"] = "1" if remote_sync else "0"
+        if remote_sync or "GPU_TRACE_REMOTE_SYNC" not in env:
+            env["GPU_TRACE_REMOTE_SYNC"] = "1" if remote_sync else "0"
         info.attrs["remote"] = remote
+    notes: list[str] = []
+    if fallback:
+        info.attrs["remote_fallback"] = fallback
+        notes.append(
+            f"WARNING: cannot reach the forwarding server at {fallback}; running the program "
+            "LOCALLY, as --fallback-local asks: its CUDA work, if any, runs on this machine, "
+            "and the run is recorded as local"
+        )
     env["GPU_TRACE_NVTX"] = mode
     # Framework patch levels: applied in the program if and when it imports the framework.
     try:
@@ -148,7 +171,6 @@ def prepare(
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(BOOT_DIR), environ.get("PYTHONPATH", "")) if p
     )
-    notes: list[str] = []
     _build_fast_range()
     if env["GPU_TRACE_TORCH"] != "off" and environ.get("GPU_TRACE_TORCH_OPS") != "kineto":
         _build_op_observer()
@@ -189,6 +211,30 @@ def prepare(
     return Launch(
         run_dir, info, [executable, *argv[1:]], env, env["GPU_TRACE_NVTX"], notes, samplers
     )
+
+
+#: `gpu-trace record`'s exit status when the forwarding server cannot be reached (sysexits.h's
+#: EX_UNAVAILABLE): the program did not run.
+SERVER_UNREACHABLE = 69
+
+
+def _unreachable(address: str) -> str:
+    """Why the server at ``address`` cannot be reached ("" if it can): a TCP connection, closed
+    at once (the server counts nothing for it). Raises LaunchError for a malformed address."""
+    from gpu_trace.runtime.protocol.addresses import parse_address
+
+    try:
+        host, port = parse_address(address)
+    except ValueError as exc:
+        raise LaunchError(f"--remote: {exc}", 2) from None
+    timeout = min(10.0, config.remote_timeout())
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return ""
+    except TimeoutError:
+        return f"no answer in {timeout:g} s"
+    except OSError as exc:
+        return str(exc.strerror or exc)
 
 
 def _save_or_refuse(info: RunInfo, run_dir: Path, *, remove: bool = False) -> None:

@@ -215,8 +215,14 @@ def describe_recording(attrs: Mapping[str, str], *, compact: bool = False) -> st
         f"started by {attrs['started_by']}; torch={attrs.get('torch', '-')}"
         f" (shapes {attrs.get('torch_shapes', 'off')}), tf={attrs.get('tf', '-')},"
         f" nvtx={attrs.get('nvtx', '-')}, nvml={nvml_full}, host={rate('host_hz')},"
-        f" remote={remote or 'off'}{_gpu_activity(attrs)}"
+        f" remote={remote or _fallback(attrs)}{_gpu_activity(attrs)}"
     )
+
+
+def _fallback(attrs: Mapping[str, str]) -> str:
+    """``off``, or why a `record --remote --fallback-local` run ran locally."""
+    fallback = attrs.get("remote_fallback")
+    return f"off (ran locally: cannot reach the server at {fallback})" if fallback else "off"
 
 
 def _gpu_activity(attrs: Mapping[str, str]) -> str:

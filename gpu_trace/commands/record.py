@@ -36,6 +36,7 @@ def cmd_record(args: argparse.Namespace) -> int:
             nvml_replay=args.nvml_replay,
             remote=args.remote,
             remote_sync=args.sync,
+            fallback_local=args.fallback_local,
             gpu_activity=args.gpu_activity,
         )
     except launch.LaunchError as exc:
