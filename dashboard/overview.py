@@ -52,7 +52,7 @@ _SHORT_PINS = """
 SELECT toString(span_id) AS id, host, pid, tid, lane, category, name, depth, start_ns, end_ns
 FROM __db__.spans
 WHERE run_id = {run:String} AND end_ns >= start_ns AND end_ns - start_ns < {cell:Int64}
-  AND (category = 'step' OR lane = 'forward/batch')
+  AND (category = 'step' OR lane IN {lanes:Array(String)})
 ORDER BY end_ns - start_ns DESC LIMIT {cap:UInt32}
 """
 #: Short steps and forwarded batches kept per run at most.
@@ -61,7 +61,8 @@ MAX_SHORT_PINS = 20_000
 MAX_CELL_PINS = 120
 #: Kinds of span always drawn as bars (up to a cap): steps and forwarded batches.
 PIN_CATEGORIES = ("step",)
-PIN_LANES = ("forward/batch",)
+#: (A batch sent while others are in flight has a lane of its own: ``forward/batch/N``.)
+PIN_LANES = ("forward/batch", *(f"forward/batch/{n}" for n in range(1, 65)))
 
 
 @dataclass
@@ -279,7 +280,9 @@ def overview(source: ReadOnlyStore, run_id: str, started_ns: int, ended_ns: int)
         grid = grid.take(pc.sort_indices(grid, [("cell", "ascending")]))
         long = source.arrow(_LONG, params)
         long = long.cast(plain(long.schema))
-        pins = source.arrow(_SHORT_PINS, {**params, "cap": MAX_SHORT_PINS})
+        pins = source.arrow(
+            _SHORT_PINS, {**params, "cap": MAX_SHORT_PINS, "lanes": list(PIN_LANES)}
+        )
         pins = pins.cast(long.schema)
         long = pa.concat_tables([long, pins]).append_column(
             "short", pa.array(np.r_[np.zeros(long.num_rows, bool), np.ones(pins.num_rows, bool)])

@@ -279,7 +279,8 @@ def tenants(source: ReadOnlyStore, run_id: str, buckets: int = 60) -> dict[str, 
                intDiv(start_ns - {lo:Int64}, {bucket:Int64}) AS b, count() AS n,
                sum(end_ns - start_ns) AS ns, max(end_ns - start_ns) AS max_ns
         FROM __db__.spans
-        WHERE run_id = {run:String} AND lane = 'server/queue' AND start_ns >= {lo:Int64}
+        WHERE run_id = {run:String} AND (lane = 'server/queue' OR startsWith(lane, 'server/queue/'))
+          AND start_ns >= {lo:Int64}
         GROUP BY prefix, b ORDER BY prefix, b
         """,
         window,

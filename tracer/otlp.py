@@ -408,7 +408,7 @@ class SpanMapper:
 
 
 def _kind(row: Row) -> int:
-    if row.lane == "forward/batch":
+    if row.lane == "forward/batch" or row.lane.startswith("forward/batch/"):
         return _SPAN_KIND_CLIENT
     if row.category == SERVER and row.lane != "server/op":
         return _SPAN_KIND_SERVER

@@ -62,7 +62,8 @@ ORDER BY lane, rank_total
 
 
 # Forwarded ops (runtime/): per op name, where the time went. Each client op span (lane
-# forward/op) is a child of its batch span, whose attrs hold the batch's send, wire and queue time;
+# forward/op) is a child of its batch span (lane forward/batch, or forward/batch/N for a batch sent
+# while others were in flight), whose attrs hold the batch's send, wire and queue time;
 # those are shared equally by the batch's ops. Execute time is the server's own op spans.
 _FORWARDING = """
 WITH batches AS (
@@ -70,7 +71,8 @@ WITH batches AS (
            toInt64OrZero(attrs['send_ns']) AS send, toInt64OrZero(attrs['wire_ns']) AS wire,
            toInt64OrZero(attrs['queue_ns']) AS queue, greatest(toInt64OrZero(attrs['ops']), 1) AS n
     FROM __db__.spans
-    WHERE run_id = {run_id:String} AND category = 'forward' AND lane = 'forward/batch'
+    WHERE run_id = {run_id:String} AND category = 'forward'
+      AND (lane = 'forward/batch' OR startsWith(lane, 'forward/batch/'))
 ),
 client AS (
     SELECT o.name AS name, count() AS count,
@@ -263,7 +265,8 @@ class RunQueries:
         totals = {k: sum(int(r[k]) for r in rows) for k in keys}
         extra = self.query(
             """
-            SELECT countIf(lane = 'forward/batch'), sumIf(end_ns - start_ns, lane = 'forward/wait')
+            SELECT countIf(lane = 'forward/batch' OR startsWith(lane, 'forward/batch/')),
+                   sumIf(end_ns - start_ns, lane = 'forward/wait')
             FROM __db__.spans WHERE run_id = {run_id:String} AND category = 'forward'
             """,
             {"run_id": run_id},

@@ -13,7 +13,7 @@ between the CPU and the remote device, puts the moved tensor into the same param
 (``torch.utils.swap_tensors``: its class, attributes and tensor are exchanged, its identity is
 kept), with its gradient moved too. The parameter's other holders (a second module, an optimizer)
 then see the moved one, and ``_apply`` finds it already moved (a no-op) where it meets it again.
-Where a parameter cannot be swapped (a weak reference to it, or a graph still holding it), the
+Where a parameter cannot be swapped (a weak reference to it, another holder of its tensor), the
 move is left to ``_apply`` and each of that parameter's holders is then given the one new
 parameter, so ties hold even then. Buffers are moved as ``_apply`` moves them (on a GPU too, a
 buffer two modules share becomes two).

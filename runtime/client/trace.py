@@ -1,11 +1,15 @@
 """Tracing of forwarded calls: client spans, server spans brought home, clock sync.
 
 For every batch the client records, in the active run (lanes ``forward/...``, category
-``forward``): the ``batch`` span from its first op's issue to its DONE, its ``serialize`` and
-``send`` spans, one span per op (``forward/op``, named by the op, lasting as long as the client
-spent issuing it) and ``wait`` spans where the program blocked at a sync point. The batch span's
-attrs hold its breakdown: ``client_ns`` (issuing, serializing and sending), ``wire_ns`` (the round
-trip minus the server's time), ``queue_ns`` and ``execute_ns``.
+``forward``): the ``batch`` span from its first op's issue to its DONE (or to the end of its send,
+if that is noted later), its ``serialize`` and ``send`` spans, one span per op (``forward/op``,
+named by the op, lasting as long as the client spent issuing it) and ``wait`` spans where the
+program blocked at a sync point. A batch span goes on the first of ``forward/batch``,
+``forward/batch/1``, ``/2``... whose spans have all ended when it begins (:meth:`ClientTrace.lane`:
+batches in flight at once overlap), so the spans of one lane never overlap, and each batch's
+children lie inside it. The batch span's attrs hold its breakdown: ``client_ns`` (issuing,
+serializing and sending), ``wire_ns`` (the round trip minus the server's time), ``queue_ns`` and
+``execute_ns``.
 
 The server's spans (``server/receive``, ``server/queue``, ``server/execute``, ``server/op``,
 ``server/reply``; category ``server``) are children of the batch span: its id travels in the
@@ -14,7 +18,8 @@ client's run under the server's host and pid, on the server's clock (the spool n
 ``clock_peer``), with the server's GPU activity (kernels under its ops, an Arrow field of the
 message); ingest maps them onto the client's clock with a
 :class:`~gpu_trace.tracer.clocksync.ClockModel` fitted to the run's ``clock_sync`` rows (the
-exchanges measured at connect and with every heartbeat). Each keeps its raw server times in attrs
+exchanges measured at connect and with every heartbeat, and each heartbeat interval's batch round
+trip with the least time on the wire). Each keeps its raw server times in attrs
 ``raw_start_ns``/``raw_end_ns`` next to the ``clock_offset_ns`` and ``clock_uncertainty_ns``
 applied. A server with a shared store (``gpu-trace serve --store``) keeps its spans itself: the
 client sends it the clock-sync exchanges instead (CLOCK messages), see
@@ -30,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from gpu_trace.runtime.protocol.span_tables import (
     counter_table,
     decode_tables,
+    slot_lane,
     span_table,
     write_stats,
 )
@@ -47,6 +53,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_SAMPLES = 2000
+#: The batch spans' lane; a batch that began while others were in flight: ``forward/batch/N``.
+BATCH_LANE = "forward/batch"
 
 
 class Peer(Protocol):
@@ -81,6 +89,8 @@ class ClientTrace:
         self._server: list[dict[str, Any]] = []
         self._writer: SpoolWriter | None = None
         self._server_events = 0
+        self._lane_ends: list[int] = []  # per batch lane, the end of its last span
+        self._best_batch: Sample | None = None
 
     def identity(self) -> dict[str, str]:
         if self.rec is None:
@@ -122,6 +132,36 @@ class ClientTrace:
             del self.samples[:-MAX_SAMPLES]
             self._model = None
 
+    def _clock_candidate(self, raw: tuple[int, int, int, int]) -> None:
+        """A batch's round trip is a clock exchange too: the server read it after the client
+        began sending it and replied before the client read the DONE. The one of each
+        heartbeat interval with the least time on the wire is kept (:meth:`_batch_clock`)."""
+        sample = Sample(*raw)
+        if sample.problem() is None and (
+            self._best_batch is None or sample.rtt_ns < self._best_batch.rtt_ns
+        ):
+            self._best_batch = sample
+
+    def _batch_clock(self) -> None:
+        """Record the interval's best batch exchange as a clock sample (``clock_sync``), beside
+        the pings': a busy server answers pings late, and batches cover the whole run."""
+        best, self._best_batch = self._best_batch, None
+        rec = self.rec
+        if best is None or rec is None:
+            return
+        try:
+            rec.add_clock_sample(
+                self.conn.server_host, best.ts_ns, best.offset_ns, best.rtt_ns, best.uncertainty_ns
+            )
+            if self.conn.server_sink != "return":
+                self.conn.send_clock([(best.t0, best.t1, best.t2, best.t3)])
+        except Exception:  # never break the program over tracing
+            log.debug("gpu-trace: recording a batch's clock sample failed", exc_info=True)
+        with self._lock:
+            self.samples.append(best)
+            del self.samples[:-MAX_SAMPLES]
+            self._model = None
+
     def model(self) -> ClockModel | None:
         with self._lock:
             if self._model is None and self.samples:
@@ -133,12 +173,22 @@ class ClientTrace:
 
     # ---- client spans ----------------------------------------------------------------------------
 
+    def lane(self, start: int, end: int) -> str:
+        """The lane of a batch span ``[start, end]``: batches in flight at once overlap, so
+        each then has a lane of its own (:func:`~gpu_trace.runtime.protocol.span_tables.slot_lane`)."""
+        with self._lock:
+            return slot_lane(self._lane_ends, BATCH_LANE, start, end)
+
     def batch_done(self, batch: Batch, t_done: int, server_t: Any, failed: bool) -> None:
         rec = self.rec
         if not self.enabled or rec is None or recorder.active is not rec:
             return
         buf = rec.buffer()
         sid = batch.span_id
+        # The batch holds its ops (another thread's op may have begun before its first was
+        # appended) and its send (the DONE can be read before the sender has noted the end).
+        start = min(batch.t_first, batch.t_serialize, *(r.t0 for r in batch.records))
+        end = max(t_done, batch.t_sent)
         client_ns = sum(r.t1 - r.t0 for r in batch.records) + (batch.t_sent - batch.t_serialize)
         attrs = {
             "seq": str(batch.seq),
@@ -154,12 +204,13 @@ class ClientTrace:
         ):
             recv0, recv1, exec0, exec1, reply0 = server_t
             attrs["wire_ns"] = str(max(0, (t_done - batch.t_send) - (reply0 - recv0)))
+            self._clock_candidate((batch.t_send, recv0, reply0, t_done))
             attrs["queue_ns"] = str(max(0, exec0 - recv1))
             attrs["execute_ns"] = str(max(0, exec1 - exec0))
         if failed:
             attrs["error"] = "1"
         add = buf.add_span
-        add((sid, 0, "forward/batch", FORWARD, "batch", batch.t_first, t_done, 0, attrs))
+        add((sid, 0, self.lane(start, end), FORWARD, "batch", start, end, 0, attrs))
         add(
             (
                 self.new_span_id(),
@@ -214,7 +265,9 @@ class ClientTrace:
                 self._server.append(msg)
 
     def flush(self) -> None:
-        """Write the server spans received so far into the run (heartbeat thread and close)."""
+        """Write the server spans received so far into the run, and the interval's best batch
+        clock sample (heartbeat thread and close)."""
+        self._batch_clock()
         with self._lock:
             pending, self._server = self._server, []
         if not pending or self.rec is None:

@@ -31,6 +31,19 @@ SERVER_THREADS = {"1": "receive", "2": "executor"}
 THREAD_CATEGORIES = ("cuda_api", "cuda_sync")
 
 
+def slot_lane(ends: list[int], lane: str, start: int, end: int) -> str:
+    """The lane of a span ``[start, end]`` of a kind that may overlap itself (batches in
+    flight, batches queued): ``lane``, else the first of ``lane/1``, ``lane/2``... whose spans
+    all ended by ``start``, so that no lane holds two spans that overlap. ``ends``: each of
+    those lanes' latest end, kept by the caller (one list per kind) and updated here."""
+    for i, last in enumerate(ends):
+        if last <= start:
+            ends[i] = max(last, end)
+            return f"{lane}/{i}" if i else lane
+    ends.append(end)
+    return f"{lane}/{len(ends) - 1}" if len(ends) > 1 else lane
+
+
 def span_table(spans: list[list[Any]], pid: int, new_id: Any) -> pa.Table:
     """TRACE/SpanLog spans ``[id, parent, lane, name, start, end, attrs]`` as a spool table.
 
@@ -50,7 +63,7 @@ def span_table(spans: list[list[Any]], pid: int, new_id: Any) -> pa.Table:
         rows.append(
             (span_id or new_id(), parent_id, span_lane, SERVER, span_name, t0, t1, depth, a)
         )
-        tids.append(SERVER_TIDS.get(span_lane, 2))
+        tids.append(SERVER_TIDS.get(span_lane, 2))  # server/queue/N too
     return spans_to_table(rows, pid, tids)
 
 

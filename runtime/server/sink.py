@@ -35,6 +35,7 @@ from gpu_trace.runtime.protocol.span_tables import (
     clock_table,
     counter_table,
     encode_tables,
+    slot_lane,
     span_table,
     write_stats,
 )
@@ -94,7 +95,10 @@ def record_batch(
         parent = int(parsed[1], 16) if parsed else 0
     seq = {"seq": str(head.get("seq"))}
     span(new_id(), parent, "server/receive", "receive", recv[0], recv[1], seq)
-    span(new_id(), parent, "server/queue", "queue", recv[1], exec_start, seq)
+    wait = (recv[1], exec_start)
+    # Batches waiting at once would overlap on one lane: each waits on the first free one.
+    queue = slot_lane(slog.lane_ends.setdefault("server/queue", []), "server/queue", *wait)
+    span(new_id(), parent, queue, "queue", *wait, seq)
     execute = {**seq, "ops": str(len(op_spans))}
     span(execute_id, parent, "server/execute", "execute", exec_start, exec_end, execute)
     if activity is None:

@@ -289,6 +289,9 @@ class SpanLog:
         self.spans: list[list[Any]] = []
         self.counters: list[list[Any]] = []
         self.last_sent_ns = 0
+        #: Per kind of span that can overlap itself (``server/queue``), each of its lanes'
+        #: latest end (``span_tables.slot_lane``).
+        self.lane_ends: dict[str, list[int]] = {}
         # GPU activity spans (Arrow tables), added by the server's conversion thread
         # (device_activity.py).
         self._tables: list[object] = []
