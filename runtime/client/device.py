@@ -165,6 +165,8 @@ def _forked() -> None:
     """In a forked child: the parent's session is the parent's. The child has no remote device
     unless it connects itself (as CUDA in a child forked after the parent used it); a session
     not opened yet (:func:`defer`) stays to be opened, by the child, at its first use."""
+    global _opening
+    _opening = threading.Lock()  # a parent's thread may have held it: it is not here to let go
     c = rt.conn
     if c is None:
         return
