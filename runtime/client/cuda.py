@@ -43,7 +43,8 @@ _properties_cache: dict[int, DeviceProperties] = {}  # by connection epoch
 
 
 def install_from_env() -> None:
-    """Called at interpreter start when ``GPU_TRACE_REMOTE`` is set; connects once torch loads."""
+    """Called at interpreter start when ``GPU_TRACE_REMOTE`` is set: transparent mode once torch
+    loads (:func:`_start`)."""
     from gpu_trace import config
     from gpu_trace._imports import when_imported
 
