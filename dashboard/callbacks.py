@@ -15,6 +15,7 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from dash import ALL, Dash, Input, Output, Patch, State, ctx, no_update
+from dash.exceptions import PreventUpdate
 
 from gpu_trace.dashboard import figures, gpu_work, panels, reports, timeline
 from gpu_trace.dashboard.layout import TABS
@@ -240,15 +241,35 @@ def register(app: Dash, source: ReadOnlyStore) -> None:
         Output("compare-a", "options"),
         Output("compare-b", "options"),
         Output("runs-message", "children"),
+        Output("runs-stamp", "data"),
         Input("runs-search", "value"),
         Input("runs-status", "value"),
+        Input("runs-refresh", "n_intervals"),
         State("run", "value"),
+        State("runs-stamp", "data"),
     )
-    def list_runs(search: str | None, status: str | None, current: str | None) -> tuple:
+    def list_runs(
+        search: str | None, status: str | None, _tick: int | None, current: str | None,
+        shown_stamp: str | None,
+    ) -> tuple:  # fmt: skip
+        """The run list, the run picker and compare's pickers; on the page's periodic tick only
+        when the store's runs changed since the list shown (no query while an embedded store is
+        held, one small one on a server), and never waiting for a store another process holds."""
+        stamp: Any = no_update
+        if ctx.triggered_id == "runs-refresh":
+            try:
+                stamp = source.runs_stamp(timeout_s=0)
+            except Exception:
+                raise PreventUpdate from None  # busy or down: the next tick asks again
+            if stamp == shown_stamp:
+                raise PreventUpdate
+        else:
+            with contextlib.suppress(Exception):
+                stamp = source.runs_stamp()
         try:
             runs = source.runs(limit=500, search=search or None)
         except Exception as exc:
-            return [], [], [], [], _fail(exc)
+            return [], [], [], [], _fail(exc), no_update
         shown = [r for r in runs if not status or r.get("status") == status]
         opts = [_run_option(r) for r in runs]
         note = (
@@ -261,7 +282,7 @@ def register(app: Dash, source: ReadOnlyStore) -> None:
             # The run on screen stays in the picker (an old one, or one a search left out).
             with contextlib.suppress(Exception):
                 picker = [_run_option(timeline.run(source, current)), *opts]
-        return panels.runs_table(shown), picker, opts, opts, note
+        return panels.runs_table(shown), picker, opts, opts, note, stamp
 
     @app.callback(
         *[Output(f"panel-{v}", "style") for v, _ in TABS],

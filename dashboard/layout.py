@@ -12,6 +12,9 @@ from dash import dcc, html, no_update
 
 from gpu_trace.dashboard import panels
 
+#: How often an open page asks whether runs were stored, updated or removed (milliseconds).
+RUNS_REFRESH_MS = 3000
+
 TABS = (
     ("runs", "Runs"),
     ("timeline", "Timeline"),
@@ -72,6 +75,10 @@ def page(store_display: str, view: dict[tuple[str, str], Any] | None = None) -> 
                                   ("finished", "failed", "killed", "running", "unknown")],
                          style={"width": "14em", "display": "inline-block"}),
             html.Div(id="runs-table"),
+            # New runs appear in the list and the run picker while the page stays open: the
+            # list is asked again when the store's runs changed (callbacks.list_runs).
+            dcc.Interval(id="runs-refresh", interval=RUNS_REFRESH_MS),
+            dcc.Store(id="runs-stamp"),
         ],
         tab == "runs",
     )  # fmt: skip

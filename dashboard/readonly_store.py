@@ -6,9 +6,16 @@ is (:mod:`gpu_trace.tracer.query_guard`: ClickHouse's parser, reads of the store
 checked once per template; and with ``enforce_readonly`` (what ``gpu-trace ui`` uses) the engine
 itself is switched to ``readonly=1`` for this process once the store is open.
 
-chDB lets one process open a store directory (docs/schema.md), and the web server answers requests
-on several threads, so one connection is shared behind a lock. A store that can't be opened (a
-server that is down, a directory another process holds) is retried on the next request; the
+The web server answers requests on several threads, so one connection is shared behind a lock.
+chDB lets one process at a time open a store directory (docs/schema.md), and the dashboard stays
+open for hours while `record`, `ls`, `import` and the rest come and go: so the dashboard keeps an
+embedded store open only until another gpu-trace process asks for it (a process waiting for the
+store says so: :func:`~gpu_trace.tracer.store.others_waiting`). A watcher thread sees that within
+:data:`YIELD_POLL_S`, waits for the query running, and closes the store; the next request opens
+it again, after whoever was waiting (docs/dashboard.md, "A dashboard that stays open"). Each open
+counts in :attr:`ReadOnlyStore.opens`: while it is unchanged nobody else has written, so
+:meth:`ReadOnlyStore.runs_stamp` answers without a query. A store that can't be opened (a server
+that is down, a directory another process holds too long) is retried on the next request; the
 message says why in one line, and the page shows it.
 
 The store's reads the dashboard needs (:class:`~gpu_trace.tracer.reads.RunQueries`) are typed
@@ -25,8 +32,9 @@ from typing import Any, TypeVar
 
 import pyarrow as pa
 
+from gpu_trace import config
 from gpu_trace.tracer import gpu_reads
-from gpu_trace.tracer.store import Store, StoreError
+from gpu_trace.tracer.store import Store, StoreError, others_waiting, parse_dsn
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +44,16 @@ T = TypeVar("T")
 
 #: Seconds between attempts to open a store that failed to open.
 RETRY_S = 2.0
+#: Seconds between the watcher's looks for another process waiting for an embedded store.
+YIELD_POLL_S = 0.05
 
 
 class ReadOnlyStore:
-    """A lazily opened, shared, read-only store. ``ReadOnlyStore(store=...)`` wraps an open one."""
+    """A lazily opened, shared, read-only store. ``ReadOnlyStore(store=...)`` wraps an open one.
+
+    An embedded (chDB) store it opens itself is given up whenever another gpu-trace process waits
+    to open it (see the module's docstring); one passed in is never closed here.
+    """
 
     def __init__(
         self,
@@ -58,30 +72,87 @@ class ReadOnlyStore:
         self._problem = ""
         self.cache: dict[tuple, Any] = {}
         self._checked: set[str] = set()  # templates that passed the read-only check
+        #: How many times the store was opened here (a change means it was given up between).
+        self.opens = 0
+        #: How many times it was given up to another process.
+        self.yields = 0
+        self._stamp: tuple[int, str] | None = None  # (opens, runs_stamp) while nobody else wrote
+        self._path = _chdb_path(dsn) if store is None else None
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     def display(self) -> str:
         if self._store is not None:
             return self._store.target.display()
         return self.dsn or "the default store"
 
-    def store(self) -> Store:
-        """The open store; StoreError (one line) if it can't be opened."""
+    def store(self, timeout_s: float | None = None) -> Store:
+        """The open store; StoreError (one line) if it can't be opened. ``timeout_s``: how long
+        to wait for another process holding an embedded store (default: ``lock_timeout_s``); an
+        embedded store found busy by a shorter wait is not remembered as its problem."""
         with self._lock:
             if self._store is not None:
                 return self._store
-            if self._problem and time.monotonic() - self._failed_at < RETRY_S:
+            now = time.monotonic()
+            if self._problem and now - self._failed_at < RETRY_S:
                 raise StoreError(self._problem)
+            wait = self._lock_timeout_s if timeout_s is None else timeout_s
             try:
-                store = Store(self.dsn, lock_timeout_s=self._lock_timeout_s)
+                if self._path:
+                    # Whoever made us give the store up goes first (else each request of ours
+                    # would take it back before the waiting process looks again).
+                    while others_waiting(self._path):
+                        if time.monotonic() - now >= wait:
+                            raise StoreError(
+                                f"the store {self._path} is in use by another gpu-trace process"
+                            )
+                        time.sleep(YIELD_POLL_S)
+                left = max(0.0, wait - (time.monotonic() - now))
+                store = Store(self.dsn, lock_timeout_s=left)
             except StoreError as exc:
-                self._problem, self._failed_at = str(exc), time.monotonic()
+                if timeout_s is None or not self._path:
+                    self._problem, self._failed_at = str(exc), time.monotonic()
                 raise
             if self._enforce:
                 # From here on the engine refuses writes from this process (chDB keeps the setting
                 # for the session; a server applies it per query below).
                 store.set_readonly()
             self._store, self._problem = store, ""
+            self.opens += 1
+            if self._path and self._watcher is None:
+                self._stop = threading.Event()
+                self._watcher = threading.Thread(
+                    target=self._watch, args=(self._stop,), name="gpu-trace-ui-store", daemon=True
+                )
+                self._watcher.start()
             return store
+
+    def _watch(self, stop: threading.Event) -> None:
+        """Give the embedded store up whenever another process waits for it (until ``stop``)."""
+        assert self._path
+        while not stop.wait(YIELD_POLL_S):
+            if self._store is None or not others_waiting(self._path):
+                continue
+            with self._lock:  # after the query running
+                if self._store is None:
+                    continue
+                self._store.close()
+                self._store = None
+                self.yields += 1
+            log.debug("gpu-trace: store %s given up to a waiting process", self._path)
+
+    def runs_stamp(self, timeout_s: float | None = None) -> str:
+        """:meth:`Store.runs_stamp <gpu_trace.tracer.reads.RunQueries.runs_stamp>`: changes
+        when runs are stored, updated or removed. An embedded store held since the last answer
+        has not been written by anyone else: the same answer, without a query."""
+        with self._lock:
+            held = self._path and self._store is not None and self._stamp is not None
+            if held and self._stamp is not None and self._stamp[0] == self.opens:
+                return self._stamp[1]
+            store = self.store(timeout_s)
+            stamp = store.runs_stamp()
+            self._stamp = (self.opens, stamp)
+            return stamp
 
     def _check(self, store: Store, template: str, params: dict[str, Any] | None) -> None:
         """Refuse a template that is not a read of the store's tables (once per template: a
@@ -177,7 +248,21 @@ class ReadOnlyStore:
         return value
 
     def close(self) -> None:
+        """Close the store (a later read opens it again) and stop the watcher."""
+        self._stop.set()
         with self._lock:
             if self._store is not None:
                 self._store.close()
                 self._store = None
+            watcher, self._watcher = self._watcher, None
+        if watcher is not None and watcher is not threading.current_thread():
+            watcher.join(timeout=5)
+
+
+def _chdb_path(dsn: str | None) -> str | None:
+    """The directory of an embedded store's DSN (None for a server, memory or a bad DSN)."""
+    try:
+        target = parse_dsn(config.store_dsn(dsn))
+    except ValueError:
+        return None
+    return target.path if target.kind == "chdb" and target.path else None

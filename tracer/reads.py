@@ -19,7 +19,8 @@ INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
 
 _RUN_COLUMNS = (
-    "run_id, trace_id, started_ns, ended_ns, started_wall_ns, command, hosts, status, attrs"
+    "run_id, trace_id, started_ns, ended_ns, started_wall_ns, command, hosts, status, attrs,"
+    " stored_ns"
 )
 
 SPAN_COLUMNS = "trace_id, span_id, parent_span_id, host, pid, tid, lane, category, name, start_ns, end_ns, depth, attrs"
@@ -179,14 +180,32 @@ class RunQueries:
     def _recent_ids(self, n: int = 5) -> list[str]:
         return [r["run_id"] for r in self.runs(limit=n)]
 
+    def last_run(self) -> str | None:
+        """The run stored most recently (recorded, imported or ingested; ``stored_ns``), None
+        when there is none. Not the newest start: an imported old trace is ``last`` once stored."""
+        rows = self.query(
+            "SELECT run_id FROM __db__.runs FINAL"
+            " ORDER BY stored_ns DESC, started_wall_ns DESC, run_id DESC LIMIT 1"
+        ).result_rows
+        return str(rows[0][0]) if rows else None
+
+    def runs_stamp(self) -> str:
+        """A short text that changes whenever a run is stored, updated or removed (the
+        dashboard's run list asks it before reading the list again)."""
+        count, updated, stored = self.query(
+            "SELECT count(), max(updated_ns), max(stored_ns) FROM __db__.runs FINAL"
+        ).result_rows[0]
+        return f"{int(count)}:{int(updated)}:{int(stored)}"
+
     def resolve_run(self, ref: str) -> str:
-        """A run id from a full id, a unique prefix of one, or ``last`` (the newest run)."""
+        """A run id from a full id, a unique prefix of one, or ``last`` (the run stored most
+        recently: :meth:`last_run`)."""
         ref = (ref or "").strip()
         if ref == "last":
-            recent = self._recent_ids(1)
-            if not recent:
+            last = self.last_run()
+            if last is None:
                 raise UnknownRunError("there are no runs in the store yet")
-            return recent[0]
+            return last
         if ref:
             exact = self.query(
                 "SELECT run_id FROM __db__.runs WHERE run_id = {ref:String} LIMIT 1", {"ref": ref}

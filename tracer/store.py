@@ -10,9 +10,14 @@ imports ingest. Every value reaches the server as a ``{name:Type}`` query parame
 names put into SQL text are the database and cluster, checked against a strict identifier pattern
 first.
 
-chDB keeps one store directory to one process at a time (ClickHouse locks ``<dir>/status``); a
-second process gets :class:`StoreError` naming the process that holds it, after waiting up to
-``lock_timeout_s`` for it to let go.
+chDB keeps one store directory to one process at a time (ClickHouse locks ``<dir>/status`` while
+the engine runs, and the engine runs while a connection to the directory is open). A process that
+finds the store held waits up to ``lock_timeout_s`` for it, saying so (:func:`others_waiting`: the
+dashboard, which holds the store between requests, gives it up then), and gets
+:class:`StoreError` naming the holder if it is not let in.
+
+The schema grows by columns added with a default (:data:`ADDED_COLUMNS`): a store made by an
+older version gets them at its next open (``ALTER TABLE ... ADD COLUMN``), its rows unchanged.
 """
 
 from __future__ import annotations
@@ -49,7 +54,9 @@ __all__ = [
     "Target",
     "parse_dsn",
     "schema_ddl",
+    "migration_ddl",
     "check_writable",
+    "others_waiting",
 ]
 
 DEFAULT_DATABASE = "gpu_trace"
@@ -141,7 +148,7 @@ TABLES: dict[str, tuple[str, str, str, str]] = {
     "runs": (
         "run_id String, trace_id String, started_ns Int64, ended_ns Int64, started_wall_ns Int64,"
         " command String, hosts Array(String), status LowCardinality(String),"
-        " attrs Map(String, String), updated_ns Int64",
+        " attrs Map(String, String), updated_ns Int64, stored_ns Int64 DEFAULT updated_ns",
         "ReplacingMergeTree(updated_ns)",
         "run_id",
         "cityHash64(run_id)",
@@ -187,6 +194,16 @@ TABLES: dict[str, tuple[str, str, str, str]] = {
 }
 
 
+#: Columns added to a table after stores were made without them: (table, column, its definition
+#: as in :data:`TABLES`). A store without one gets it when opened; rows stored before read the
+#: default (docs/schema.md, "How the schema changes").
+ADDED_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    # When the run first reached the store (wall clock): what `last` means. Rows from before it
+    # read their last upsert's time.
+    ("runs", "stored_ns", "Int64 DEFAULT updated_ns"),
+)
+
+
 def schema_ddl(database: str = DEFAULT_DATABASE, cluster: str | None = None) -> list[str]:
     """The statements that create the database and tables, in order; all ``IF NOT EXISTS``.
 
@@ -209,6 +226,25 @@ def schema_ddl(database: str = DEFAULT_DATABASE, cluster: str | None = None) -> 
             out.append(
                 f"CREATE TABLE IF NOT EXISTS {database}.{name}{on} AS {database}.{local} "
                 f"ENGINE = Distributed('{cluster}', '{database}', '{local}', {shard_key})"
+            )
+    return out
+
+
+def migration_ddl(
+    missing: Iterable[tuple[str, str]], database: str = DEFAULT_DATABASE, cluster: str | None = None
+) -> list[str]:
+    """The statements that add the :data:`ADDED_COLUMNS` named in ``missing`` ((table, column)
+    pairs a store lacks), in order; with a cluster, to each node's local table and to the
+    Distributed table over them."""
+    on = f" ON CLUSTER `{cluster}`" if cluster else ""
+    wanted = set(missing)
+    out = []
+    for table, column, definition in ADDED_COLUMNS:
+        if (table, column) not in wanted:
+            continue
+        for name in (f"{table}_local", table) if cluster else (table,):
+            out.append(
+                f"ALTER TABLE {database}.{name}{on} ADD COLUMN IF NOT EXISTS {column} {definition}"
             )
     return out
 
@@ -351,6 +387,40 @@ def _opening(path: str, timeout_s: float) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
+#: Beside chDB's own files: shared-locked by every gpu-trace process waiting to open the store.
+WAITING_LOCK = ".gpu-trace-waiting.lock"
+#: Seconds between looks at a held store by a process waiting for it.
+WAIT_POLL_S = 0.05
+
+
+def others_waiting(path: str) -> bool:
+    """Whether another process is waiting to open the chDB directory ``path`` (the dashboard,
+    which keeps the store open between requests, gives it up when this is true)."""
+    try:
+        fd = os.open(Path(path) / WAITING_LOCK, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    else:
+        return False
+    finally:
+        os.close(fd)  # releases the lock, if taken
+
+
+def _say_waiting(path: str) -> int:
+    """Take a shared lock on the store's :data:`WAITING_LOCK` (held until the fd is closed)."""
+    fd = os.open(Path(path) / WAITING_LOCK, os.O_RDONLY | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while someone looks (a moment)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _connect(target: Target, *, lock_timeout_s: float) -> Client:
     import clickhouse_connect
 
@@ -374,26 +444,36 @@ def _connect(target: Target, *, lock_timeout_s: float) -> Client:
         if problem:
             raise StoreError(problem)
     deadline = time.monotonic() + lock_timeout_s
-    while True:
-        with _opening(target.path, lock_timeout_s) if target.path else contextlib.nullcontext():
-            holder = lock_holder(target.path) if target.path else None
-            if holder is None:
-                try:
-                    return clickhouse_connect.get_client(interface="chdb", path=target.path or None)
-                except Exception as exc:
-                    holder = lock_holder(target.path) if target.path else None
-                    if holder is None:
-                        raise StoreError(
-                            f"cannot open the store {target.display()}: {_first_line(exc)}"
-                        ) from exc
-        if time.monotonic() >= deadline:
-            raise StoreError(
-                f"the store {target.path} is in use by {holder}; chDB lets one process open a store "
-                "directory at a time. Stop that process, or point GPU_TRACE_STORE at a ClickHouse "
-                "server (http://user:password@host:8123)"
-            )
-        log.info("gpu-trace: store %s is in use by %s; waiting", target.path, holder)
-        time.sleep(0.2)
+    waiting = -1  # the fd of our shared lock on WAITING_LOCK while we wait for the store
+    try:
+        while True:
+            with _opening(target.path, lock_timeout_s) if target.path else contextlib.nullcontext():
+                holder = lock_holder(target.path) if target.path else None
+                if holder is None:
+                    try:
+                        return clickhouse_connect.get_client(
+                            interface="chdb", path=target.path or None
+                        )
+                    except Exception as exc:
+                        holder = lock_holder(target.path) if target.path else None
+                        if holder is None:
+                            raise StoreError(
+                                f"cannot open the store {target.display()}: {_first_line(exc)}"
+                            ) from exc
+            if time.monotonic() >= deadline:
+                raise StoreError(
+                    f"the store {target.path} is in use by {holder}; chDB lets one process open a "
+                    "store directory at a time. Stop that process, or point GPU_TRACE_STORE at a "
+                    "ClickHouse server (http://user:password@host:8123)"
+                )
+            if waiting < 0:
+                # Said until we have the store: a dashboard holding it gives it up.
+                waiting = _say_waiting(target.path)
+                log.info("gpu-trace: store %s is in use by %s; waiting", target.path, holder)
+            time.sleep(WAIT_POLL_S)
+    finally:
+        if waiting >= 0:
+            os.close(waiting)
 
 
 class Store(RunQueries):
@@ -425,6 +505,8 @@ class Store(RunQueries):
         try:
             for statement in ddl:
                 self.client.command(statement)
+            for statement in migration_ddl(self._missing_columns(), self.database, self.cluster):
+                self.client.command(statement)
             self.client.database = self.database
         except Exception as exc:
             self.client.close()
@@ -434,6 +516,26 @@ class Store(RunQueries):
 
     def __repr__(self) -> str:
         return f"Store({self.target.display()!r})"
+
+    def _missing_columns(self) -> list[tuple[str, str]]:
+        """The (table, column) pairs of :data:`ADDED_COLUMNS` this store's tables lack."""
+        tables = sorted({t for t, _, _ in ADDED_COLUMNS})
+        if self.cluster:
+            tables += [f"{t}_local" for t in tables]
+        found = {
+            (str(table), str(name))
+            for table, name in self.client.query(
+                "SELECT table, name FROM system.columns"
+                " WHERE database = {db:String} AND table IN {tables:Array(String)}",
+                parameters={"db": self.database, "tables": tables},
+            ).result_rows
+        }
+        return [
+            (table, column)
+            for table, column, _ in ADDED_COLUMNS
+            if (table, column) not in found
+            or (self.cluster and (f"{table}_local", column) not in found)
+        ]
 
     # ---- lifetime ---------------------------------------------------------------------------------
 
@@ -545,7 +647,14 @@ class Store(RunQueries):
     # ---- writing ----------------------------------------------------------------------------------
 
     def upsert_run(self, info: RunInfo) -> None:
-        """Insert or replace the ``runs`` row of a run."""
+        """Insert or replace the ``runs`` row of a run. Its ``stored_ns`` is the time the run
+        first reached the store, kept by later upserts (``last`` is the run stored last)."""
+        now = time.time_ns()
+        stored = self.query(
+            "SELECT min(stored_ns) FROM __db__.runs WHERE run_id = {run_id:String} AND stored_ns > 0",
+            {"run_id": info.run_id},
+        ).result_rows
+        stored_ns = int(stored[0][0]) if stored and stored[0][0] else now
         attrs = {str(k): str(v) for k, v in info.attrs.items()}
         wall = 0  # unknown without the run's clock anchor
         with contextlib.suppress(KeyError, ValueError):
@@ -562,7 +671,8 @@ class Store(RunQueries):
             [str(h) for h in info.hosts],
             info.status,
             attrs,
-            time.time_ns(),
+            now,
+            stored_ns,
         ]
         columns = [
             "run_id",
@@ -575,6 +685,7 @@ class Store(RunQueries):
             "status",
             "attrs",
             "updated_ns",
+            "stored_ns",
         ]
         self.insert_rows("runs", columns, [row])
 

@@ -10,6 +10,11 @@ from gpu_trace import config
 from gpu_trace.commands import CLIError, check_settings, err, telemetry
 from gpu_trace.commands.runs import release_line, store_module
 
+#: record's exit status when the program succeeded but its run could not be stored (sysexits'
+#: EX_TEMPFAIL: the spool is kept, and `gpu-trace ingest DIR` stores it later). A program's own
+#: non-zero status wins over it.
+NOT_STORED = 75
+
 
 def cmd_record(args: argparse.Namespace) -> int:
     from gpu_trace import launch
@@ -50,22 +55,22 @@ def cmd_record(args: argparse.Namespace) -> int:
         raise CLIError(str(exc), exc.exit_code) from None
     finally:
         telemetry.finish_stream(stream)
-    finish_run(
+    stored = finish_run(
         prepared.run_dir,
         dsn,
         ingest=not args.no_ingest,
         save_error=prepared.save_error,
         keep_spool=args.keep_spool,
     )
-    return code
+    return code if code != 0 or stored else NOT_STORED
 
 
 def finish_run(
     run_dir: Path, dsn: str, *, ingest: bool, save_error: str = "", keep_spool: bool | None = None
-) -> None:
+) -> bool:
     """Ingest the run, remove its spool once the store is checked to hold it (unless
-    ``keep_spool`` or GPU_TRACE_KEEP_SPOOL), and print the closing line (the program's exit
-    status is not changed)."""
+    ``keep_spool`` or GPU_TRACE_KEEP_SPOOL), and print the closing line. False when the run was
+    to be stored and could not be (the line says so, and how to store it later)."""
     from gpu_trace.tracer.ingest import ingest as ingest_run
     from gpu_trace.tracer.retention import release_spool
     from gpu_trace.tracer.run import RunInfo, read_stats
@@ -79,7 +84,7 @@ def finish_run(
         err(
             f"run {info.run_id}: {fmt.count(events)} events, {fmt.count(dropped)} dropped, spooled in {run_dir} (not ingested: gpu-trace ingest {run_dir}){disk}"
         )
-        return
+        return True
     store_mod = store_module()
     try:
         with store_mod.Store(dsn) as store:
@@ -92,12 +97,13 @@ def finish_run(
         err(
             f"run {info.run_id}: {fmt.count(events)} events, {fmt.count(dropped)} dropped, NOT stored: {exc}{disk}; the spool is kept: load it later with gpu-trace ingest {run_dir}"
         )
-        return
+        return False
     for problem in report.problems:
         err(problem)
     err(
         f"run {info.run_id}: {fmt.count(report.rows_total)} events, {fmt.count(dropped)} dropped, stored in {dsn}{disk}{spool}"
     )
+    return True
 
 
 def _write_trouble(run_dir: Path, stats: list[dict], save_error: str) -> str:

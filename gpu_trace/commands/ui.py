@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from gpu_trace.commands import CLIError, echo, err
-from gpu_trace.commands.record import finish_run
+from gpu_trace.commands.record import NOT_STORED, finish_run
 from gpu_trace.commands.runs import checked_dsn, render_summary, store_module
 
 #: The sample run the demo's dashboard opens on: a real GPU run (an H100 training a GPT-style
@@ -38,9 +38,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         code = launch.run(prepared)
     except launch.LaunchError as exc:
         raise CLIError(str(exc), exc.exit_code) from None
-    finish_run(prepared.run_dir, dsn, ingest=True, save_error=prepared.save_error)
+    stored = finish_run(prepared.run_dir, dsn, ingest=True, save_error=prepared.save_error)
     if code != 0:
         raise CLIError(f"the demo workload failed with status {code}")
+    if not stored:
+        raise CLIError("the demo's run could not be stored (above)", NOT_STORED)
     out = args.output or prepared.run_dir / "trace.json.gz"
     with store_module().Store(dsn) as store:
         run_id = prepared.info.run_id
@@ -101,7 +103,9 @@ def _serve_ui(dsn: str, host: str, port: int, run: str | None, browser: bool = F
         raise CLIError(
             f"{exc} (the dashboard needs the ui extra: pip install 'gpu-trace[ui]')"
         ) from None
-    source = ReadOnlyStore(dsn, enforce_readonly=True)
+    # A request waits for a store another process holds (record's ingest, ls, import...) as
+    # long as a command would; the dashboard gives an embedded store up to any of them.
+    source = ReadOnlyStore(dsn, enforce_readonly=True, lock_timeout_s=10.0)
     try:
         server = Server(source, host, port)
     except (OSError, OverflowError) as exc:
@@ -109,7 +113,7 @@ def _serve_ui(dsn: str, host: str, port: int, run: str | None, browser: bool = F
             f"cannot listen on {host}:{port}: {getattr(exc, 'strerror', None) or exc}", 2
         ) from None
     try:
-        source.store()
+        source.store(timeout_s=2.0)
     except store_module().StoreError as exc:
         err(f"the store is not usable yet ({exc}); the page says so and retries")
     if host not in ("127.0.0.1", "localhost", "::1"):
