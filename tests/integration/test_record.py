@@ -406,3 +406,34 @@ def test_opentelemetry_spans_join_the_run(tmp_path: Path) -> None:
         <= around["end_ns"] + 1_000_000
         for t in times
     )
+
+
+def test_a_run_that_cannot_be_stored_exits_75_unless_the_program_failed(tmp_path: Path) -> None:
+    """record that cannot store its run says NOT stored, keeps the spool, names the command that
+    stores it later, and exits 75 (EX_TEMPFAIL); a program's own non-zero status wins. Before,
+    a run that was not stored exited 0, as if it had been."""
+    store = tmp_path / "store"
+    for status, expected in ((0, 75), (3, 3)):
+        # The program takes the store away: its directory becomes a file.
+        prog = script(
+            tmp_path,
+            f"""
+            import shutil, sys
+            from pathlib import Path
+            store = Path({str(store)!r})
+            shutil.rmtree(store, ignore_errors=True)
+            store.write_text("not a store any more")
+            sys.exit({status})
+            """,
+            name=f"exit{status}.py",
+        )
+        run_dir = tmp_path / f"run{status}"
+        out = gpu_trace("record", "--store", f"chdb://{store}", "--run-dir", str(run_dir),
+                        "--", sys.executable, str(prog))  # fmt: skip
+        assert out.returncode == expected, out.stderr
+        line = out.stderr.splitlines()[-1]
+        assert " NOT stored: " in line and f"gpu-trace ingest {run_dir}" in line, line
+        assert list((run_dir / "spool").glob("*.arrow"))
+        store.unlink()
+    stored = gpu_trace("ingest", str(run_dir), "--store", f"chdb://{store}")
+    assert stored.returncode == 0, stored.stderr

@@ -198,7 +198,7 @@ def test_unknown_run_lists_recent_runs_and_last_resolves(store: Store, tmp_path:
         store.resolve_run("20260101-000000-aa")
     assert store.resolve_run("20260101-000000-aab") == "20260101-000000-aabbbb"
     assert store.resolve_run("20260102-000000-cccccc") == "20260102-000000-cccccc"
-    # All three have started_ns 0 and no clock anchor: newest falls back to the id.
+    # All three have started_ns 0 and no clock anchor; last is the one ingested last.
     assert store.resolve_run("last") == "20260102-000000-cccccc"
     with pytest.raises(UnknownRunError):
         store.run("nope")
@@ -345,3 +345,88 @@ def test_a_store_in_use_by_another_process_is_a_clear_error(tmp_path: Path) -> N
         holder.stdout.close()
     with Store(f"chdb://{path}") as s:  # free again once the other process is gone
         assert s.runs() == []
+
+
+def test_a_store_made_before_stored_ns_gets_it_when_opened(tmp_path: Path) -> None:
+    """The schema grows in place: a store whose runs table predates ``stored_ns`` gets the column
+    at its next open, its rows reading their last upsert's time, and ``last`` orders by it."""
+    import clickhouse_connect
+
+    from gpu_trace.tracer.store import TABLES, schema_ddl
+
+    path = tmp_path / "old-store"
+    old = schema_ddl()
+    columns = TABLES["runs"][0]
+    assert ", stored_ns Int64 DEFAULT updated_ns" in columns
+    old = [s.replace(", stored_ns Int64 DEFAULT updated_ns", "") for s in old]
+    client = clickhouse_connect.get_client(interface="chdb", path=str(path))
+    try:
+        for statement in old:
+            client.command(statement)
+        for run_id, started, updated in (("old-a", 200, 10), ("old-b", 100, 20)):
+            client.command(
+                "INSERT INTO gpu_trace.runs (run_id, started_wall_ns, status, updated_ns)"
+                f" VALUES ('{run_id}', {started}, 'finished', {updated})"
+            )
+    finally:
+        client.close()
+    with Store(f"chdb://{path}") as store:
+        rows = store.query("SELECT run_id, stored_ns FROM __db__.runs FINAL ORDER BY run_id")
+        assert rows.result_rows == [("old-a", 10), ("old-b", 20)]
+        # old-a started later, but old-b was stored (upserted) later.
+        assert store.resolve_run("last") == "old-b"
+        store.upsert_run(RunInfo(run_id="new", trace_id="0" * 32, started_ns=0, status="finished"))
+        assert store.resolve_run("last") == "new"
+        stored = store.run("new")["stored_ns"]
+        store.upsert_run(RunInfo(run_id="new", trace_id="0" * 32, started_ns=0, status="died"))
+        assert store.run("new")["status"] == "died" and store.run("new")["stored_ns"] == stored
+    with Store(f"chdb://{path}") as store:  # opened again: nothing more to add
+        assert [c for c in store.dicts("DESCRIBE TABLE __db__.runs") if c["name"] == "stored_ns"]
+
+
+def test_a_process_waiting_for_the_store_says_so(tmp_path: Path) -> None:
+    """A process that finds the store held takes a shared lock while it waits (what the
+    dashboard watches for to give the store up), and lets go once it has the store."""
+    import threading
+
+    from gpu_trace.tracer.store import others_waiting
+
+    path = tmp_path / "store"
+    Store(f"chdb://{path}").close()
+    code = (
+        "import sys\n"
+        "from gpu_trace.tracer.store import Store\n"
+        f"s = Store({f'chdb://{path}'!r})\n"
+        "print('open', flush=True)\n"
+        "sys.stdin.readline()\n"
+        "s.close()\n"
+        "print('closed', flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    opened: list[Store] = []
+    waiter = threading.Thread(
+        target=lambda: opened.append(Store(f"chdb://{path}", lock_timeout_s=120))
+    )
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        assert not others_waiting(str(path))
+        waiter.start()
+        deadline = time.monotonic() + 60
+        while not others_waiting(str(path)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert others_waiting(str(path))
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().strip() == "closed"  # the holder let go (still running)
+        waiter.join(timeout=60)
+        assert opened and not others_waiting(str(path))
+        assert opened[0].runs() == []
+    finally:
+        for s in opened:
+            s.close()
+        holder.stdin.close()
+        holder.wait(timeout=60)
+        holder.stdout.close()

@@ -253,3 +253,54 @@ def test_a_store_failure_leaves_no_part_of_the_run(
         "SELECT count() FROM __db__.threads WHERE run_id NOT IN (SELECT run_id FROM __db__.runs)"
     ).result_rows[0]
     assert (orphans, threads) == (0, 0)
+
+
+def test_last_is_the_run_stored_last_not_the_newest_start(tmp_path: Path) -> None:
+    """The documented import -> show last -> export last reads the imported run, though the trace
+    (November 2026 on the H100) started before a run recorded first; before, ``last`` was the
+    newest start, and show and export read the recorded run instead."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        out = subprocess.run([sys.executable, "-m", "gpu_trace", *args], capture_output=True,
+                             text=True, timeout=240, env=dict(os.environ))  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        return out
+
+    prog = tmp_path / "newer.py"
+    prog.write_text("import gpu_trace\nwith gpu_trace.range('recorded-first'):\n    pass\n")
+    cli("record", "--keep-spool", "--", sys.executable, str(prog))
+    recorded = json.loads(cli("show", "last", "--json").stdout)["run"]
+    cli("import", str(SLICE))
+    shown = json.loads(cli("show", "last", "--json").stdout)["run"]
+    assert shown["run_id"] != recorded["run_id"] and shown["command"].startswith("import ")
+    assert shown["started_wall_ns"] < recorded["started_wall_ns"]  # the older trace
+    assert shown["stored_ns"] > recorded["stored_ns"]
+    out = tmp_path / "last.json"
+    cli("export", "last", "-o", str(out))
+    exported = json.loads(out.read_text())
+    assert any(e.get("cat") == "kernel" for e in exported["traceEvents"])
+    assert not any(e.get("name") == "recorded-first" for e in exported["traceEvents"])
+    # Python's view and the dashboard's default agree.
+    from gpu_trace.dashboard.callbacks import first_view
+    from gpu_trace.dashboard.readonly_store import ReadOnlyStore
+    from gpu_trace.run_view import run
+
+    assert run("last").id == shown["run_id"]
+    source = ReadOnlyStore()
+    try:
+        assert first_view(source, "", 1500)[("run", "value")] == shown["run_id"]
+    finally:
+        source.close()
+    # Ingesting the recorded run again (its runs row written anew) does not make it last.
+    cli(
+        "ingest",
+        "--keep-spool",
+        str(Path(os.environ["GPU_TRACE_HOME"]) / "runs" / recorded["run_id"]),
+    )
+    again = json.loads(cli("show", recorded["run_id"], "--json").stdout)["run"]
+    assert again["stored_ns"] == recorded["stored_ns"]
+    assert json.loads(cli("show", "last", "--json").stdout)["run"]["run_id"] == shown["run_id"]
