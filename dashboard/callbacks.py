@@ -242,11 +242,13 @@ def register(app: Dash, source: ReadOnlyStore) -> None:
         Output("compare-b", "options"),
         Output("runs-message", "children"),
         Output("runs-stamp", "data"),
+        Output("run", "value", allow_duplicate=True),
         Input("runs-search", "value"),
         Input("runs-status", "value"),
         Input("runs-refresh", "n_intervals"),
         State("run", "value"),
         State("runs-stamp", "data"),
+        prevent_initial_call="initial_duplicate",
     )
     def list_runs(
         search: str | None, status: str | None, _tick: int | None, current: str | None,
@@ -254,9 +256,12 @@ def register(app: Dash, source: ReadOnlyStore) -> None:
     ) -> tuple:  # fmt: skip
         """The run list, the run picker and compare's pickers; on the page's periodic tick only
         when the store's runs changed since the list shown (no query while an embedded store is
-        held, one small one on a server), and never waiting for a store another process holds."""
+        held, one small one on a server), and never waiting for a store another process holds.
+        A page opened on an empty store opens the first run stored (``last``) once there is one;
+        otherwise what is on screen stays."""
         stamp: Any = no_update
-        if ctx.triggered_id == "runs-refresh":
+        ticked = ctx.triggered_id == "runs-refresh"
+        if ticked:
             try:
                 stamp = source.runs_stamp(timeout_s=0)
             except Exception:
@@ -269,7 +274,11 @@ def register(app: Dash, source: ReadOnlyStore) -> None:
         try:
             runs = source.runs(limit=500, search=search or None)
         except Exception as exc:
-            return [], [], [], [], _fail(exc), no_update
+            return [], [], [], [], _fail(exc), no_update, no_update
+        opened: Any = no_update
+        if ticked and not current and runs and str(shown_stamp).startswith("0:"):
+            with contextlib.suppress(Exception):
+                opened = source.resolve_run("last")
         shown = [r for r in runs if not status or r.get("status") == status]
         opts = [_run_option(r) for r in runs]
         note = (
@@ -282,7 +291,7 @@ def register(app: Dash, source: ReadOnlyStore) -> None:
             # The run on screen stays in the picker (an old one, or one a search left out).
             with contextlib.suppress(Exception):
                 picker = [_run_option(timeline.run(source, current)), *opts]
-        return panels.runs_table(shown), picker, opts, opts, note, stamp
+        return panels.runs_table(shown), picker, opts, opts, note, stamp, opened
 
     @app.callback(
         *[Output(f"panel-{v}", "style") for v, _ in TABS],

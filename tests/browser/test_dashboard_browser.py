@@ -411,3 +411,50 @@ def test_gpu_lanes_are_grouped_and_a_kernel_shows_its_launching_op(page, app: Se
     page.screenshot(path=str(ARTIFACTS / "gpu-kernel-details.png"), full_page=True)
     page.locator("#details button.goto", has_text="aten::mm · torch/ops").click()
     page.wait_for_function("() => document.querySelector('#details-name').innerText === 'aten::mm'")
+
+
+def test_an_open_page_lists_runs_stored_while_it_is_open(browser, tmp_path: Path) -> None:
+    """`gpu-trace ui` on the embedded store, a page open on its Runs tab: a run imported by
+    another process meanwhile (the dashboard gives the store up to it) shows in the list and in
+    the run picker without a reload, and opens from there."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "GPU_TRACE_STORE": f"chdb://{tmp_path / 'store'}"}
+    ui = subprocess.Popen([sys.executable, "-m", "gpu_trace", "ui", "--port", "0"],
+                          stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    try:
+        assert ui.stderr is not None
+        url = ui.stderr.readline().split("dashboard on ")[1].split()[0].rstrip("/")
+        pg = browser.new_page(viewport={"width": 1500, "height": 1000})
+        pg.set_default_timeout(TIMEOUT)
+        pg.goto(url + "/?tab=runs")
+        pg.locator("#runs-message .message").wait_for()  # "No runs yet"
+        trace = Path(__file__).resolve().parents[1] / "data" / "kineto-h100-lm-5steps.json.gz"
+        out = subprocess.run(
+            [sys.executable, "-m", "gpu_trace", "import", str(trace), "--name", "while-open"],
+            capture_output=True, text=True, env=env, timeout=240,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        run_id = out.stdout.split()[1].rstrip(":")
+        link = pg.locator("#runs-table td a", has_text=run_id)
+        link.wait_for()  # the page's periodic refresh; no reload
+        # The page was opened on an empty store: the first run stored is opened, and the
+        # "no runs yet" lines go.
+        pg.wait_for_function(
+            "id => document.querySelector('header').innerText.includes(id)", arg=run_id
+        )
+        assert pg.locator("#runs-message .message").count() == 0
+        pg.wait_for_function("() => !document.querySelector('#message').innerText")
+        pg.screenshot(path=str(ARTIFACTS / "runs-refreshed.png"), full_page=True)
+        link.click()
+        bars(pg).first.wait_for(state="attached")
+        assert "as bars" in pg.inner_text("#lod")
+        pg.close()
+    finally:
+        ui.send_signal(signal.SIGINT)
+        ui.wait(timeout=60)
+        assert ui.stderr is not None
+        ui.stderr.close()
