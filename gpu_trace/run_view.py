@@ -564,8 +564,9 @@ def runs(limit: int = 50, search: str | None = None, store: str | None = None) -
 
 
 def run(ref: str = "last", store: str | None = None) -> Run:
-    """The stored run ``ref``: an id, a unique prefix of one, or ``last``. LookupError (naming
-    the recent runs) when there is none."""
+    """The stored run ``ref``: an id, a unique prefix of one, or ``last`` (the run stored most
+    recently: recorded, imported or ingested). LookupError (naming the recent runs) when there is
+    none."""
     if not isinstance(ref, str):
         raise ValueError(f"run() takes a run id, a prefix or 'last', got {type(ref).__name__}")
     dsn = config.store_dsn(store)
