@@ -14,7 +14,9 @@ before each step, clears a profile function set on this thread (only if one is s
 raises the ``sys.setprofile`` audit event). So a profiler that starts while it waits finds no
 frame to record, and one that started before a step loses this thread before the step's first
 frame. A profiler that starts *during* a step (a few milliseconds at most, every half second)
-still records that step's frames, up to the next one.
+still records that step's frames, up to the next one: :meth:`BackgroundThread.hold` closes that
+window where the program's profiler is seen coming (PyTorch's, at module and op level: the
+patch holds the flusher from the program's ``_prepare_profiler`` until its profiler is on).
 
 The thread is not a ``threading.Thread``: the program does not see it in
 ``threading.enumerate()``. Code that runs in a step must not call ``threading.current_thread()``
@@ -59,6 +61,9 @@ class BackgroundThread:
         self._wake = _thread.allocate_lock()
         self._wake.acquire()  # held while nobody wakes the thread: acquire() then waits
         self._done = _thread.allocate_lock()
+        self._busy = _thread.allocate_lock()  # held by a step, and by hold()
+        self._holding = threading.Lock()  # guards _held
+        self._held = False
         self._stopping = False
         self._started = False
         self.ident: int | None = None
@@ -74,24 +79,28 @@ class BackgroundThread:
         profiles = map(_call, itertools.repeat(sys.getprofile))
         unset = map(operator.is_, profiles, itertools.repeat(None))
         cleared = map(_call_with_none, map(_CLEAR.__getitem__, unset))
-        # map takes the next wait first, then clears, then calls: all in C until the step
-        steps = map(self._run_step, waits, cleared)
+        busy = map(_call, itertools.repeat(self._busy.acquire))  # waits while held
+        # map takes the next wait first, then the busy lock, then clears, then calls: all in C
+        # until the step (which releases the busy lock)
+        steps = map(self._run_step, waits, busy, cleared)
         try:
             _thread.start_new_thread(deque, (itertools.takewhile(bool, steps), 0))
         except BaseException:
             self._done.release()
             raise
 
-    def _run_step(self, woken: bool, _: object) -> bool:
+    def _run_step(self, woken: bool, _busy: object, _cleared: object) -> bool:
         if self.ident is None:
             self.ident = threading.get_ident()
             self.native_id = threading.get_native_id()
         go_on = True
-        if not self._stopping:
-            try:
+        try:
+            if not self._stopping:
                 go_on = bool(self._step(woken))
-            except Exception:  # never end the thread on a step's failure (STYLE.md 6)
-                log.exception("gpu-trace: %s: a step failed", self.name)
+        except Exception:  # never end the thread on a step's failure (STYLE.md 6)
+            log.exception("gpu-trace: %s: a step failed", self.name)
+        finally:
+            self._busy.release()
         if self._stopping or not go_on:
             self._stopping = True
             self._done.release()
@@ -103,9 +112,31 @@ class BackgroundThread:
         with contextlib.suppress(RuntimeError):  # woken already, not stepped yet
             self._wake.release()
 
+    def hold(self) -> None:
+        """Wait for a step in progress to end, and start none until :meth:`release`: nothing of
+        this thread runs Python meanwhile. Idempotent; a no-op on the thread itself."""
+        if threading.get_ident() == self.ident or not self._started:
+            return
+        with self._holding:
+            if not self._held:
+                self._busy.acquire()
+                self._held = True
+
+    def release(self) -> None:
+        """Undo :meth:`hold`. Idempotent."""
+        with self._holding:
+            if self._held:
+                self._held = False
+                self._busy.release()
+
+    @property
+    def held(self) -> bool:
+        return self._held
+
     def stop(self) -> None:
         """Have the thread end after its current step (without calling ``step`` again)."""
         self._stopping = True
+        self.release()
         self.wake()
 
     def is_alive(self) -> bool:

@@ -120,6 +120,7 @@ class Recorder:
         self._flush_lock = threading.Lock()
         self._closed = False
         self._thread_names: dict[str, str] = {}  # every thread that recorded, by OS thread id
+        self._stats_written = ""  # the stats file's text as last written
         self._open_writer()
 
     # ---- set-up -------------------------------------------------------------------------------
@@ -161,6 +162,16 @@ class Recorder:
         flusher = self._flusher
         if flusher is not None:
             flusher.wake()
+
+    def hold_flushes(self, held: bool) -> None:
+        """``held``: let a flush in progress end and start none until called with False (while
+        the program's own profiler starts, so that it records no frame of the flusher:
+        background.py). Idempotent either way."""
+        flusher = self._flusher
+        if flusher is not None and held:
+            flusher.hold()
+        elif flusher is not None:
+            flusher.release()
 
     # ---- hot path helpers ---------------------------------------------------------------------
 
@@ -384,7 +395,8 @@ class Recorder:
         buffers: list[tuple[ThreadRef, ThreadBuffer]],
         sources: list[Source],
     ) -> None:
-        """Per-process totals, rewritten at every flush so a killed process still reports them."""
+        """Per-process totals, rewritten at every flush where they changed, so a killed process
+        still reports them (and an idle flush writes nothing: background.py)."""
         # Ended threads too (their buffers are dropped once drained): a lane keeps its name.
         self._thread_names.update((str(b.tid), b.thread_name) for _, b in buffers)
         threads = dict(self._thread_names)
@@ -401,10 +413,14 @@ class Recorder:
             stats["not_written"] = self._not_written
             stats["write_failures"] = self._write_failures
             stats["write_error"] = self._write_error
+        text = json.dumps(stats)
+        if text == self._stats_written:
+            return
         d = self.run_dir / STATS_DIR
         try:
             d.mkdir(exist_ok=True)
-            replace_text(d / f"{self.pid}.json", json.dumps(stats))
+            replace_text(d / f"{self.pid}.json", text)
+            self._stats_written = text
         except OSError as exc:  # the spool's failure is the one reported; this one is retried
             if not self._write_failures:
                 self._write_failed(exc)
@@ -417,8 +433,9 @@ class Recorder:
             return
         self._closed = True
         self._stop.set()
-        self.wake()
         flusher = self._flusher
+        if flusher is not None:
+            flusher.stop()  # held or not
         if flusher is not None and flusher.ident != threading.get_ident() and flusher.is_alive():
             flusher.join(timeout=5)
         with self._lock:
@@ -449,6 +466,7 @@ class Recorder:
         self._local = threading.local()
         self._buffers = []
         self._thread_names = {}
+        self._stats_written = ""
         self._clock_samples = []
         self._step = None
         self._events = 0

@@ -12,14 +12,13 @@ others, and one warning says what is not captured.
 
 from __future__ import annotations
 
-import importlib
 import logging
 from typing import Any
 
 from gpu_trace import config
 from gpu_trace.framework_patches import spans
 from gpu_trace.framework_patches.torch import modules as torch_modules
-from gpu_trace.framework_patches.torch import ops_native
+from gpu_trace.framework_patches.torch import ops_native, program_profiler
 from gpu_trace.framework_patches.torch import training as torch_training
 from gpu_trace.framework_patches.torch.ops import OpSource
 from gpu_trace.framework_patches.torch.ops_native import NativeOpSource
@@ -42,7 +41,6 @@ def patch(torch: Any, level: str = "module", *, shapes: bool = False, rec: Any =
         return []
     _patched = True
     failed: list[str] = []
-    _import_lazy_profiler_parts()
     spans.mirror(torch_modules.DOMAIN, spans.external_nvtx_tool() is not None)
     for what, part in (
         ("module ranges", torch_modules),
@@ -74,6 +72,8 @@ def patch(torch: Any, level: str = "module", *, shapes: bool = False, rec: Any =
             log.debug("gpu-trace: PyTorch op collection failed", exc_info=True)
             failed.append(f"op ranges ({type(exc).__name__}: {exc})")
     torch_modules.on_root = _on_root
+    # the program's own torch.profiler: the flusher held while it starts, the sessions aside
+    program_profiler.watch(torch, rec, _ops if isinstance(_ops, OpSource) else None)
     if failed:
         log.warning(
             "gpu-trace: PyTorch %s: not captured: %s",
@@ -81,22 +81,6 @@ def patch(torch: Any, level: str = "module", *, shapes: bool = False, rec: Any =
             "; ".join(failed),
         )
     return failed
-
-
-#: Modules PyTorch imports the first time a profiler range opens (record_function, which
-#: Optimizer.step uses), often inside the program's own torch.profiler: a module body run while its
-#: Python tracer (with_stack) is on leaves that tracer names pointing into a freed code object,
-#: and key_averages() then fails with UnicodeDecodeError (PyTorch's own, plain too).
-LAZY_PROFILER_PARTS = ("torch.profiler._cupti_monitor",)
-
-
-def _import_lazy_profiler_parts() -> None:
-    """Import now, outside any profile, what PyTorch would import lazily inside one."""
-    for name in LAZY_PROFILER_PARTS:
-        try:
-            importlib.import_module(name)
-        except Exception:  # another version: nothing to import
-            log.debug("gpu-trace: %s not imported", name, exc_info=True)
 
 
 def op_source(torch: object, shapes: bool) -> OpSource | NativeOpSource:
@@ -132,6 +116,7 @@ def unpatch() -> None:
     """Undo :func:`patch`. Idempotent."""
     global _ops, _patched
     torch_modules.on_root = None
+    program_profiler.unwatch()
     torch_modules.unpatch()
     torch_training.unpatch()
     if _ops is not None:
@@ -142,7 +127,12 @@ def unpatch() -> None:
 
 
 def is_patched() -> bool:
-    return _patched or torch_modules.is_patched() or torch_training.is_patched()
+    return (
+        _patched
+        or torch_modules.is_patched()
+        or torch_training.is_patched()
+        or program_profiler.is_watching()
+    )
 
 
 def _on_root() -> None:
@@ -151,6 +141,8 @@ def _on_root() -> None:
     # opened in this session, would end in the next one, which writes its end into another
     # op's event (seen: ops ending seconds after their parent) or crashes.
     torch_training.iteration_starts()
+    if program_profiler.held_since:  # the program's profiler is starting: see if it has
+        program_profiler.on_root()
     # The native observer has no session: its cuts are bookkeeping, made inside a step too (a
     # program whose every module call runs in LBFGS's closure had none, and its nodes waited
     # past MAX_WAIT_S, then were matched to no call: no module backward ranges).

@@ -40,14 +40,11 @@ The profiler records the thread that started it and the autograd threads working
 other threads are not captured.
 
 PyTorch runs one profiler session at a time, and preparing one ends the one running (its events
-are lost, and stopping it then logs a warning). So when the program starts its own
-(``torch.profiler.profile``, ``torch.autograd.profiler.profile``: both call
-``torch.autograd.profiler._prepare_profiler`` first), :class:`OpSource` steps aside: its session
-is stopped (and converted as any other) before the program's is prepared, and the next starts
-when the program's has ended (``_run_on_profiler_stop``, which PyTorch calls right after
-``_disable_profiler``). While the program profiles, op level records no op ranges and no module
-backward ranges; the program's profile has all the ops. Both wrappers run while PyTorch's Python
-tracer is off, so a ``with_stack`` profile shows none of their frames.
+are lost, and stopping it then logs a warning). So when the program starts its own,
+:class:`OpSource` steps aside (:mod:`.program_profiler` sees it coming): its session is stopped
+(and converted as any other) before the program's is prepared, and the next starts when the
+program's has ended. While the program profiles, op level records no op ranges and no module
+backward ranges; the program's profile has all the ops.
 """
 
 from __future__ import annotations
@@ -57,7 +54,6 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
-from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -138,7 +134,6 @@ class OpSource:
         self._pause_left = 0.0  # seconds the current drain may still wait for the owner's stops
         self._on = False
         self._aside = False  # the program's own profiler runs (module docstring)
-        self._program: tuple[ModuleType, Callable[..., object], Callable[..., object]] | None = None
         self._last = 0
         self._dropped = 0
 
@@ -162,8 +157,6 @@ class OpSource:
         self._last = now_ns()
         if self._scoped is None:
             self._track_scopes()  # undone by close()
-        if self._program is None:
-            self._watch_program()  # undone by close()
         ops = self._torch.ops.profiler
         ops._record_function_exit._RecordFunction(ops._record_function_enter_new(_MARKER, None))
         return True
@@ -204,47 +197,6 @@ class OpSource:
         self.start()
 
     # ---- the program's own profiler ----------------------------------------------------------
-
-    def _watch_program(self) -> None:
-        """Step aside while the program runs a profiler of its own (module docstring)."""
-        mod = getattr(getattr(self._torch, "autograd", None), "profiler", None)
-        prepare = getattr(mod, "_prepare_profiler", None)
-        stopped = getattr(mod, "_run_on_profiler_stop", None)
-        if mod is None or prepare is None or stopped is None:
-            log.debug("gpu-trace: torch.autograd.profiler's entry points moved; not watched")
-            return
-        source = self
-
-        def _prepare_profiler(*args: object, **kwargs: object) -> object:
-            source.step_aside()
-            try:
-                return prepare(*args, **kwargs)
-            except BaseException:
-                source.step_back()  # the program's profiler did not start
-                raise
-
-        def _run_on_profiler_stop(*args: object, **kwargs: object) -> object:
-            try:
-                return stopped(*args, **kwargs)
-            finally:
-                source.step_back()
-
-        _prepare_profiler.__wrapped__ = prepare  # type: ignore[attr-defined]
-        _run_on_profiler_stop.__wrapped__ = stopped  # type: ignore[attr-defined]
-        mod._prepare_profiler = _prepare_profiler
-        mod._run_on_profiler_stop = _run_on_profiler_stop
-        self._program = (mod, prepare, stopped)
-
-    def _unwatch_program(self) -> None:
-        if self._program is not None:
-            mod, prepare, stopped = self._program
-            for name, original in (
-                ("_prepare_profiler", prepare),
-                ("_run_on_profiler_stop", stopped),
-            ):
-                if getattr(getattr(mod, name, None), "__wrapped__", None) is original:
-                    setattr(mod, name, original)  # not if the program replaced ours since
-            self._program = None
 
     def step_aside(self) -> None:
         """The program is about to prepare a profiler of its own: end this session first (only
@@ -327,7 +279,6 @@ class OpSource:
         self.stop()
         self._aside = False
         self._untrack_scopes()
-        self._unwatch_program()
         with self._lock:
             self._results = []
         self._last_calls.clear()

@@ -38,7 +38,7 @@ PROGRAM = """
             opt.step()
             opt.zero_grad()
 
-    if os.environ.get("WARM_UP") == "1":
+    if os.environ.get("WARM_UP"):
         # PyTorch imports torch.profiler._cupti_monitor at the first record_function: a module
         # body run inside the profile, which its own tracer can mis-name (plain too). gpu-trace
         # imports it when it patches; with --torch off, nothing of ours runs, so warm up here.
@@ -50,7 +50,7 @@ PROGRAM = """
         profile_memory=True,
         record_shapes=True,
     ) as prof:
-        for _ in range(40):  # a few flush intervals (GPU_TRACE_FLUSH_INTERVAL below)
+        for _ in range(40):  # several flush intervals (GPU_TRACE_FLUSH_INTERVAL below)
             step()
     step()  # recorded after it
     averages = prof.key_averages(group_by_stack_n=5)
@@ -74,10 +74,18 @@ PROGRAM = """
     }))
 """
 
-#: Our frames that may show on the program's thread at module and op level: the hooks that make
-#: the ranges run there, in Python, as any library's code does. Never the flusher's.
-HOOKS = ("framework_patches", "tracer/buffer.py", "tracer/recorder.py(1", "_imports.py")
-FLUSHER = ("flush", "spool.py", "columns.py", "background.py", "_table", "drain")
+#: The flusher's work, which never shows in the program's profile (at module and op level the
+#: hooks that make the ranges run on the program's thread, in Python, and show as any library's
+#: code does: docs/frameworks.md).
+FLUSHER = (
+    "): flush",
+    "): _flush",
+    "): drain",
+    "): _table",
+    "): _run_step",
+    "spool.py(",
+    "columns.py(",
+)
 
 
 @pytest.mark.parametrize(
@@ -88,7 +96,8 @@ def test_the_programs_profiler_works_beside_ours(
     tmp_path: Path, level: str, source: str | None
 ) -> None:
     prog = script(tmp_path, PROGRAM)
-    env = {"GPU_TRACE_FLUSH_INTERVAL": "0.05", "WARM_UP": "1" if level == "off" else "0"}
+    # many flushes during the profile where ours record (off: nothing to flush, none runs long)
+    env = {"WARM_UP": "1"} if level == "off" else {"GPU_TRACE_FLUSH_INTERVAL": "0.05"}
     if source is not None:
         env["GPU_TRACE_TORCH_OPS"] = source
     trace = tmp_path / "trace.json"
@@ -105,8 +114,7 @@ def test_the_programs_profiler_works_beside_ours(
     if level == "off":
         assert got["ours"] == []  # nothing of ours runs on the program's thread
     else:
-        assert all(any(h in f for h in HOOKS) for f in got["ours"]), got["ours"]
-        assert not [f for f in got["ours"] if any(h in f for h in FLUSHER)], got["ours"]
+        assert [f for f in got["ours"] if any(w in f for w in FLUSHER)] == []
     if level == "op":
         # ours: the steps before and after the program's profile (with the kineto sessions, not
         # those inside it: PyTorch runs one profiler session at a time, and it is the program's)
