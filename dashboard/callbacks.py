@@ -259,7 +259,7 @@ def register(app: Dash, source: ReadOnlyStore) -> None:
         held, one small one on a server), and never waiting for a store another process holds.
         A page opened on an empty store opens the first run stored (``last``) once there is one;
         otherwise what is on screen stays."""
-        stamp: Any = no_update
+        stamp: object = no_update
         ticked = ctx.triggered_id == "runs-refresh"
         if ticked:
             try:
@@ -275,7 +275,7 @@ def register(app: Dash, source: ReadOnlyStore) -> None:
             runs = source.runs(limit=500, search=search or None)
         except Exception as exc:
             return [], [], [], [], _fail(exc), no_update, no_update
-        opened: Any = no_update
+        opened: object = no_update
         if ticked and not current and runs and str(shown_stamp).startswith("0:"):
             with contextlib.suppress(Exception):
                 opened = source.resolve_run("last")

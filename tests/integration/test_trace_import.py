@@ -284,17 +284,19 @@ def test_last_is_the_run_stored_last_not_the_newest_start(tmp_path: Path) -> Non
     exported = json.loads(out.read_text())
     assert any(e.get("cat") == "kernel" for e in exported["traceEvents"])
     assert not any(e.get("name") == "recorded-first" for e in exported["traceEvents"])
-    # Python's view and the dashboard's default agree.
-    from gpu_trace.dashboard.callbacks import first_view
-    from gpu_trace.dashboard.readonly_store import ReadOnlyStore
-    from gpu_trace.run_view import run
-
-    assert run("last").id == shown["run_id"]
-    source = ReadOnlyStore()
-    try:
-        assert first_view(source, "", 1500)[("run", "value")] == shown["run_id"]
-    finally:
-        source.close()
+    # Python's view and the dashboard's default agree (in a process of their own: this one has
+    # the module's store open, and chDB opens one directory per process).
+    views = (
+        "import gpu_trace\n"
+        "from gpu_trace.dashboard.callbacks import first_view\n"
+        "from gpu_trace.dashboard.readonly_store import ReadOnlyStore\n"
+        "source = ReadOnlyStore()\n"
+        "print(gpu_trace.run('last').id, first_view(source, '', 1500)[('run', 'value')])\n"
+        "source.close()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", views], capture_output=True, text=True,
+                         timeout=240, env=dict(os.environ))  # fmt: skip
+    assert out.stdout.split() == [shown["run_id"]] * 2, out.stderr
     # Ingesting the recorded run again (its runs row written anew) does not make it last.
     cli(
         "ingest",
