@@ -50,6 +50,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if process:  # each worker captures its own session's (runtime/worker/process.py)
             setting = config.gpu_activity(args.gpu_activity)
             worker_env = {**os.environ, "GPU_TRACE_GPU_ACTIVITY": setting}
+            if device is None or device.startswith("cuda"):  # why not, said here (no env set)
+                from gpu_trace.collectors import gpu_activity
+
+                activity_note = gpu_activity.prepare(setting)[2]
         elif device is None or device.startswith("cuda"):
             activity, activity_note = start_capture(args.gpu_activity)
         if device is None:
@@ -85,8 +89,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.start()
         if process:
             state = server.gpu_activity_state()
-            if state not in ("on", "off") and (device.startswith("cuda") or args.gpu_activity):
-                activity_note = state
+            if state not in ("on", "off") and device.startswith("cuda"):
+                activity_note = state  # a worker's own reason wins
     except (ValueError, OSError) as exc:
         raise CLIError(f"cannot serve: {exc}", 2) from None
     try:
