@@ -34,7 +34,13 @@ import pyarrow as pa
 
 from gpu_trace import config
 from gpu_trace.tracer import gpu_reads
-from gpu_trace.tracer.store import Store, StoreError, others_waiting, parse_dsn
+from gpu_trace.tracer.store import (
+    Store,
+    StoreError,
+    others_waiting,
+    parse_dsn,
+    runs_changed_mark,
+)
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +82,8 @@ class ReadOnlyStore:
         self.opens = 0
         #: How many times it was given up to another process.
         self.yields = 0
-        self._stamp: tuple[int, str] | None = None  # (opens, runs_stamp) while nobody else wrote
+        # The last runs_stamp: (opens then, the stamp, runs_changed_mark before it was asked).
+        self._stamp: tuple[int, str, str] | None = None
         self._path = _chdb_path(dsn) if store is None else None
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -143,15 +150,20 @@ class ReadOnlyStore:
 
     def runs_stamp(self, timeout_s: float | None = None) -> str:
         """:meth:`Store.runs_stamp <gpu_trace.tracer.reads.RunQueries.runs_stamp>`: changes
-        when runs are stored, updated or removed. An embedded store held since the last answer
-        has not been written by anyone else: the same answer, without a query."""
+        when runs are stored, updated or removed. For an embedded store, the same answer without
+        a query (or opening it again) while nobody else has changed runs since the last one:
+        held all along, or given up only to processes that changed no run
+        (:func:`~gpu_trace.tracer.store.runs_changed_mark`; each engine start costs the
+        process memory that chDB does not give back)."""
         with self._lock:
-            held = self._path and self._store is not None and self._stamp is not None
-            if held and self._stamp is not None and self._stamp[0] == self.opens:
-                return self._stamp[1]
+            mark = runs_changed_mark(self._path) if self._path else ""
+            if self._path and self._stamp is not None:
+                opens, stamp, seen = self._stamp
+                if (self._store is not None and opens == self.opens) or seen == mark:
+                    return stamp
             store = self.store(timeout_s)
             stamp = store.runs_stamp()
-            self._stamp = (self.opens, stamp)
+            self._stamp = (self.opens, stamp, mark)
             return stamp
 
     def _check(self, store: Store, template: str, params: dict[str, Any] | None) -> None:

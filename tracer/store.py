@@ -57,6 +57,7 @@ __all__ = [
     "migration_ddl",
     "check_writable",
     "others_waiting",
+    "runs_changed_mark",
 ]
 
 DEFAULT_DATABASE = "gpu_trace"
@@ -410,6 +411,20 @@ def others_waiting(path: str) -> bool:
         os.close(fd)  # releases the lock, if taken
 
 
+#: Beside chDB's own files: rewritten by every Store that stores, changes or removes a run, so
+#: a dashboard that gave the store up knows, without opening it, whether its run list is current.
+RUNS_CHANGED = ".gpu-trace-runs-changed"
+
+
+def runs_changed_mark(path: str) -> str:
+    """What the chDB directory ``path``'s :data:`RUNS_CHANGED` says ("" before any change): it
+    differs after each run stored, changed or removed by a gpu-trace process."""
+    try:
+        return (Path(path) / RUNS_CHANGED).read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return ""
+
+
 def _say_waiting(path: str) -> int:
     """Take a shared lock on the store's :data:`WAITING_LOCK` (held until the fd is closed)."""
     fd = os.open(Path(path) / WAITING_LOCK, os.O_RDONLY | os.O_CREAT, 0o644)
@@ -688,6 +703,19 @@ class Store(RunQueries):
             "stored_ns",
         ]
         self.insert_rows("runs", columns, [row])
+        self._note_runs_changed()
+
+    def _note_runs_changed(self) -> None:
+        """Rewrite an embedded store's :data:`RUNS_CHANGED` (a failure only costs a dashboard
+        its shortcut: it then asks the store)."""
+        if self.target.kind != "chdb" or not self.target.path:
+            return
+        try:
+            (Path(self.target.path) / RUNS_CHANGED).write_text(
+                f"{time.time_ns()} {os.getpid()}\n", encoding="ascii"
+            )
+        except OSError as exc:
+            log.debug("gpu-trace: could not note a change of runs: %s", exc)
 
     # ---- removing runs ----------------------------------------------------------------------------
 
@@ -700,19 +728,23 @@ class Store(RunQueries):
             raise StoreError("the store is closed")
         before = self.table_rows([run_id])
         on = f" ON CLUSTER `{self.cluster}`" if self.cluster else ""
-        for name in TABLES:
-            local = f"{name}_local" if self.cluster else name
-            try:
-                self.client.command(
-                    f"ALTER TABLE {self.database}.{local}{on} DELETE WHERE run_id = {{run_id:String}}",
-                    parameters={"run_id": run_id},
-                    settings={"mutations_sync": 2},
-                )
-            except Exception as exc:
-                raise StoreError(
-                    f"removing run {run_id} from {name} in {self.target.display()} failed: "
-                    f"{_first_line(exc)}"
-                ) from exc
+        try:
+            for name in TABLES:
+                local = f"{name}_local" if self.cluster else name
+                try:
+                    self.client.command(
+                        f"ALTER TABLE {self.database}.{local}{on}"
+                        " DELETE WHERE run_id = {run_id:String}",
+                        parameters={"run_id": run_id},
+                        settings={"mutations_sync": 2},
+                    )
+                except Exception as exc:
+                    raise StoreError(
+                        f"removing run {run_id} from {name} in {self.target.display()} failed: "
+                        f"{_first_line(exc)}"
+                    ) from exc
+        finally:
+            self._note_runs_changed()  # its runs row may be gone, even if a later table failed
         left = {t: n for t, n in self.table_rows([run_id]).get(run_id, {}).items() if n}
         if left:
             shown = ", ".join(f"{n} {t}" for t, n in left.items())

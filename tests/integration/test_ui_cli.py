@@ -165,3 +165,35 @@ def test_an_open_dashboard_leaves_the_store_to_every_command(tmp_path: Path) -> 
         assert ui.stderr is not None
         ui.stderr.close()
     assert ui.returncode == 0
+
+
+def test_the_dashboard_reopens_a_store_it_gave_up_only_when_runs_changed(tmp_path: Path) -> None:
+    """The dashboard's store gives an embedded store up to a command that waits for it, and its
+    run list's check opens it again only once a run was stored: each chDB engine start costs the
+    process memory that chDB keeps (about 2.5 MiB here), so `ls` and the like must not."""
+    from gpu_trace.dashboard.readonly_store import ReadOnlyStore
+
+    dsn = f"chdb://{tmp_path / 'store'}"
+    source = ReadOnlyStore(dsn, enforce_readonly=True, lock_timeout_s=60)
+    try:
+        empty = source.runs_stamp()
+        assert (source.opens, source.yields) == (1, 0)
+        listed = _cli("ls", "--store", dsn)
+        assert listed.returncode == 0, listed.stderr
+        assert source.yields == 1  # given up to ls, which could not have run otherwise
+        assert source.runs_stamp(timeout_s=0) == empty and source.opens == 1  # not reopened
+        stored = subprocess.run(
+            [sys.executable, "-c",
+             "from gpu_trace.tracer.store import Store\n"
+             "from gpu_trace.tracer.run import RunInfo\n"
+             f"with Store({dsn!r}) as s:\n"
+             "    s.upsert_run(RunInfo(run_id='new', trace_id='0' * 32, started_ns=0))\n"],
+            capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+        assert stored.returncode == 0, stored.stderr
+        changed = source.runs_stamp(timeout_s=30)
+        assert changed != empty and source.opens == 2
+        assert [r["run_id"] for r in source.runs()] == ["new"]
+        assert source.runs_stamp(timeout_s=0) == changed and source.opens == 2
+    finally:
+        source.close()
