@@ -39,6 +39,9 @@ ENVIRONMENT: dict[str, str] = {
     "authenticate (from accept to WELCOME; bytes trickling in do not extend it). Default 10.",
     "GPU_TRACE_MAX_HANDSHAKES": "Connections `gpu-trace serve` lets wait to authenticate at once, "
     "apart from sessions; one more ends the oldest of the busiest peer address. Default 64.",
+    "GPU_TRACE_RECORD_OPS": "A file `gpu-trace serve` appends every ATen op name its clients send "
+    "to, one a line, each once per process (refused ones too): how scripts/make_allowlist.py "
+    "collects what forwarded programs send. Unset by default (nothing is recorded).",
     "GPU_TRACE_RUN_DIR": "Set by `gpu-trace record` for the traced program and its children: the "
     "run directory the recorder spools into. When set, recording starts at interpreter start.",
     "GPU_TRACE_RUN_ID": "Set by `gpu-trace record`: the run id.",
@@ -168,6 +171,13 @@ def _directory(text: str) -> Path:
     return path
 
 
+def _new_file(text: str) -> Path:
+    path = Path(text).expanduser()
+    if path.is_dir() or not path.parent.is_dir():
+        raise _Invalid("a file path in an existing directory")
+    return path
+
+
 def _file(text: str) -> Path:
     path = Path(text).expanduser()
     if not path.is_file():
@@ -254,6 +264,7 @@ CHECKS: dict[str, Callable[[str], object]] = {
     "GPU_TRACE_SPIN_US": _number(0, 1_000_000, "microseconds"),
     "GPU_TRACE_HANDSHAKE_TIMEOUT": _number(0, 3600, "seconds", lo_open=True),
     "GPU_TRACE_MAX_HANDSHAKES": _number(1, 100_000, "connections", integer=True),
+    "GPU_TRACE_RECORD_OPS": _new_file,
     "GPU_TRACE_RUN_DIR": _directory,
     "GPU_TRACE_RUN_ID": _run_id,
     "GPU_TRACE_FLUSH_INTERVAL": _number(0, 60, "seconds", lo_open=True),
@@ -338,6 +349,12 @@ def store_dsn(explicit: str | None = None) -> str:
 
 def cluster(explicit: str | None = None) -> str | None:
     return explicit or _env("GPU_TRACE_CLUSTER")
+
+
+def record_ops() -> Path | None:
+    """``GPU_TRACE_RECORD_OPS``: the file a server appends the op names it is sent to."""
+    value = _get("GPU_TRACE_RECORD_OPS", None)
+    return None if value is None else Path(str(value))
 
 
 def c_compiler() -> str | None:

@@ -23,7 +23,8 @@ def _isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No test sees the user's data directory, store or an inherited run."""
     monkeypatch.setenv("GPU_TRACE_HOME", str(tmp_path / "home"))
     for name in list(os.environ):
-        if name.startswith("GPU_TRACE_") and name != "GPU_TRACE_HOME":
+        # GPU_TRACE_RECORD_OPS stays: scripts/make_allowlist.py runs tests with it set.
+        if name.startswith("GPU_TRACE_") and name not in ("GPU_TRACE_HOME", "GPU_TRACE_RECORD_OPS"):
             monkeypatch.delenv(name)
     monkeypatch.delenv("TRACEPARENT", raising=False)
     monkeypatch.delenv("NVTX_INJECTION64_PATH", raising=False)

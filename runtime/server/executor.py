@@ -559,7 +559,7 @@ class Executor:
         if entry is None:
             target = allowlist.resolve(name)
             if target is None:
-                raise OpError(f"op {name[:200]!r} is not on the server's allow-list")
+                raise OpError(allowlist.refusal(name))
             entry = self._ops[name] = _entry(target)
         return entry
 

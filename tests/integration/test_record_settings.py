@@ -29,6 +29,7 @@ BAD: dict[str, str | None] = {
     "GPU_TRACE_SPIN_US": "-1",
     "GPU_TRACE_HANDSHAKE_TIMEOUT": "inf",
     "GPU_TRACE_MAX_HANDSHAKES": "2.5",
+    "GPU_TRACE_RECORD_OPS": "{missing}/ops.txt",
     "GPU_TRACE_RUN_DIR": "{file}",
     "GPU_TRACE_RUN_ID": "../elsewhere",
     "GPU_TRACE_FLUSH_INTERVAL": "abc",
