@@ -12,6 +12,11 @@ stand for "another tenant's" memory; after each call nothing may have
 - made a tensor reaching outside its own storage (offset and extent checked against the
   storage's size), or a sparse or quantized one.
 
+Random shapes rarely reach the kernels that trust their indices, so a second, structured mode
+(``--structured``, :mod:`tests.op_cases`) starts from the calls real programs make, recorded, and
+changes one index, offset, size or tensor at a time to a hostile value; it also runs the calls
+that crashed the server or reached another tenant's memory (issue 25), which must be refused.
+
 Ops run in a worker process, so a crash names the op and its last example instead of taking the
 caller down; the worker is restarted after the crashed op, which is run again alone (a crash it
 does not repeat alone is marked so). ``python -m tests.op_fuzz --examples 200`` runs a larger
@@ -23,6 +28,7 @@ narrows it, ``--start``/``--stop`` bound it by name, ``--others`` takes the othe
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import re
@@ -160,6 +166,15 @@ def _session_strategy(s: dict[str, Any]) -> Any:
     return st.lists(spec, min_size=3, max_size=3)
 
 
+def _canary_filled(torch: Any, total: int, canary: bytes) -> bytearray:
+    """``total`` bytes of ``canary`` over and over, written in place: no freed copy of them is
+    left for an op's uninitialized result to find."""
+    data = bytearray((total + 7) // 8 * 8)
+    word = int.from_bytes(canary, sys.byteorder, signed=True)
+    torch.frombuffer(data, dtype=torch.int64).fill_(word)
+    return data
+
+
 @dataclass
 class Arena:
     """The session's tensors in one byte array, each storage between canary bytes."""
@@ -179,7 +194,7 @@ class Arena:
             sizes.append(numel * getattr(torch, dtype).itemsize)
         total = _GAP + sum(((n + 7) // 8 * 8) + _GAP for n in sizes)
         canary = CANARY[:2] + os.urandom(2) + CANARY[4:6] + os.urandom(2)
-        data = bytearray(canary * (total // 8 + 1))[:total]
+        data = _canary_filled(torch, total, canary)
         tensors, canaries, at = [], [(0, _GAP)], _GAP
         for (dtype, shape, values), nbytes in zip(specs, sizes):
             dt = getattr(torch, dtype)
@@ -203,6 +218,35 @@ class Arena:
             canaries.append((at, at + _GAP))
             at += _GAP
         return cls(data, tensors, canaries, canary)
+
+    @classmethod
+    def of(cls, torch: Any, tensors: list[Any]) -> Arena:
+        """Copies of ``tensors`` in one byte array, each storage between canary bytes, each with
+        its shape, strides and offset (its storage zeroed around them: its own bytes)."""
+        extents = []
+        for t in tensors:
+            n = 0 if t.numel() == 0 else t.storage_offset() + 1
+            n += sum((d - 1) * s for d, s in zip(t.shape, t.stride())) if t.numel() else 0
+            extents.append(n)
+        sizes = [n * t.element_size() for n, t in zip(extents, tensors)]
+        total = _GAP + sum(((n + 7) // 8 * 8) + _GAP for n in sizes)
+        canary = CANARY[:2] + os.urandom(2) + CANARY[4:6] + os.urandom(2)
+        data = _canary_filled(torch, total, canary)
+        placed, canaries, at = [], [(0, _GAP)], _GAP
+        for t, n, nbytes in zip(tensors, extents, sizes):
+            if n:
+                # The span of its storage it reaches, gaps included (an expanded tensor's
+                # elements share places: copied as the storage, not element by element).
+                base = torch.frombuffer(data, dtype=t.dtype, count=n, offset=at)
+                base.copy_(t.detach().as_strided((n,), (1,), 0))
+                view = base.as_strided(t.shape, t.stride(), t.storage_offset())
+            else:
+                view = torch.empty(t.shape, dtype=t.dtype)
+            placed.append(view)
+            at += (nbytes + 7) // 8 * 8
+            canaries.append((at, at + _GAP))
+            at += _GAP
+        return cls(data, placed, canaries, canary)
 
     def canary_intact(self) -> bool:
         for lo, hi in self.canaries:
@@ -296,6 +340,61 @@ def check_call(op_name: str, specs: Any, args: list[Any], kwargs: dict[str, Any]
         result = op(*a, **k)
     except Exception:  # an op error is the op refusing: fine
         result = None
+    return _verdict(torch, arena, result)
+
+
+def check_placed(
+    op_name: str, args: list[Any], kwargs: dict[str, Any], must_refuse: bool = False
+) -> str | None:
+    """:func:`check_call` for a call given whole (tests/op_cases.py): its tensors copied into an
+    arena first (an ``out=`` tensor is a resizable copy outside it). ``must_refuse``: anything
+    but a refusal by the allow-list or a rule is a failure too."""
+    import torch
+
+    from gpu_trace.runtime.protocol.errors import OpError
+    from gpu_trace.runtime.server import allowlist
+
+    op = allowlist.resolve(op_name)
+    if op is None:
+        return None  # refused by name: nothing runs
+    outs = {a.name for a in op._schema.arguments if a.is_out}
+    found: list[Any] = []
+    for v in (*args, *(v for n, v in kwargs.items() if n not in outs)):
+        _tensors_in(v, torch, found)
+    flat = list({id(t): t for t in found}.values())
+    arena = Arena.of(torch, flat)
+    placed = {id(t): p for t, p in zip(flat, arena.tensors)}
+
+    def place(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return placed.get(id(v), v)
+        if type(v) is list:
+            return [place(x) for x in v]
+        return v
+
+    a = [place(v) for v in args]
+    k = {n: v.clone() if n in outs else place(v) for n, v in kwargs.items()}
+    rule = allowlist.rule(op)
+    result = None
+    refused = False
+    try:
+        if rule is not None:
+            try:
+                rule(a, k)
+            except OpError:
+                refused = True
+                raise
+        result = op(*a, **k)
+    except Exception:  # an op error is the op refusing: fine
+        result = None
+    why = _verdict(torch, arena, result)
+    if why is None and must_refuse and not refused:
+        why = "ran: neither the allow-list nor a rule refused it"
+    return why
+
+
+def _verdict(torch: Any, arena: Arena, result: Any) -> str | None:
+    """What a call that returned ``result`` did wrong to ``arena`` (None: nothing)."""
     if not arena.canary_intact():
         return "wrote a canary byte (another tenant's memory)"
     outs: list[Any] = []
@@ -312,7 +411,7 @@ def check_call(op_name: str, specs: Any, args: list[Any], kwargs: dict[str, Any]
     return None
 
 
-def _fuzz_one(op_name: str, examples: int) -> str | None:
+def _fuzz_one(op_name: str, examples: Any) -> str | None:
     """Hypothesis over one op's arguments; the first failure's message (shrunk), or None."""
     import torch
     from hypothesis import HealthCheck, Phase, given, settings
@@ -364,26 +463,85 @@ def _fuzz_one(op_name: str, examples: int) -> str | None:
     return None
 
 
-def worker(examples: int, example_file: str = "") -> None:
-    """Read op names from stdin; for each, print ``start`` then its ``done`` line (JSON). Each
-    example is written to ``example_file`` before it runs (what a crash leaves behind)."""
+def structured_targets() -> list[str]:
+    """The structured fuzzer's targets (tests/op_cases.py): ``sample:OP`` for each allowed op
+    with a recorded call, ``hostile:WHAT`` for each of the issue's crashing calls."""
+    import torch
+
+    from gpu_trace.runtime.server import allowlist
+    from tests import op_cases
+
+    allowed = allowlist.allowed()
+    ops = [f"sample:{n}" for n in sorted(op_cases.load_samples()) if n in allowed]
+    return ops + [f"hostile:{what}" for what in op_cases.hostile(torch)]
+
+
+def _note(text: str) -> None:
+    if _EXAMPLE_FILE:
+        with open(_EXAMPLE_FILE, "w") as f:
+            f.write(text)
+
+
+def _structured_one(target: str, samples: dict[str, Any]) -> str | None:
+    """One structured target: its recorded call, then each variant with one hostile value (or
+    the hostile call, which must be refused); the first failure, or None."""
+    import torch
+
+    from gpu_trace.runtime.protocol.errors import OpError
+    from gpu_trace.runtime.server import allowlist
+    from tests import op_cases
+
+    kind, _, what = target.partition(":")
+    if kind == "hostile":
+        name, args, kwargs = op_cases.hostile(torch)[what]()
+        _note(f"{name}: {what}")
+        why = check_placed(name, args, kwargs, must_refuse=True)
+        return None if why is None else f"{name} ({what}): {why}"
+    op = allowlist.resolve(what)
+    if op is None:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    args, kwargs = op_cases.decode_call(torch, samples[what], gen)
+    rule = allowlist.rule(op)
+    if rule is not None:  # what a program sent passes its rules
+        try:
+            rule(copy.copy(args), dict(kwargs))
+        except OpError as exc:
+            return f"its rule refused the recorded call: {exc}"
+    calls = [("as recorded", args, kwargs), *op_cases.variants(torch, op._schema, args, kwargs)]
+    for desc, a, k in calls:
+        _note(f"{what} with {desc}")
+        why = check_placed(what, a, k)
+        if why is not None:
+            return f"with {desc}: {why}"
+    return None
+
+
+def worker(examples: int, example_file: str = "", structured: bool = False) -> None:
+    """Read op names (``structured``: structured targets) from stdin; for each, print ``start``
+    then its ``done`` line (JSON). Each example is written to ``example_file`` before it runs
+    (what a crash leaves behind)."""
     global _EXAMPLE_FILE
     _EXAMPLE_FILE = example_file
     import warnings
 
     import torch
 
+    from tests import op_cases
+
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     # A huge allocation fails at once instead of swapping the machine.
     resource.setrlimit(resource.RLIMIT_AS, (_ADDRESS_SPACE, _ADDRESS_SPACE))
+    samples = op_cases.load_samples() if structured else {}
     for line in sys.stdin:
         name = line.strip()
         if not name:
             continue
         print(json.dumps({"start": name}), flush=True)
         try:
-            failure = _fuzz_one(name, examples)
+            fuzz_one = _structured_one if structured else _fuzz_one
+            failure = fuzz_one(name, samples if structured else examples)
         except Exception as exc:  # the harness itself: report, go on
             failure = f"fuzzer error {type(exc).__name__}: {exc}"[:2000]
             failure = None if "Unsatisfiable" in failure else failure
@@ -402,7 +560,11 @@ class Report:
 
 
 def _worker_run(
-    ops: list[str], examples: int, stuck_after_s: float, events: list[tuple[str, str, str]]
+    ops: list[str],
+    examples: int,
+    stuck_after_s: float,
+    events: list[tuple[str, str, str]],
+    structured: bool = False,
 ) -> list[str]:
     """One worker over ``ops`` until it ends or dies; appends ``(kind, op, detail)`` events
     (``done``, ``failure``, ``crash``, ``stuck``) and returns the ops it did not get to."""
@@ -417,6 +579,7 @@ def _worker_run(
         with open(Path(tmp) / "stderr", "w+") as err:
             argv = [sys.executable, "-m", "tests.op_fuzz", "--worker"]
             argv += ["--examples", str(examples), "--example-file", str(example_file)]
+            argv += ["--structured"] if structured else []
             proc = subprocess.Popen(
                 argv,
                 cwd=REPO,
@@ -474,20 +637,26 @@ def _worker_run(
     return todo
 
 
-def fuzz(ops: list[str], examples: int, stuck_after_s: float = 60.0, say: Any = None) -> Report:
-    """Fuzz ``ops`` in worker processes; a worker that dies is restarted after its op, and the
-    op run again alone (a crash it does not repeat alone is put down to the ops before it). An
-    op still running after ``stuck_after_s`` is listed as stuck (its worker replaced): that
-    says nothing of memory safety either way."""
+def fuzz(
+    ops: list[str],
+    examples: int,
+    stuck_after_s: float = 60.0,
+    say: Any = None,
+    structured: bool = False,
+) -> Report:
+    """Fuzz ``ops`` in worker processes (``structured``: :func:`structured_targets`); a worker
+    that dies is restarted after its op, and the op run again alone (a crash it does not repeat
+    alone is put down to the ops before it). An op still running after ``stuck_after_s`` is
+    listed as stuck (its worker replaced): that says nothing of memory safety either way."""
     report = Report()
     todo = list(ops)
     while todo:
         events: list[tuple[str, str, str]] = []
-        todo = _worker_run(todo, examples, stuck_after_s, events)
+        todo = _worker_run(todo, examples, stuck_after_s, events, structured)
         for kind, op, detail in events:
             if kind == "crash":
                 alone: list[tuple[str, str, str]] = []
-                _worker_run([op], examples, stuck_after_s, alone)
+                _worker_run([op], examples, stuck_after_s, alone, structured)
                 if not any(k == "crash" for k, _, _ in alone):
                     detail = (
                         f"only after other ops (alone: {alone[0][0] if alone else '?'}); {detail}"
@@ -513,18 +682,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--others", action="store_true", help="allowed ops the default leaves out")
     p.add_argument("--start", default="", help="only ops from this name on (sorted)")
     p.add_argument("--stop", default="\uffff", help="only ops up to this name (sorted)")
+    p.add_argument(
+        "--structured",
+        action="store_true",
+        help="recorded calls with one hostile value, and the issue's crashers (tests/op_cases.py)",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--example-file", default="", help=argparse.SUPPRESS)
     ns = p.parse_args(argv)
     if ns.worker:
-        worker(ns.examples, ns.example_file)
+        worker(ns.examples, ns.example_file, ns.structured)
         return 0
-    ops = fuzz_targets(ns.all or ns.others)
+    ops = structured_targets() if ns.structured else fuzz_targets(ns.all or ns.others)
     if ns.others:
         ops = sorted(set(ops) - set(fuzz_targets()))
     ops = [n for n in ops if re.search(ns.ops, n) and ns.start <= n <= ns.stop]
     t0 = time.monotonic()
-    report = fuzz(ops, ns.examples, say=lambda line: print(line, flush=True))
+    say = lambda line: print(line, flush=True)  # noqa: E731
+    report = fuzz(ops, ns.examples, say=say, structured=ns.structured)
     print(
         f"{len(ops)} ops x {ns.examples} examples in {time.monotonic() - t0:.0f} s: "
         f"{len(report.failures)} unsafe, {len(report.crashes)} crashed, {len(report.stuck)} stuck"
