@@ -207,6 +207,20 @@ def _same_shape_rule(op: str, names: tuple[tuple[int, str], ...]) -> Rule:
     return rule
 
 
+def _floating_rule(op: str, names: tuple[tuple[int, str], ...]) -> Rule:
+    """``smooth_l1_loss_backward``: its CPU kernel for an integer ``self`` divides by ``beta``
+    cast to an integer (0 for any beta under 1: a SIGFPE). Its tensors must be floating-point
+    (or complex), as the loss's are."""
+
+    def rule(args: list[object], kwargs: dict[str, object]) -> None:
+        for position, name in names:
+            t = _arg(args, kwargs, position, name)
+            if hasattr(t, "is_floating_point") and not (t.is_floating_point() or t.is_complex()):
+                raise OpError(f"{op}: {name} must be a floating-point tensor, not {t.dtype}")
+
+    return rule
+
+
 def _cdist_backward_rule(op: str) -> Rule:
     """``_cdist_backward`` (what autograd of ``torch.cdist`` sends): the CPU kernel walks
     ``grad`` and ``cdist`` as ``x1``'s rows by ``x2``'s (an empty grad was a SIGSEGV)."""
@@ -373,6 +387,9 @@ BY_NAME: dict[str, Rule] = {
     ),
     "aten::convolution_backward": _convolution_backward_rule("convolution_backward"),
     "aten::_cdist_backward": _cdist_backward_rule("_cdist_backward"),
+    "aten::smooth_l1_loss_backward": _floating_rule(
+        "smooth_l1_loss_backward", ((0, "grad_output"), (1, "self"), (2, "target"))
+    ),
     **{
         f"aten::{name}": _same_shape_rule(name, ((0, "grad_output"), (1, "output")))
         for name in ("_softmax_backward_data", "_log_softmax_backward_data")
