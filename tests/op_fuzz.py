@@ -47,7 +47,9 @@ _INT_TYPES = ("int", "List[int]", "Optional[int]", "Optional[List[int]]")
 #: Each example has its own (:meth:`Arena.make`): uninitialized memory an op returns (``empty``,
 #: an ``out=`` resized) may hold an earlier example's canary, freed, never this one's.
 CANARY = bytes.fromhex("deadbeef0badf00d")
-_EXAMPLE_FILE = ""
+#: Where the worker writes each example before it runs it (what a crash leaves behind): one file
+#: kept open and rewritten in place (opening it per example cost milliseconds each).
+_EXAMPLE_OUT: Any = None
 _ADDRESS_SPACE = 3 << 29  # the worker's address space limit
 _GAP = 256  # canary bytes before, between and after the session's storages
 
@@ -447,9 +449,7 @@ def _fuzz_one(op_name: str, examples: Any) -> str | None:
                 kwargs[name] = value
             else:
                 args.append(value)
-        if _EXAMPLE_FILE:
-            with open(_EXAMPLE_FILE, "w") as f:
-                f.write(f"{op_name} args {args!r} kwargs {kwargs!r} session {specs!r}")
+        _note(f"{op_name} args {args!r} kwargs {kwargs!r} session {specs!r}")
         why = check_call(op_name, specs, args, kwargs)
         if why is not None:
             failure[:] = [f"{why}; args {args!r} kwargs {kwargs!r} session {specs!r}"]
@@ -477,9 +477,11 @@ def structured_targets() -> list[str]:
 
 
 def _note(text: str) -> None:
-    if _EXAMPLE_FILE:
-        with open(_EXAMPLE_FILE, "w") as f:
-            f.write(text)
+    if _EXAMPLE_OUT is not None:
+        _EXAMPLE_OUT.seek(0)
+        _EXAMPLE_OUT.write(text)
+        _EXAMPLE_OUT.truncate()
+        _EXAMPLE_OUT.flush()
 
 
 def _structured_one(target: str, samples: dict[str, Any]) -> str | None:
@@ -521,8 +523,9 @@ def worker(examples: int, example_file: str = "", structured: bool = False) -> N
     """Read op names (``structured``: structured targets) from stdin; for each, print ``start``
     then its ``done`` line (JSON). Each example is written to ``example_file`` before it runs
     (what a crash leaves behind)."""
-    global _EXAMPLE_FILE
-    _EXAMPLE_FILE = example_file
+    global _EXAMPLE_OUT
+    if example_file:
+        _EXAMPLE_OUT = open(example_file, "w")  # noqa: SIM115 (the worker's whole life)
     import warnings
 
     import torch
