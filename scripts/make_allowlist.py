@@ -16,7 +16,10 @@ another's memory, or the whole server killed. So the list is collected, not deri
    for (``allowlist.recorder``); and on CPU tensors under a ``TorchDispatchMode`` (what
    ``__torch_dispatch__`` sees of the same program, which is what a remote tensor forwards).
 2. **Named**: every ``aten::name.overload`` the server's code and the tests spell out, and every
-   overload of the ops the rules name (``bounds.BY_NAME``, ``allowlist.RULES``).
+   overload but the ``out=`` forms of the ops the rules name (``bounds.BY_NAME``,
+   ``kernel_checks.BY_NAME``, ``allowlist.RULES``) or a name spelled without its overload; not
+   from the tests whose names are attacks (:data:`NOT_NAMED_IN`). CPU-only kernels
+   (:data:`CPU_ONLY`) are left out.
 3. **The forwarding tests**: ``tests/unit`` and ``tests/integration`` files that forward (a client
    through ``runtime.connect`` or ``record --remote``), run under pytest with
    ``GPU_TRACE_RECORD_OPS`` set, so every server they start appends what it is asked for. Tests
@@ -26,11 +29,14 @@ another's memory, or the whole server killed. So the list is collected, not deri
 
 The file is the sorted union of the three, minus what the schema and deny checks refuse (they
 stay the second guard). The programs' first call of each listed op on CPU tensors goes to
-``tests/data/op_samples.json``: the op fuzzer's structured cases start from them. Deterministic: programs are seeded, nothing depends on timing. Runs in a
-few minutes on a CPU (``--no-tests`` skips step 3: seconds)::
+``tests/data/op_samples.json``: the op fuzzer's structured cases start from them; every call
+they make goes through its op's rules, and a rule that refuses one stops the generator.
+Deterministic: programs are seeded, nothing depends on timing. The programs take about a minute
+on a CPU, each run of the forwarding tests 8-17 minutes on a 2-core VM (``--check`` runs the
+programs only)::
 
     .venv/bin/python scripts/make_allowlist.py            # rewrite the file
-    .venv/bin/python scripts/make_allowlist.py --check    # exit 1 if it would change
+    .venv/bin/python scripts/make_allowlist.py --check    # exit 1 if the programs need more
 
 Rerun it when torch changes, and when a program's forwarding is refused an op it needs (add that
 program to :mod:`scripts.allowlist_programs` first). It prints what was added and removed.
@@ -211,7 +217,7 @@ def named() -> set[str]:
     ``out=`` forms of a name spelled without one there or in the rules."""
     import torch
 
-    from gpu_trace.runtime.server import allowlist, bounds
+    from gpu_trace.runtime.server import allowlist, bounds, kernel_checks
 
     admissible = allowlist.admissible()
     out_forms = {
@@ -223,7 +229,7 @@ def named() -> set[str]:
     for n in admissible:
         by_base.setdefault(n.partition(".")[0], set()).add(n)
     out: set[str] = set()
-    bases = set(bounds.BY_NAME) | set(allowlist.RULES)
+    bases = set(bounds.BY_NAME) | set(kernel_checks.BY_NAME) | set(allowlist.RULES)
     for folder in NAMED_IN:
         for path in sorted((REPO / folder).rglob("*.py")):
             if str(path.relative_to(REPO)) in NOT_NAMED_IN:
