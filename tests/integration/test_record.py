@@ -26,6 +26,20 @@ def gpu_trace(
     )
 
 
+@pytest.fixture
+def cpu_hog() -> object:
+    """Busy processes on every core (two at least) while the test runs: a machine as loaded as
+    CI's often is, where the program and the recorder's flusher wait for a core."""
+    hogs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(max(2, os.cpu_count() or 2))
+    ]
+    yield
+    for p in hogs:
+        p.kill()
+        p.wait()
+
+
 def script(tmp_path: Path, body: str, name: str = "prog.py") -> Path:
     path = tmp_path / name
     path.write_text(textwrap.dedent(body))
@@ -260,15 +274,33 @@ def test_uncaught_exception_and_sigterm_still_flush(tmp_path: Path) -> None:
     }
 
 
-def test_sigkill_keeps_everything_flushed_before_it(tmp_path: Path) -> None:
+def test_sigkill_keeps_everything_flushed_before_it(tmp_path: Path, cpu_hog: object) -> None:
+    """What a flush wrote survives a SIGKILL, on a loaded machine too. The program waits until
+    a flush has written its 1,000 ranges (the stats file each flush rewrites says so) rather
+    than sleeping for "several flush intervals", which is what a loaded machine broke: the first
+    flush imported pandas (1.4-1.7 s there, until 03071e3), a second was not enough, and 0 of
+    1,000 were stored. Also checked: the flush imported no pandas."""
     prog = script(
         tmp_path,
         """
-        import os, signal, time, gpu_trace
+        import json, os, signal, sys, time, gpu_trace
+        from pathlib import Path
+
         for i in range(1000):
             with gpu_trace.range("flushed"):
                 pass
-        time.sleep(1.0)  # several flush intervals
+
+        def written():  # what this process's flushes wrote, rewritten after each (stats/)
+            stats = Path(os.environ["GPU_TRACE_RUN_DIR"]) / "stats" / f"{os.getpid()}.json"
+            try:
+                return json.loads(stats.read_text())["events"]
+            except (OSError, ValueError):
+                return 0
+
+        deadline = time.monotonic() + 120
+        while written() < 1000 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the flusher writes them within an interval (0.1 s) of a core
+        assert "pandas" not in sys.modules, "a flush imported pandas"
         with gpu_trace.range("lost"):
             pass
         os.kill(os.getpid(), signal.SIGKILL)
@@ -277,7 +309,7 @@ def test_sigkill_keeps_everything_flushed_before_it(tmp_path: Path) -> None:
     out = gpu_trace(
         "record", "--", sys.executable, str(prog), env={"GPU_TRACE_FLUSH_INTERVAL": "0.1"}
     )
-    assert out.returncode == 128 + signal.SIGKILL
+    assert out.returncode == 128 + signal.SIGKILL, out.stderr
     run_id = last_run()["run"]["run_id"]
     rows = sql_json(
         "SELECT name, count() AS n FROM gpu_trace.spans WHERE run_id = {r:String} GROUP BY name",
