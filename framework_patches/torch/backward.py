@@ -21,16 +21,29 @@ node (checkpointing's recomputation) nests under that node's calls (see :func:`o
 Ranges of a ``Tensor.backward`` on the collected thread go under its range (its span id and
 depth, noted when it began); other passes' ranges are roots. At module level (nodes only), a
 pass noted as having opened a range from Python inside a node (its sixth item True) gets no
-ranges: made later, they could not hold that range, a child of the pass. A module call still running when a
-pass began (``backward`` called inside a module's forward) has no backward range in that pass:
-its forward is not over, so its output's gradient is not what the pass computes.
+ranges: made later, they could not hold that range, a child of the pass (op level notes the same).
+A module call still running when a pass began (``backward`` called inside a module's forward)
+has no backward range in that pass: its forward is not over, so its output's gradient is not
+what the pass computes.
+
+What the ranges are made from is decided by what the engine did, never by when the flusher
+looked: the sources match a pass's nodes only once the pass is over (at the next top-level
+module call of the recording thread, where no pass of it runs, or when recording stops), so a
+pass of any length is walked whole, once; and the calls a node may belong to are kept by count
+(:class:`Kept`, the last :data:`KEEP_CALLS`), not for a time, so a graph's backward finds its
+forward's calls however long after the forward it runs, on a loaded machine as on an idle one.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:  # modules imports this module
+    from gpu_trace.framework_patches.torch.modules import ModuleRef
 
 #: Name prefix of the profiler's event for an autograd node.
 EVALUATE = "autograd::engine::evaluate_function: "
@@ -40,6 +53,98 @@ EVALUATE = "autograd::engine::evaluate_function: "
 Event = tuple[int, int, int, "int | None"]
 #: A made range: (span id, parent span id, thread, call index, start_ns, end_ns, depth).
 Range = tuple[int, int, int, int, int, int, int]
+
+
+#: Module calls of the recording thread kept for matching backward nodes to (see :class:`Kept`):
+#: a graph whose backward runs after this many later module calls gets no module backward ranges.
+#: About 130 bytes a call (8 MiB); a program calling 60 modules a step keeps a thousand steps.
+KEEP_CALLS = 1 << 16
+#: A module call as the sources note it: (first, end) sequence numbers, module, anchor.
+Call = tuple[int, int, "ModuleRef", int]
+
+
+class Kept:
+    """The recording thread's module calls ``(first, end, module, anchor)``, in batches as they
+    were cut (one per cut or op session, in order), kept until :data:`KEEP_CALLS` newer calls were
+    made: by count, so whether a graph's backward finds its forward's calls does not depend on
+    how long after the forward it runs (a REINFORCE episode's policy calls, a GAN's generator
+    between the discriminator's passes) or on the machine's load.
+
+    Sequence numbers grow on a thread, so each batch's numbers ``[lo, hi)`` come after the ones
+    before it: :meth:`select` finds the batches a set of nodes' numbers fall in by bisection, and
+    the walk indexes only those (usually the last one or two), not every kept call."""
+
+    def __init__(self, limit: int = KEEP_CALLS) -> None:
+        if limit < 1:
+            raise ValueError(f"limit must be positive, got {limit!r}")
+        self.limit = limit
+        # Batches from index _head on (the ones before are forgotten, removed in bulk): their
+        # numbers' bounds, calls, and the anchors of their recomputed calls (None until needed).
+        self._los: list[int] = []
+        self._his: list[int] = []
+        self._calls: list[Sequence[Call]] = []
+        self._anchors: list[list[int] | None] = []
+        self._head = 0
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def add(self, calls: Sequence[Call]) -> None:
+        """Keep one batch of calls, listed as they returned; forget the oldest batches past the
+        limit (a batch larger than it is kept whole until the next one comes)."""
+        if not calls:
+            return
+        self._los.append(min(c[0] for c in calls))
+        self._his.append(max(c[1] for c in calls))
+        self._calls.append(calls)
+        self._anchors.append(None)
+        self._count += len(calls)
+        while self._count - len(self._calls[self._head]) >= self.limit:
+            self._count -= len(self._calls[self._head])
+            self._calls[self._head] = ()
+            self._head += 1
+        if self._head > 64 and 2 * self._head > len(self._calls):
+            for kept in (self._los, self._his, self._calls, self._anchors):
+                del kept[: self._head]
+            self._head = 0
+
+    def clear(self) -> None:
+        for kept in (self._los, self._his, self._calls, self._anchors):
+            kept.clear()
+        self._head = self._count = 0
+
+    def select(self, seqs: np.ndarray) -> list[Call]:
+        """The kept calls that nodes numbered ``seqs`` may belong to: the batches holding those
+        numbers and, for calls recomputed inside a backward node (checkpointing), the batches
+        holding their anchors (whose calls they nest in), in the order they were made."""
+        if self._count == 0 or not len(seqs):
+            return []
+        found: set[int] = set()
+        seqs = np.asarray(seqs, dtype=np.int64)
+        while len(seqs):
+            # only the batches between the lowest and the highest number are looked at
+            a = max(bisect_right(self._los, int(seqs.min()), self._head) - 1, self._head)
+            b = bisect_right(self._los, int(seqs.max()), a)
+            if a >= b:
+                break
+            los = np.asarray(self._los[a:b], dtype=np.int64)
+            his = np.asarray(self._his[a:b], dtype=np.int64)
+            k = np.searchsorted(los, seqs, side="right") - 1
+            k = k[(k >= 0) & (seqs < his[np.maximum(k, 0)])] + a
+            new = set(np.unique(k).tolist()) - found
+            found |= new
+            anchors: list[int] = []
+            for i in new:
+                got = self._anchors[i]
+                if got is None:
+                    got = self._anchors[i] = [c[3] for c in self._calls[i] if c[3] >= 0]
+                anchors.extend(got)
+            seqs = np.asarray(anchors, dtype=np.int64)
+        out: list[Call] = []
+        for i in sorted(found):
+            out.extend(self._calls[i])
+        return out
 
 
 def owners(calls: Sequence[Sequence[Any]]) -> tuple[list[int], list[int], list[int]]:

@@ -21,11 +21,13 @@ module ranges that list: ranges of calls not in it close (innermost first), the 
 (outermost first). So ranges are per call, not per module, and nest by construction: a cell
 called in a loop gets one range per call, whichever of its outputs' nodes runs first; a module's
 range ends when a node made outside it is about to run (its input's, usually), or when the
-engine finishes the pass (a callback queued on the pass when its first range opens). A call
-whose range has closed is not opened again in the same pass: where the engine interleaves two
-calls' nodes, the second part gets no range rather than a second one. A forward run during a
-backward (activation checkpointing's recomputation) puts its calls under the ranges open when it
-ran. ``Tensor.backward`` called inside a module's forward first places the hooks noted so far.
+engine finishes the pass (a callback queued on each pass, graph task, whose nodes the hooks
+see). A call whose range has closed is not opened again in the same pass: where the engine
+interleaves two calls' nodes, the second part gets no range rather than a second one. A forward
+run during a backward (activation checkpointing's recomputation) puts its calls under the ranges
+open when it ran; a pass run inside a node (reentrant checkpointing, ``Tensor.backward`` in a
+custom Function's backward) closes none of the ranges open when it began, and its own when it
+ends. ``Tensor.backward`` called inside a module's forward first places the hooks noted so far.
 
 At op level the profiler's collection already records every backward node as it runs, with the
 sequence number of the forward op that made it, so no hooks are placed: the wrapper notes the
@@ -104,11 +106,15 @@ on_root: Any = None
 _calls_sink: Any = None
 _seq: Any = None  # torch._C._autograd._get_sequence_nr once patched
 _current_node: Any = None  # torch._C._current_autograd_node once patched
+#: The graph task (backward pass) running on this thread: torch._C._current_graph_task_id once
+#: patched (0 where PyTorch lacks it: passes nested in a node are then not told apart).
+_graph_task: Callable[[], int] = lambda: 0  # noqa: E731
 
 
 def patch(torch: Any) -> None:
     """Wrap ``nn.Module.__call__`` (first undoing an earlier patch)."""
     global _torch, _is_compiling, _grad_enabled, _Tensor, _engine, _patched, _seq, _current_node
+    global _graph_task
     unpatch()
     module_cls = torch.nn.Module
     original = module_cls.__dict__["__call__"]
@@ -120,6 +126,7 @@ def patch(torch: Any) -> None:
     _engine = torch.autograd.Variable._execution_engine
     _seq = torch._C._autograd._get_sequence_nr
     _current_node = getattr(torch._C, "_current_autograd_node", None) or (lambda: None)
+    _graph_task = getattr(torch._C, "_current_graph_task_id", None) or (lambda: 0)
     _use_native_range()
     wrapper = _wrap_call(original)
     _patched = (module_cls, original, wrapper)
@@ -401,8 +408,10 @@ def backward_ends() -> None:
 
 
 def _note_pass(sink: Any) -> None:
-    """Op level: a backward pass starts on the collected thread inside the range open there (the
-    ``Tensor.backward`` range): module backward ranges made from its ops go under that range."""
+    """Op level (and module level from the observer): a backward pass starts on the collected
+    thread inside the range open there (the ``Tensor.backward`` range): module backward ranges
+    made from its nodes go under that range, unless a range opens from Python inside one of its
+    nodes (:func:`_python_ranges`)."""
     try:
         if _thread_id() != sink.owner or len(_in_backward) > 1:
             return
@@ -411,7 +420,7 @@ def _note_pass(sink: Any) -> None:
         stack = buf.stack if buf is not None else ()
         t = getattr(_local, "t", None)
         running = {_modules.get(id(m)) for m in t.stack} if t is not None else set()
-        before = _python_ranges() if getattr(sink, "nodes_only", False) else None
+        before = _python_ranges()
         sink.passes.append([now_ns(), 0, stack[-1] if stack else 0, len(stack), running, before])
     except Exception:
         spans.warn_once("backward pass")
@@ -419,11 +428,13 @@ def _note_pass(sink: Any) -> None:
 
 def _python_ranges() -> int:
     """Ranges begun so far on this thread and on threads ``threading`` did not start (the
-    autograd engine's device threads): at module level from autograd nodes, a pass during which
-    this grows opened a range from Python inside a node (an optimizer stepping in a gradient
-    hook, a custom Function's backward). Module backward ranges, made later by the flusher,
-    could not hold that range (it is a child of the pass), so that pass gets none: no range
-    rather than ranges overlapping it (see :mod:`.backward`)."""
+    autograd engine's device threads): with the ranges made from autograd nodes (op level, and
+    module level from the observer), a pass during which this grows opened a range from Python
+    inside a node (a ``Tensor.backward`` there, as Reformer's reversible layers run; an
+    optimizer stepping in a gradient hook; ``gpu_trace.range`` in a custom Function's backward).
+    Module backward ranges, made later by the flusher, could not hold that range (it is a child
+    of the pass), so that pass gets none: no range rather than ranges overlapping it (see
+    :mod:`.backward`)."""
     rec = _recorder.active
     if rec is None:
         return 0
@@ -509,46 +520,73 @@ def _place_hooks(t: _Thread) -> None:
 class _Backward:
     """One thread's module backward ranges open now: ``open`` holds ``(call, token)``,
     outermost first, and ``pass_no`` counts the backward passes that ended (a call's range is
-    opened at most once per pass)."""
+    opened at most once per pass).
 
-    __slots__ = ("open", "pass_no")
+    ``tasks``: ``[graph task, floor]`` of each pass whose nodes ran on this thread and has not
+    ended, outermost first: a pass run inside a node of another (reentrant checkpointing's
+    recomputation, a ``Tensor.backward`` in a custom Function's backward) closes none of the
+    ranges open when it began (its floor), and its own close when the engine finishes it (a
+    callback queued on it), inside the node, before what runs next in the outer pass finds them
+    open (the next layer's recomputation nested under them, a ``Tensor.backward`` range ending
+    before them)."""
+
+    __slots__ = ("open", "pass_no", "tasks")
 
     def __init__(self) -> None:
         self.open: list[tuple[list, list | None]] = []
         self.pass_no = 0
+        self.tasks: list[list[int]] = []
 
     def enter(self, calls: tuple[list, ...]) -> None:
         """A node made in ``calls`` is about to run: close the ranges of calls not in them,
         open the missing ones (not those already closed in this pass)."""
-        open_ = self.open
+        open_, tasks = self.open, self.tasks
+        task = _graph_task()
+        if not tasks or tasks[-1][0] != task:
+            if any(t[0] == task for t in tasks):
+                while tasks[-1][0] != task:  # passes nested in this one that raised
+                    self.leave()
+            else:
+                tasks.append([task, len(open_)])
+                _engine.queue_callback(self.leave)  # run when the engine finishes the pass
         n = len(calls)
         keep = 0
         while keep < len(open_) and keep < n and open_[keep][0] is calls[keep]:
             keep += 1
+        if keep < tasks[-1][1]:  # a nested pass's node made outside the ranges it runs in
+            return
         pass_no = self.pass_no
         while len(open_) > keep:
             call, token = open_.pop()
             call[4] = pass_no
             spans.end(token)
-        if keep == n:
-            return
-        if not open_:
-            # The pass's first range: close what is left when the engine finishes the pass.
-            _engine.queue_callback(self.close_all)
         for call in calls[keep:]:
             if call[4] == pass_no:  # its range closed in this pass: no second one
                 return
             open_.append((call, spans.begin(DOMAIN, MODULE, call[2].bw_name, _bw_attrs)))
 
-    def close_all(self) -> None:
-        """End of a backward pass: close what is still open, innermost first."""
+    def leave(self) -> None:
+        """The engine finished the innermost pass: close the ranges it opened, innermost first
+        (all of them, and count the pass, when it was the outermost)."""
         try:
+            floor = self.tasks.pop()[1] if self.tasks else 0
             open_ = self.open
-            while open_:
+            while len(open_) > floor:
                 call, token = open_.pop()
                 call[4] = self.pass_no
                 spans.end(token)
-            self.pass_no += 1
+            if not self.tasks:
+                self.pass_no += 1
+        except Exception:
+            spans.warn_once("module backward end")
+
+    def close_all(self) -> None:
+        """A pass that raised (the engine runs no callback then): close what is still open."""
+        try:
+            while self.tasks:
+                self.leave()
+            if self.open:
+                self.leave()
         except Exception:
             spans.warn_once("module backward end")
 

@@ -26,9 +26,9 @@ stop; a session waits at most :data:`MAX_WAIT_S` for one, and a conversion at mo
 Module backward ranges come from the same collection at this level (no autograd hooks, see
 :mod:`.backward`): the module wrapper notes each module call's range of autograd sequence
 numbers in :attr:`OpSource.calls`, and a session's backward-node events are matched to them when
-its spans are made, with the calls of the :data:`KEEP_SESSIONS` sessions before it. A graph
-whose backward runs more sessions after its forward than that (top-level module calls more
-than :data:`HARVEST_INTERVAL_S` apart in between) gets op ranges but no module backward ranges.
+its spans are made, with the calls of the sessions before it (:class:`.backward.Kept`: the last
+``KEEP_CALLS`` calls, by count, so however long after its forward a graph's backward runs). A
+session is stopped only where the owner runs no backward pass, so it holds its passes whole.
 
 No session is cycled inside a ``record_function`` range the program has open (its own, around
 a step, say): PyTorch would end the range in the wrong session, where its end lands on another
@@ -52,7 +52,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -81,8 +80,6 @@ HARVEST_INTERVAL_S = 0.02
 MAX_WAIT_S = 1.0
 #: Seconds a session runs at most while the program holds a record_function range open.
 MAX_SESSION_S = 10.0
-#: Earlier sessions whose module calls a session's backward nodes are matched to.
-KEEP_SESSIONS = 6
 #: The flusher looks whether the owner is inside a stop every SLICE_MASK + 1 events, and waits
 #: for one at most PAUSE_S seconds a drain (holding the flush lock, which a fork waits for).
 SLICE_MASK = (1 << 11) - 1
@@ -124,8 +121,8 @@ class OpSource:
         self.calls: list[tuple[int, int, Any]] = []
         #: The owner's Tensor.backward passes: [start_ns, end_ns, parent, depth, running].
         self.passes: list[list[int]] = []
-        # the calls of the sessions before the one _table converts, oldest first
-        self._last_calls: deque[list[tuple[int, int, Any]]] = deque(maxlen=KEEP_SESSIONS)
+        # the owner's calls of the sessions so far, to match nodes to (kept by count)
+        self._kept = torch_backward.Kept()
         # finished sessions: (result, offset, tid, calls, passes, stopped_ns)
         self._results: list[tuple[Any, int, int, list, list, int]] = []
         self._lock = threading.Lock()
@@ -273,7 +270,7 @@ class OpSource:
         with self._lock:
             self._results = []
         self.calls, self.passes = [], []
-        self._last_calls.clear()
+        self._kept.clear()
 
     def close(self) -> None:
         self.stop()
@@ -281,7 +278,7 @@ class OpSource:
         self._untrack_scopes()
         with self._lock:
             self._results = []
-        self._last_calls.clear()
+        self._kept.clear()
 
     # ---- events to spans ----------------------------------------------------------------------
 
@@ -341,12 +338,12 @@ class OpSource:
             if children:
                 depth += 1
                 todo.extend([(c, sid, depth, top, etid) for c in reversed(children)])
-        last = [c for kept in self._last_calls for c in kept]
-        self._last_calls.append(calls)
-        if nodes and (calls or last):
+        self._kept.add(calls)
+        seqs = np.fromiter((n[3] for n in nodes), dtype=np.int64, count=len(nodes))
+        both = self._kept.select(seqs[seqs >= 0])
+        if both:
             # tops are lists (marked in place above); ranges only reads them
             nodes.extend(t for t in tops if t[3] is None)  # type: ignore[misc]
-            both = last + calls
             ids = iter(range(prefix + seq + 1, prefix + (1 << 32)))
             made = torch_backward.ranges(nodes, both, passes, ids.__next__)
             for sid, parent, rtid, call, start, end, depth in made:

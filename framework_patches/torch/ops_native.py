@@ -13,7 +13,10 @@ nesting and depth, an autograd node's ``evaluate_function`` range carrying its n
 number. Module backward ranges are matched the same way (:mod:`.backward`): the owner's module
 calls are cut into batches at top-level module calls at least :data:`~.ops.HARVEST_INTERVAL_S`
 apart (a "cut", the sessions' counterpart: nothing stops there), and the records that ended
-before a cut are matched to the calls of that cut and the :data:`~.ops.KEEP_SESSIONS` before.
+before a cut are matched to the calls kept so far (:class:`.backward.Kept`: by count, not time).
+A cut is made where the owner runs no backward pass, so a pass's nodes are matched whole, once,
+however long it ran; at op level, op spans of records no cut came for in
+:data:`~.ops.MAX_WAIT_S` are made then, and their nodes wait for the next cut.
 Records of every thread are taken, not only the owner's and the autograd engine's. Input shapes
 are not recorded here: ``GPU_TRACE_TORCH_SHAPES`` keeps the Kineto sessions.
 
@@ -36,7 +39,6 @@ import shlex
 import subprocess
 import tempfile
 import threading
-from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -80,12 +82,9 @@ CHUNK = 1 << 16
 #: Records a thread keeps between drains; more are dropped and counted (72 bytes each).
 CAPACITY = 1 << 22
 _BW = {"pass": "backward"}  # a module backward range's attrs, as module level's
-#: Nodes only (module level): cuts at top-level module calls at least this far apart, each
-#: matched with the calls of the :data:`KEEP_CUTS` before it too (a graph whose backward runs up
-#: to 0.2 s after its forward). Op level cuts as its sessions do (every 20 ms, six kept: Kineto's
-#: stops), which at module level made the flusher index each call seven times.
+#: Nodes only (module level): cuts at top-level module calls at least this far apart. Op level
+#: cuts as its sessions do (every 20 ms: Kineto's stops).
 CUT_INTERVAL_S = 0.1
-KEEP_CUTS = 2
 #: gt_start's flags (observer.cpp): record_function ranges too; autograd nodes only.
 USER_SCOPES, NODES_ONLY = 1, 2
 #: at::RecordScope::BACKWARD_FUNCTION: an autograd node's own record (``AddmmBackward0``).
@@ -236,12 +235,14 @@ class NativeOpSource:
         self.calls: list[tuple[int, int, ModuleRef, int]] = []
         #: The owner's Tensor.backward passes: [start_ns, end_ns, parent, depth, running].
         self.passes: list[list[object]] = []
-        self._last_calls: deque[list] = deque(
-            maxlen=KEEP_CUTS if nodes_only else kineto_ops.KEEP_SESSIONS
-        )
+        #: The owner's calls of the cuts so far, for matching nodes to (kept by count).
+        self._kept = torch_backward.Kept()
         self._interval_ns = (CUT_INTERVAL_S if nodes_only else kineto_ops.HARVEST_INTERVAL_S) * 1e9
         self._cuts: list[tuple[int, list, list]] = []  # (cut_ns, calls, passes), in order
         self._pending = np.empty(0, dtype=RECORD)  # taken, not yet before a cut
+        #: Op level: nodes and top-level ops whose op spans were made (no cut for a while), kept
+        #: to be matched to module calls at the next cut, when their pass is sure to be over.
+        self._held = np.empty(0, dtype=RECORD)
         self._names: list[str] = []
         self._lock = threading.Lock()
         self._on = False
@@ -297,17 +298,22 @@ class NativeOpSource:
         records = self._take()
         with self._lock:
             cuts, self._cuts = self._cuts, []
-        peek: tuple[list, list] | None = None
-        if not cuts and len(records):
-            # No top-level module call for a while (a program of bare ops, or a long step):
-            # cut here, matching the records to the owner's calls so far too (a copy: they
-            # stay for the next cut, and are not kept as a cut's).
-            t = now_ns()
-            if t - int(records["end"].min()) > kineto_ops.MAX_WAIT_S * 1e9:
-                cuts = [(t, [], [])]
-                peek = (list(self.calls), [list(p) for p in self.passes])
         if not cuts:
-            self._pending = records
+            if (
+                not self.nodes_only
+                and len(records)
+                and now_ns() - int(records["end"].min()) > kineto_ops.MAX_WAIT_S * 1e9
+            ):
+                # No top-level module call for a while (a program of bare ops, or a long step):
+                # the op spans now. Their autograd nodes wait for the next cut, where the owner
+                # runs no pass: matched now, a pass still running would be cut in two (ranges
+                # split, or partly overlapping the pass's reentrant ones).
+                yield "spans", self._ops_table(records)
+                if len(self.calls) or len(self._kept):  # else no module call to match them to
+                    self._hold(records[self._matched(records)[0]])
+                records = records[:0]
+            # nodes only: they wait for a cut however long the pass (the newest CAPACITY)
+            self._pending = records[-CAPACITY:] if self.nodes_only else records
             return
         # Each record goes to the first cut at or after its end; the rest wait for the next.
         ends = np.fromiter((c[0] for c in cuts), dtype=np.int64, count=len(cuts))
@@ -317,8 +323,16 @@ class NativeOpSource:
         records, where = records[done], where[done]
         if len(records) and not self.nodes_only:
             yield "spans", self._ops_table(records)
-        for table in self._backward_tables(records, where, cuts, peek):
+        if len(self._held):  # they ended before the first of these cuts
+            records = np.concatenate([self._held, records])
+            where = np.concatenate([np.zeros(len(self._held), dtype=where.dtype), where])
+            self._held = self._held[:0]
+        for table in self._backward_tables(records, where, cuts):
             yield "spans", table
+
+    def _hold(self, b: np.ndarray) -> None:
+        """Keep records ``b`` for the next cut's matching (the newest :data:`CAPACITY`)."""
+        self._held = np.concatenate([self._held, b])[-CAPACITY:]
 
     def _take(self) -> np.ndarray:
         """The pending records and all the library holds now, in one array."""
@@ -341,8 +355,9 @@ class NativeOpSource:
         self._lock = threading.Lock()
         self._prefix = (private_bits(31) | 1) << 32
         self._cuts, self._pending = [], np.empty(0, dtype=RECORD)
+        self._held = self._pending
         self.calls, self.passes = [], []
-        self._last_calls.clear()
+        self._kept.clear()
 
     def close(self) -> None:
         self.stop()
@@ -351,8 +366,8 @@ class NativeOpSource:
             pass  # what is left is not wanted
         with self._lock:
             self._cuts = []
-        self._pending = np.empty(0, dtype=RECORD)
-        self._last_calls.clear()
+        self._pending = self._held = np.empty(0, dtype=RECORD)
+        self._kept.clear()
 
     # ---- records to spans ---------------------------------------------------------------------
 
@@ -404,12 +419,31 @@ class NativeOpSource:
         b: np.ndarray,
         where: np.ndarray,
         cuts: list[tuple[int, list, list]],
-        peek: tuple[list, list] | None = None,
     ) -> Iterable[pa.Table]:
-        """Module backward ranges, cut by cut: each cut's autograd nodes matched to its module
-        calls and those of the cuts before (as :meth:`.ops.OpSource._table` does a session's);
-        ``peek``: the owner's calls and passes not cut yet, matched too (a cut made by the
-        flusher)."""
+        """Module backward ranges, cut by cut: each cut's autograd nodes matched to the kept
+        module calls their numbers fall in (:class:`.backward.Kept`, the cut's own added first;
+        as :meth:`.ops.OpSource._table` does a session's)."""
+        keep, is_node = self._matched(b)
+        sel, wsel, nsel = b[keep], where[keep], is_node[keep]
+        order = np.argsort(wsel, kind="stable")
+        sel, wsel, nsel = sel[order], wsel[order], nsel[order]
+        bounds = np.searchsorted(wsel, np.arange(len(cuts) + 1), side="left")
+        rows: list[tuple[object, ...]] = []
+        rtids: list[int] = []
+        for i, (_, calls, passes) in enumerate(cuts):
+            self._kept.add(calls)
+            lo, hi = int(bounds[i]), int(bounds[i + 1])
+            if lo == hi or not nsel[lo:hi].any():
+                continue
+            seqs = sel["seq"][lo:hi][nsel[lo:hi]]
+            both = self._kept.select(seqs[seqs >= 0])
+            if both:
+                self._backward(sel[lo:hi], nsel[lo:hi], both, passes, rows, rtids)
+        if rows:  # one table a drain: making one costs about as much as walking a cut
+            yield spans_to_table(rows, os.getpid(), np.asarray(rtids, dtype=np.uint64))
+
+    def _matched(self, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Which of records ``b`` the matching reads (``keep``), and which are autograd nodes."""
         if self.nodes_only:
             # nodes made by the owner's forward, and those with no forward op (AccumulateGrad)
             is_node = b["scope"] == BACKWARD_FUNCTION
@@ -424,24 +458,7 @@ class NativeOpSource:
             top = (b["depth"] == 0) & (b["seq"] >= 0) & ~is_node
             top &= ~np.isin(b["id"], b["root"][is_node])
             keep = is_node | top
-        sel, wsel, nsel = b[keep], where[keep], is_node[keep]
-        order = np.argsort(wsel, kind="stable")
-        sel, wsel, nsel = sel[order], wsel[order], nsel[order]
-        bounds = np.searchsorted(wsel, np.arange(len(cuts) + 1), side="left")
-        rows: list[tuple[object, ...]] = []
-        rtids: list[int] = []
-        for i, (_, calls, passes) in enumerate(cuts):
-            last = [c for kept in self._last_calls for c in kept]
-            if calls:
-                self._last_calls.append(calls)
-            if peek is not None:
-                calls, passes = peek
-            lo, hi = int(bounds[i]), int(bounds[i + 1])
-            if lo == hi or not (calls or last) or not nsel[lo:hi].any():
-                continue
-            self._backward(sel[lo:hi], nsel[lo:hi], last + calls, passes, rows, rtids)
-        if rows:  # one table a drain: making one costs about as much as walking a cut
-            yield spans_to_table(rows, os.getpid(), np.asarray(rtids, dtype=np.uint64))
+        return keep, is_node
 
     def _backward(
         self,

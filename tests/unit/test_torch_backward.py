@@ -4,12 +4,13 @@ recorded at both levels on models whose modules are called many times per step."
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_trace.framework_patches.torch.backward import chain, owners, ranges
+from gpu_trace.framework_patches.torch.backward import Kept, chain, owners, ranges
 
 # Forward: Net [0, 10) holds a [0, 4) (a.x [1, 3)) and b [5, 9); seq 4 and 9 are Net's own ops.
 NET, A, AX, B = "Net", "a", "a.x", "b"
@@ -115,6 +116,29 @@ def test_a_pass_puts_its_ranges_under_its_range_and_skips_calls_still_running() 
 
 def test_no_calls_no_ranges() -> None:
     assert ranges([(1, 0, 1, 0)], [], [], iter(range(5)).__next__) == []
+
+
+def test_kept_calls_are_found_by_number_however_old_and_forgotten_by_count() -> None:
+    """Calls are kept by count, not time: a node finds its call's batch (and the batches of
+    the calls a recomputed call nests in) however many batches came after it, until KEEP_CALLS
+    newer calls were made."""
+    import numpy as np
+
+    kept = Kept(limit=6)
+    kept.add([(1, 3, AX, -1), (0, 4, A, -1)])  # a batch: a cut's or a session's calls
+    kept.add([])
+    kept.add([(5, 7, "b", -1), (4, 8, B, -1)])
+    kept.add([(10, 12, "block", 1)])  # recomputed in backward inside the node numbered 1
+    names = lambda seqs: [c[2] for c in kept.select(np.array(seqs))]  # noqa: E731
+    assert names([6]) == ["b", B]
+    assert names([11]) == [AX, A, "block"]  # with the batch its anchor is in, in order
+    assert names([2, 7, 100]) == [AX, A, "b", B]
+    assert names([-1, 9, 50]) == [] and names([]) == []
+    for i in range(3):  # 2 + 2 + 1 + 3 = 8 calls: the oldest batch goes, 6 are left
+        kept.add([(20 + i, 21 + i, f"x{i}", -1)])
+    assert len(kept) == 6 and names([2]) == [] and names([6, 22]) == ["b", B, "x2"]
+    with pytest.raises(ValueError):
+        Kept(limit=0)
 
 
 def records(rows: list[tuple[int, int, int, int | None]]):
@@ -392,6 +416,31 @@ def test_a_forward_on_another_thread_gets_its_ranges_once(tmp_path, monkeypatch)
     assert [r[:3] for r in module_backward(native)] == [r[:3] for r in module_backward(hooks)]
 
 
+LEVELS = ("module", "module-hooks", "op", "op-kineto")
+
+
+def one_range_per_call(rows: list[dict], level: str, passes: int = 1) -> list[tuple]:
+    """Check that each forward call that made a graph (a forward range outside every backward
+    range) has ``passes`` backward ranges, each under its caller's (an enclosing module's, or
+    its own when recursing) or the pass's; returns (name, parent's name, depth) of each."""
+    by_id = {r["span_id"]: r for r in rows}
+    mods = [r for r in rows if r["category"] == "module" and r["name"] != "Tensor.backward"]
+    bw = [r for r in mods if r["name"].endswith(".backward")]
+    calls: dict[str, int] = {}  # forward calls that made nodes, outside any backward
+    for r in mods:
+        if r not in bw and not any(b["start_ns"] <= r["start_ns"] < b["end_ns"] for b in bw):
+            calls[r["name"] + ".backward"] = calls.get(r["name"] + ".backward", 0) + 1
+    counts = {n: sum(1 for r in bw if r["name"] == n) for n in calls}
+    assert counts == {n: c * passes for n, c in calls.items()}, level
+    for r in bw:  # under its module's caller's backward (or its own, recursing)
+        parent = by_id.get(r["parent_span_id"], {}).get("name")
+        if parent not in (r["name"], "Tensor.backward", None):
+            assert r["name"].startswith(parent.removesuffix("backward")), (level, r["name"])
+    return sorted(
+        (r["name"], by_id.get(r["parent_span_id"], {}).get("name", ""), r["depth"]) for r in bw
+    )
+
+
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_backward_ranges_nest_one_per_call_at_both_levels(shape, tmp_path, monkeypatch) -> None:
     """One backward range per forward call that made a graph, each under its caller's, the
@@ -400,28 +449,277 @@ def test_backward_ranges_nest_one_per_call_at_both_levels(shape, tmp_path, monke
     from tests.span_checks import problems
 
     got = {}
-    for level in ("module", "module-hooks", "op", "op-kineto"):
+    for level in LEVELS:
         rows = record_steps(tmp_path, monkeypatch, shape, level)
         assert problems(rows) == [], level
-        by_id = {r["span_id"]: r for r in rows}
-        mods = [r for r in rows if r["category"] == "module" and r["name"] != "Tensor.backward"]
-        bw = [r for r in mods if r["name"].endswith(".backward")]
-        calls: dict[str, int] = {}  # forward calls that made nodes, outside any backward
-        for r in mods:
-            if r not in bw and not any(b["start_ns"] <= r["start_ns"] < b["end_ns"] for b in bw):
-                calls[r["name"] + ".backward"] = calls.get(r["name"] + ".backward", 0) + 1
-        counts = {n: sum(1 for r in bw if r["name"] == n) for n in calls}
-        assert counts == {n: c * PASSES.get(shape, 1) for n, c in calls.items()}, level
-        for r in bw:  # under its module's caller's backward (or its own, recursing)
-            parent = by_id.get(r["parent_span_id"], {}).get("name")
-            caller = r["name"].rsplit(".", 2)[0] + ".backward"
-            assert parent in (caller, r["name"], "Tensor.backward", None), (level, r["name"])
-        got[level] = sorted(
-            (r["name"], by_id.get(r["parent_span_id"], {}).get("name", ""), r["depth"]) for r in bw
-        )
+        got[level] = one_range_per_call(rows, level, PASSES.get(shape, 1))
     assert got["module-hooks"] == got["module"]
     assert got["op"] == got["module"]
     assert got["op-kineto"] == got["module"]
+
+
+# ---- passes of seconds, graphs backwarded late, nested passes: decided by the engine ----------
+
+
+class Slow(torch.autograd.Function):
+    """The identity, whose backward node takes ``seconds``: a pass of seconds whatever the
+    machine's load, with the flusher draining many times while it runs."""
+
+    @staticmethod
+    def forward(ctx, x, seconds: float):
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class SlowCells(Cells):
+    """The cell loop with a node of 0.15 s per time step between its cells."""
+
+    def forward(self, x):
+        outs = []
+        h1 = c1 = h2 = c2 = torch.zeros(x.size(0), 8)
+        for t in x.split(1, dim=1):
+            h1, c1 = self.lstm1(t, (h1, c1))
+            h2, c2 = self.lstm2(Slow.apply(h1, 0.15), (h2, c2))
+            outs.append(self.linear(h2))
+        return torch.cat(outs, 1)
+
+
+class Block(nn.Module):
+    """A transformer-ish block whose backward takes 0.4 s."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+
+    def forward(self, h):
+        return Slow.apply(h + self.mlp(self.norm(h)), 0.4)
+
+
+class Layered(nn.Module):
+    """Activation checkpointing as Hugging Face models do it: each layer's ``__call__`` under
+    ``torch.utils.checkpoint`` (``use_reentrant=True`` is their default)."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.emb, self.head = nn.Linear(4, 8), nn.Linear(8, 1)
+        self.layers = nn.ModuleList(Block() for _ in range(3))
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.emb(x)
+        for layer in self.layers:
+            h = checkpoint(layer.__call__, h, use_reentrant=self.reentrant)
+        return self.head(h)
+
+
+def record_at(tmp_path, monkeypatch, level: str, name: str, body) -> list[dict]:
+    """``body()`` recorded at ``level`` (one of :data:`LEVELS`, sources as
+    :func:`record_steps` picks them), the flusher draining every 50 ms; nothing may overlap
+    partially or have a negative self time."""
+    import gpu_trace
+    from tests.conftest import recorded
+    from tests.span_checks import problems
+
+    monkeypatch.setenv("GPU_TRACE_TORCH", level.split("-")[0])
+    if level in ("op-kineto", "module-hooks"):
+        monkeypatch.setenv("GPU_TRACE_TORCH_OPS", "kineto")
+    else:
+        monkeypatch.delenv("GPU_TRACE_TORCH_OPS", raising=False)
+    monkeypatch.setenv("GPU_TRACE_FLUSH_INTERVAL", "0.05")
+    run = tmp_path / f"{name}-{level}"
+    gpu_trace.start(run)
+    try:
+        body()
+    finally:
+        gpu_trace.stop()
+    rows = sorted(recorded(run), key=lambda r: (r["start_ns"], r["depth"]))
+    assert problems(rows) == [], level
+    return rows
+
+
+def backward_counts(rows: list[dict]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in rows:
+        if r["name"].endswith(".backward") and r["name"] != "Tensor.backward":
+            counts[r["name"]] = counts.get(r["name"], 0) + 1
+    return counts
+
+
+def test_a_pass_of_seconds_gets_one_range_per_call(tmp_path, monkeypatch) -> None:
+    """A backward pass of about 2 s, which the flusher drains about 40 times while it runs: one
+    range per call at every level, the same at each. The native source matches a pass's nodes
+    once the pass is over (at the next top-level module call, or the end); before, it matched
+    what it had after a second with no cut, so each drain's part of the pass got ranges of its
+    own (2-7 ``SlowCells.backward`` for one call)."""
+    torch.manual_seed(0)
+    model, x = SlowCells(), torch.randn(2, 12)
+    got = {}
+    for level in LEVELS:
+        rows = record_at(tmp_path, monkeypatch, level, "long", lambda: model(x).sum().backward())
+        got[level] = one_range_per_call(rows, level)
+        assert backward_counts(rows) == {
+            "SlowCells.backward": 1,
+            "SlowCells.lstm1.backward": 12,
+            "SlowCells.lstm2.backward": 12,
+            "SlowCells.linear.backward": 12,
+        }, level
+    assert got["module-hooks"] == got["module"] == got["op"] == got["op-kineto"]
+
+
+class Generator(nn.Sequential):
+    pass
+
+
+class Discriminator(nn.Sequential):
+    pass
+
+
+class Policy(nn.Sequential):
+    pass
+
+
+def test_a_graph_backwarded_long_after_its_forward_keeps_its_ranges(tmp_path, monkeypatch):
+    """A generator's graph backwarded after eight discriminator steps, and an episode of
+    policy calls backwarded at its end, with 0.11 s between top-level calls (an environment's
+    steps): every call gets its range at every level. The calls a node may belong to are kept
+    by count; before, they were kept for two cuts at module level (0.2-0.3 s) and six op
+    sessions, and these calls had none (DCGAN's generator, REINFORCE's early policy calls)."""
+    torch.manual_seed(0)
+    gen = Generator(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+    disc = Discriminator(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    policy = Policy(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    noise, real = torch.randn(2, 4), torch.randn(2, 4)
+
+    def body() -> None:
+        fake = gen(noise)
+        for _ in range(8):
+            disc(real).sum().backward()
+            time.sleep(0.11)  # a cut (module level) and a new op session each
+        disc(fake).sum().backward()
+        logps = []
+        for _ in range(8):
+            logps.append(policy(real).log_softmax(1)[0, 0])
+            time.sleep(0.11)
+        torch.stack(logps).sum().backward()
+
+    got = {}
+    for level in LEVELS:
+        rows = record_at(tmp_path, monkeypatch, level, "late", body)
+        got[level] = one_range_per_call(rows, level)
+        counts = backward_counts(rows)
+        assert counts["Generator.backward"] == 1 and counts["Generator.0.backward"] == 1, level
+        assert counts["Discriminator.backward"] == 9 and counts["Policy.backward"] == 8, level
+    assert got["module-hooks"] == got["module"] == got["op"] == got["op-kineto"]
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpointed_layers_in_a_pass_of_seconds_nest_one_per_call(
+    reentrant, tmp_path, monkeypatch
+):
+    """Hugging Face's gradient checkpointing (each layer's ``__call__`` checkpointed; with
+    ``use_reentrant=True`` each layer's backward is a pass of its own run inside a node), in a
+    pass of 1.2 s: one range per call, nested, the same at every level. Before, the flusher's
+    mid-pass matching gave 2 ``Layered.backward`` per call and, reentrant, a parent's range ending
+    inside its child's (partial overlaps, negative self times)."""
+    torch.manual_seed(0)
+    model, x = Layered(reentrant), torch.randn(2, 4)
+    got = {}
+    for level in LEVELS:
+        rows = record_at(tmp_path, monkeypatch, level, "ckpt", lambda: model(x).sum().backward())
+        got[level] = one_range_per_call(rows, level)
+        counts = backward_counts(rows)
+        assert counts["Layered.backward"] == 1, level
+        assert all(counts[f"Layered.layers.{i}.mlp.0.backward"] == 1 for i in range(3)), level
+    assert got["module-hooks"] == got["module"] == got["op"] == got["op-kineto"]
+
+
+class Reversible(torch.autograd.Function):
+    """Reformer's reversible layers, small: forward without a graph; backward recomputes each
+    block with one and runs ``Tensor.backward`` through it, inside this node."""
+
+    @staticmethod
+    def forward(ctx, x1, x2, blocks):
+        ctx.blocks = blocks
+        with torch.no_grad():
+            for f, g in blocks:
+                x1 = x1 + f(x2)
+                x2 = x2 + g(x1)
+        ctx.save_for_backward(x1, x2)
+        return x1, x2
+
+    @staticmethod
+    def backward(ctx, dy1, dy2):
+        y1, y2 = (t.detach() for t in ctx.saved_tensors)
+        for f, g in reversed(ctx.blocks):
+            with torch.enable_grad():
+                y1.requires_grad_(True)
+                gy1 = g(y1)
+                gy1.backward(dy2)
+            with torch.no_grad():
+                x2, dx1 = y2 - gy1, dy1 + y1.grad
+            with torch.enable_grad():
+                x2.requires_grad_(True)
+                fx2 = f(x2)
+                fx2.backward(dx1)
+            with torch.no_grad():
+                x1, dx2 = y1 - fx2, dy2 + x2.grad
+            y1, y2, dy1, dy2 = x1.detach(), x2.detach(), dx1, dx2
+        return dy1, dy2, None
+
+
+class Rev(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Linear(4, 8), nn.Linear(8, 1)
+        self.fs = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2))
+        self.gs = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2))
+
+    def forward(self, x):
+        h = self.emb(x)
+        a, b = Reversible.apply(h[:, :4], h[:, 4:], list(zip(self.fs, self.gs)))
+        return self.head(torch.cat([a, b], 1))
+
+
+def test_tensor_backward_inside_a_custom_function_nests_or_is_left_out(tmp_path, monkeypatch):
+    """A custom Function calling ``Tensor.backward`` in its backward (Reformer): with hooks,
+    module level nests the recomputed calls' ranges under that inner ``Tensor.backward``, under
+    the node's module's range, and closes them before it returns; where ranges are made from the
+    nodes after the fact (module level from the observer, op level from either source), the
+    inner ``Tensor.backward`` is a range opened from Python inside a node, which those ranges
+    could not hold, so that pass gets none (a later plain pass gets its own). Before, module
+    level left the inner passes' ranges open past their ``Tensor.backward`` (partial
+    overlaps), and op level made ranges holding it (negative self times)."""
+    torch.manual_seed(0)
+    model, plain, x = Rev(), Shared(), torch.randn(2, 4)
+
+    def body() -> None:
+        model(x).square().mean().backward()
+        plain(torch.randn(2, 4)).sum().backward()
+
+    for level in LEVELS:
+        rows = record_at(tmp_path, monkeypatch, level, "rev", body)
+        counts = backward_counts(rows)
+        assert counts["Shared.backward"] == 1 and counts["Shared.lin.backward"] == 2, level
+        rev = {n: c for n, c in counts.items() if n.startswith("Rev")}
+        if level != "module-hooks":
+            assert rev == {}, level
+            continue
+        by_id = {r["span_id"]: r for r in rows}
+        parent = {r["name"]: by_id.get(r["parent_span_id"], {}).get("name") for r in rows}
+        assert rev == {n: 1 for n in rev} and len(rev) == 3 + 4 * 3, rev
+        assert parent["Rev.fs.0.backward"] == parent["Rev.gs.1.backward"] == "Tensor.backward"
+        inner = [r for r in rows if r["name"] == "Tensor.backward" and r["parent_span_id"]]
+        assert len(inner) == 4 and {by_id[r["parent_span_id"]]["name"] for r in inner} == {
+            "Rev.backward"
+        }
 
 
 def test_lbfgs_closure_at_op_level_keeps_every_op_inside_its_parent(tmp_path, monkeypatch):
@@ -459,8 +757,8 @@ def test_lbfgs_closure_at_op_level_keeps_every_op_inside_its_parent(tmp_path, mo
 def test_lbfgs_closure_at_module_level_gets_every_backward_range(tmp_path, monkeypatch):
     """Every module call of a program that trains only through LBFGS's closure runs inside
     ``optimizer.step``: the native source cuts there too (it has no session), so nodes drained
-    while the step runs are matched to the calls made so far rather than to none."""
-    import gpu_trace
+    while the step runs wait for the next cut (the next closure's forward) rather than being
+    matched to no call."""
     from gpu_trace.framework_patches.torch import ops as torch_ops
     from gpu_trace.tracer import recorder
 
