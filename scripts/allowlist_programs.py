@@ -41,6 +41,11 @@ class Env:
                 self.failures.append(f"{what}: {type(exc).__name__}: {exc}"[:300])
 
 
+#: Ops the programs send once a server has run an op before them that a CPU server cannot:
+#: ``nn.LSTMCell``'s forward on the remote device is ``_thnn_fused_lstm_cell`` (as on CUDA),
+#: which has no CPU kernel, so here its backward is never reached.
+SENT_PAST_A_CPU_SERVER = {"aten::_thnn_fused_lstm_cell_backward_impl.default"}
+
 #: Every program, by name, in the order they run (:func:`program` adds one).
 PROGRAMS: dict[str, Callable[[Env], None]] = {}
 
