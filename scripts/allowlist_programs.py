@@ -531,12 +531,17 @@ def autocast(env: Env) -> None:
         with torch.autocast(env.amp, dtype=torch.bfloat16):
             conv(env.t(torch.randn(2, 3, 8, 8))).float().sum().backward()
 
+    def ops() -> None:  # autocast's float32 and promote ops
+        with torch.autocast(env.amp, dtype=torch.bfloat16):
+            y = x.bfloat16()
+            (torch.norm(y) + torch.atan2(y, y).sum() + y.exp().sum()).item()
+
     def low() -> None:
         m = _model(env).to(torch.bfloat16)
         m(x.bfloat16()).float().sum().backward()
         m.half()(x.half()).float().sum().item()
 
-    env.attempt(gpt, cnn, low)
+    env.attempt(gpt, cnn, ops, low)
 
 
 @program
