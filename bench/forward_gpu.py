@@ -25,7 +25,7 @@ Peers, each in a fresh process per model and round, in an order that turns every
 
 The forwarding servers run ``--isolation process`` (a worker process per session, as
 `gpu-trace serve` does by default) or, with ``--isolation shared``, every session in one process.
-With ``process`` a forwarded peer waits 6 s after its first step before its timed steps: its
+With ``process`` a forwarded peer waits 6 s after connecting, before its steps: its
 session took a standby worker and the server is making the next one (a torch import, seconds of
 one CPU, once per session), which would otherwise load a small machine during the timing and
 count in the server's CPU (its workers' CPU counts with its own).
@@ -283,8 +283,7 @@ def worker(
                 # making another: a torch import that takes a CPU for seconds, paid once per
                 # session. Timed steps start after it, and the server's CPU (its workers
                 # included) then counts this session's worker alone.
-                trainer.step().item()
-                time.sleep(float(os.environ[SETTLE_ENV]))
+                time.sleep(float(os.environ[SETTLE_ENV]))  # no step: the losses stay aligned
             res = timed_steps(lambda: trainer.step().item(), warmup, steps, server_pid)
             res["runtime"] = os.path.dirname(os.path.dirname(os.path.realpath(runtime.__file__)))
             return res
