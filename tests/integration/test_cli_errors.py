@@ -95,6 +95,12 @@ def test_a_port_out_of_range_is_refused(tmp_path: Path, command: str, port: str)
     assert one_line(out) == f"gpu-trace: --port must be 0-65535 (0 picks a free port), got {port}"
 
 
+def test_a_negative_standby_pool_is_refused(tmp_path: Path) -> None:
+    out = cli("serve", "--device", "cpu", "--standby", "-1", home=tmp_path / "home")
+    assert out.returncode == 2
+    assert one_line(out) == "gpu-trace: cannot serve: --standby must be 0 or more"
+
+
 def test_a_bare_word_is_not_a_store(tmp_path: Path) -> None:
     out = cli("ls", "--store", "notadsn", home=tmp_path / "home", cwd=tmp_path)
     assert out.returncode == 2
