@@ -3,7 +3,8 @@
 The library is compiled like the NVTX one (:mod:`gpu_trace._cbuild`: ``GPU_TRACE_CC``, a hash-named
 build cached under ``GPU_TRACE_HOME/lib``) against CUPTI's headers, which come with the CUDA
 toolkit (``/usr/local/cuda/include``, ``extras/CUPTI/include``) or the ``nvidia-cuda-cupti`` wheel
-(with ``cuda.h`` from ``nvidia-cuda-runtime``). It links nothing of CUDA: libcupti is opened at
+(with ``cuda.h`` from ``nvidia-cuda-runtime`` and, from CUDA 13, ``crt/`` from ``nvidia-cuda-crt``
+or the toolkit). It links nothing of CUDA: libcupti is opened at
 run time, found where PyTorch's wheels and the toolkit put it, and named to the library in
 ``GPU_TRACE_CUPTI_LIBRARY``. A machine without the headers or without libcupti has no GPU activity,
 said in one line; nothing else changes.
@@ -43,23 +44,55 @@ def _cuda_roots() -> list[Path]:
     return found
 
 
-def include_dirs() -> list[Path] | None:
-    """Directories holding ``cupti.h`` and ``cuda.h``; None when either is missing."""
-    cupti: Path | None = None
-    cuda: Path | None = None
-    candidates: list[Path] = []
-    for root in _nvidia_roots():
-        candidates += sorted(root.glob("*/include"))
-    for root in _cuda_roots():
-        candidates += [root / "include", root / "extras" / "CUPTI" / "include"]
-    for d in candidates:
-        if cupti is None and (d / "cupti.h").is_file():
-            cupti = d
-        if cuda is None and (d / "cuda.h").is_file():
-            cuda = d
-    if cupti is None or cuda is None:
+def _candidates(nvidia_roots: list[Path], cuda_roots: list[Path]) -> list[Path]:
+    """Include directories to look in: the wheels' (``nvidia/*/include``), then the toolkits'."""
+    found: list[Path] = []
+    for root in nvidia_roots:
+        found += sorted(root.glob("*/include"))
+    for root in cuda_roots:
+        found += [root / "include", root / "extras" / "CUPTI" / "include"]
+        found += sorted(root.glob("targets/*/include"))
+    return found
+
+
+#: The headers injection.c needs, each found in the first directory that has it. CUDA 13 moved
+#: ``crt/`` (which ``cupti.h`` reaches through ``builtin_types.h``) out of the runtime wheel into
+#: ``nvidia-cuda-crt``; the toolkit has it beside ``cuda.h``.
+HEADERS = ("cupti.h", "cuda.h", "crt/host_defines.h")
+
+
+def include_dirs(
+    nvidia_roots: list[Path] | None = None, cuda_roots: list[Path] | None = None
+) -> list[Path] | None:
+    """Directories holding :data:`HEADERS`; None when one of them is nowhere."""
+    found = _find_headers(nvidia_roots, cuda_roots)
+    if any(d is None for d in found.values()):
         return None
-    return list(dict.fromkeys([cupti, cuda]))
+    return list(dict.fromkeys(d for d in found.values() if d is not None))
+
+
+def _find_headers(
+    nvidia_roots: list[Path] | None, cuda_roots: list[Path] | None
+) -> dict[str, Path | None]:
+    candidates = _candidates(
+        _nvidia_roots() if nvidia_roots is None else nvidia_roots,
+        _cuda_roots() if cuda_roots is None else cuda_roots,
+    )
+    found: dict[str, Path | None] = dict.fromkeys(HEADERS)
+    for header in HEADERS:
+        found[header] = next((d for d in candidates if (d / header).is_file()), None)
+    return found
+
+
+def missing_headers_message(
+    nvidia_roots: list[Path] | None = None, cuda_roots: list[Path] | None = None
+) -> str:
+    """The one line that says which CUPTI build headers are missing and what provides them."""
+    missing = [h for h, d in _find_headers(nvidia_roots, cuda_roots).items() if d is None]
+    return (
+        f"CUPTI headers not found ({', '.join(missing)}): install the CUDA toolkit (CUDA_HOME),"
+        " or the nvidia-cuda-cupti, nvidia-cuda-runtime and (CUDA 13) nvidia-cuda-crt packages"
+    )
 
 
 def cupti_library() -> Path | None:
@@ -91,20 +124,19 @@ def _missing_headers() -> _cbuild.BuildError | None:
             f"GPU activity capture is built for Linux only, not {sys.platform}"
         )
     if include_dirs() is None:
-        return _cbuild.BuildError(
-            "CUPTI headers (cupti.h, cuda.h) not found: install the CUDA toolkit or the"
-            " nvidia-cuda-cupti and nvidia-cuda-runtime packages"
-        )
+        return _cbuild.BuildError(missing_headers_message())
     return None
 
 
-def build(out: Path, *, cc: str | None = None) -> Path:
-    """Compile the library to ``out``; :class:`~gpu_trace._cbuild.BuildError` says why not."""
-    missing = _missing_headers()
-    if missing is not None:
-        raise missing
-    inc = include_dirs() or []
-    return _cbuild.build(SOURCE, out, include_dirs=inc, libs=["-ldl", "-lpthread"], cc=cc)
+def build(out: Path, *, cc: str | None = None, include: list[Path] | None = None) -> Path:
+    """Compile the library to ``out`` (against ``include``, else the headers found here);
+    :class:`~gpu_trace._cbuild.BuildError` says why not."""
+    if include is None:
+        missing = _missing_headers()
+        if missing is not None:
+            raise missing
+        include = include_dirs() or []
+    return _cbuild.build(SOURCE, out, include_dirs=include, libs=["-ldl", "-lpthread"], cc=cc)
 
 
 def find_or_build(cache_dir: Path, *, cc: str | None = None) -> Path:

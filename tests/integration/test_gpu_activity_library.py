@@ -20,6 +20,7 @@ from gpu_trace.collectors.gpu_activity import activity_file, library
 from gpu_trace.collectors.gpu_activity.converter import convert_run
 from gpu_trace.tracer.run import RunInfo
 from gpu_trace.tracer.spool import list_spool, read_spool_file
+from tests import cuda_headers
 
 PROGRAM = textwrap.dedent(
     """
@@ -34,12 +35,14 @@ PROGRAM = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if library.include_dirs() is None:
+    inc = cuda_headers.include_dirs()
+    if inc is None:
         pytest.skip(
-            "CUPTI headers not installed here (CUDA toolkit or nvidia-cuda-cupti): not built"
+            "CUPTI headers not installed here (CUDA toolkit or nvidia-cuda-cupti) and not"
+            " fetched (scripts/cuda_headers.sh): not built"
         )
     try:
-        return library.build(tmp_path_factory.mktemp("lib") / library.library_name())
+        return library.build(tmp_path_factory.mktemp("lib") / library.library_name(), include=inc)
     except _cbuild.BuildError as exc:
         pytest.skip(f"no C compiler: {exc}")
 
@@ -131,7 +134,7 @@ def test_the_librarys_records_become_the_expected_spans(
     CLOCK_MONOTONIC + 1000 s here, and the launch must land between the program's
     perf_counter_ns readings around it, through CUPTI's timestamp callback or through anchors."""
     fake = tmp_path / "libcupti_fake.so"
-    inc = library.include_dirs()
+    inc = cuda_headers.include_dirs()
     assert inc is not None
     source = Path(__file__).with_name("fake_cupti.c")
     flags = [] if timestamp_callback else ["-DNO_TS_CALLBACK"]
@@ -206,7 +209,7 @@ def test_a_profiler_taking_cuptis_buffers_is_said_once_and_left_working(
     profiler registers its pair, the library notices (its probe's record stops coming back),
     says so once, and leaves the profiler its buffers; what came before is kept."""
     fake = tmp_path / "libcupti_fake.so"
-    inc = library.include_dirs()
+    inc = cuda_headers.include_dirs()
     assert inc is not None
     _cbuild.build(
         Path(__file__).with_name("fake_cupti.c"), fake, include_dirs=inc, libs=["-lpthread"]

@@ -35,6 +35,7 @@ from gpu_trace.tracer.clocksync import ClockModel
 from gpu_trace.tracer.ingest import CLOCK_WINDOW_NS, ingest
 from gpu_trace.tracer.run import RunInfo
 from gpu_trace.tracer.store import Store
+from tests import cuda_headers
 
 TOKEN = "gpu-activity-token-0123"
 #: CUPTI's clock in these records is the server's CLOCK_MONOTONIC plus this (an anchor says so).
@@ -359,11 +360,11 @@ def test_the_live_librarys_growing_file_reaches_the_ops(tmp_path: Path) -> None:
     from gpu_trace import _cbuild
     from gpu_trace.collectors.gpu_activity import library
 
-    inc = library.include_dirs()
+    inc = cuda_headers.include_dirs()
     if inc is None:
         pytest.skip("CUPTI headers not installed here: the library is not built")
     try:
-        lib = library.build(tmp_path / library.library_name())
+        lib = library.build(tmp_path / library.library_name(), include=inc)
         fake = tmp_path / "libcupti_fake.so"
         source = Path(__file__).with_name("fake_cupti.c")
         _cbuild.build(source, fake, include_dirs=inc, libs=["-lpthread"])
