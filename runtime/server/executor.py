@@ -146,6 +146,10 @@ class Executor:
         #: Told of every error an op or a batch raised, with the op's name ("" for a batch's),
         #: before it goes back to the client (a worker checks whether its CUDA context survived).
         self.on_error: Callable[[Exception, str], None] | None = None
+        #: Set (by a worker's ``on_error``) once this process's CUDA context has failed: every
+        #: later CUDA call would raise the same error, so the batch in hand makes none (no sync,
+        #: no event) and replies with its op's error; the worker then ends the session.
+        self.context_lost = False
         #: More ``rt::`` ops by name, each called with the session and the op's arguments (a
         #: worker's test probes; empty in a server).
         self.extra_ops: dict[str, Callable[[Session, list[object]], object]] = {}
@@ -320,10 +324,10 @@ class Executor:
                 session, work, ops, frees, first, gate, exec_start, results, op_spans, execute_id
             )
             if not parked:
-                self._after_ops(session, work, head, frees, stream, error is None and bool(results))
-            if pager is not None:
+                error = self._finish_ops(session, work, head, frees, stream, error, results, ops)
+            if pager is not None and not self.context_lost:
                 pager.end_batch(session)
-            if events is not None:
+            if events is not None and not self.context_lost:
                 events[1].record(stream)
                 self._events.setdefault(session.id, []).append(events)
         exec_end = now_ns()
@@ -470,6 +474,33 @@ class Executor:
             session.usage.quota_errors += 1
         elif isinstance(exc, self.torch.OutOfMemoryError) and self._cuda:
             self.torch.cuda.empty_cache()  # what the failed op left cached
+        return error
+
+    def _finish_ops(
+        self,
+        session: Session,
+        work: Work,
+        head: dict[str, Any],
+        frees: list[Any],
+        stream: torch.cuda.Stream | None,
+        error: dict[str, Any] | None,
+        results: dict[str, Any],
+        ops: list[Any],
+    ) -> dict[str, Any] | None:
+        """:meth:`_after_ops`, where an error raised at the stream's sync is the batch's own (a
+        CUDA error is reported at a later call than the kernel that caused it: an out-of-range
+        index is seen at the sync), not the server's: the reply's error, at the last op."""
+        if self.context_lost:
+            return error
+        try:
+            self._after_ops(session, work, head, frees, stream, error is None and bool(results))
+        except Exception as exc:
+            if error is not None:  # the op's error stands; the worker still hears of this one
+                if self.on_error is not None:
+                    self.on_error(exc, "")
+                return error
+            results.clear()
+            return self._op_error(session, exc, max(0, len(ops) - 1), "(the batch, at its sync)")
         return error
 
     def _after_ops(
@@ -840,6 +871,10 @@ class Executor:
 
     def _read_events(self, session: Session) -> None:
         pending = self._events.get(session.id)
+        if self.context_lost:  # events of a failed context cannot be read
+            if pending:
+                pending.clear()
+            return
         busy = 0
         while pending and pending[0][1].query():
             start, end = pending.pop(0)

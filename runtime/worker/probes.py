@@ -18,10 +18,38 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from gpu_trace.runtime.server.executor import Executor
     from gpu_trace.runtime.sharing.sessions import Session
+    from gpu_trace.runtime.worker.process import Worker
+
+#: What CUDA says after a kernel's out-of-range index (the text a worker looks for).
+DEVICE_ASSERT = "CUDA error: device-side assert triggered (a test probe's stand-in)"
 
 
-def install(executor: Executor) -> None:
+def install(executor: Executor, worker: Worker) -> None:
     executor.extra_ops["rt::worker_probe"] = probe
+    executor.extra_ops["rt::context_fault"] = _ContextFault(executor, worker)
+
+
+class _ContextFault:
+    """``rt::context_fault [where]``: the CPU's stand-in for a kernel that fails this worker's
+    CUDA context. From then on the worker's context check says it is lost; the error comes
+    back from the op itself (``"op"``) or, as CUDA reports a bad index, at the batch's sync
+    (``"sync"``: the batch's next stream sync raises it)."""
+
+    def __init__(self, executor: Executor, worker: Worker) -> None:
+        self.executor, self.worker = executor, worker
+
+    def __call__(self, session: Session, args: list[object]) -> object:
+        self.worker.context_lost = lambda: True
+        if args and args[0] == "sync":
+            after = self.executor._after_ops
+
+            def failing(*a: object, **k: object) -> None:
+                self.executor._after_ops = after  # type: ignore[method-assign]
+                raise RuntimeError(DEVICE_ASSERT)
+
+            self.executor._after_ops = failing  # type: ignore[method-assign]
+            return None
+        raise RuntimeError(DEVICE_ASSERT)
 
 
 def probe(session: Session, args: list[object]) -> object:

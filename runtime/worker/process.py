@@ -50,6 +50,8 @@ from gpu_trace.runtime.channel.messages import (
 from gpu_trace.runtime.worker import sandbox
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from gpu_trace.runtime.server.device_activity import DeviceActivity
 
 log = logging.getLogger(__name__)
@@ -215,6 +217,12 @@ class Worker:
         session.binary = assign.binary
         self.session = session
         self.cuda = str(self.server.device).startswith("cuda")
+        #: Whether this process's device context is gone (after an error whose text says it may
+        #: be); on CUDA a synchronize and a small op say, elsewhere it never is. The test probes
+        #: replace it to stand for a failed CUDA context on the CPU.
+        self.context_lost: Callable[[], bool] = lambda: (
+            self.cuda and _context_lost(self.server.device)
+        )
         self.failed: str | None = None
         self._reported: tuple[Any, ...] = ()
         self._send_lock = threading.Lock()
@@ -227,7 +235,7 @@ class Worker:
         if os.environ.get(PROBES_ENV) == "1":
             from gpu_trace.runtime.worker import probes
 
-            probes.install(executor)
+            probes.install(executor, self)
         writer = server.adopt(self.conn, self.session)
         contained = sandbox.contain(self._containment())
         log.info("contained: %s", contained.summary())
@@ -354,10 +362,10 @@ class Worker:
     def _on_error(self, exc: Exception, op: str) -> None:
         """After an op's error: on CUDA, if the context is gone, this worker's session is over
         (the op's error still reaches the client; then the front says why it ends)."""
-        if not self.cuda or self.failed is not None:
+        if self.failed is not None:
             return
         text = str(exc)
-        if not any(s in text for s in _STICKY) or not _context_lost(self.server.device):
+        if not any(s in text for s in _STICKY) or not self.context_lost():
             return
         first = text.strip().splitlines()[0][:300] if text.strip() else type(exc).__name__
         self.failed = (
@@ -365,6 +373,7 @@ class Worker:
             " is over, the server and the other sessions go on"
         )
         log.info("%s", self.failed)  # the front logs it
+        self.server.executor.context_lost = True
         self.session.closed = True
         with contextlib.suppress(OSError):
             self.conn.shutdown(socket.SHUT_RD)  # the read loop ends; the reply still goes

@@ -181,6 +181,37 @@ def test_a_crash_ends_only_its_own_session(
     assert listing["server"]["batches"] > 0  # the workers' batches, as they reported them
 
 
+@pytest.mark.parametrize("where", ["op", "sync"])
+def test_a_failed_device_context_ends_only_its_own_session(
+    server: Served, alone: str, tmp_path: Path, where: str
+) -> None:
+    """On CUDA an out-of-range index fails the process's context, reported by the op or, as a
+    rule, at the batch's sync (tests/gpu/test_tenant_isolation_gpu.py does it for real; the
+    first H100 check found the sync's error sent as "internal error in the server"). Here a
+    probe stands for it: the batch's reply carries the error as the batch's own, the session's
+    next batch is told its context failed, and the other tenant trains on bitwise as alone."""
+    go = tmp_path / "go"
+    bob = _bob(server.address, go)
+    assert bob.stdout is not None and bob.stdout.readline().strip() == "ready"
+    alice = Raw(server.address, token=ALICE)
+    done = alice.batch(
+        [["aten::ones.default", [[4]], {}, [1]], ["rt::context_fault", [where], {}, None]]
+    )
+    assert not done["ok"]
+    error = done["error"]
+    assert "device-side assert" in error["message"], error
+    assert error["index"] == 1
+    assert error["op"] == ("rt::context_fault" if where == "op" else "(the batch, at its sync)")
+    with pytest.raises(ProtocolError, match="CUDA context failed"):
+        alice.batch([["aten::ones.default", [[1]], {}, [5]]])
+    go.touch()
+    assert _losses(bob) == alone
+    assert "internal error" not in server.text()
+    again = Raw(server.address, token=ALICE)  # a new session, a new worker and context
+    assert again.batch([["aten::ones.default", [[4]], {}, [1]]])["ok"]
+    assert torch.equal(again.fetch(1), torch.ones(4))
+
+
 def test_memory_another_tenant_freed_is_never_read(server: Served) -> None:
     bob = Raw(server.address, token=BOB)
     n = 4 << 20  # 16 MiB of float32
