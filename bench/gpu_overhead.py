@@ -2,6 +2,7 @@
 torch.profiler and nsys, in interleaved rounds.
 
     python bench/gpu_overhead.py [--rounds 6] [--steps 60] [--configs none,off,...] [--quick]
+                                 [--budget SECONDS] [--json FILE]
 
 The program is the one of ``../shared/gpu/README.md``: a GPT-style language model (token
 embedding of 8,192 words, 6 pre-norm ``nn.TransformerEncoderLayer``s, d=512, 8 heads, FFN 2,048,
@@ -31,6 +32,8 @@ steps). Per configuration: the median over rounds of each run's median 10-step w
 step), the mean ratio to ``none`` of the same round, and the worst window over the median window
 (a stall shows there; 1.5 is the bound of issue 17). ``--quick`` is a smoke test: a tiny model on
 the CPU, one round of one window, the configurations a CPU has (the figures mean nothing).
+``--budget SECONDS`` (the GPU check passes its deadline): no run is started that would end past
+it, judged by the slowest run so far; the rounds so far are kept, a partial last one included.
 
 On a GPU machine that reaches no registry (/work/shared/gpu-box/README.md): carry ``.device/``,
 then ``. .device/install.sh && timeout -k 5 560 python bench/gpu_overhead.py --rounds 6 >
@@ -286,6 +289,12 @@ def available(configs: list[str], gpu: bool) -> tuple[list[str], list[str]]:
     return keep, notes
 
 
+def room_for(elapsed_s: float, slowest_s: float, budget_s: float | None) -> bool:
+    """Whether one more run, as long as the slowest so far, ends within ``budget_s`` seconds of
+    the start (no budget: always)."""
+    return budget_s is None or elapsed_s + slowest_s <= budget_s
+
+
 def main() -> None:
     if sys.argv[1:2] == ["worker"]:
         worker(sys.argv[2:])
@@ -300,7 +309,14 @@ def main() -> None:
     ap.add_argument(
         "--json", type=Path, help="also write every run's step times here (after every round)"
     )
+    ap.add_argument(
+        "--budget",
+        type=float,
+        help="seconds it has: no run is started that would end later (judged by the slowest"
+        " so far); the rounds so far, the last one partial, are kept",
+    )
     args = ap.parse_args()
+    t0 = time.monotonic()
     gpu = has_gpu() and not args.cpu and not args.quick
     configs = [c for c in args.configs.split(",") if c]
     for c in configs:
@@ -325,11 +341,22 @@ def main() -> None:
         print(f"skipped {note}", flush=True)
 
     rounds: list[dict[str, list[float]]] = []
+    slowest = 0.0
+    out_of_time = False
     with tempfile.TemporaryDirectory(prefix="gpu-overhead-") as tmp:
         for r in range(args.rounds):
             order = configs[r % len(configs) :] + configs[: r % len(configs)]
             got: dict[str, list[float]] = {}
             for config in order:
+                if not room_for(time.monotonic() - t0, slowest, args.budget):
+                    print(
+                        f"round {r + 1} {config}: not started, the --budget of {args.budget:g} s"
+                        f" would not hold it (the slowest run so far took {slowest:.0f} s)",
+                        flush=True,
+                    )
+                    out_of_time = True
+                    break
+                started = time.monotonic()
                 out = Path(tmp) / f"{config}-{r}.json"
                 run_dir = Path(tmp) / f"run-{config}-{r}"
                 cmd = command(config, out, args.steps, model, run_dir, warmup)
@@ -346,6 +373,8 @@ def main() -> None:
                 except subprocess.TimeoutExpired:
                     print(f"round {r + 1} {config}: no end within {args.timeout:g} s", flush=True)
                     continue
+                finally:
+                    slowest = max(slowest, time.monotonic() - started)
                 if done.returncode != 0 or not out.is_file():
                     tail = done.stderr.strip().splitlines()[-1:] or [""]
                     print(
@@ -359,9 +388,12 @@ def main() -> None:
                     f"round {r + 1} {config:14} {median:8.2f} ms/step  worst/median {worst:.2f}",
                     flush=True,
                 )
-            rounds.append(got)
+            if got or not out_of_time:
+                rounds.append(got)
             if args.json is not None:  # after every round: a run cut short keeps its rounds
                 args.json.write_text(json.dumps({"model": model, "rounds": rounds}))
+            if out_of_time:
+                break
 
     print(
         f"\n{'configuration':14} {'ms/step':>9} {'x none':>8} {'+-95%':>7} {'worst/med':>10}"

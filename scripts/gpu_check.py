@@ -5,14 +5,15 @@ showed (issue 24; docs/gpu-check.md).
     . .device/install.sh && timeout -k 10 540 python scripts/gpu_check.py --out $OUT/gpu-check
     python scripts/gpu_check.py --cpu-dry-run --out /tmp/gpu-check   # every part's CPU variant
 
-Parts, in order of importance, each a child process (or a few) with a deadline: the machine
-(versions, what is there, the C parts built), ``pytest tests/gpu`` one file at a time, the
-two-tenant check on CUDA where its test exists, then the figures: GPU activity's capture cost
-and kernel count (bench/gpu_activity.py), NVML's default families, module and op level on the
-launch-bound LM step (bench/gpu_overhead.py), a forwarded training step (bench/forward_gpu.py),
-paging (bench/paging.py, bench/sharing.py --part restore) and the NVML sampler's CPU
-(bench/collectors.py). A part whose expected time exceeds what is left of ``--budget`` is
-skipped with one line saying so; the others run under ``min(their limit, what is left)``.
+Parts, in the order they run, each a child process (or a few) with a deadline: the machine
+(versions, what is there, the C parts built), ``pytest tests/gpu`` one process per file, a few
+files at once, the two-tenant check on CUDA where its test exists, then the figures: GPU
+activity's capture cost and kernel count (bench/gpu_activity.py), NVML's default families,
+module and op level on the launch-bound LM step (bench/gpu_overhead.py), the NVML sampler's CPU
+(bench/collectors.py), paging (bench/paging.py, bench/sharing.py --part restore) and, last for
+its time, a forwarded training step (bench/forward_gpu.py). A part whose expected time exceeds
+what is left of ``--budget`` is skipped with one line saying so; the others run under
+``min(their limit, what is left)``.
 
 It never hangs: every child starts a session of its own (its own process group), writes to a
 log file (no pipe a grandchild could hold open), and at its deadline, or when it ends, its whole
@@ -46,7 +47,7 @@ from typing import Any
 
 from gpucheck import report as gpu_report
 from gpucheck.parts import Outcome, Part, Run, default_parts
-from gpucheck.runner import GRACE_S, ROOT, StepResult, run_step
+from gpucheck.runner import GRACE_S, ROOT, run_steps
 
 GPU_BUDGET_S = 480.0
 DRY_BUDGET_S = 240.0
@@ -112,19 +113,10 @@ def new_report(parts: list[Part], mode: str, budget_s: float, commit: str) -> di
 
 
 def run_part(part: Part, run: Run, deadline_s: float, grace_s: float) -> Outcome:
-    """Run ``part``'s steps in turn within ``deadline_s`` and collect its outcome (the steps'
-    results are in ``Outcome.details['_steps']``)."""
-    end = time.monotonic() + deadline_s
-    results: list[StepResult] = []
-    for step in part.steps(run):
-        log = run.work / "logs" / f"{part.name}-{step.name}.log"
-        left = end - time.monotonic()
-        if left < 1:
-            res = StepResult(step.name, step.argv, log, not_run="the part's time ran out")
-            log.write_text(f"[gpu_check: not run: {res.not_run}]\n")
-            results.append(res)
-            continue
-        results.append(run_step(step, log, min(step.limit_s, left), grace_s))
+    """Run ``part``'s steps within ``deadline_s`` (``part.workers(run)`` at once) and collect
+    its outcome (the steps' results are in ``Outcome.details['_steps']``)."""
+    jobs = [(step, run.work / "logs" / f"{part.name}-{step.name}.log") for step in part.steps(run)]
+    results = run_steps(jobs, deadline_s, part.workers(run), grace_s)
     try:
         outcome = part.collect(run, results)
     except Exception as exc:  # a reader's bug must not lose the other parts
@@ -144,7 +136,11 @@ def verdict(report: dict[str, Any]) -> str:
         return "CPU dry run: each part's CPU variant, not GPU figures. " + line
     met = sum(f["verdict"] == "pass" for f in figures)
     miss = sum(f["verdict"] == "miss" for f in figures)
-    return line + f" Targets: {met} met, {miss} missed, {len(figures) - met - miss} not measured."
+    line += f" Targets: {met} met, {miss} missed, {len(figures) - met - miss} not measured"
+    single = sum(f["verdict"] in ("pass", "miss") and f.get("rounds") == 1 for f in figures)
+    if single:
+        line += f" ({single} of them on one round only: not settled)"
+    return line + "."
 
 
 def check(

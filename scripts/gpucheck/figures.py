@@ -4,7 +4,9 @@ in docs/gpu-check.md).
 
 Ratios are per round (a mode's median step over the plain run's of the same round: the runs of
 a round are interleaved, so the machine's drift cancels), then the median over rounds with the
-lowest and highest as the spread. On a CPU dry run the same figures are made from the benches'
+lowest and highest as the spread. A pass or miss from a single round is shown as such ("miss (1
+round)", :func:`result`): a first round is often warm-up noise (on 2026-11-27's H100 NVML's cost
+read 1.21x in round 1 and 1.01x in round 2), so it is not settled. On a CPU dry run the same figures are made from the benches'
 CPU variants, so the reading is tested, but they mean nothing against GPU targets: their verdict
 is ``n/a (CPU)``. Standard library only.
 """
@@ -53,10 +55,12 @@ def figure(
     kind: str = "target",
     spread: str = "",
     note: str = "",
+    rounds: int | None = None,
     dry: bool = False,
 ) -> Figure:
     """One row: ``kind`` is ``target`` (pass/miss against ``target``), ``peer`` (another tool's
-    figure beside ours) or ``info`` (no target)."""
+    figure beside ours) or ``info`` (no target); ``rounds``: how many rounds it is taken over,
+    where it is one over rounds."""
     if value is None:
         verdict = "not measured"
     elif dry:
@@ -72,8 +76,18 @@ def figure(
         "spread": spread,
         "target": target.text if target is not None else ("peer" if kind == "peer" else "-"),
         "verdict": verdict,
+        "rounds": rounds,
         "note": note,
     }
+
+
+def result(fig: Figure) -> str:
+    """A figure's result as the report shows it: its verdict, and where a pass or a miss was
+    measured on one round only, that it was ("miss (1 round)")."""
+    verdict = str(fig["verdict"])
+    if verdict in ("pass", "miss") and fig.get("rounds") == 1:
+        return f"{verdict} (1 round)"
+    return verdict
 
 
 def plural(n: int, noun: str) -> str:
@@ -90,7 +104,7 @@ def ratio_figure(name: str, values: list[float], target: Target | None = None, *
         return figure(name, None, target=target, **kw)
     med = statistics.median(values)
     spread = f"{min(values):.3f}-{max(values):.3f} ({plural(len(values), 'round')})"
-    return figure(name, med, f"{med:.3f}x", target=target, spread=spread, **kw)
+    return figure(name, med, f"{med:.3f}x", target=target, spread=spread, rounds=len(values), **kw)
 
 
 # ---- bench/gpu_activity.py --json ---------------------------------------------------------------
@@ -286,6 +300,7 @@ def forward(data: dict[str, Any], dry: bool) -> list[Figure]:
                     f"{row['ratio']:.2f}x",
                     target=FORWARD,
                     spread=f"{row['low']:.2f}-{row['high']:.2f} ({plural(row['rounds'], 'round')})",
+                    rounds=row["rounds"],
                     note=f"local {local.get('median_ms', 0):.2f} ms, forwarded"
                     f" {row['median_ms']:.2f} ms; {cpu}"
                     + (f"; {len(errors)} round(s) failed: {errors[0][:120]}" if errors else ""),

@@ -1,11 +1,12 @@
 """The GPU check's parts: for each, the children it runs (``steps``, GPU or CPU dry-run variant),
 how long it is expected to take and may take, and how its results become an outcome (status,
-summary, figures). In order of importance: :func:`default_parts`. Standard library only."""
+summary, figures). In the order they run: :func:`default_parts`. Standard library only."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
@@ -17,19 +18,22 @@ from gpucheck import figures as gpu_figures
 from gpucheck.runner import ROOT, Step, StepResult
 
 TENANT_TEST = "tests/gpu/test_tenant_isolation_gpu.py"
-#: tests/gpu files, most important first (the issue's list); others follow by name.
-TEST_ORDER = (
-    "test_gpu_activity.py",
-    "test_forward_training_gpu.py",
-    "test_cuda_emulation_gpu.py",
-    "test_pager_gpu.py",
-    "test_nvml_gpu.py",
-    "test_module_level_gpu.py",
-    "test_forwarded_kernels_gpu.py",
-    "test_forward_amp_gpu.py",
-    "test_sharing_gpu.py",
-    "test_executor_plan_gpu.py",
-)
+#: tests/gpu files, most important first (the issue's list; others follow by name), each with
+#: the seconds its process takes alone on an H100 (2026-11-27's runs, pytest's start included).
+TEST_SECONDS: dict[str, float] = {
+    "test_gpu_activity.py": 45,
+    "test_forward_training_gpu.py": 90,  # 3 cases of about 20 s and an 18 s server start
+    "test_cuda_emulation_gpu.py": 45,
+    "test_pager_gpu.py": 13,
+    "test_nvml_gpu.py": 11,
+    "test_module_level_gpu.py": 16,
+    "test_forwarded_kernels_gpu.py": 30,
+    "test_forward_amp_gpu.py": 70,  # bf16 took 48 s with the server's start; fp16 not yet seen
+    "test_sharing_gpu.py": 12,
+    "test_executor_plan_gpu.py": 15,
+}
+#: A tests/gpu file not in :data:`TEST_SECONDS`.
+TEST_DEFAULT_S = 30.0
 
 
 @dataclass
@@ -70,6 +74,7 @@ class Part:
     steps: Callable[[Run], list[Step]]
     collect: Callable[[Run, list[StepResult]], Outcome]
     absent: Callable[[Run], str] = lambda run: ""
+    workers: Callable[[Run], int] = lambda run: 1  # its steps at once
 
 
 def steps_status(results: list[StepResult]) -> str:
@@ -120,7 +125,10 @@ def bench_outcome(
     else:
         summary = f"{met} of {len(targets)} targets met"
         if missed:
-            summary += "; missed: " + ", ".join(f"{f['name']} {f['value']}" for f in missed)
+            summary += "; missed: " + ", ".join(
+                f"{f['name']} {f['value']}" + (" (1 round)" if f.get("rounds") == 1 else "")
+                for f in missed
+            )
         if unmeasured:
             summary += "; not measured: " + ", ".join(f["name"] for f in unmeasured)
     if missing:
@@ -174,11 +182,13 @@ def test_files(root: Path = ROOT) -> list[str]:
     """tests/gpu's test files, most important first, the tenant check left to its own part."""
     names = sorted(p.name for p in (root / "tests" / "gpu").glob("test_*.py"))
     names = [n for n in names if f"tests/gpu/{n}" != TENANT_TEST]
-    ordered = [n for n in TEST_ORDER if n in names] + [n for n in names if n not in TEST_ORDER]
+    ordered = [n for n in TEST_SECONDS if n in names] + [n for n in names if n not in TEST_SECONDS]
     return [f"tests/gpu/{n}" for n in ordered]
 
 
-def pytest_step(run: Run, paths: list[str], limit_s: float, name: str = "") -> Step:
+def pytest_step(
+    run: Run, paths: list[str], limit_s: float, name: str = "", expect_s: float = 0.0
+) -> Step:
     """pytest on ``paths`` (named after the file, or ``name``), its JUnit file in the data."""
     name = name or Path(paths[0]).stem
     argv = [run.python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfEs"]
@@ -188,15 +198,34 @@ def pytest_step(run: Run, paths: list[str], limit_s: float, name: str = "") -> S
     argv += ["--junitxml", str(run.data(f"junit-{name}.xml"))]
     if importlib.util.find_spec("pytest_timeout") is not None:
         argv += ["--timeout", str(max(10, int(limit_s) - 10))]  # a hung test fails alone
-    return Step(name, [*argv, *paths], limit_s)
+    return Step(name, [*argv, *paths], limit_s, expect_s=expect_s)
+
+
+def file_limit(expect_s: float) -> float:
+    """A test file's deadline: half as long again as it is expected to take, at least 60 s."""
+    return max(60.0, 1.5 * expect_s)
 
 
 def tests_steps(run: Run) -> list[Step]:
-    """One process per file on a GPU (a hang or crash costs one file); on the dry run, where
-    every test skips, one for all (the same reading, a tenth of the start-ups)."""
+    """One process per file on a GPU (a hang or crash costs one file), each with a deadline
+    after its expected time; on the dry run, where every test skips, one for all (the same
+    reading, a tenth of the start-ups)."""
     if run.dry:
         return [pytest_step(run, test_files(), 100.0, name="tests-gpu")]
-    return [pytest_step(run, [f], 90.0) for f in test_files()]
+    steps = []
+    for f in test_files():
+        expect = TEST_SECONDS.get(Path(f).name, TEST_DEFAULT_S)
+        steps.append(pytest_step(run, [f], file_limit(expect), expect_s=expect))
+    return steps
+
+
+def tests_workers(run: Run) -> int:
+    """Test files run at once on a GPU: one per 4 CPUs (a file starts torch, often a server
+    and a client beside it), at most 4; the whole GPU is theirs, and no test times anything
+    against a bound. Sequential on the dry run (one process anyway)."""
+    if run.dry:
+        return 1
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
 def junit(path: Path) -> dict[str, Any] | None:
@@ -282,7 +311,7 @@ def tenants_absent(run: Run) -> str:
 
 
 def tenants_steps(run: Run) -> list[Step]:
-    return [pytest_step(run, [TENANT_TEST], 40.0 if run.dry else 90.0)]
+    return [pytest_step(run, [TENANT_TEST], 40.0 if run.dry else 120.0)]
 
 
 # the figures
@@ -298,8 +327,9 @@ def activity_steps(run: Run) -> list[Step]:
                 40,
             )
         ]
-    args = ["--gpu", "--scale", "1", "--rounds", "1", "--capture-rounds", "3", "--steps", "30"]
-    return [Step("gpu_activity", run.bench("gpu_activity.py", *args, "--json", out), 110)]
+    # a fresh process per mode and round, 3 modes: 2 rounds are 6 starts of torch and CUDA
+    args = ["--gpu", "--scale", "1", "--rounds", "1", "--capture-rounds", "2", "--steps", "30"]
+    return [Step("gpu_activity", run.bench("gpu_activity.py", *args, "--json", out), 130)]
 
 
 def activity_collect(run: Run, results: list[StepResult]) -> Outcome:
@@ -310,12 +340,18 @@ OVERHEAD_CONFIGS = "none,off,off-nonvml,module,op"
 
 
 def overhead_steps(run: Run) -> list[Step]:
+    """Told its time (``--budget``), the bench starts no run it could not finish and ends with
+    the rounds it has. On a GPU a run is a fresh process, about 15 s on an H100 (torch and CUDA
+    starting; its 40 steps are 1 s of it): 2 rounds of 5 are about 150 s."""
     out = str(run.data("overhead.json"))
     if run.dry:  # --quick: the tiny CPU model, one window; op level is not among its configs
         args = ["--quick", "--configs", OVERHEAD_CONFIGS, "--timeout", "60"]
-        return [Step("gpu_overhead", run.bench("gpu_overhead.py", *args, "--json", out), 90)]
-    args = ["--configs", OVERHEAD_CONFIGS, "--rounds", "2", "--steps", "30", "--timeout", "90"]
-    return [Step("gpu_overhead", run.bench("gpu_overhead.py", *args, "--json", out), 130)]
+        limit = 90.0
+    else:
+        args = ["--configs", OVERHEAD_CONFIGS, "--rounds", "2", "--steps", "30", "--timeout", "60"]
+        limit = 190.0
+    bench = run.bench("gpu_overhead.py", *args, "--json", out)
+    return [Step("gpu_overhead", bench, limit, budget_flag="--budget")]
 
 
 def overhead_collect(run: Run, results: list[StepResult]) -> Outcome:
@@ -329,7 +365,7 @@ def forward_steps(run: Run) -> list[Step]:
         return [Step("forward_gpu", run.bench("forward_gpu.py", *args), 60, stdout=out)]
     args = ["--models", "lm", "--peers", "forwarded,forwarded-gpuless", "--rounds", "2"]
     args += ["--steps", "10", "--warmup", "3", "--json"]
-    return [Step("forward_gpu", run.bench("forward_gpu.py", *args), 100, stdout=out)]
+    return [Step("forward_gpu", run.bench("forward_gpu.py", *args), 150, stdout=out)]
 
 
 def forward_collect(run: Run, results: list[StepResult]) -> Outcome:
@@ -345,7 +381,7 @@ def paging_steps(run: Run) -> list[Step]:
     else:
         a = ["--mb", "64", "256", "--rounds", "3"]
         b = ["--restore-gb", "0.25", "1.0", "--restore-reps", "3"]
-        limit = 60.0
+        limit = 45.0
     return [
         Step("paging", run.bench("paging.py", *a, "--out", pages), limit),
         Step("restore", run.bench("sharing.py", "--part", "restore", *b, "--out", restores), limit),
@@ -372,30 +408,35 @@ def nvml_collect(run: Run, results: list[StepResult]) -> Outcome:
 
 
 def default_parts(dry: bool) -> list[Part]:
-    """The parts, most important first; ``expect_s``/``limit_s`` on an H100, or on the dry run."""
+    """The parts in the order they run; ``expect_s``/``limit_s`` on an H100 (as measured on
+    2026-11-27 where it was), or on the dry run."""
 
     def t(gpu: tuple[float, float], cpu: tuple[float, float]) -> tuple[float, float]:
         return cpu if dry else gpu
 
+    # machine, tests and tenants first (what the rest stands on), then the figures with targets;
+    # the cheap nvml and paging parts fill what is left; forward (100 s and more) comes last
+    # (with the default budget, --only forward in a call of its own).
     return [
         Part(
             "machine",
             "the machine: GPU, driver, CUDA, torch, CUPTI; what is there; C parts",
-            *t((20, 120), (5, 60)),
+            *t((10, 90), (5, 60)),  # 10 s, 5 s with the C parts built
             machine_steps,
             machine_collect,
         ),
         Part(
             "tests",
-            "pytest tests/gpu (on a GPU one process per file)",
-            *t((180, 240), (40, 150)),
+            "pytest tests/gpu (on a GPU one process per file, a few at once)",
+            *t((100, 160), (40, 150)),  # the longest file 90 s; 350 s of files, 4 at once
             tests_steps,
             pytest_outcome,
+            workers=tests_workers,
         ),
         Part(
             "tenants",
             f"two tenants on CUDA ({TENANT_TEST})",
-            *t((30, 90), (5, 40)),
+            *t((90, 120), (5, 40)),  # 89 s
             tenants_steps,
             pytest_outcome,
             tenants_absent,
@@ -403,36 +444,36 @@ def default_parts(dry: bool) -> list[Part]:
         Part(
             "activity",
             "GPU activity capture cost and kernels vs torch.profiler (LM step)",
-            *t((60, 110), (5, 40)),
+            *t((90, 130), (5, 40)),  # not yet measured: 6 processes of about 15 s
             activity_steps,
             activity_collect,
         ),
         Part(
             "overhead",
             "NVML default families, module and op level (LM step)",
-            *t((85, 130), (25, 90)),
+            *t((150, 190), (25, 90)),  # one round of 5 runs in 73 s
             overhead_steps,
             overhead_collect,
         ),
         Part(
-            "forward",
-            "a forwarded LM training step vs local, with and without a GPU client",
-            *t((60, 100), (15, 60)),
-            forward_steps,
-            forward_collect,
+            "nvml",
+            "the real NVML sampler's CPU and call latencies",
+            *t((10, 45), (5, 40)),  # 8 s
+            nvml_steps,
+            nvml_collect,
         ),
         Part(
             "paging",
             "restore and page-out vs a plain pinned copy; first op after a restore",
-            *t((25, 100), (10, 90)),
+            *t((25, 60), (10, 90)),  # 24 s
             paging_steps,
             paging_collect,
         ),
         Part(
-            "nvml",
-            "the real NVML sampler's CPU and call latencies",
-            *t((15, 45), (5, 40)),
-            nvml_steps,
-            nvml_collect,
+            "forward",
+            "a forwarded LM training step vs local, with and without a GPU client",
+            *t((100, 150), (15, 60)),  # timed out at 100 s
+            forward_steps,
+            forward_collect,
         ),
     ]

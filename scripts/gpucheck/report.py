@@ -13,6 +13,8 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
+from gpucheck import figures as gpu_figures
+
 SCHEMA = "gpu-check/1"
 #: What a part's status may be (docs/gpu-check.md says what each means).
 STATUSES = (
@@ -171,7 +173,7 @@ def markdown(report: dict[str, Any]) -> str:
     )
     lines += ["", "## Machine", ""]
     lines += _table(["", ""], machine_rows(report.get("machine") or {}))
-    lines += ["", "## Parts", "", "In order of importance; each bounded by its time limit.", ""]
+    lines += ["", "## Parts", "", "In the order they ran; each bounded by its time limit.", ""]
     lines += _table(
         ["part", "status", "time", "limit", "summary"],
         [
@@ -196,7 +198,7 @@ def markdown(report: dict[str, Any]) -> str:
                     f["value"],
                     f.get("spread", ""),
                     f.get("target", ""),
-                    f["verdict"],
+                    gpu_figures.result(f),
                     part,
                     f.get("note", ""),
                 ]

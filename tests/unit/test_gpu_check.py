@@ -1,8 +1,9 @@
 """scripts/gpu_check.py, the one command that proves the GPU parts (issue 24), kept from rotting
 where no GPU is: its CPU dry run end to end (every part has a status, Markdown and JSON agree),
 the one line without a GPU, a part past its deadline killed with its process group while the
-rest still run, a stop (SIGTERM) mid-part, the report rewritten after every part, and the
-readers of the benches' outputs and of pytest's JUnit files against their targets."""
+rest still run, a stop (SIGTERM) mid-part, the report rewritten after every part, test files run
+a few at once (each with its own deadline), and the readers of the benches' outputs and of
+pytest's JUnit files against their targets (a figure from one round marked as such)."""
 
 from __future__ import annotations
 
@@ -34,9 +35,9 @@ sys.path.remove(str(SCRIPT.parent))
 
 from gpucheck import figures, parts, report  # noqa: E402
 from gpucheck.parts import Outcome, Part, Run  # noqa: E402
-from gpucheck.runner import Step  # noqa: E402
+from gpucheck.runner import Step, StepResult, run_step, run_steps  # noqa: E402
 
-PARTS = ["machine", "tests", "tenants", "activity", "overhead", "forward", "paging", "nvml"]
+PARTS = ["machine", "tests", "tenants", "activity", "overhead", "nvml", "paging", "forward"]
 FINAL = {s for s in report.STATUSES if s not in ("pending", "running", "cut short")}
 
 
@@ -58,7 +59,9 @@ def assert_md_matches_json(out: Path) -> dict[str, Any]:
     data = json.loads((out / "report.json").read_text())
     md = (out / "report.md").read_text()
     assert md_parts(md) == {p["name"]: p["status"] for p in data["parts"]}
-    shown = [(f["name"], f["value"], f["verdict"]) for p in data["parts"] for f in p["figures"]]
+    shown = [
+        (f["name"], f["value"], figures.result(f)) for p in data["parts"] for f in p["figures"]
+    ]
     assert md_figures(md) == shown
     assert data["verdict"] in md
     return data
@@ -231,6 +234,59 @@ def test_a_stop_mid_part_ends_its_group_and_says_cut_short(tmp_path: Path) -> No
     assert not data["finished"] and data["verdict"].startswith("Cut short (SIGUSR1)")
 
 
+STAMP = """
+import pathlib, sys, time
+me = pathlib.Path(sys.argv[1])
+me.with_suffix(".start").write_text(str(time.monotonic_ns()))
+time.sleep(float(sys.argv[2]))
+me.with_suffix(".end").write_text(str(time.monotonic_ns()))
+"""
+
+
+def _stamps(folder: Path, name: str) -> tuple[int, int]:
+    return int((folder / f"{name}.start").read_text()), int((folder / f"{name}.end").read_text())
+
+
+def test_steps_run_at_most_workers_at_once_the_longest_expected_first(tmp_path: Path) -> None:
+    def step(name: str, expect: float, sleep: float) -> tuple[Step, Path]:
+        argv = [sys.executable, "-c", STAMP, str(tmp_path / name), str(sleep)]
+        return Step(name, argv, 30, expect_s=expect), tmp_path / f"{name}.log"
+
+    # one at a time: they start by expected time, longest first; results in the jobs' order
+    jobs = [step("short", 1, 0), step("long", 9, 0), step("middle", 5, 0)]
+    results = run_steps(jobs, 60, workers=1, grace_s=1.0)
+    assert [r.name for r in results] == ["short", "long", "middle"]
+    assert all(r.rc == 0 and not r.timed_out for r in results)
+    starts = sorted(("short", "long", "middle"), key=lambda n: _stamps(tmp_path, n)[0])
+    assert starts == ["long", "middle", "short"]
+    # two at once: no third starts before one of them has ended
+    names = [f"p{i}" for i in range(5)]
+    results = run_steps([step(n, 0, 0.3) for n in names], 60, workers=2, grace_s=1.0)
+    assert [r.name for r in results] == names and all(r.rc == 0 for r in results)
+    spans = [_stamps(tmp_path, n) for n in names]
+    for start, _ in spans:
+        assert sum(a <= start < b for a, b in spans) <= 2
+
+
+def test_each_step_of_a_pool_has_its_own_deadline_and_is_told_its_time(tmp_path: Path) -> None:
+    pid_file = tmp_path / "grandchild.pid"
+    told = "import sys; print('told', sys.argv[1:])"
+    jobs = [
+        (Step("hang", [sys.executable, "-c", HANG, str(pid_file)], 2.0), tmp_path / "hang.log"),
+        (Step("told", [sys.executable, "-c", told], 30.0, budget_flag="--budget"), tmp_path / "t"),
+    ]
+    hang, ok = run_steps(jobs, 60, workers=2, grace_s=1.0)
+    assert hang.timed_out and hang.rc is None and not alive(int(pid_file.read_text()))
+    assert "process group killed" in (tmp_path / "hang.log").read_text()
+    assert ok.rc == 0 and not ok.timed_out
+    # its limit (30 s) less the margin kept for its own end
+    assert ok.argv[-2:] == ["--budget", "20"]
+    assert "told ['--budget', '20']" in (tmp_path / "t").read_text()
+    # a step that would start with under a second of the part left is not run
+    (late,) = run_steps([(Step("late", [sys.executable, "-c", "pass"], 30), tmp_path / "l")], 0.5)
+    assert late.not_run and late.rc is None and "not run" in (tmp_path / "l").read_text()
+
+
 # ---- pytest's JUnit files ----------------------------------------------------------------------
 
 SAMPLE_TESTS = """
@@ -255,7 +311,7 @@ def test_a_test_files_failures_and_skips_come_from_its_junit_file(tmp_path: Path
     (run.work / "data").mkdir(parents=True)
     step = parts.pytest_step(run, [str(sample)], 60)
     assert "ignore::pytest.PytestConfigWarning" in step.argv
-    done = gpu_check.run_step(step, tmp_path / "log", 60)
+    done = run_step(step, tmp_path / "log", 60)
     assert done.rc == 1
     outcome = parts.pytest_outcome(run, [done])
     assert outcome.status == "failed"
@@ -271,9 +327,79 @@ def test_a_test_files_failures_and_skips_come_from_its_junit_file(tmp_path: Path
         '<testsuites><testsuite><testcase classname="t" name="a"><skipped message="no GPU"/>'
         "</testcase></testsuite></testsuites>"
     )
-    skipped = gpu_check.StepResult("only", ["python", "-m", "pytest", "t.py"], tmp_path / "l", rc=0)
+    skipped = StepResult("only", ["python", "-m", "pytest", "t.py"], tmp_path / "l", rc=0)
     assert parts.pytest_outcome(run, [skipped]).status == "failed"
     assert parts.pytest_outcome(Run("cpu-dry-run", run.work), [skipped]).status == "ok"
+
+
+MEET = """
+import time
+from pathlib import Path
+
+def test_meets_the_other():
+    here = Path({folder!r})
+    (here / "{me}.started").write_text("")
+    deadline = time.monotonic() + {wait}
+    while not (here / "{other}.started").exists():
+        assert time.monotonic() < deadline, "{other} did not run while {me} ran"
+        time.sleep(0.05)
+"""
+
+
+@pytest.mark.parametrize("workers", [2, 1])
+def test_test_files_run_at_once_each_in_its_own_process(tmp_path: Path, workers: int) -> None:
+    """Each file waits until the other has started: both pass only if they run at once (the
+    wait's deadline is long where they should; one at a time, the first gives up soon)."""
+    wait = 60 if workers == 2 else 2
+    files = []
+    for me, other in (("a", "b"), ("b", "a")):
+        path = tmp_path / f"test_meet_{me}.py"
+        path.write_text(MEET.format(folder=str(tmp_path), me=me, other=other, wait=wait))
+        files.append(str(path))
+
+    def steps(run: Run) -> list[Step]:
+        return [parts.pytest_step(run, [f], 90, expect_s=10) for f in files]
+
+    part = Part("meet", "two files", 0, 120, steps, parts.pytest_outcome, workers=lambda r: workers)
+    data = _check(tmp_path, [part], budget=200)
+    (meet,) = data["parts"]
+    results = [f["result"] for f in meet["details"]["files"]]
+    assert [f["file"] for f in meet["details"]["files"]] == files
+    if workers == 2:
+        assert meet["status"] == "ok" and results == ["1 passed", "1 passed"], meet
+    else:  # the control: one at a time, the first to run cannot meet the other
+        assert sorted(results) == ["1 failed", "1 passed"], meet
+    assert_md_matches_json(tmp_path / "out")
+
+
+def test_each_gpu_test_file_has_a_deadline_after_its_expected_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    run = Run("gpu", Path("/nonexistent"))
+    steps = {Path(s.argv[-1]).name: s for s in parts.tests_steps(run)}
+    assert list(steps) == [Path(f).name for f in parts.test_files()]
+    slow = steps["test_forward_training_gpu.py"]
+    assert slow.expect_s == parts.TEST_SECONDS["test_forward_training_gpu.py"]
+    assert slow.limit_s == parts.file_limit(slow.expect_s) > slow.expect_s
+    assert slow.limit_s > steps["test_pager_gpu.py"].limit_s
+    assert all(s.limit_s >= max(60, s.expect_s) for s in steps.values())
+    (tests,) = [p for p in parts.default_parts(dry=False) if p.name == "tests"]
+    assert tests.limit_s >= max(s.limit_s for s in steps.values())
+    for cpus, workers in ((16, 4), (64, 4), (8, 2), (2, 1), (None, 1)):
+        monkeypatch.setattr(parts.os, "cpu_count", lambda cpus=cpus: cpus)
+        assert tests.workers(run) == workers
+    assert tests.workers(Run("cpu-dry-run", run.work)) == 1
+    assert len(parts.tests_steps(Run("cpu-dry-run", run.work))) == 1  # one for every file
+
+
+def test_the_parts_but_forward_fit_the_default_budget_on_their_expected_times() -> None:
+    """forward (100 s and more) comes last: it runs where time is left, or with --only."""
+    gpu = parts.default_parts(dry=False)
+    assert [p.name for p in gpu] == PARTS and PARTS[-1] == "forward"
+    assert sum(p.expect_s for p in gpu[:-1]) <= gpu_check.GPU_BUDGET_S
+    assert all(p.expect_s < p.limit_s for p in gpu)
+    dry = parts.default_parts(dry=True)
+    assert sum(p.expect_s for p in dry) <= gpu_check.DRY_BUDGET_S
 
 
 def test_tests_gpu_files_run_most_important_first_and_the_tenant_check_apart(
@@ -351,6 +477,49 @@ def test_overhead_ratios_are_per_round_against_the_same_rounds_runs() -> None:
     assert op["number"] == pytest.approx((1.35 + 1.2) / 2) and op["verdict"] == "pass"
 
 
+def test_a_target_met_or_missed_on_one_round_says_so(tmp_path: Path) -> None:
+    def run(ms: float) -> list[float]:
+        return [ms] * 30
+
+    first = {"none": run(20), "off": run(24), "off-nonvml": run(20), "module": run(20.2),
+             "op": run(25)}  # fmt: skip
+    second = {"none": run(20), "off": run(20.2), "off-nonvml": run(20), "module": run(20.2)}
+    rows = _by_name(figures.overhead({"rounds": [first]}, dry=False))
+    nvml = rows["NVML default families: record --torch off vs --no-nvml"]
+    assert (
+        nvml["verdict"] == "miss" and nvml["rounds"] == 1 and nvml["spread"].endswith("(1 round)")
+    )
+    assert figures.result(nvml) == "miss (1 round)"
+    module = rows["module level (record --torch module) vs no recording"]
+    assert figures.result(module) == "pass (1 round)"
+    info = rows["record --torch off (samplers only) vs no recording"]
+    assert figures.result(info) == "info"
+    # a second round settles what it has: op level, not in it, stays on one round
+    rows = _by_name(figures.overhead({"rounds": [first, second]}, dry=False))
+    assert figures.result(rows["NVML default families: record --torch off vs --no-nvml"]) == "miss"
+    assert figures.result(rows["module level (record --torch module) vs no recording"]) == "pass"
+    assert figures.result(rows["op level (record --torch op) vs no recording"]) == "pass (1 round)"
+    # the part's summary, the Markdown and the verdict say it too
+    r = Run("gpu", tmp_path / "work")
+    r.data("x").parent.mkdir(parents=True)
+    r.data("overhead.json").write_text(json.dumps({"rounds": [first]}))
+    ok = StepResult("gpu_overhead", ["x"], tmp_path / "log", rc=0)
+    outcome = parts.overhead_collect(r, [ok])
+    assert outcome.status == "missed" and "1.200x (1 round)" in outcome.summary
+    plist = [_part("overhead", [sys.executable, "-c", "pass"])]
+    rep = gpu_check.new_report(plist, "gpu", 60, "test")
+    rep["parts"][0].update(status=outcome.status, figures=outcome.figures)
+    rep["verdict"] = gpu_check.verdict(rep)
+    assert "3 of them on one round only" in rep["verdict"]
+    report.write(rep, tmp_path / "out")
+    assert (
+        "NVML default families: record --torch off vs --no-nvml",
+        "1.200x",
+        "miss (1 round)",
+    ) in (md_figures((tmp_path / "out" / "report.md").read_text()))
+    assert_md_matches_json(tmp_path / "out")
+
+
 def test_forwarded_step_ratio_and_bitwise_losses() -> None:
     summary = {
         "local": {"rounds": 2, "errors": [], "median_ms": 20.0},
@@ -371,7 +540,7 @@ def test_forwarded_step_ratio_and_bitwise_losses() -> None:
 def test_a_part_missing_a_target_or_its_output_says_so(tmp_path: Path) -> None:
     run = Run("gpu", tmp_path)
     (tmp_path / "data").mkdir()
-    ok = gpu_check.StepResult("x", ["x"], tmp_path / "log", rc=0)
+    ok = StepResult("x", ["x"], tmp_path / "log", rc=0)
 
     def read(data: dict[str, Any], dry: bool) -> list[dict[str, Any]]:
         return [figures.figure("a", data["a"], str(data["a"]), target=figures.OP, dry=dry)]
@@ -382,7 +551,7 @@ def test_a_part_missing_a_target_or_its_output_says_so(tmp_path: Path) -> None:
     missed = parts.bench_outcome(run, [ok], [("x.json", read)])
     assert missed.status == "missed" and "missed: a 1.4" in missed.summary
     assert parts.bench_outcome(run, [ok], [("y.json", read)]).status == "failed"
-    failed = gpu_check.StepResult("x", ["x"], tmp_path / "log", rc=1)
+    failed = StepResult("x", ["x"], tmp_path / "log", rc=1)
     assert parts.bench_outcome(run, [failed], [("x.json", read)]).status == "failed"
 
 

@@ -72,3 +72,9 @@ def test_every_configuration_has_a_command_and_gpu_ones_are_skipped_without_a_gp
     assert "profiler-cuda" not in keep and "nsys" not in keep and len(notes) == 2
     with pytest.raises(ValueError, match="unknown configuration"):
         bench.command("perf", out, 20, "quick", run)
+
+
+def test_a_budget_starts_no_run_the_slowest_so_far_says_would_not_end_within_it() -> None:
+    assert bench.room_for(0.0, 0.0, 10.0)  # the first run always starts
+    assert bench.room_for(80.0, 15.0, 95.0) and not bench.room_for(81.0, 15.0, 95.0)
+    assert bench.room_for(1e6, 1e6, None)  # no budget: every round runs
