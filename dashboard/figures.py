@@ -74,6 +74,9 @@ def track_label(t: TrackInfo) -> str:
     proc = t.process.split(" ")[0].rsplit("/", 1)[-1] if t.process else "pid"
     label = f"{proc} {t.pid} · {who} · {t.lane}"
     label = f"{t.host} · {label}" if t.host else label  # an imported trace has no host
+    if t.tenants:  # a server track: whose spans it holds, as the server stamped them
+        names = ", ".join(t.tenants[:3]) + (", …" if len(t.tenants) > 3 else "")
+        label += f" · tenant{'s' if len(t.tenants) > 1 else ''} {names}"
     if t.clock_uncertainty_ns:
         label += f" (clock ±{fmt.duration(t.clock_uncertainty_ns)})"
     return esc(label if len(label) <= 70 else "…" + label[-69:])

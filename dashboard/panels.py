@@ -15,6 +15,7 @@ from dash.development.base_component import Component
 from gpu_trace import _format as fmt
 from gpu_trace.dashboard import charts
 from gpu_trace.dashboard.gpu_work import DeviceKernels, SpanRef, StepBusy
+from gpu_trace.dashboard.reports import NO_TENANT
 
 TENANTS_NOTE = (
     "Per tenant, from the sharing runtime's counters and the server's spans in this run: memory "
@@ -26,6 +27,11 @@ TENANTS_BEFORE = (
     "This run was recorded before tenants existed: each forwarding session is shown as a tenant "
     "of its own, named by its session; quotas, page-outs and the busy and queue counters were not "
     "recorded (busy and queue wait come from the server's spans)."
+)
+TENANTS_UNSTAMPED = (
+    "This run was stored before server spans carried their session and tenant: its server "
+    "spans' busy time, queue wait, page-outs and restores are under '{}', their sessions there "
+    "by client process. The counters still name each tenant."
 )
 _TOTALS_HINT = (
     "Busy and queue wait: totals of the server/execute and server/queue spans.",
@@ -307,6 +313,8 @@ def tenants(data: dict[str, Any]) -> html.Div:
         return html.Div(parts)
     if not data["labelled"]:
         parts.append(message(TENANTS_BEFORE, "note"))
+    if any(t["key"] == NO_TENANT for t in data["tenants"]):
+        parts.append(message(TENANTS_UNSTAMPED.format(NO_TENANT), "note"))
     head = ["tenant", "sessions", "peak memory", "quota", "peak / quota", "busy",
             "batches · ops", "queue wait · per batch", "bytes in · out", "page-outs · restores",
             "quota waits · errors"]  # fmt: skip

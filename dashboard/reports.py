@@ -48,6 +48,8 @@ EVENT_LANES = {
 }
 _SESSION_SPANS = ("server/receive", "server/queue", "server/execute", "server/reply", *EVENT_LANES)
 
+#: Where a run stored before server spans carried their session and tenant shows those spans.
+NO_TENANT = "no tenant recorded"
 
 def top_ranges(summary: dict[str, Any], top: int = 25) -> dict[str, list[dict[str, Any]]]:
     """Store.summary's per-lane rows as two flat lists, by total and by self time."""
@@ -182,11 +184,12 @@ def tenants(source: ReadOnlyStore, run_id: str, buckets: int = 60) -> dict[str, 
     existed has only a ``session`` label: each session is then a tenant of its own, ``session N``.
     A client's run holds only its own sessions, so only its own tenants' numbers.
 
-    Server spans are a session's through their ids: the server numbers every span of one session
-    from one random prefix (the id's high 32 bits, ``runtime/session.py`` ``SpanLog``), and a
-    session's counters are stamped with the end of one of its ``server/reply`` spans (or, for
-    ``evictions``, of its ``server/evict`` span): that joins a prefix to its ``session`` label. The
-    client process is the one whose ``forward`` span is the parent of the session's batches.
+    A server span's session and tenant are what the server stamped on it when it wrote it (attrs
+    ``session`` and ``tenant``, :func:`~gpu_trace.runtime.protocol.span_tables.span_owner`):
+    nothing is read from its id or joined by time. A run stored before server spans carried them
+    shows their busy time, queue wait and page-outs under :data:`NO_TENANT`, its sessions there
+    by client process (a ``server/execute`` span's parent is its client's ``forward`` span: that
+    names the client process in every run).
 
     Busy share is exact: the ``server/execute`` spans, each cut at the bucket edges, over the
     bucket's length (the cumulative ``busy_ns`` counter is sampled only every 200 ms; on the CPU
@@ -214,34 +217,18 @@ def tenants(source: ReadOnlyStore, run_id: str, buckets: int = 60) -> dict[str, 
         """,
         params,
     )
-    # Which session a span-id prefix is: a session's counters carry its reply's (or page-out's)
-    # end time.
-    linked = source.rows(
-        """
-        SELECT bitShiftRight(s.span_id, 32) AS prefix, any(c.session) AS session
-        FROM (SELECT span_id, end_ns,
-                     if(lane = 'server/reply', 'session_memory_bytes', 'evictions') AS metric
-              FROM __db__.spans
-              WHERE run_id = {run:String} AND lane IN ('server/reply', 'server/evict')) AS s
-        INNER JOIN (SELECT ts_ns, metric, labels['session'] AS session FROM __db__.counters
-                    WHERE run_id = {run:String} AND source = 'runtime' AND labels['session'] != ''
-                      AND metric IN ('session_memory_bytes', 'evictions')) AS c
-          ON c.ts_ns = s.end_ns AND c.metric = s.metric
-        GROUP BY prefix
-        """,
-        params,
-    )
+    # A server span's session and tenant are its attrs, stamped by the server when it wrote it
+    # (runtime/protocol/span_tables.py span_owner); empty in a run stored before they were.
     executes = source.rows(
         """
-        SELECT bitShiftRight(s.span_id, 32) AS prefix, count() AS batches,
-               sum(toUInt64OrZero(s.attrs['ops'])) AS ops,
-               any(p.host) AS host, any(p.pid) AS pid
-        FROM (SELECT span_id, parent_span_id, attrs FROM __db__.spans
+        SELECT s.attrs['session'] AS session, s.attrs['tenant'] AS tenant, count() AS batches,
+               sum(toUInt64OrZero(s.attrs['ops'])) AS ops, p.host AS host, p.pid AS pid
+        FROM (SELECT parent_span_id, attrs FROM __db__.spans
               WHERE run_id = {run:String} AND lane = 'server/execute') AS s
         LEFT JOIN (SELECT span_id, host, pid FROM __db__.spans
                    WHERE run_id = {run:String} AND category = 'forward') AS p
           ON p.span_id = s.parent_span_id
-        GROUP BY prefix
+        GROUP BY session, tenant, host, pid
         """,
         params,
     )
@@ -260,34 +247,36 @@ def tenants(source: ReadOnlyStore, run_id: str, buckets: int = 60) -> dict[str, 
     window = {**params, "lo": lo, "bucket": bucket}
     busy_rows = source.rows(
         """
-        SELECT prefix, b, sum(least(end_ns, {lo:Int64} + (b + 1) * {bucket:Int64})
-                              - greatest(start_ns, {lo:Int64} + b * {bucket:Int64})) AS ns
-        FROM (SELECT bitShiftRight(span_id, 32) AS prefix, start_ns, end_ns,
+        SELECT session, tenant, b,
+               sum(least(end_ns, {lo:Int64} + (b + 1) * {bucket:Int64})
+                   - greatest(start_ns, {lo:Int64} + b * {bucket:Int64})) AS ns
+        FROM (SELECT attrs['session'] AS session, attrs['tenant'] AS tenant, start_ns, end_ns,
                      arrayJoin(range(toUInt32(intDiv(start_ns - {lo:Int64}, {bucket:Int64})),
                                      toUInt32(intDiv(end_ns - 1 - {lo:Int64}, {bucket:Int64}) + 1)))
                        AS b
               FROM __db__.spans
               WHERE run_id = {run:String} AND lane = 'server/execute'
                 AND end_ns > start_ns AND start_ns >= {lo:Int64})
-        GROUP BY prefix, b ORDER BY prefix, b
+        GROUP BY session, tenant, b ORDER BY session, tenant, b
         """,
         window,
     )
     queue_rows = source.rows(
         """
-        SELECT bitShiftRight(span_id, 32) AS prefix,
+        SELECT attrs['session'] AS session, attrs['tenant'] AS tenant,
                intDiv(start_ns - {lo:Int64}, {bucket:Int64}) AS b, count() AS n,
                sum(end_ns - start_ns) AS ns, max(end_ns - start_ns) AS max_ns
         FROM __db__.spans
         WHERE run_id = {run:String} AND (lane = 'server/queue' OR startsWith(lane, 'server/queue/'))
           AND start_ns >= {lo:Int64}
-        GROUP BY prefix, b ORDER BY prefix, b
+        GROUP BY session, tenant, b ORDER BY session, tenant, b
         """,
         window,
     )
     event_rows = source.rows(
         """
-        SELECT bitShiftRight(span_id, 32) AS prefix, lane, start_ns, end_ns, attrs
+        SELECT attrs['session'] AS session, attrs['tenant'] AS tenant, lane, start_ns, end_ns,
+               attrs
         FROM __db__.spans
         WHERE run_id = {run:String} AND lane IN {lanes:Array(String)}
         ORDER BY start_ns LIMIT 20000
@@ -298,23 +287,21 @@ def tenants(source: ReadOnlyStore, run_id: str, buckets: int = 60) -> dict[str, 
     # Tenants: the counters' tenant label; in a run from before tenants, each session its own.
     labelled = any(r["tenant"] for r in counter_rows)
     named = {r["session"]: r["tenant"] for r in counter_rows if r["session"] and r["tenant"]}
-    prefix_session = {int(r["prefix"]): r["session"] for r in linked}
-    clients = {int(r["prefix"]): r for r in executes}
 
-    def tenant_of(prefix: int) -> str:
-        session = prefix_session.get(prefix)
-        if session:
-            return named.get(session) or f"session {session}"
-        client = clients.get(prefix)
-        if client is not None and client["host"]:
-            return f"client {client['host']}:{client['pid']}"
-        return "unattributed server spans"
+    def tenant_of(r: dict[str, Any]) -> str:
+        """A server span's tenant: its own ``tenant`` attr, else its session's counters' (a
+        session's tenant never changes), else its session's name; none in an older run."""
+        if r["tenant"]:
+            return str(r["tenant"])
+        if r["session"]:
+            return named.get(r["session"]) or f"session {r['session']}"
+        return NO_TENANT
 
     sessions: dict[str, dict[str, dict[str, Any]]] = {}  # tenant -> session -> entry
 
-    def session_entry(tenant: str, session: str) -> dict[str, Any]:
+    def session_entry(tenant: str, session: str, key: str = "") -> dict[str, Any]:
         blank = {"session": session, "host": "", "pid": None, "batches": 0, "ops": 0}
-        return sessions.setdefault(tenant, {}).setdefault(session, blank)
+        return sessions.setdefault(tenant, {}).setdefault(session or key, blank)
 
     by_metric: dict[str, list[dict[str, Any]]] = {}
     grouped: dict[tuple[str, str], list[dict[str, Any]]] = {}  # (metric, tenant) -> rows
@@ -327,14 +314,15 @@ def tenants(source: ReadOnlyStore, run_id: str, buckets: int = 60) -> dict[str, 
         sessions.setdefault(tenant, {})
         if r["session"]:
             session_entry(tenant, r["session"])
-    for prefix, c in clients.items():
-        entry = session_entry(tenant_of(prefix), prefix_session.get(prefix, ""))
+    for c in executes:
+        # Without a session (an older run): one entry per client process.
+        entry = session_entry(tenant_of(c), c["session"], f"{c['host']}:{c['pid']}")
         if c["host"]:
             entry.update(host=c["host"], pid=int(c["pid"]))
         entry["batches"] += int(c["batches"])
         entry["ops"] += int(c["ops"])
     for r in event_rows:
-        sessions.setdefault(tenant_of(int(r["prefix"])), {})
+        sessions.setdefault(tenant_of(r), {})
 
     def points(metric: str, tenant: str) -> list[tuple[int, float]]:
         return [(r["ts_ns"], r["value"]) for r in grouped.get((metric, tenant), [])]
@@ -353,23 +341,21 @@ def tenants(source: ReadOnlyStore, run_id: str, buckets: int = 60) -> dict[str, 
         }
 
     busy = [
-        {"tenant": tenant_of(int(r["prefix"])), "ts_ns": lo + int(r["b"]) * bucket,
-         "ns": int(r["ns"]), "share": int(r["ns"]) / bucket}
+        {"tenant": tenant_of(r), "ts_ns": lo + int(r["b"]) * bucket, "ns": int(r["ns"]), "share": int(r["ns"]) / bucket}
         for r in busy_rows
     ]  # fmt: skip
     queue = [
-        {"tenant": tenant_of(int(r["prefix"])), "ts_ns": lo + int(r["b"]) * bucket,
-         "n": int(r["n"]), "ns": int(r["ns"]), "mean_ns": int(r["ns"]) // max(1, int(r["n"])),
+        {"tenant": tenant_of(r), "ts_ns": lo + int(r["b"]) * bucket, "n": int(r["n"]), "ns": int(r["ns"]), "mean_ns": int(r["ns"]) // max(1, int(r["n"])),
          "max_ns": int(r["max_ns"])}
         for r in queue_rows
     ]  # fmt: skip
     events: list[dict[str, Any]] = []
     seen: dict[tuple[str, str], int] = {}
     for r in event_rows:
-        tenant, kind = tenant_of(int(r["prefix"])), EVENT_LANES[r["lane"]]
+        tenant, kind = tenant_of(r), EVENT_LANES[r["lane"]]
         seen[(tenant, kind)] = seen.get((tenant, kind), 0) + 1
         events.append(
-            {"tenant": tenant, "session": prefix_session.get(int(r["prefix"]), ""), "kind": kind,
+            {"tenant": tenant, "session": r["session"], "kind": kind,
              "start_ns": int(r["start_ns"]), "end_ns": int(r["end_ns"]),
              "attrs": dict(r["attrs"] or {}), "index": seen[(tenant, kind)]}
         )  # fmt: skip
@@ -379,7 +365,8 @@ def tenants(source: ReadOnlyStore, run_id: str, buckets: int = 60) -> dict[str, 
         summary.append(
             _tenant_summary(tenant, sessions[tenant], memory[tenant], cumulative[tenant],
                             [b for b in busy if b["tenant"] == tenant],
-                            [q for q in queue if q["tenant"] == tenant], r1 - r0, labelled)
+                            [q for q in queue if q["tenant"] == tenant], r1 - r0,
+                            labelled and tenant != NO_TENANT)
         )  # fmt: skip
     return {
         "run_ns": (r0, r1),
@@ -431,7 +418,7 @@ def _tenant_summary(
         wait = sum(q["ns"] for q in queue)
     return {
         "tenant": tenant,
-        "sessions": sorted(s for s in sessions if s),
+        "sessions": sorted(s["session"] for s in sessions.values() if s["session"]),
         "peak_bytes": peak,
         "quota_bytes": quota,
         "peak_share": peak / quota if peak is not None and quota else None,

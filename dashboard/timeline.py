@@ -58,6 +58,8 @@ class TrackInfo:
     clock_uncertainty_ns: int = 0  # remote tracks: the largest uncertainty applied
     process: str = ""
     thread: str = ""
+    #: A server track's tenants (its spans' ``tenant`` attrs; empty in a run stored before).
+    tenants: tuple[str, ...] = ()
 
     @property
     def key(self) -> Track:
@@ -107,8 +109,11 @@ class Window:
         return len(self.bars) + self.density_spans
 
 
-_CLOCK_UNCERTAINTY = """
-SELECT host, pid, tid, lane, max(toInt64OrZero(attrs['clock_uncertainty_ns'])) AS clock_unc
+#: Per server track: the largest clock uncertainty applied, and the tenants whose spans it holds
+#: (each span's ``tenant`` attr, stamped by the server; none in a run stored before).
+_SERVER_TRACKS = """
+SELECT host, pid, tid, lane, max(toInt64OrZero(attrs['clock_uncertainty_ns'])) AS clock_unc,
+       arraySort(groupUniqArray(9)(attrs['tenant'])) AS tenants
 FROM __db__.spans WHERE run_id = {run:String} AND category = 'server'
 GROUP BY host, pid, tid, lane
 """
@@ -207,9 +212,9 @@ def tracks(source: ReadOnlyStore, run_id: str) -> dict[str, Any]:
 
     def compute() -> dict[str, Any]:
         found = overview.track_totals(_overview(source, run_id))
-        clock = {
-            (c["host"], int(c["pid"]), int(c["tid"]), c["lane"]): int(c["clock_unc"])
-            for c in source.rows(_CLOCK_UNCERTAINTY, {"run": run_id})
+        server = {
+            (c["host"], int(c["pid"]), int(c["tid"]), c["lane"]): c
+            for c in source.rows(_SERVER_TRACKS, {"run": run_id})
         }
         names = {(t["host"], t["pid"], t["tid"]): t for t in source.threads(run_id)}
         out: list[TrackInfo] = []
@@ -222,6 +227,7 @@ def tracks(source: ReadOnlyStore, run_id: str) -> dict[str, Any]:
                 # call had (an imported trace nests device work under its call's depth).
                 levels = 1
             named = names.get((t["host"], int(t["pid"]), int(t["tid"]))) or {}
+            served = server.get((t["host"], int(t["pid"]), int(t["tid"]), t["lane"])) or {}
             info = TrackInfo(
                 host=t["host"],
                 pid=int(t["pid"]),
@@ -231,9 +237,8 @@ def tracks(source: ReadOnlyStore, run_id: str) -> dict[str, Any]:
                 min_depth=int(t["min_depth"]),
                 levels=max(1, levels),
                 row=row,
-                clock_uncertainty_ns=clock.get(
-                    (t["host"], int(t["pid"]), int(t["tid"]), t["lane"]), 0
-                ),
+                clock_uncertainty_ns=int(served.get("clock_unc") or 0),
+                tenants=tuple(x for x in served.get("tenants") or () if x),
                 process=named.get("process_name", ""),
                 thread=named.get("thread_name", ""),
             )
@@ -242,7 +247,7 @@ def tracks(source: ReadOnlyStore, run_id: str) -> dict[str, Any]:
         max_dur = max((int(t["max_dur"]) for t in found), default=0)
         unended = sum(int(t["unended"]) for t in found)
         return {"tracks": out, "rows": row, "max_dur": max_dur, "unended": unended,
-                "server_tracks": len(clock)}  # fmt: skip
+                "server_tracks": len(server)}  # fmt: skip
 
     return source.cached(("tracks", run_id), compute)
 

@@ -133,24 +133,33 @@ def add_counters(store: Store, run_id: str, rows: list[dict[str, Any]]) -> None:
     store.insert_arrow("counters", pa.Table.from_pylist(table, schema=schema))
 
 
-def tenants_run(store: Store, run_id: str, tenants: tuple[str, str] | None) -> None:
+def tenants_run(
+    store: Store, run_id: str, tenants: tuple[str, str] | None, stamped: bool = True
+) -> None:
     """Two forwarding sessions (1 and 2, from client pids 21 and 22) of four batches each, as the
-    sharing runtime records them: a session's server spans numbered from one id prefix, its
-    counters stamped with its batches' reply ends, session 2 paged out and restored between its
-    2nd and 3rd batch.
+    sharing runtime records them: each server span stamped with its session and tenant (attrs
+    ``session``, ``tenant``), its counters stamped with its batches' reply ends, session 2 paged
+    out and restored between its 2nd and 3rd batch.
 
     ``tenants``: the sessions' tenant names (the first has a 64 MiB quota, the second none), or
     None for a run from before tenants (a ``session`` label only, no quotas, page-outs or busy
     counters). Session 1's batches wait 10 µs in the queue and execute 200 µs; session 2's, 30 and
     300 µs. Session k holds k MiB after its k-th batch.
+
+    Both sessions' span ids come from one sequence, with one high half: a reader that took a
+    span's session from its id bits would put every span in one session. ``stamped=False``: a run
+    stored before server spans carried their session and tenant (no such attrs; each session's
+    ids from a prefix of its own, as that server numbered them).
     """
     spans: list[dict[str, Any]] = []
     counters: list[dict[str, Any]] = []
+    shared = iter(range((0x1000 << 32) + 1, (0x1000 << 32) + 2000))
+    owner: dict[str, str] = {}
 
     def server(lane: str, ids: Any, s0: int, s1: int, parent: int = 0, **attrs: str) -> None:
         spans.append({"name": lane.split("/")[1], "lane": lane, "category": "server",
                       "start_ns": s0, "end_ns": s1, "span_id": next(ids), "parent_span_id": parent,
-                      "host": "gpu-box", "pid": 99, "attrs": attrs})  # fmt: skip
+                      "host": "gpu-box", "pid": 99, "attrs": attrs | owner})  # fmt: skip
 
     def count(metric: str, ts: int, value: float, labels: dict[str, str]) -> None:
         counters.append({"metric": metric, "ts_ns": ts, "value": value, "labels": labels})
@@ -161,6 +170,11 @@ def tenants_run(store: Store, run_id: str, tenants: tuple[str, str] | None) -> N
         labels = {"session": str(session)}
         tenant = {"tenant": tenants[n]} if tenants is not None else {}
         labels |= tenant
+        if stamped:  # the server's: its session, and its tenant ("default" before tenants)
+            ids, owner = (
+                shared,
+                {"session": str(session), "tenant": tenant.get("tenant", "default")},
+            )
         busy = queued = 0
         for k in range(4):
             t = 1_000_000 + 2_000_000 * k + 500_000 * n + (3_000_000 if n and k >= 2 else 0)

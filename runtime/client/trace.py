@@ -37,6 +37,7 @@ from gpu_trace.runtime.protocol.span_tables import (
     decode_tables,
     slot_lane,
     span_table,
+    trace_owner,
     write_stats,
 )
 from gpu_trace.tracer import recorder
@@ -278,11 +279,15 @@ class ClientTrace:
             log.exception("gpu-trace: writing server spans failed")
 
     def _write(self, messages: list[dict[str, Any]]) -> None:
-        spans: list[list[Any]] = []
+        # Spans by the session and tenant their message names (one per connection, but each
+        # message says it: the server stamped them, the client only writes them).
+        spans: dict[tuple[tuple[str, str], ...], list[list[Any]]] = {}
         counters: list[list[Any]] = []
         gpu = []  # the server's GPU activity: spans tables (device_activity.py on the server)
         for msg in messages:
-            spans.extend(msg.get("spans") or [])
+            if msg.get("spans"):
+                owner = tuple(trace_owner(msg).items())
+                spans.setdefault(owner, []).extend(msg["spans"])
             counters.extend(msg.get("counters") or [])
             try:
                 table = decode_tables(msg.get("gpu"))
@@ -292,13 +297,15 @@ class ClientTrace:
             if table is not None:
                 gpu.append(table)
         writer = self._spool()
-        if spans:
-            writer.write("spans", span_table(spans, self.conn.server_pid, self.new_span_id))
+        for owner, rows in spans.items():
+            table = span_table(rows, self.conn.server_pid, self.new_span_id, dict(owner))
+            writer.write("spans", table)
         if counters:
             writer.write("counters", counter_table(counters, self.conn.server_device))
         for table in gpu:
             writer.write("spans", table)
-        self._server_events += len(spans) + len(counters) + sum(t.num_rows for t in gpu)
+        n_spans = sum(len(rows) for rows in spans.values())
+        self._server_events += n_spans + len(counters) + sum(t.num_rows for t in gpu)
         assert self.rec is not None
         write_stats(
             self.rec.run_dir, self.conn.server_pid, self.conn.session_id, self._server_events

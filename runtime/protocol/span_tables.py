@@ -27,6 +27,8 @@ SERVER_TIDS = {
     "server/quota-wait": 2,
 }
 SERVER_THREADS = {"1": "receive", "2": "executor"}
+#: The attrs a server span carries its session and tenant in (:func:`span_owner`).
+OWNER_KEYS = ("session", "tenant")
 #: GPU activity categories made on a thread (the CUDA calls, the waits): the executor's row.
 THREAD_CATEGORIES = ("cuda_api", "cuda_sync")
 
@@ -44,11 +46,14 @@ def slot_lane(ends: list[int], lane: str, start: int, end: int) -> str:
     return f"{lane}/{len(ends) - 1}" if len(ends) > 1 else lane
 
 
-def span_table(spans: list[list[Any]], pid: int, new_id: Any) -> pa.Table:
+def span_table(
+    spans: list[list[Any]], pid: int, new_id: Any, owner: dict[str, str] | None = None
+) -> pa.Table:
     """TRACE/SpanLog spans ``[id, parent, lane, name, start, end, attrs]`` as a spool table.
 
-    Times stay on the server's clock; attrs get ``raw_start_ns``/``raw_end_ns``. Spans without
-    an id get one from ``new_id()``.
+    Times stay on the server's clock; attrs get ``raw_start_ns``/``raw_end_ns`` and ``owner``'s
+    keys (the session and tenant the server recorded them for, :func:`span_owner`). Spans
+    without an id get one from ``new_id()``.
     """
     from gpu_trace.tracer.columns import spans_to_table
     from gpu_trace.tracer.records import SERVER
@@ -59,12 +64,32 @@ def span_table(spans: list[list[Any]], pid: int, new_id: Any) -> pa.Table:
         a = dict(span_attrs or {})
         a["raw_start_ns"] = str(t0)
         a["raw_end_ns"] = str(t1)
+        if owner:
+            a.update(owner)
         depth = 2 if span_lane == "server/op" else 1
         rows.append(
             (span_id or new_id(), parent_id, span_lane, SERVER, span_name, t0, t1, depth, a)
         )
         tids.append(SERVER_TIDS.get(span_lane, 2))  # server/queue/N too
     return spans_to_table(rows, pid, tids)
+
+
+def span_owner(session: Any) -> dict[str, str]:
+    """What the server stamps on each span it records for ``session``: attrs ``session`` (its
+    id) and ``tenant`` (the tenant it authenticated as), the labels its counters carry too. A
+    reader takes a server span's session and tenant from these, never from its id."""
+    tenant = getattr(getattr(session, "tenant", None), "name", "default")
+    return {"session": str(session.id), "tenant": str(tenant)}
+
+
+def trace_owner(msg: dict[str, Any]) -> dict[str, str]:
+    """A TRACE message's ``session`` and ``tenant`` (:func:`span_owner`, as the server sent
+    them); only well-formed ones (strings of at most 256 characters) are kept."""
+    return {
+        key: value
+        for key in OWNER_KEYS
+        if isinstance(value := msg.get(key), str) and 0 < len(value) <= 256
+    }
 
 
 def encode_tables(tables: list[pa.Table]) -> str:

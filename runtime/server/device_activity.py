@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 
+from gpu_trace.runtime.protocol.span_tables import span_owner
 from gpu_trace.runtime.server.activity_tail import FileSource
 
 if TYPE_CHECKING:
@@ -293,7 +294,7 @@ class DeviceActivity:
             if session.id in self._ended:
                 self.counts.late += len(rows)
             elif session.trace:  # an untraced session's count toward its GPU busy time only
-                session.log.add_table(_final(part))
+                session.log.add_table(_final(part, span_owner(session)))
                 self.counts.spans += len(rows)
                 made += len(rows)
         return made
@@ -396,11 +397,12 @@ def _parents(batches: list[ExecutedBatch], pid: int) -> tuple[Parents, dict[int,
     )
 
 
-def _final(part: pa.Table) -> pa.Table:
+def _final(part: pa.Table, owner: dict[str, str]) -> pa.Table:
     """Spans as the server's span log sends them: on the server's threads as its other spans are
     (CUDA calls and waits on the executor's row under their op, at depth 3; device work on thread
-    0), with their raw server times in attrs ``raw_start_ns``/``raw_end_ns`` like every server
-    span. Column by column: no Python per span."""
+    0), with their raw server times in attrs ``raw_start_ns``/``raw_end_ns`` and their session
+    and tenant (``owner``, :func:`~gpu_trace.runtime.protocol.span_tables.span_owner`) like every
+    server span. Column by column: no Python per span."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -416,7 +418,8 @@ def _final(part: pa.Table) -> pa.Table:
     end = part.column("end_ns").to_numpy()
     attrs = _append_attrs(
         part.column("attrs").combine_chunks(),
-        [("raw_start_ns", start), ("raw_end_ns", end)],
+        [("raw_start_ns", start), ("raw_end_ns", end)]
+        + [(key, np.full(len(start), value)) for key, value in owner.items()],
     )
     i = part.schema.get_field_index
     part = part.set_column(i("tid"), "tid", pa.array(tid, pa.uint64()))

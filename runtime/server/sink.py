@@ -17,7 +17,10 @@ every 200 ms and when the session says goodbye:
 Either way the spool holds the server's raw times (``start_ns``/``end_ns`` on the server's clock,
 also kept in attrs ``raw_start_ns``/``raw_end_ns``) and names the clock in its metadata
 (``clock_peer``); ingest maps them onto the client's clock with the run's ``clock_sync`` rows
-(:mod:`gpu_trace.tracer.ingest`), so both paths give the same rows.
+(:mod:`gpu_trace.tracer.ingest`), so both paths give the same rows. Either way each span carries
+its session and tenant in attrs ``session`` and ``tenant``
+(:func:`~gpu_trace.runtime.protocol.span_tables.span_owner`): a TRACE message names them once
+and the client stamps them on its spans, a spool's spans are stamped here.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from gpu_trace.runtime.protocol.span_tables import (
     counter_table,
     encode_tables,
     slot_lane,
+    span_owner,
     span_table,
     write_stats,
 )
@@ -129,8 +133,8 @@ def record_counters(session: Session, ts: int, queue_depth: int, memory: Any = N
     without a quota).
     """
     counter = session.log.counter
-    tenant = getattr(getattr(session, "tenant", None), "name", "default")
-    labels = {"session": str(session.id), "tenant": tenant}
+    labels = span_owner(session)  # the session's spans carry the same
+    tenant = labels["tenant"]
     usage = session.usage
     counter("session_memory_bytes", ts, float(session.account.bytes), labels)
     counter("session_handles", ts, float(len(session.handles)), labels)
@@ -218,7 +222,8 @@ class ReturnSink:
     def export(self, session: Session, body: dict[str, Any]) -> None:
         gpu = body.pop("gpu", None) or []
         if body["spans"] or body["counters"]:
-            session.send(json_frame(MsgType.TRACE, body))
+            # The spans' session and tenant, once per message: the client stamps them on each.
+            session.send(json_frame(MsgType.TRACE, {**body, **span_owner(session)}))
         # The server's GPU activity: Arrow, in one field, a bounded number of spans per message
         # (a frame has a size limit; a burst of kernels must not break the session).
         for table in gpu:
@@ -329,7 +334,10 @@ class SpoolSink:
         try:
             files = self._files(session)
             if body["spans"]:
-                files.spans.write("spans", span_table(body["spans"], files.pid, session.log.new_id))
+                spans = span_table(
+                    body["spans"], files.pid, session.log.new_id, span_owner(session)
+                )
+                files.spans.write("spans", spans)
             if body["counters"]:
                 files.spans.write("counters", counter_table(body["counters"], files.device))
             for table in gpu:  # the server's GPU activity, as converted

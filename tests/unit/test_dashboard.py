@@ -40,7 +40,9 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReadOnlyStore]:
     lod_run(store)
     forwarded_run(store)
     tenants_run(store, "tenants-xss", ("alice", XSS))
-    tenants_run(store, "sessions-only", None)
+    tenants_run(store, "sessions-only", None, stamped=False)
+    tenants_run(store, "tenants-one-id-prefix", ("alice", "bob"))
+    tenants_run(store, "tenants-unstamped", ("alice", "bob"), stamped=False)
     minute_run(store)
     samples.load_samples(store)
     src = ReadOnlyStore(store=store)
@@ -172,8 +174,17 @@ def test_tenants_of_the_two_tenant_sample(source: ReadOnlyStore) -> None:
     data = reports.tenants(source, run)
     assert data["labelled"] and [t["key"] for t in data["tenants"]] == ["alice", "bob"]
     alice, bob = (t["sessions"] for t in data["tenants"])
-    assert [s["session"] for s in alice] == ["1"] and [s["session"] for s in bob] == ["2"]
+    assert len(alice) == len(bob) == 1 and alice[0]["session"] != bob[0]["session"]
     assert alice[0]["pid"] != bob[0]["pid"], "each tenant's session is its own client process"
+    # Every server span names its session and tenant, as the server stamped it; one tenant each.
+    stamped = source.rows(
+        "SELECT attrs['session'] AS s, groupUniqArray(attrs['tenant']) AS t FROM __db__.spans"
+        " WHERE run_id = {r:String} AND category = 'server' GROUP BY s ORDER BY s",
+        {"r": run},
+    )
+    assert {r["s"]: list(r["t"]) for r in stamped} == {
+        alice[0]["session"]: ["alice"], bob[0]["session"]: ["bob"]
+    }  # fmt: skip
     quotas = {t: m["quota"][-1][1] for t, m in data["memory"].items()}
     assert quotas == {"alice": 512 << 20, "bob": 256 << 20}
     lines = {t.name: t.line.dash for t in charts.tenant_memory(data).data if "quota" in t.name}
@@ -242,19 +253,70 @@ def test_tenants_of_the_two_tenant_sample(source: ReadOnlyStore) -> None:
 def test_a_run_from_before_tenants_has_a_tenant_per_session(source: ReadOnlyStore) -> None:
     data = reports.tenants(source, "sessions-only")
     assert not data["labelled"]
+    # The counters name their sessions; the server spans, stored before they carried theirs,
+    # are under "no tenant recorded", by client process (their batches' parents).
     assert [(t["key"], s["session"], s["pid"], s["batches"], s["ops"])
             for t in data["tenants"] for s in t["sessions"]] == [
-        ("session 1", "1", 21, 4, 12), ("session 2", "2", 22, 4, 12)
+        (reports.NO_TENANT, "", 21, 4, 12), (reports.NO_TENANT, "", 22, 4, 12),
+        ("session 1", "1", None, 0, 0), ("session 2", "2", None, 0, 0),
     ]  # fmt: skip
-    one, two = data["summary"]
-    assert (one["busy_ns"], two["busy_ns"]) == (4 * 200_000, 4 * 300_000)
-    assert one["busy_from"] == "server/execute spans"
-    assert (one["queue_wait_ns"], two["queue_mean_ns"]) == (4 * 10_000, 30_000)
+    spans, one, two = data["summary"]
+    assert spans["busy_ns"] == 4 * 200_000 + 4 * 300_000
+    assert spans["busy_from"] == "server/execute spans"
+    assert (spans["queue_wait_ns"], spans["batches"]) == (4 * 10_000 + 4 * 30_000, 8)
+    assert one["busy_ns"] is None and one["batches"] == 0  # no guess from the spans' ids
     assert one["peak_bytes"] == 4 << 20 and one["quota_bytes"] is None
     assert one["evictions"] is None and not data["events"]
-    assert {r["tenant"] for r in data["busy"]} == {"session 1", "session 2"}
+    assert {r["tenant"] for r in data["busy"]} == {reports.NO_TENANT}
     text = text_of(panels.tenants(data))
     assert "before tenants" in text and "no quota" in text and "pid 21 on client" in text
+    assert "stored before server spans carried their session and tenant" in text
+
+
+def test_a_server_spans_tenant_is_the_one_stamped_on_it_not_its_id_bits(
+    source: ReadOnlyStore,
+) -> None:
+    run = "tenants-one-id-prefix"
+    prefixes = source.rows(
+        "SELECT uniqExact(bitShiftRight(span_id, 32)) AS n FROM __db__.spans"
+        " WHERE run_id = {r:String} AND category = 'server'",
+        {"r": run},
+    )
+    assert prefixes[0]["n"] == 1  # by their ids, both sessions' spans are one session's
+    data = reports.tenants(source, run)
+    assert [(t["key"], s["session"], s["pid"], s["batches"], s["ops"])
+            for t in data["tenants"] for s in t["sessions"]] == [
+        ("alice", "1", 21, 4, 12), ("bob", "2", 22, 4, 12)
+    ]  # fmt: skip
+    busy = {t: sum(r["ns"] for r in data["busy"] if r["tenant"] == t) for t in ("alice", "bob")}
+    assert busy == {"alice": 4 * 200_000, "bob": 4 * 300_000}
+    queue = {t: sum(r["ns"] for r in data["queue"] if r["tenant"] == t) for t in ("alice", "bob")}
+    assert queue == {"alice": 4 * 10_000, "bob": 4 * 30_000}
+    assert [(e["tenant"], e["session"], e["kind"]) for e in data["events"]] == [
+        ("bob", "2", "page-out"), ("bob", "2", "restore")
+    ]  # fmt: skip
+    # The timeline's server lanes name the tenants whose spans they hold.
+    server = [t for t in timeline.tracks(source, run)["tracks"] if t.lane.startswith("server/")]
+    lanes = {t.lane: t for t in server}
+    assert lanes["server/execute"].tenants == ("alice", "bob")
+    assert lanes["server/evict"].tenants == ("bob",)  # only bob was paged out
+    assert figures.track_label(lanes["server/execute"]).endswith("tenants alice, bob")
+    assert figures.track_label(lanes["server/evict"]).endswith("server/evict · tenant bob")
+
+
+def test_a_run_stored_before_server_spans_carried_their_tenant_says_so(
+    source: ReadOnlyStore,
+) -> None:
+    data = reports.tenants(source, "tenants-unstamped")
+    assert [t["key"] for t in data["tenants"]] == ["alice", "bob", reports.NO_TENANT]
+    alice, bob, spans = data["summary"]
+    assert (alice["busy_ns"], bob["busy_ns"]) == (800_000, 1_200_000)  # their counters
+    assert (alice["batches"], bob["batches"], spans["batches"]) == (0, 0, 8)
+    assert spans["evictions"] is None  # no page-out counter is its, though two spans are
+    assert {e["tenant"] for e in data["events"]} == {reports.NO_TENANT}
+    tracks = timeline.tracks(source, "tenants-unstamped")["tracks"]
+    assert all(not t.tenants for t in tracks)
+    assert "stored before server spans" in text_of(panels.tenants(data))
 
 
 def test_tenant_names_are_text(source: ReadOnlyStore) -> None:

@@ -197,7 +197,7 @@ def test_a_spool_without_checksums_still_reads_and_is_checked(tmp_path: Path) ->
 
 
 def test_the_sample_runs_spooled_before_checksums_read_whole() -> None:
-    run_dir = REPO / "sample_traces" / "runs" / "forwarded-two-tenants"
+    run_dir = REPO / "sample_traces" / "runs" / "local-training"
     files = list_spool(run_dir)
     assert files
     for path in files:
