@@ -13,12 +13,20 @@ import os
 import signal
 import socket
 import subprocess
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from gpu_trace.runtime.server.executor import Executor
     from gpu_trace.runtime.sharing.sessions import Session
-    from gpu_trace.runtime.worker.process import Worker
+
+
+class Worker(Protocol):
+    """What the probes change of :class:`~gpu_trace.runtime.worker.process.Worker` (named by
+    shape: the worker imports this module)."""
+
+    context_lost: Callable[[], bool]
 
 #: What CUDA says after a kernel's out-of-range index (the text a worker looks for).
 DEVICE_ASSERT = "CUDA error: device-side assert triggered (a test probe's stand-in)"
