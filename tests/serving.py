@@ -20,7 +20,8 @@ from pathlib import Path
 DETERMINISTIC = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
 # `gpu-trace serve` as `python -m gpu_trace serve` runs it, with deterministic algorithms turned on
-# when it imports torch (after its own start-up, so nothing else about the process changes).
+# when it imports torch (after its own start-up, so nothing else about the process changes). With
+# `--isolation process` its workers take its settings with their session (runtime/server/front.py).
 _DETERMINISTIC_SERVE = textwrap.dedent(
     """
     import sys

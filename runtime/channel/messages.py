@@ -71,6 +71,10 @@ class Assign(Message):
     sink: str = "return"
     #: Milliseconds every received frame is held back (benchmarks simulate a longer network).
     delay_ms: float = 0.0
+    #: The front's own backend settings (:mod:`gpu_trace.runtime.protocol.backend_flags`):
+    #: the worker's own, under which the session's ops run unless it sets others, as a
+    #: single-process server runs them under its process's; None: torch's defaults.
+    flags: dict[str, Any] | None = None
 
 
 @dataclass

@@ -26,9 +26,10 @@ import logging
 import math
 import os
 import socket
+import sys
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gpu_trace.runtime.channel.messages import (
     REPORT_S,
@@ -41,6 +42,7 @@ from gpu_trace.runtime.channel.messages import (
     PageOut,
     Report,
 )
+from gpu_trace.runtime.protocol import backend_flags
 from gpu_trace.runtime.protocol.wire import ConnectionClosed, FrameWriter, MsgType, json_frame
 from gpu_trace.runtime.server.standby import Standby, Worker, WorkerFailed, exit_text
 
@@ -150,6 +152,7 @@ class Front:
             spin_us=server.spin_ns / 1000,
             delay_ms=server.delay_ns / 1e6,
             sink=server.sink.worker_sink if hasattr(server.sink, "worker_sink") else "return",
+            flags=_own_flags(),
         )
         try:
             worker.channel.send(assign, fd=conn.fileno())
@@ -404,3 +407,20 @@ def _near(a: int | None, b: int | None) -> bool:
     if a is None or b is None:
         return a is b
     return abs(a - b) <= LIMIT_SLACK
+
+
+def _own_flags() -> dict[str, Any] | None:
+    """This process's backend settings, for a worker to run its session under (None: torch's
+    defaults, or unreadable). A server of one process runs sessions that set none under its
+    own (:func:`~gpu_trace.runtime.server.device_ops.use_flags`); its workers start as fresh
+    interpreters, with nothing the process that made the server set (a program that serves
+    from Python, with TF32 or deterministic algorithms on) unless they are told."""
+    torch = sys.modules.get("torch")
+    if torch is None:  # never imported here: nothing set but torch's defaults
+        return None
+    try:
+        return backend_flags.read(torch)
+    except Exception:  # a torch that cannot say: the worker's own defaults
+        log.warning("gpu-trace serve: the server's backend settings stay out of its workers",
+                    exc_info=True)  # fmt: skip
+        return None

@@ -228,6 +228,8 @@ class Worker:
         self._send_lock = threading.Lock()
 
     def run(self) -> int:
+        if self.assign.flags is not None:  # before anything reads this process's own
+            _adopt_flags(self.assign.flags)
         server = self.server
         executor = server.executor
         executor.mark = self.beacon.mark
@@ -401,6 +403,19 @@ def _others_may_read() -> bool:
                 break
             path = parent
     return True
+
+
+def _adopt_flags(flags: dict[str, Any]) -> None:
+    """The front's backend settings as this process's own: the session's ops run under them
+    unless it sets others, as in a server of one process (:attr:`Assign.flags`)."""
+    import torch
+
+    from gpu_trace.runtime.protocol import backend_flags
+
+    try:
+        backend_flags.apply(torch, backend_flags.check(flags))
+    except (ValueError, TypeError, RuntimeError):  # a front's torch this one cannot follow
+        log.warning("the server's backend settings could not be applied", exc_info=True)
 
 
 def _context_lost(device: Any) -> bool:

@@ -11,6 +11,7 @@ import platform
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -375,3 +376,21 @@ def test_settings_a_peer_lacks_stay_the_servers_own(served: str) -> None:
         assert server_flags() == {**own, "cudnn_benchmark": flipped}
     finally:
         runtime.disconnect()
+
+
+@pytest.mark.parametrize("isolation", ["process", "shared"])
+def test_the_servers_own_settings_are_its_workers_own(tmp_path: Path, isolation: str) -> None:
+    """Settings made in the server's process (deterministic algorithms, as tests/serving's
+    deterministic server sets them when it imports torch) are those a session's ops run under
+    when it sets none, in a worker process (``--isolation process``) as in the server's own."""
+    with serving.served(
+        tmp_path, TOKEN, "--isolation", isolation, device="cpu", deterministic=True
+    ) as (address, _):
+        dev = runtime.connect(address, token=TOKEN)  # explicit mode: no settings sent
+        try:
+            own = server_flags()
+            # Deterministic algorithms fill new tensors with NaN: so they are on where ops run.
+            filled = torch.empty(4, device=dev).isnan().all().item()
+        finally:
+            runtime.disconnect()
+    assert own["deterministic"] and filled
