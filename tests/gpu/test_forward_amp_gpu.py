@@ -36,9 +36,10 @@ PROGRAM = textwrap.dedent(
 
     torch.use_deterministic_algorithms(True)
     which = sys.argv[1]
-    if os.environ.get("GPU_TRACE_REMOTE"):
-        from gpu_trace.runtime.client import tensor as rt
-        assert rt.conn is not None, "transparent mode did not connect"
+    forwarded = bool(os.environ.get("GPU_TRACE_REMOTE"))
+    # Transparent mode answers for the GPU the client lacks; its session opens at the device's
+    # first use (runtime/client/device.py `defer`), so it is checked for after the run.
+    assert torch.cuda.is_available(), "no CUDA, and transparent mode is not on"
 
     class Net(nn.Module):
         def __init__(self, vocab=256, d=128):
@@ -81,6 +82,10 @@ PROGRAM = textwrap.dedent(
         scaler.update()
         losses.append(loss.item().hex())
         scales.append(scaler.get_scale())
+    if forwarded:
+        from gpu_trace.runtime.client import tensor as rt
+        assert rt.conn is not None, "transparent mode did not connect"
+        assert all(p.device.type == "remote" for p in model.parameters()), "trained locally"
     digest = hashlib.sha256()
     for p in model.parameters():
         digest.update(p.detach().cpu().numpy().tobytes())

@@ -8,7 +8,11 @@ applied by hand."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -444,3 +448,33 @@ def test_grad_scaler_unscale_takes_one_element_tensors() -> None:
         [grads, torch.zeros(()), torch.full((), 0.5)],
     )
     assert torch.equal(grads[0], torch.full((3,), 0.5))
+
+
+@pytest.mark.parametrize("which", ["bf16", "fp16"])
+def test_the_gpu_tests_program_runs_forwarded_from_a_cuda_build(
+    served: str, which: str, tmp_path: Path
+) -> None:
+    """tests/gpu/test_forward_amp_gpu.py's program, as its GPU-less client runs it (transparent
+    mode, a CUDA build without a GPU), against this CPU server: it trains on the server, its
+    session opened at the device's first use (it once asserted a session at torch's import)."""
+    from tests.gpu.test_forward_amp_gpu import PROGRAM
+
+    prog = tmp_path / "amp.py"
+    prog.write_text("from tests.cuda_build import apply; apply()\n" + PROGRAM)
+    env = {
+        **os.environ,
+        "GPU_TRACE_REMOTE": served,
+        "GPU_TRACE_REMOTE_TOKEN": TOKEN,
+        "GPU_TRACE_HOME": str(tmp_path / "home"),
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+    }
+    out = serving.result(
+        subprocess.run(
+            [sys.executable, str(prog), which],
+            capture_output=True, text=True, env=env, cwd=REPO, timeout=240,
+        )
+    )  # fmt: skip
+    assert len(out["losses"]) == 5
+    if which == "fp16":
+        assert out["losses"][2] == "inf" and out["scales"][2] < out["scales"][1]
