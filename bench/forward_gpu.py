@@ -15,7 +15,9 @@ Peers, each in a fresh process per model and round, in an order that turns every
 
 - ``local``: the step on this machine's device;
 - ``forwarded``: the same program on the ``remote`` device (``runtime.connect``), served by a
-  fresh `gpu-trace serve`-equivalent process on the same device; the client sees the GPU;
+  `gpu-trace serve`-equivalent process on the same device, started once and used by every
+  forwarded run (each run's session gets a fresh worker process of its own, as with
+  `gpu-trace serve`); the client sees the GPU;
 - ``forwarded-gpuless``: the same, the client started with ``CUDA_VISIBLE_DEVICES=""``;
 - ``rpc``: ``torch.distributed.rpc`` (TensorPipe): the model lives in a worker process on the
   device and each step is one ``rpc_sync`` carrying the batch (CUDA tensors through the device
@@ -25,10 +27,17 @@ Peers, each in a fresh process per model and round, in an order that turns every
 
 The forwarding servers run ``--isolation process`` (a worker process per session, as
 `gpu-trace serve` does by default) or, with ``--isolation shared``, every session in one process.
-With ``process`` a forwarded peer waits 6 s after connecting, before its steps: its
-session took a standby worker and the server is making the next one (a torch import, seconds of
-one CPU, once per session), which would otherwise load a small machine during the timing and
-count in the server's CPU (its workers' CPU counts with its own).
+With ``process`` a session takes a standby worker and the server makes the next one (a torch
+import and a device context: seconds of one CPU, once per session). The server's CPU is its own
+and its session's worker's (the bench's server says which worker that is), never the one being
+made; on a small machine (the CPU-device variant, or under 8 CPUs) a forwarded peer also waits,
+without a step, until that worker is made, which would otherwise take a CPU from the timing. On a
+GPU machine of 8 CPUs or more the forwarding server starts beside the first run (local's): its
+start (torch, the device's context in each standby worker) is the bench's longest single phase.
+
+It says on stderr what it is doing as it goes (the server's start, each run, each client's
+phases, each run's median), so that a run stopped from outside shows where it was; stdout has
+only the figures (``--json``: one JSON document at the end).
 
 Each step ends at ``loss.item()`` (a sync point), so its wall time (``perf_counter``) is the
 step's time on both sides. A peer's figure for a round is the median of its steps; its ratio is
@@ -50,6 +59,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -88,6 +98,15 @@ SIZES: dict[str, dict[str, dict[str, int]]] = {
 CONNECT_OPTIONS = "FORWARD_GPU_BENCH_CONNECT"
 #: How long a client process or a server start may take, seconds.
 PROCESS_TIMEOUT_S = 600
+#: The file where the bench's forwarding server says which worker runs each session and how
+#: many standby workers are ready (``--isolation process``), for the forwarded peers' clients.
+STATUS_ENV = "FORWARD_GPU_BENCH_STATUS"
+_T0 = time.monotonic()
+
+
+def say(what: str) -> None:
+    """One line of progress on stderr (stdout has the figures alone)."""
+    print(f"forward_gpu {time.monotonic() - _T0:6.1f}s: {what}", file=sys.stderr, flush=True)
 
 
 # ---- the models and their step ---------------------------------------------------------------------
@@ -201,21 +220,33 @@ class Trainer:
         return loss
 
 
-def timed_steps(step: Any, warmup: int, steps: int, server_pid: int = 0) -> dict[str, Any]:
+def timed_steps(
+    step: Any, warmup: int, steps: int, server_pid: int = 0, worker_pid: int = 0
+) -> dict[str, Any]:
     """``step()`` returns a float (a sync point): its times in ms, its losses (as hex), and the
     CPU time per timed step, ms, of this process (all threads) and of the server's
-    (``server_pid``, on this machine), which the machine's other load moves less than the
+    (``server_pid``, on this machine; with ``worker_pid``, that process and its session's worker
+    alone, else with all its children), which the machine's other load moves less than the
     wall time."""
+
+    def server_ns() -> int | None:
+        if not worker_pid:
+            return cpu_ns(server_pid)
+        front, worker = cpu_ns(server_pid, children=False), cpu_ns(worker_pid)
+        return None if front is None or worker is None else front + worker
+
     losses = []
     for _ in range(warmup):
         losses.append(step())
+    say(f"{warmup} warm-up steps done")
     times = []
-    cpu0, server0 = time.process_time_ns(), cpu_ns(server_pid)
+    cpu0, server0 = time.process_time_ns(), server_ns()
     for _ in range(steps):
         t = time.perf_counter()
         losses.append(step())
         times.append((time.perf_counter() - t) * 1e3)
-    cpu1, server1 = time.process_time_ns(), cpu_ns(server_pid)
+    cpu1, server1 = time.process_time_ns(), server_ns()
+    say(f"{steps} timed steps done")
     out: dict[str, Any] = {"times_ms": times, "losses": [float(v).hex() for v in losses]}
     out["client_cpu_ms"] = (cpu1 - cpu0) / 1e6 / max(1, steps)
     if server0 is not None and server1 is not None:
@@ -223,14 +254,14 @@ def timed_steps(step: Any, warmup: int, steps: int, server_pid: int = 0) -> dict
     return out
 
 
-def cpu_ns(pid: int) -> int | None:
-    """CPU time of every thread of process ``pid`` and of its child processes (a server's
-    workers) so far, ns (Linux's schedstat); None where it cannot be read."""
+def cpu_ns(pid: int, children: bool = True) -> int | None:
+    """CPU time of every thread of process ``pid`` and (``children``) of its child processes (a
+    server's workers) so far, ns (Linux's schedstat); None where it cannot be read."""
     if not pid:
         return None
     total = 0
     try:
-        pids = [pid, *_children(pid)]
+        pids = [pid, *(_children(pid) if children else ())]
         for p in pids:
             for task in os.listdir(f"/proc/{p}/task"):
                 with contextlib.suppress(FileNotFoundError):  # a thread that just ended
@@ -268,8 +299,12 @@ def worker(
 ) -> dict[str, Any]:
     """One peer's run of one model in this process (a fresh one)."""
     size = SIZES[kind][model]
+    import torch  # noqa: F401 (its import, said as a phase: seconds with CUDA's libraries)
+
+    say("torch imported")
     if peer == "local":
         trainer = Trainer(model, size, _device(kind))
+        say("model and batch on the device")
         return timed_steps(lambda: trainer.step().item(), warmup, steps)
     if peer.startswith("forwarded"):
         from gpu_trace import runtime
@@ -277,14 +312,18 @@ def worker(
         options = json.loads(os.environ.get(CONNECT_OPTIONS, "{}")) if "@" not in peer else {}
         dev = runtime.connect(address, token=TOKEN, **options)
         try:
+            session = getattr(runtime.current(), "session_id", 0)
+            worker_pid = _worker_of(session) if session else 0
+            say(f"connected: session {session}" + (f", worker {worker_pid}" if worker_pid else ""))
             trainer = Trainer(model, size, dev)
-            if os.environ.get(SETTLE_ENV):
-                # With --isolation process the session took a standby worker, and the server is
-                # making another: a torch import that takes a CPU for seconds, paid once per
-                # session. Timed steps start after it, and the server's CPU (its workers
-                # included) then counts this session's worker alone.
-                time.sleep(float(os.environ[SETTLE_ENV]))  # no step: the losses stay aligned
-            res = timed_steps(lambda: trainer.step().item(), warmup, steps, server_pid)
+            say("model and batch on the device")
+            if worker_pid and os.environ.get(SETTLE_ENV):
+                # A small machine: the server is making the next standby worker, which would
+                # take a CPU from the timed steps; they start once it is made. No step: the
+                # losses stay aligned with local's.
+                waited = _standby_refilled(float(os.environ[SETTLE_ENV]))
+                say(f"the server's next standby worker is made ({waited:.1f} s waited)")
+            res = timed_steps(lambda: trainer.step().item(), warmup, steps, server_pid, worker_pid)
             res["runtime"] = os.path.dirname(os.path.dirname(os.path.realpath(runtime.__file__)))
             return res
         finally:
@@ -293,6 +332,7 @@ def worker(
         import torch.distributed.rpc as rpc
 
         _quiet_rpc()
+        say("rpc: joining the server")
         cuda = kind == "gpu" and peer == "rpc"
         opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{address}", rpc_timeout=120)
         if cuda:
@@ -300,6 +340,7 @@ def worker(
         rpc.init_rpc("client", rank=0, world_size=2, rpc_backend_options=opts)
         try:
             rpc.rpc_sync("server", _rpc_setup, args=(model, kind, cuda))
+            say("model on the server's device")
             _, _, batch, _ = build(model, size)
             if cuda:
                 batch = [b.to("cuda:0") for b in batch]
@@ -348,9 +389,12 @@ def _rpc_server(port: int) -> None:
 
 #: The forwarding servers' isolation (``--isolation``).
 ISOLATION = ["process"]
-#: Seconds a forwarded peer waits after its first step (set for ``--isolation process``).
+#: At most how many seconds a forwarded peer waits for the server's next standby worker (set
+#: on a small machine, with ``--isolation process``); see the module's docstring.
 SETTLE_ENV = "GPU_TRACE_BENCH_SETTLE_S"
-SETTLE_S = 6.0
+SETTLE_S = 30.0
+#: Fewer CPUs than this: a small machine, where a worker being made disturbs the timing.
+SMALL_MACHINE_CPUS = 8
 
 
 def _serve(kind: str, isolation: str) -> None:
@@ -364,8 +408,73 @@ def _serve(kind: str, isolation: str) -> None:
 
     extra = {"isolation": isolation} if isolation != "shared" else {}  # a baseline has none
     server = Server("127.0.0.1:0", token=TOKEN, device=_device(kind), **extra).start()
+    front, status = getattr(server, "front", None), os.environ.get(STATUS_ENV)
+    if front is not None and status:
+        import threading
+
+        _write_status(front, status, None)  # there before a client can read it
+        threading.Thread(target=_tell_workers, args=(front, status), daemon=True).start()
     print(server.address, flush=True)
     server.serve_forever()
+
+
+def _tell_workers(front: Any, path: str) -> None:
+    """Keep ``path`` saying which worker process runs each session, and how many standby
+    workers are ready of how many the server keeps (read by :func:`_worker_of` and
+    :func:`_standby_refilled` in the clients)."""
+    last = None
+    while True:
+        last = _write_status(front, path, last)
+        time.sleep(0.02)
+
+
+def _write_status(front: Any, path: str, last: dict[str, Any] | None) -> dict[str, Any]:
+    with front._lock:
+        sessions = {str(sid): link.worker.pid for sid, link in front.links.items()}
+    now = {"sessions": sessions, "ready": front.standby.ready_count(), "size": front.standby.size}
+    if now != last:
+        tmp = f"{path}.tmp"
+        Path(tmp).write_text(json.dumps(now))
+        os.replace(tmp, path)
+    return now
+
+
+def _status() -> dict[str, Any]:
+    path = os.environ.get(STATUS_ENV)
+    if not path:
+        return {}
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _worker_of(session: int, timeout_s: float = 10.0) -> int:
+    """The process id of the worker that runs ``session`` (0: not said: a shared server)."""
+    if not os.environ.get(STATUS_ENV):
+        return 0
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = _status()
+        if not status and not os.path.exists(os.environ[STATUS_ENV]):
+            return 0  # a server that says nothing (shared isolation, a baseline's)
+        pid = status.get("sessions", {}).get(str(session))
+        if pid:
+            return int(pid)
+        time.sleep(0.02)
+    return 0
+
+
+def _standby_refilled(timeout_s: float) -> float:
+    """Wait (at most ``timeout_s``) until the server's standby pool is full again; the seconds
+    waited."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        status = _status()
+        if not status or status.get("ready", 0) >= status.get("size", 0):
+            break
+        time.sleep(0.05)
+    return time.monotonic() - t0
 
 
 #: ``--baseline``'s import path (a folder whose ``gpu_trace`` is the baseline checkout's).
@@ -405,32 +514,80 @@ def _spawn(args: list[str], env: dict[str, str], **kw: Any) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, __file__, *args], env=env, **kw)
 
 
+class Servers:
+    """The forwarding servers, one for the runs of this checkout and one for the baseline's
+    (``@base``), each started at most once (:meth:`start`, or at its first forwarded run) and
+    stopped at the end (:meth:`close`)."""
+
+    def __init__(self, kind: str, folder: Path) -> None:
+        self.kind = kind
+        self.folder = folder
+        self.running: dict[bool, tuple[subprocess.Popen, str]] = {}  # by base: process, status
+        self.addresses: dict[bool, str] = {}
+
+    def start(self, base: bool) -> None:
+        """Start the server (its address is read at :meth:`get`): on a big machine while the
+        first local run goes on, which a torch import and a device context beside it barely
+        disturb."""
+        if base in self.running:
+            return
+        isolation = "shared" if base else ISOLATION[0]  # a baseline has one
+        env = _env(self.kind, False, base)
+        status = ""
+        if isolation == "process":
+            status = str(self.folder / ("status-base.json" if base else "status.json"))
+            env[STATUS_ENV] = status
+        say(f"starting the forwarding server ({isolation} isolation{', baseline' * base})")
+        proc = _spawn(
+            ["--serve", self.kind, "--isolation", isolation], env, stdout=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        self.running[base] = (proc, status)
+
+    def get(self, base: bool) -> tuple[str, int, str]:
+        """``(address, process id, status file)`` of the server (status "": it says none)."""
+        self.start(base)
+        proc, status = self.running[base]
+        if base not in self.addresses:
+            assert proc.stdout is not None
+            self.addresses[base] = proc.stdout.readline().strip()
+            if self.addresses[base]:
+                say(f"the forwarding server serves on {self.addresses[base]}")
+        if not self.addresses[base]:
+            raise RuntimeError("the forwarding server did not start")
+        return self.addresses[base], proc.pid, status
+
+    def close(self) -> None:
+        for proc, _ in self.running.values():
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+        if self.running:
+            say("the forwarding servers stopped")
+        self.running.clear()
+
+
 @contextlib.contextmanager
-def peer_of(peer: str, kind: str) -> Iterator[tuple[str, int]]:
-    """The server side of ``peer`` (a fresh process; none for ``local``): yields its address
-    and process id."""
+def peer_of(peer: str, kind: str, servers: Servers) -> Iterator[tuple[str, int, str]]:
+    """The server side of ``peer`` (none for ``local``; the forwarding server of ``servers``;
+    a fresh process for ``rpc``): yields its address, process id and status file."""
     env = _env(kind, False, peer.endswith("@base"))
     if peer == "local":
-        yield "", 0
+        yield "", 0, ""
         return
     if peer.startswith("forwarded"):
-        isolation = "shared" if peer.endswith("@base") else ISOLATION[0]  # a baseline has one
-        proc = _spawn(
-            ["--serve", kind, "--isolation", isolation], env, stdout=subprocess.PIPE, text=True
-        )
-        assert proc.stdout is not None
-        address = proc.stdout.readline().strip()
-    else:
-        port = _free_port()
-        proc = _spawn(["--rpc-server", str(port)], env)
-        address = f"127.0.0.1:{port}"
+        yield servers.get(peer.endswith("@base"))
+        return
+    port = _free_port()
+    proc = _spawn(["--rpc-server", str(port)], env)
     try:
-        if not address:
-            raise RuntimeError(f"the {peer} server did not start")
-        yield address, proc.pid
+        yield f"127.0.0.1:{port}", proc.pid, ""
     finally:
-        if peer.startswith("forwarded"):
-            proc.terminate()
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
@@ -438,27 +595,60 @@ def peer_of(peer: str, kind: str) -> Iterator[tuple[str, int]]:
             proc.wait()
 
 
-def run_peer(peer: str, model: str, kind: str, warmup: int, steps: int) -> dict[str, Any]:
-    """One peer's run of one model: its processes, its result (or the error it ended with)."""
+def run_peer(
+    peer: str, model: str, kind: str, warmup: int, steps: int, servers: Servers
+) -> dict[str, Any]:
+    """One peer's run of one model: its processes, its result (or the error it ended with).
+    The client's stderr (its phases) goes on to this process's as it comes."""
     try:
-        with peer_of(peer, kind) as (address, pid):
+        with peer_of(peer, kind, servers) as (address, pid, status):
             args = ["--worker", peer, "--model", model, "--kind", kind, "--server-pid", str(pid)]
             args += ["--warmup", str(warmup), "--steps", str(steps), "--address", address]
-            proc = _spawn(
-                args,
-                _env(kind, "gpuless" in peer, peer.endswith("@base")),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            out, err = proc.communicate(timeout=PROCESS_TIMEOUT_S)
+            env = _env(kind, "gpuless" in peer, peer.endswith("@base"))
+            if status:
+                env[STATUS_ENV] = status
+                if kind == "cpu" or (os.cpu_count() or 1) < SMALL_MACHINE_CPUS:
+                    env[SETTLE_ENV] = str(SETTLE_S)
+            with tempfile.TemporaryFile("w+") as out:
+                proc = _spawn(args, env, stdout=out, stderr=subprocess.PIPE, text=True)
+                tail = _relay(proc, f"  {peer}: ")
+                try:
+                    proc.wait(timeout=PROCESS_TIMEOUT_S)
+                finally:
+                    if proc.poll() is None:
+                        proc.kill()
+                        proc.wait()
+                    tail.join(10)
+                out.seek(0)
+                lines = out.read().strip().splitlines()
     except (subprocess.TimeoutExpired, RuntimeError, OSError) as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
-    lines = out.strip().splitlines()
     if proc.returncode != 0 or not lines:
-        tail = err.strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
-        return {"error": tail[0][:300]}
+        said = [line for line in getattr(tail, "lines", []) if line.strip()]
+        last = said[-1:] or [f"exit status {proc.returncode}"]
+        return {"error": last[0][:300]}
     return json.loads(lines[-1])
+
+
+def _relay(proc: subprocess.Popen, prefix: str) -> Any:
+    """A thread that copies ``proc``'s stderr to this process's, line by line, ``prefix``
+    first, keeping the lines it saw (``.lines``) for the error a failed run ends with."""
+    import threading
+
+    seen: list[str] = []
+
+    def copy() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            seen.append(line.rstrip("\n"))
+            del seen[:-50]
+            sys.stderr.write(prefix + line)
+            sys.stderr.flush()
+
+    thread = threading.Thread(target=copy, daemon=True)
+    thread.lines = seen  # type: ignore[attr-defined]
+    thread.start()
+    return thread
 
 
 # ---- rounds and figures ----------------------------------------------------------------------------
@@ -538,8 +728,6 @@ def main() -> None:
     parser.add_argument("--server-pid", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     ISOLATION[0] = args.isolation
-    if args.isolation == "process":
-        os.environ[SETTLE_ENV] = str(SETTLE_S)
     if args.serve:
         _serve(args.serve, args.isolation)
         return
@@ -585,23 +773,45 @@ def main() -> None:
         chosen = ["local", *(p for p in args.peers.split(",") if p in chosen and p != "local")]
     if not args.json:
         print(note, flush=True)
+    say(f"{note}; models {', '.join(models)}; peers {', '.join(chosen)}; {args.rounds} rounds"
+        f" of {args.warmup} + {args.steps} steps")  # fmt: skip
     results: dict[str, Any] = {"device": kind, "note": note, "models": {}}
-    for model in models:
-        rounds = []
-        for i in range(args.rounds):
-            k = i % len(chosen)
-            order = chosen[k:] + chosen[:k]  # a different peer goes first each round
-            r = {p: run_peer(p, model, kind, args.warmup, args.steps) for p in order}
-            rounds.append({p: r[p] for p in chosen})
-        results["models"][model] = {
-            "size": SIZES[kind][model],
-            "rounds": rounds,
-            "summary": summarize(rounds),
-        }
-        if not args.json:
-            print(table(model, results["models"][model]["summary"]), flush=True)
+    servers = Servers(kind, Path(tempfile.mkdtemp(prefix="forward-gpu-")))
+    try:
+        if kind == "gpu" and (os.cpu_count() or 1) >= SMALL_MACHINE_CPUS:
+            for base in (False, True):  # beside the first run, local's (see Servers.start)
+                if any(p.startswith("forwarded") and p.endswith("@base") == base for p in chosen):
+                    servers.start(base)
+        for model in models:
+            rounds = []
+            for i in range(args.rounds):
+                k = i % len(chosen)
+                order = chosen[k:] + chosen[:k]  # a different peer goes first each round
+                r = {}
+                for p in order:
+                    say(f"{model}, round {i + 1}/{args.rounds}: {p}")
+                    r[p] = run_peer(p, model, kind, args.warmup, args.steps, servers)
+                    say(f"{model}, round {i + 1}/{args.rounds}: {p}: {_outcome(r[p])}")
+                rounds.append({p: r[p] for p in chosen})
+            results["models"][model] = {
+                "size": SIZES[kind][model],
+                "rounds": rounds,
+                "summary": summarize(rounds),
+            }
+            if not args.json:
+                print(table(model, results["models"][model]["summary"]), flush=True)
+    finally:
+        servers.close()
+        shutil.rmtree(servers.folder, ignore_errors=True)
     if args.json:
         print(json.dumps(results))
+    say("done")
+
+
+def _outcome(res: dict[str, Any]) -> str:
+    if "error" in res:
+        return f"failed: {res['error']}"
+    return f"median {statistics.median(res['times_ms']):.2f} ms of {len(res['times_ms'])} steps"
 
 
 def table(model: str, summary: dict[str, dict[str, Any]]) -> str:

@@ -52,6 +52,19 @@ def test_quick_cpu_variant_times_the_forwarded_step_with_local_losses() -> None:
     assert len(round_["forwarded"]["times_ms"]) == 5
     assert round_["forwarded"]["runtime"] == str(REPO)
     assert summary["forwarded"]["server_cpu_ms"] > 0 and summary["forwarded"]["client_cpu_ms"] > 0
+    # Its phases on stderr as they go, the clients' too (gpu_check's log: a run stopped from
+    # outside shows where it was; stdout, the JSON, has nothing before the end).
+    said = [line.split("s: ", 1)[-1] for line in out.stderr.splitlines() if "forward_gpu" in line]
+    for phase in (
+        "starting the forwarding server (process isolation)",
+        "mlp, round 1/1: local",
+        "mlp, round 1/1: forwarded",
+        "connected: session 1, worker ",
+        "model and batch on the device",
+        "5 timed steps done",
+        "the forwarding servers stopped",
+    ):
+        assert any(line.startswith(phase) for line in said), (phase, out.stderr[-2000:])
 
 
 def test_figures_are_medians_and_ratios_to_local_of_the_same_round() -> None:
