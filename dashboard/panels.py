@@ -16,6 +16,7 @@ from gpu_trace import _format as fmt
 from gpu_trace.dashboard import charts
 from gpu_trace.dashboard.gpu_work import DeviceKernels, SpanRef, StepBusy
 from gpu_trace.dashboard.reports import NO_TENANT
+from gpu_trace.tracer.summary import RunSummary
 
 TENANTS_NOTE = (
     "Per tenant, from the sharing runtime's counters and the server's spans in this run: memory "
@@ -209,15 +210,37 @@ def details(
 
 
 def summary(data: dict[str, Any]) -> html.Div:
+    """The Summary tab: what `gpu-trace show` prints (one RunSummary), with charts."""
+    run: RunSummary = data["run"]
     top = data["top"]
+    parts: list[Any] = []
+    if run.steps:
+        rows = [
+            [s.kind, fmt.count(s.count), fmt.duration(s.p50_ns), fmt.duration(s.p90_ns),
+             fmt.duration(s.mean_ns), fmt.duration(s.max_ns)]
+            for s in run.steps
+        ]  # fmt: skip
+        parts += [
+            html.H4("Step times"),
+            html.Div(table(["step", "count", "p50", "p90", "mean", "max"], rows),
+                     id="summary-step-stats"),
+        ]  # fmt: skip
+    lanes = [[lane.lane, fmt.count(lane.spans), fmt.duration(lane.busy_ns),
+              f"{100 * lane.share:.1f}%"] for lane in run.lanes]  # fmt: skip
     rows_total = [
         [r["name"], r["lane"], fmt.count(r["count"]), fmt.duration(r["total_ns"]),
-         fmt.duration(r["self_ns"]), fmt.duration(r["mean_ns"]), fmt.duration(r["max_ns"])]
+         fmt.duration(r["self_ns"]), fmt.duration(r["median_ns"]), fmt.duration(r["max_ns"]),
+         f"{100 * r['share']:.1f}%"]
         for r in top["by_total"]
     ]  # fmt: skip
-    head = ["name", "lane", "count", "total", "self", "mean", "max"]
+    head = ["name", "lane", "count", "total", "self", "median", "max", "of run"]
     mods = data["modules"]
-    parts: list[Any] = [
+    parts += [
+        html.H4("Lanes"),
+        html.P(
+            "busy: time covered by the lane's spans, nested ones counted once", className="hint"
+        ),
+        html.Div(table(["lane", "spans", "busy", "of run"], lanes), id="summary-lanes"),
         html.H4("Top ranges by total time"),
         table(head, rows_total),
         dcc.Graph(figure=charts.top_self(top["by_self"]), id="summary-self"),

@@ -41,6 +41,7 @@ from gpu_trace.tracer.store import (
     parse_dsn,
     runs_changed_mark,
 )
+from gpu_trace.tracer.summary import RunSummary, run_summary, step_times
 
 log = logging.getLogger(__name__)
 
@@ -215,9 +216,13 @@ class ReadOnlyStore:
         """A run id from an id, a unique prefix or ``last``."""
         return self._read(lambda s: s.resolve_run(ref))
 
-    def summary(self, run_id: str, top: int = 20) -> dict[str, Any]:
-        """The per-lane summary of a run."""
-        return self._read(lambda s: s.summary(run_id, top=top))
+    def summary(self, run_id: str, top: int = 20) -> RunSummary:
+        """The run's summary (:func:`~gpu_trace.tracer.summary.run_summary`): what `show` prints."""
+        return self._read(lambda s: run_summary(s, run_id, top))
+
+    def steps(self, run_id: str) -> list[dict[str, Any]]:
+        """Each step of a run in order (:func:`~gpu_trace.tracer.summary.step_times`)."""
+        return self._read(lambda s: step_times(s, run_id))
 
     def forwarding(self, run_id: str, top: int = 20) -> dict[str, Any]:
         """Where forwarded ops' time went, per op name."""

@@ -11,10 +11,12 @@ Tenants: the sharing runtime's counters in a client's run (``source = 'runtime'`
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 from gpu_trace.dashboard import gpu_work
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore
+from gpu_trace.tracer.summary import RunSummary
 
 #: Runtime counters (``source = 'runtime'``) the Tenants tab reads, with what they are
 #: (docs/sharing.md, "In the client's run"). Per session (labels ``session``, ``tenant``) but for
@@ -51,17 +53,13 @@ _SESSION_SPANS = ("server/receive", "server/queue", "server/execute", "server/re
 #: Where a run stored before server spans carried their session and tenant shows those spans.
 NO_TENANT = "no tenant recorded"
 
-def top_ranges(summary: dict[str, Any], top: int = 25) -> dict[str, list[dict[str, Any]]]:
-    """Store.summary's per-lane rows as two flat lists, by total and by self time."""
-    rows: dict[tuple, dict[str, Any]] = {}
-    for lane in summary.get("lanes", []):
-        for r in lane["by_total"] + lane["by_self"]:
-            rows[(lane["lane"], r["name"])] = {"lane": lane["lane"], **r}
-    flat = list(rows.values())
-    return {
-        "by_total": sorted(flat, key=lambda r: (-r["total_ns"], r["name"]))[:top],
-        "by_self": sorted(flat, key=lambda r: (-r["self_ns"], r["name"]))[:top],
-    }
+def top_ranges(summary: RunSummary, top: int = 25) -> dict[str, list[dict[str, Any]]]:
+    """The summary's top range names over every lane, by total and by self time, as rows."""
+
+    def rows(by: str) -> list[dict[str, Any]]:
+        return [{**asdict(r), "mean_ns": r.mean_ns} for r in summary.top(by, top)]
+
+    return {"by_total": rows("total"), "by_self": rows("self")}
 
 
 def module_tree(source: ReadOnlyStore, run_id: str, limit: int = 300_000) -> dict[str, Any]:
@@ -119,18 +117,7 @@ def module_tree(source: ReadOnlyStore, run_id: str, limit: int = 300_000) -> dic
 
 def step_times(source: ReadOnlyStore, run_id: str) -> list[dict[str, Any]]:
     """Steps of a run in order: ``name, pid, index, start_ns, dur_ns`` (index per process)."""
-    rows = source.rows(
-        """
-        SELECT name, pid, start_ns, end_ns - start_ns AS dur_ns FROM __db__.spans
-        WHERE run_id = {run:String} AND category = 'step' ORDER BY pid, start_ns LIMIT 100000
-        """,
-        {"run": run_id},
-    )
-    seen: dict[int, int] = {}
-    for r in rows:
-        r["index"] = seen.get(r["pid"], 0)
-        seen[r["pid"]] = r["index"] + 1
-    return rows
+    return source.steps(run_id)
 
 
 def summary(source: ReadOnlyStore, run_id: str, top: int = 25) -> dict[str, Any]:
@@ -145,19 +132,14 @@ def summary(source: ReadOnlyStore, run_id: str, top: int = 25) -> dict[str, Any]
             op["gpu_ns"] = gpu.get(op["name"], 0) if gpu else None
         fwd["totals"]["gpu_ns"] = sum(gpu.values()) if gpu else None
     return {
+        "run": base,
         "top": top_ranges(base, top),
-        "counters": base["counters"],
         "modules": module_tree(source, run_id),
         "forwarding": fwd,
         "steps": step_times(source, run_id),
         "kernels": gpu_work.top_kernels(source, run_id, top),
         "gpu_steps": gpu_work.busy_per_step(source, run_id),
     }
-    gpu = gpu_work.op_gpu_time(source, run_id)
-    for op in fwd["ops"]:
-        op["gpu_ns"] = gpu.get(op["name"], 0) if gpu else None
-    fwd["totals"]["gpu_ns"] = sum(gpu.values()) if gpu else None
-    return fwd
 
 
 # ---- tenants -------------------------------------------------------------------------------------
@@ -437,16 +419,13 @@ def _tenant_summary(
 # ---- compare -------------------------------------------------------------------------------------
 
 
-def _step_stats(steps: list[dict[str, Any]]) -> dict[str, Any]:
-    durs = sorted(int(s["dur_ns"]) for s in steps)
-    if not durs:
+def _step_stats(summary: RunSummary) -> dict[str, Any]:
+    """The distribution of the run's most frequent kind of step (the summary's numbers)."""
+    main = max(summary.steps, key=lambda k: k.count, default=None)
+    if main is None:
         return {"count": 0, "mean_ns": 0, "median_ns": 0, "p90_ns": 0}
-    return {
-        "count": len(durs),
-        "mean_ns": sum(durs) // len(durs),
-        "median_ns": durs[len(durs) // 2],
-        "p90_ns": durs[min(len(durs) - 1, (len(durs) * 9) // 10)],
-    }
+    return {"count": main.count, "mean_ns": main.mean_ns, "median_ns": main.p50_ns,
+            "p90_ns": main.p90_ns}  # fmt: skip
 
 
 def compare(source: ReadOnlyStore, a: str, b: str, top: int = 15) -> dict[str, Any]:
@@ -459,13 +438,13 @@ def compare(source: ReadOnlyStore, a: str, b: str, top: int = 15) -> dict[str, A
     totals: dict[str, dict[str, int]] = {}
     fwd: dict[str, dict[str, int]] = {}
     for key, run_id in (("a", a), ("b", b)):
-        steps = step_times(source, run_id)
-        out["steps"][key] = _step_stats(steps)
-        out["step_series"][key] = steps
+        summary = source.summary(run_id, top=top)
+        out["steps"][key] = _step_stats(summary)
+        out["step_series"][key] = step_times(source, run_id)
         per_name: dict[str, int] = {}
-        for lane in source.summary(run_id, top=top)["lanes"]:
-            for r in lane["by_total"]:
-                per_name[r["name"]] = per_name.get(r["name"], 0) + int(r["total_ns"])
+        for lane in summary.lanes:
+            for r in lane.ranges:
+                per_name[r.name] = per_name.get(r.name, 0) + r.total_ns
         totals[key] = per_name
         fwd[key] = source.forwarding(run_id, top=1)["totals"]
     names = sorted(

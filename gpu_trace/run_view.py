@@ -18,13 +18,15 @@ import contextlib
 import html
 import logging
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
 from gpu_trace import _format as fmt
 from gpu_trace import config
+from gpu_trace._summary_text import SAMPLER_NOTE
+from gpu_trace.tracer.summary import RangeStats, RunSummary
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -130,20 +132,27 @@ class RunRow:
 
 @dataclass
 class Summary:
-    """A run's summary as DataFrames: the numbers `gpu-trace show` prints (``text``).
+    """A run's summary as DataFrames: the numbers `gpu-trace show` prints (``text``), from one
+    :class:`~gpu_trace.tracer.summary.RunSummary` (``data``; docs/cli.md, "show", defines them).
 
-    ``lanes``: spans and total and self time per lane; ``by_total``/``by_self``: per lane, the top
-    range names by total and by self time (a span's duration minus its direct children's on its
-    thread); ``steps``: each training step's duration; ``counters``: samples, min, mean, max per
-    metric; ``forwarded``: per forwarded op, client, wire, queue and execute time.
+    ``step_stats``: per step kind, count, p50, p90, mean and max step time; ``steps``: each step;
+    ``lanes``: spans, busy time (the union of the lane's spans: nested time counted once) and its
+    share of the run; ``by_total``/``by_self``: per lane, the top range names by total and by self
+    time (a span's duration minus the time its children on its thread cover) with count, median,
+    max and share of the run; ``counters``: samples, min, mean, max per metric; ``sampler``: the
+    samplers' own metrics (``call_us.<family>``) the same way; ``forwarded``: per forwarded op,
+    client, wire, queue and execute time.
     """
 
     run: RunRow
+    data: RunSummary
+    step_stats: pd.DataFrame
+    steps: pd.DataFrame
     lanes: pd.DataFrame
     by_total: pd.DataFrame
     by_self: pd.DataFrame
-    steps: pd.DataFrame
     counters: pd.DataFrame
+    sampler: pd.DataFrame
     forwarded: pd.DataFrame
     text: str = field(repr=False, default="")
 
@@ -154,23 +163,28 @@ class Summary:
         return text
 
     def _repr_html_(self) -> str:
-        parts = [f"<h4>run {html.escape(self.run.run_id)}: top ranges per lane</h4>"]
+        parts = [f"<h4>run {html.escape(self.run.run_id)}</h4>"]
+        if len(self.step_stats):
+            parts.append(
+                "<p><b>step times</b></p>" + _durations(self.step_stats).to_html(index=False)
+            )
         for lane in self.lanes.itertuples(index=False):
             top = self.by_total[self.by_total["lane"] == lane.lane]
-            shown = _durations(top[["name", "count", "total_ns", "self_ns", "mean_ns", "max_ns"]])
+            shown = _durations(
+                top[["name", "count", "total_ns", "self_ns", "median_ns", "max_ns", "share"]]
+            )
             parts.append(
                 f"<p><b>{html.escape(str(lane.lane))}</b> ({fmt.count(int(lane.spans))} spans, "
-                f"{fmt.duration(int(lane.total_ns))} total)</p>"
+                f"{fmt.duration(int(lane.busy_ns))} busy, {100 * float(lane.share):.1f}% of the "
+                "run)</p>"
             )
             parts.append(shown.to_html(index=False))
-        if len(self.steps):
-            durations = self.steps["dur_ns"]
-            parts.append(
-                f"<p><b>steps</b>: {len(self.steps)}, mean {fmt.duration(int(durations.mean()))}, "
-                f"max {fmt.duration(int(durations.max()))}</p>"
-            )
         if len(self.counters):
             parts.append("<p><b>counters</b></p>" + self.counters.to_html(index=False))
+        if len(self.sampler):
+            parts.append(
+                f"<p><b>{html.escape(SAMPLER_NOTE)}</b></p>" + self.sampler.to_html(index=False)
+            )
         if len(self.forwarded):
             parts.append(
                 "<p><b>forwarded ops</b></p>" + _durations(self.forwarded).to_html(index=False)
@@ -236,46 +250,51 @@ class Run:
     # ---- tables ---------------------------------------------------------------------------------
 
     def summary(self, top: int = 20) -> Summary:
-        """Top ranges by total and self time per lane, steps, counters, forwarded ops."""
-        from gpu_trace.commands.runs import render_summary
-        from gpu_trace.dashboard import reports
-        from gpu_trace.dashboard.readonly_store import ReadOnlyStore
+        """Step-time distributions, lanes, top ranges by total and self time per lane, counters,
+        the samplers' own metrics, forwarded ops."""
+        from gpu_trace._summary_text import render_summary
+        from gpu_trace.tracer.summary import run_summary, step_times
 
         if isinstance(top, bool) or not isinstance(top, int) or top < 1:
             raise ValueError(f"top must be a positive int, got {top!r}")
         row = self.row
         with _opened(self.dsn) as store:
             run = store.run(self.id)
-            summary = store.summary(self.id, top=top)
+            data = run_summary(store, self.id, top=top)
             forwarding = store.forwarding(self.id, top=top)
-            steps = reports.step_times(ReadOnlyStore(store=store), self.id)
-        ranked = ["lane", "name", "category", "count", "total_ns", "self_ns", "mean_ns", "max_ns"]
-        by_total, by_self, lanes = [], [], []
-        for lane in summary["lanes"]:
-            lanes.append({"lane": lane["lane"], "spans": lane["count"],
-                          "total_ns": lane["total_ns"], "self_ns": lane["self_ns"]})  # fmt: skip
-            by_total += [{"lane": lane["lane"], **r} for r in lane["by_total"]]
-            by_self += [{"lane": lane["lane"], **r} for r in lane["by_self"]]
+            steps = step_times(store, self.id)
+        ranked = ["lane", "name", "category", "count", "total_ns", "self_ns", "median_ns",
+                  "mean_ns", "max_ns", "share"]  # fmt: skip
+
+        def ranges(rows: list[RangeStats]) -> list[dict[str, object]]:
+            return [{**asdict(r), "mean_ns": r.mean_ns} for r in rows]
+
+        lanes = [{"lane": lane.lane, "spans": lane.spans, "busy_ns": lane.busy_ns,
+                  "share": lane.share} for lane in data.lanes]  # fmt: skip
         for s in steps:
             s["start_ms"] = (int(s["start_ns"]) - row.started_ns) / 1e6
             s["dur_ms"] = int(s["dur_ns"]) / 1e6
+        counter_columns = ["host", "source", "device", "metric", "count", "min", "mean", "max"]
         return Summary(
             run=row,
-            lanes=_frame(lanes, ["lane", "spans", "total_ns", "self_ns"]),
-            by_total=_frame(by_total, ranked),
-            by_self=_frame(by_self, ranked),
+            data=data,
+            step_stats=_frame(
+                [asdict(s) for s in data.steps],
+                ["kind", "count", "p50_ns", "p90_ns", "mean_ns", "max_ns"],
+            ),
             steps=_frame(
                 steps, ["name", "pid", "index", "start_ns", "dur_ns", "start_ms", "dur_ms"]
             ),
-            counters=_frame(
-                summary["counters"],
-                ["host", "source", "device", "metric", "count", "min", "mean", "max"],
-            ),
+            lanes=_frame(lanes, ["lane", "spans", "busy_ns", "share"]),
+            by_total=_frame([r for lane in data.lanes for r in ranges(lane.ranges)], ranked),
+            by_self=_frame([r for lane in data.lanes for r in ranges(lane.by_self)], ranked),
+            counters=_frame([asdict(c) for c in data.counters], counter_columns),
+            sampler=_frame([asdict(c) for c in data.sampler], counter_columns),
             forwarded=_frame(
                 forwarding["ops"],
                 ["name", "count", "client_ns", "wire_ns", "queue_ns", "execute_ns"],
             ),
-            text=render_summary(run, summary),
+            text=render_summary(run, data),
         )
 
     def spans(

@@ -111,9 +111,9 @@ def check_stored(store: Any, ref: str = "last") -> list[dict]:
     run_id = store.resolve_run(ref)
     rows = stored_spans(store, run_id)
     found = problems(rows)
-    for lane in store.summary(run_id, top=1000)["lanes"]:
-        for r in lane["by_total"]:
-            if r["self_ns"] < 0:
-                found.append(f"show: {lane['lane']} {r['name']!r} self time {r['self_ns']} ns")
+    for lane in store.summary(run_id, top=1000).lanes:
+        for r in lane.ranges:
+            if r.self_ns < 0:
+                found.append(f"show: {lane.lane} {r.name!r} self time {r.self_ns} ns")
     assert not found, f"{len(found)} spans do not nest in run {run_id}:\n" + "\n".join(found[:20])
     return rows

@@ -1,4 +1,4 @@
-"""The store's read side: runs, counts, the per-lane summary and streaming iterators.
+"""The store's read side: runs, counts, the summary (``summary.py``) and streaming iterators.
 
 :class:`RunQueries` is mixed into :class:`gpu_trace.tracer.store.Store`; it needs only the store's
 public ``query`` and ``query_arrow``. Every query is a template with ``{name:Type}`` parameters
@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
+
+from gpu_trace.tracer.summary import RunSummary, event_count, run_summary
 
 if TYPE_CHECKING:
     from clickhouse_connect.driver.query import QueryResult
@@ -25,42 +27,6 @@ _RUN_COLUMNS = (
 
 SPAN_COLUMNS = "trace_id, span_id, parent_span_id, host, pid, tid, lane, category, name, start_ns, end_ns, depth, attrs"
 COUNTER_COLUMNS = "host, source, device, metric, ts_ns, value, labels"
-
-# Self time: a span's duration minus the durations of its direct children on the same thread
-# (children found by parent_span_id). Work a span started elsewhere (another thread, the server
-# side of a forwarded call) runs concurrently and does not count against it. Marks are instants
-# and left out. One scan groups by (lane, name); window functions pick the top rows per lane by
-# total and by self time.
-_SUMMARY = """
-WITH children AS (
-    SELECT parent_span_id AS sid, host, pid, tid, sum(end_ns - start_ns) AS child_ns
-    FROM __db__.spans
-    WHERE run_id = {run_id:String} AND parent_span_id != 0
-    GROUP BY sid, host, pid, tid
-),
-per_name AS (
-    SELECT s.lane AS lane, s.name AS name, any(s.category) AS category, count() AS count,
-           sum(s.end_ns - s.start_ns) AS total_ns,
-           sum(s.end_ns - s.start_ns - c.child_ns) AS self_ns,
-           max(s.end_ns - s.start_ns) AS max_ns
-    FROM __db__.spans AS s
-    LEFT JOIN children AS c ON c.sid = s.span_id AND c.host = s.host AND c.pid = s.pid AND c.tid = s.tid
-    WHERE s.run_id = {run_id:String} AND s.category != 'mark'
-    GROUP BY lane, name
-)
-SELECT * FROM (
-    SELECT lane, name, category, count, total_ns, self_ns, max_ns,
-           row_number() OVER (PARTITION BY lane ORDER BY total_ns DESC, name) AS rank_total,
-           row_number() OVER (PARTITION BY lane ORDER BY self_ns DESC, name) AS rank_self,
-           sum(count) OVER (PARTITION BY lane) AS lane_count,
-           sum(total_ns) OVER (PARTITION BY lane) AS lane_total_ns,
-           sum(self_ns) OVER (PARTITION BY lane) AS lane_self_ns
-    FROM per_name
-)
-WHERE rank_total <= {top:UInt32} OR rank_self <= {top:UInt32}
-ORDER BY lane, rank_total
-"""
-
 
 # Forwarded ops (runtime/): per op name, where the time went. Each client op span (lane
 # forward/op) is a child of its batch span (lane forward/batch, or forward/batch/N for a batch sent
@@ -121,7 +87,8 @@ class RunQueries:
     # ---- runs -------------------------------------------------------------------------------------
 
     def runs(self, limit: int = 50, search: str | None = None) -> list[dict[str, Any]]:
-        """Runs newest first (by wall-clock start), each with ``spans``, ``counters`` and ``duration_ns``.
+        """Runs newest first (by wall-clock start), each with ``spans``, ``counters``, ``events``
+        (:func:`~gpu_trace.tracer.summary.event_count`) and ``duration_ns``.
 
         ``search`` keeps runs whose id, command, status or a host contains it (case-insensitive).
         """
@@ -305,57 +272,10 @@ class RunQueries:
 
     # ---- summary ----------------------------------------------------------------------------------
 
-    def summary(self, run_id: str, top: int = 20) -> dict[str, Any]:
-        """Per lane, the top ``top`` range names by total and by self time.
-
-        Returns ``{"run_id", "lanes": [...], "counters": [...]}``. A lane is ``{"lane", "count",
-        "total_ns", "self_ns", "by_total", "by_self", "ranges"}`` (``ranges`` is ``by_total``);
-        each of their rows has ``name, category, count, total_ns, self_ns, mean_ns, max_ns``. Self
-        time is a span's duration minus its direct children's on the same thread (marks are left
-        out). ``counters`` has one row per host/source/device/metric: ``count, min, mean, max``.
-        """
-        rows = self.dicts(_SUMMARY, {"run_id": run_id, "top": max(1, int(top))})
-        lanes: dict[str, dict[str, Any]] = {}
-        for r in rows:
-            lane = lanes.setdefault(
-                r["lane"],
-                {
-                    "lane": r["lane"],
-                    "count": int(r["lane_count"]),
-                    "total_ns": int(r["lane_total_ns"]),
-                    "self_ns": int(r["lane_self_ns"]),
-                    "by_total": [],
-                    "by_self": [],
-                },
-            )
-            entry = {
-                "name": r["name"],
-                "category": r["category"],
-                "count": int(r["count"]),
-                "total_ns": int(r["total_ns"]),
-                "self_ns": int(r["self_ns"]),
-                "mean_ns": int(r["total_ns"]) // max(1, int(r["count"])),
-                "max_ns": int(r["max_ns"]),
-            }
-            if r["rank_total"] <= top:
-                lane["by_total"].append((r["rank_total"], entry))
-            if r["rank_self"] <= top:
-                lane["by_self"].append((r["rank_self"], entry))
-        for lane in lanes.values():
-            lane["by_total"] = [e for _, e in sorted(lane["by_total"], key=lambda x: x[0])]
-            lane["by_self"] = [e for _, e in sorted(lane["by_self"], key=lambda x: x[0])]
-            lane["ranges"] = lane["by_total"]
-        ordered = sorted(lanes.values(), key=lambda v: v["lane"])
-        counters = self.dicts(
-            """
-            SELECT host, source, device, metric, count() AS count, min(value) AS min,
-                   avg(value) AS mean, max(value) AS max
-            FROM __db__.counters WHERE run_id = {run_id:String}
-            GROUP BY host, source, device, metric ORDER BY source, device, metric, host
-            """,
-            {"run_id": run_id},
-        )
-        return {"run_id": run_id, "lanes": ordered, "counters": counters}
+    def summary(self, run_id: str, top: int = 20) -> RunSummary:
+        """The run's summary (:func:`gpu_trace.tracer.summary.run_summary`): lanes with their busy
+        time and top range names, step-time distributions, counters, the samplers' own metrics."""
+        return run_summary(self, run_id, top)
 
     # ---- streaming --------------------------------------------------------------------------------
 
@@ -453,4 +373,5 @@ def _run_dict(row: dict[str, Any], counts: dict[str, int]) -> dict[str, Any]:
     out["attrs"] = dict(row.get("attrs") or {})
     out["duration_ns"] = row["ended_ns"] - row["started_ns"] if row["ended_ns"] else None
     out.update(counts)
+    out["events"] = event_count(counts)
     return out

@@ -74,6 +74,7 @@ def finish_run(
     from gpu_trace.tracer.ingest import ingest as ingest_run
     from gpu_trace.tracer.retention import release_spool
     from gpu_trace.tracer.run import RunInfo, read_stats
+    from gpu_trace.tracer.summary import event_count
 
     info = RunInfo.load(run_dir)
     stats = read_stats(run_dir)
@@ -89,6 +90,7 @@ def finish_run(
     try:
         with store_mod.Store(dsn) as store:
             report = ingest_run(store, run_dir)
+            stored = event_count(store.counts(report.run_id))
             try:
                 spool = release_line(release_spool(store, run_dir, keep=keep_spool))
             except store_mod.StoreError as exc:
@@ -101,7 +103,7 @@ def finish_run(
     for problem in report.problems:
         err(problem)
     err(
-        f"run {info.run_id}: {fmt.count(report.rows_total)} events, {fmt.count(dropped)} dropped, stored in {dsn}{disk}{spool}"
+        f"run {info.run_id}: {fmt.count(stored)} events, {fmt.count(dropped)} dropped, stored in {dsn}{disk}{spool}"
     )
     return True
 

@@ -10,6 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 from gpu_trace import _format as fmt
 from gpu_trace import config
+from gpu_trace._summary_text import clip as _clip
+from gpu_trace._summary_text import render_summary
+from gpu_trace._summary_text import wall_ns as _wall_ns
 from gpu_trace.commands import CLIError, echo, err, telemetry
 
 if TYPE_CHECKING:
@@ -127,7 +130,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 r["run_id"],
                 fmt.wall_time(_wall_ns(r)),
                 fmt.duration(max(0, r["ended_ns"] - r["started_ns"])) if r.get("ended_ns") else "-",
-                fmt.count(int(r.get("spans", 0)) + int(r.get("counters", 0))),
+                fmt.count(int(r["events"])),
                 r.get("status", ""),
                 ",".join(r.get("hosts") or []),
                 describe_recording(r.get("attrs") or {}, compact=True),
@@ -155,7 +158,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         forwarding = store.forwarding(run_id, top=args.top)
         gpu = gpu_summary(store, run_id, top=args.top)
     if args.json:
-        out = {"run": run, "summary": summary, "forwarding": forwarding, "gpu": gpu}
+        out = {"run": run, "summary": summary.as_dict(), "forwarding": forwarding, "gpu": gpu}
         echo(json.dumps(out, default=str, indent=2))
         return 0
     echo(render_summary(run, summary))
@@ -259,78 +262,6 @@ def cmd_sql(args: argparse.Namespace) -> int:
         return 0
     echo(fmt.table(list(columns), [[_cell(v) for v in row] for row in rows]))
     return 0
-
-
-def _wall_ns(run: dict) -> int | None:
-    attrs = run.get("attrs") or {}
-    try:
-        return int(run["started_ns"]) - int(attrs["anchor_mono_ns"]) + int(attrs["anchor_wall_ns"])
-    except (KeyError, ValueError, TypeError):
-        return None
-
-
-def render_summary(run: dict, summary: dict) -> str:
-    from gpu_trace.tracer.run import describe_recording
-
-    lines = []
-    dur = (run.get("ended_ns") or 0) - (run.get("started_ns") or 0)
-    lines.append(
-        f"run {run['run_id']}  {run.get('status', '')}  {fmt.wall_time(_wall_ns(run))}  {fmt.duration(dur) if dur > 0 else ''}"
-    )
-    reason = (run.get("attrs") or {}).get("reason")
-    if reason and run.get("status") != "finished":
-        lines.append(f"status: {run.get('status', '')}: {reason}")
-    lines.append(f"command: {run.get('command', '')}")
-    lines.append(f"trace id: {run.get('trace_id', '')}  hosts: {','.join(run.get('hosts') or [])}")
-    lines.append(f"recording: {describe_recording(run.get('attrs') or {})}")
-    for lane in summary.get("lanes", []):
-        lines.append("")
-        lines.append(
-            f"{lane['lane']}  ({fmt.count(lane['count'])} spans, {fmt.duration(lane['total_ns'])} total)"
-        )
-        rows = [
-            [
-                _clip(r["name"], 48),
-                fmt.count(r["count"]),
-                fmt.duration(r["total_ns"]),
-                fmt.duration(r["self_ns"]),
-                fmt.duration(r["mean_ns"]),
-                fmt.duration(r["max_ns"]),
-            ]
-            for r in lane["ranges"]
-        ]
-        lines.append(
-            fmt.table(
-                ["NAME", "COUNT", "TOTAL", "SELF", "MEAN", "MAX"], rows, right={1, 2, 3, 4, 5}
-            )
-        )
-    counters = summary.get("counters") or []
-    if counters:
-        lines.append("")
-        rows = [
-            [
-                c["source"],
-                c["device"] or "-",
-                c["metric"],
-                fmt.count(c["count"]),
-                f"{c['min']:.4g}",
-                f"{c['mean']:.4g}",
-                f"{c['max']:.4g}",
-            ]
-            for c in counters
-        ]
-        lines.append(
-            fmt.table(
-                ["SOURCE", "DEVICE", "METRIC", "SAMPLES", "MIN", "MEAN", "MAX"],
-                rows,
-                right={3, 4, 5, 6},
-            )
-        )
-    return "\n".join(lines)
-
-
-def _clip(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def _cell(value: Any) -> str:

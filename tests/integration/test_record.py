@@ -91,7 +91,9 @@ def test_record_python_program_end_to_end(tmp_path: Path) -> None:
     run = shown["run"]
     assert run["status"] == "failed" and run["attrs"]["exit_code"] == "3"
     names = {r["name"] for lane in shown["summary"]["lanes"] for r in lane["ranges"]}
-    assert {"outer", "inner", "ProfilerStep#0", "ProfilerStep#2"} <= names
+    assert {"outer", "inner", "ProfilerStep"} <= names, "steps are listed by kind"
+    assert [(s["kind"], s["count"]) for s in shown["summary"]["steps"]] == [("ProfilerStep", 3)]
+    assert shown["summary"]["events"] == run["spans"] + run["counters"]
     rows = sql_json(
         "SELECT name, depth, parent_span_id != 0 AS has_parent FROM gpu_trace.spans WHERE run_id = {r:String} AND name = 'inner'",
         r=run["run_id"],

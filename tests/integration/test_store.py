@@ -230,26 +230,21 @@ def test_summary_self_time_on_a_nested_trace(store: Store, tmp_path: Path) -> No
     hand_made_run(tmp_path / "nested", spans_table(rows))
     ingest(store, tmp_path / "nested")
     summary = store.summary("nested", top=10)
-    lanes = {lane["lane"]: lane for lane in summary["lanes"]}
+    lanes = {lane.lane: lane for lane in summary.lanes}
     assert set(lanes) == {"cpu", "worker"}
-    cpu = {r["name"]: r for r in lanes["cpu"]["by_total"]}
+    cpu = {r.name: r for r in lanes["cpu"].ranges}
     assert "m" not in cpu
-    assert cpu["A"] == {
-        "name": "A",
-        "category": "nvtx",
-        "count": 2,
-        "total_ns": 120,
-        "self_ns": 30 + 20,
-        "mean_ns": 60,
-        "max_ns": 100,
-    }
-    assert (cpu["B"]["self_ns"], cpu["C"]["self_ns"], cpu["D"]["self_ns"]) == (30, 30, 10)
-    assert [r["name"] for r in lanes["cpu"]["by_total"]] == ["A", "C", "B", "D"]
-    assert [r["name"] for r in lanes["cpu"]["by_self"]][:1] == ["A"]
-    assert lanes["cpu"]["count"] == 5 and lanes["worker"]["by_self"][0]["self_ns"] == 60
+    a = cpu["A"]
+    assert (a.category, a.count, a.total_ns, a.self_ns, a.mean_ns, a.max_ns) == (
+        "nvtx", 2, 120, 30 + 20, 60, 100,
+    )  # fmt: skip
+    assert (cpu["B"].self_ns, cpu["C"].self_ns, cpu["D"].self_ns) == (30, 30, 10)
+    assert [r.name for r in lanes["cpu"].ranges] == ["A", "C", "B", "D"]
+    assert [r.name for r in lanes["cpu"].by_self][:1] == ["A"]
+    assert lanes["cpu"].spans == 5 and lanes["worker"].by_self[0].self_ns == 60
     top1 = store.summary("nested", top=1)
-    cpu1 = next(lane for lane in top1["lanes"] if lane["lane"] == "cpu")
-    assert [r["name"] for r in cpu1["by_total"]] == ["A"]
+    cpu1 = next(lane for lane in top1.lanes if lane.lane == "cpu")
+    assert [r.name for r in cpu1.ranges] == ["A"]
 
 
 def test_iter_spans_pages_by_start_without_splitting_ties(store: Store, tmp_path: Path) -> None:

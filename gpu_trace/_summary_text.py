@@ -1,0 +1,104 @@
+"""A run's summary as text: what `gpu-trace show` prints and ``Run.summary()`` shows.
+
+It formats a :class:`~gpu_trace.tracer.summary.RunSummary` (every number is computed there) and
+the run's row; the CLI and the notebook API both call :func:`render_summary`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpu_trace import _format as fmt
+from gpu_trace.tracer.summary import CounterStats, RunSummary
+
+#: What the samplers' own metrics are, said above their table.
+SAMPLER_NOTE = "the samplers' own metrics (call_us.<family>: mean µs of an NVML call, per second)"
+
+
+def wall_ns(run: dict[str, Any]) -> int | None:
+    """The run's start as wall-clock ns (from the anchors its recorder stored), None if unknown."""
+    attrs = run.get("attrs") or {}
+    try:
+        return int(run["started_ns"]) - int(attrs["anchor_mono_ns"]) + int(attrs["anchor_wall_ns"])
+    except (KeyError, ValueError, TypeError):
+        return None
+
+
+def clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _share(value: float) -> str:
+    return f"{100 * value:.1f}%"
+
+
+def render_summary(run: dict[str, Any], summary: RunSummary) -> str:
+    """The run's header, step-time distribution per step kind, lanes with their busy time, the top
+    range names per lane, counters, and the samplers' own metrics."""
+    from gpu_trace.tracer.run import describe_recording
+
+    lines = []
+    dur = (run.get("ended_ns") or 0) - (run.get("started_ns") or 0)
+    lines.append(
+        f"run {run['run_id']}  {run.get('status', '')}  {fmt.wall_time(wall_ns(run))}  "
+        f"{fmt.duration(dur) if dur > 0 else ''}".rstrip()
+    )
+    reason = (run.get("attrs") or {}).get("reason")
+    if reason and run.get("status") != "finished":
+        lines.append(f"status: {run.get('status', '')}: {reason}")
+    lines.append(f"command: {run.get('command', '')}")
+    lines.append(f"trace id: {run.get('trace_id', '')}  hosts: {','.join(run.get('hosts') or [])}")
+    lines.append(f"recording: {describe_recording(run.get('attrs') or {})}")
+    lines.append(
+        f"events: {fmt.count(summary.events)} ({fmt.count(int(run.get('spans') or 0))} spans, "
+        f"{fmt.count(int(run.get('counters') or 0))} counter samples)"
+    )
+    if summary.steps:
+        lines += ["", "step times"]
+        rows = [
+            [clip(s.kind, 40), fmt.count(s.count), fmt.duration(s.p50_ns),
+             fmt.duration(s.p90_ns), fmt.duration(s.mean_ns), fmt.duration(s.max_ns)]
+            for s in summary.steps
+        ]  # fmt: skip
+        lines.append(
+            fmt.table(["STEP", "COUNT", "P50", "P90", "MEAN", "MAX"], rows, right={1, 2, 3, 4, 5})
+        )
+    if summary.lanes:
+        lines += ["", "lanes (busy: time covered by the lane's spans, nested ones counted once)"]
+        rows = [
+            [clip(lane.lane, 40), fmt.count(lane.spans), fmt.duration(lane.busy_ns),
+             _share(lane.share)]
+            for lane in summary.lanes
+        ]  # fmt: skip
+        lines.append(fmt.table(["LANE", "SPANS", "BUSY", "OF RUN"], rows, right={1, 2, 3}))
+    for lane in summary.lanes:
+        lines += ["", f"{lane.lane}  ({fmt.count(lane.spans)} spans)"]
+        rows = [
+            [clip(r.name, 48), fmt.count(r.count), fmt.duration(r.total_ns),
+             fmt.duration(r.self_ns), fmt.duration(r.median_ns), fmt.duration(r.max_ns),
+             _share(r.share)]
+            for r in lane.ranges
+        ]  # fmt: skip
+        lines.append(
+            fmt.table(
+                ["NAME", "COUNT", "TOTAL", "SELF", "MEDIAN", "MAX", "OF RUN"],
+                rows,
+                right={1, 2, 3, 4, 5, 6},
+            )
+        )
+    if summary.counters:
+        lines += ["", "counters", _counter_table(summary.counters)]
+    if summary.sampler:
+        lines += ["", SAMPLER_NOTE, _counter_table(summary.sampler)]
+    return "\n".join(lines)
+
+
+def _counter_table(counters: list[CounterStats]) -> str:
+    rows = [
+        [c.source, c.device or "-", c.metric, fmt.count(c.count), f"{c.min:.4g}",
+         f"{c.mean:.4g}", f"{c.max:.4g}"]
+        for c in counters
+    ]  # fmt: skip
+    return fmt.table(
+        ["SOURCE", "DEVICE", "METRIC", "SAMPLES", "MIN", "MEAN", "MAX"], rows, right={3, 4, 5, 6}
+    )
