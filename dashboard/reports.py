@@ -48,10 +48,10 @@ EVENT_LANES = {
     "server/restore": "restore",
     "server/quota-wait": "quota wait",
 }
-_SESSION_SPANS = ("server/receive", "server/queue", "server/execute", "server/reply", *EVENT_LANES)
-
 #: Where a run stored before server spans carried their session and tenant shows those spans.
 NO_TENANT = "no tenant recorded"
+_SESSION_SPANS = ("server/receive", "server/queue", "server/execute", "server/reply", *EVENT_LANES)
+
 
 def top_ranges(summary: RunSummary, top: int = 25) -> dict[str, list[dict[str, Any]]]:
     """The summary's top range names over every lane, by total and by self time, as rows."""
