@@ -64,7 +64,10 @@ BOB_SCRIPT = textwrap.dedent(
         losses.append(loss.item().hex())
         if step == 0:
             print("ready", flush=True)
+            waited = time.monotonic()
             while not os.path.exists(sys.argv[3]):
+                if time.monotonic() - waited > 900:  # the test failed before saying go
+                    sys.exit("no go within 900 s")
                 time.sleep(0.02)
     print(" ".join(losses), flush=True)
     """
