@@ -25,17 +25,19 @@ BUDGET = {
     "dashboard": 144,
     "framework_patches": 62,
     "framework_patches/torch": 68,
-    "gpu_trace": 13,
+    "gpu_trace": 15,  # +2: a run's row from the store as JSON (_summary_text)
     "gpu_trace/_boot": 0,
     "gpu_trace/commands": 6,
     "runtime": 1,
-    "runtime/channel": 2,
+    "runtime/channel": 3,  # +1: the front's backend settings as JSON (Assign.flags)
     "runtime/client": 135,  # +2: rt:: results are JSON (cuda_streams)
-    "runtime/protocol": 113,  # +2: backend settings as JSON (backend_flags)
-    "runtime/server": 246,  # -26 +12: sessions.py to sharing/, admin.py and metrics.py from it
+    "runtime/protocol": 115,  # +2: backend settings as JSON (backend_flags); +2: a span's owner from a
+    # session (protocol cannot import sharing) and from a TRACE message
+    "runtime/server": 252,  # -26 +12: sessions.py to sharing/, admin.py and metrics.py from it; +5:
+    # the batch's JSON parts at its sync (_finish_ops, as _after_ops); +1: the front's own flags
     "runtime/sharing": 76,  # +26 -12: sessions.py from server/, admin.py and metrics.py to it
-    "runtime/worker": 7,
-    "tracer": 70,
+    "runtime/worker": 8,  # +1: the front's backend settings as JSON (_adopt_flags)
+    "tracer": 72,  # +2: RunSummary.as_dict (JSON for show --json) and its query parameters
 }
 PACKAGE_ROOTS = ("gpu_trace", "tracer", "collectors", "framework_patches", "runtime", "dashboard")
 
