@@ -19,6 +19,7 @@ after its parent used CUDA cannot use it.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import threading
@@ -67,6 +68,16 @@ FACTORIES = (
 )
 
 
+def _session() -> Connection:
+    """The open session, opened now if it waits for the device's first use."""
+    c = rt.conn
+    if c is None and rt.on_demand is not None:
+        c = rt.on_demand()
+    if c is None:
+        raise RuntimeError("no gpu-trace forwarding session is open (gpu_trace.runtime.connect)")
+    return c
+
+
 class RemoteModule:
     """``torch.remote``: what PyTorch asks a backend module, answered by the session."""
 
@@ -111,6 +122,35 @@ class RemoteModule:
             )
 
     manual_seed = manual_seed_all
+
+    #: ``torch.utils.checkpoint`` saves and restores a device's RNG state (to replay dropout in
+    #: its recomputation) only where the device module says it is initialized, as ``torch.cuda``
+    #: does once used.
+    _initialized = True
+
+    @staticmethod
+    def device(index: Any) -> contextlib.AbstractContextManager[None]:
+        """``with torch.remote.device(i)``: one device, nothing to switch to."""
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def get_rng_state(device: Any = None) -> torch.Tensor:
+        """The session's device generator state on the server, as ``torch.cuda.get_rng_state``
+        gives it: a uint8 CPU tensor (a round trip: the state is the server's)."""
+        c = _session()
+        record = OpRecord("rt::rng_state", [], now_ns())
+        seq = c.issue(["rt::rng_state", [], {}, None], record)
+        c.wait(seq, "rng state")
+        return torch.frombuffer(bytearray(bytes.fromhex(record.result)), dtype=torch.uint8)
+
+    @staticmethod
+    def set_rng_state(state: torch.Tensor, device: Any = None) -> None:
+        """Set the session's device generator on the server (in op order: ops issued after
+        this draw from it)."""
+        data = state.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes().hex()
+        _session().issue(
+            ["rt::rng_state", [data], {}, None], OpRecord("rt::rng_state", [], now_ns())
+        )
 
     @staticmethod
     def get_amp_supported_dtype() -> list[torch.dtype]:

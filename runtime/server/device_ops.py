@@ -14,6 +14,11 @@ settings.
   (:mod:`gpu_trace.runtime.protocol.backend_flags`); :func:`use_flags` puts a session's in force
   before its ops run and the server's own back for sessions that set none. ``rt::flags []``
   reads back the settings the session's ops run under.
+- ``rt::rng_state`` reads the state of the generator the session's device ops draw from (the
+  device's: CUDA's on a CUDA device, the CPU's on the CPU device), as hex;
+  ``rt::rng_state [hex]`` sets it (``torch.cuda.get_rng_state``/``set_rng_state``, which
+  ``torch.utils.checkpoint`` and ``torch.random.fork_rng`` call to replay dropout when they
+  recompute). The state is the session's own: a server switches generators between sessions.
 """
 
 from __future__ import annotations
@@ -38,7 +43,11 @@ if TYPE_CHECKING:
 
 #: Events a session keeps on the server (the oldest are forgotten first).
 MAX_MARKS = 1024
-NAMES = frozenset({"rt::mark", "rt::elapsed", "rt::device", "rt::mem_info", "rt::flags"})
+NAMES = frozenset(
+    {"rt::mark", "rt::elapsed", "rt::device", "rt::mem_info", "rt::flags", "rt::rng_state"}
+)
+#: The largest generator state ``rt::rng_state`` takes (the CPU's is 5,056 bytes, CUDA's 16).
+MAX_RNG_STATE_BYTES = 1 << 16
 
 _marks: weakref.WeakKeyDictionary[Session, dict[int, Any]] = weakref.WeakKeyDictionary()
 _flags: weakref.WeakKeyDictionary[Session, Flags] = weakref.WeakKeyDictionary()
@@ -115,7 +124,43 @@ def run(ex: Runner, session: Session, name: str, args: list[object]) -> Any:
         _flags[session] = flags
         _put_in_force(ex.torch, session, flags)
         return None
+    if name == "rt::rng_state":
+        if not args:
+            return _generator_state(ex).hex()
+        state = args[0] if len(args) == 1 else None
+        if type(state) is not str or len(state) > 2 * MAX_RNG_STATE_BYTES:
+            raise ProtocolError("rt::rng_state takes [], or [state as hex] to set it")
+        try:
+            data = bytes.fromhex(state)
+        except ValueError:
+            raise ProtocolError("rt::rng_state: the state is not hex") from None
+        _set_generator_state(ex, data)
+        return None
     raise OpError(f"unknown runtime op {name[:100]!r}")
+
+
+def _generator_state(ex: Runner) -> bytes:
+    torch = ex.torch
+    if ex.device.type == "cuda":
+        state = torch.cuda.get_rng_state(ex.device)
+    else:
+        state = torch.get_rng_state()
+    return bytes(state.numpy().tobytes())
+
+
+def _set_generator_state(ex: Runner, data: bytes) -> None:
+    torch = ex.torch
+    size = len(_generator_state(ex))
+    if len(data) != size:
+        raise OpError(f"the server's device has a {size}-byte RNG state, not {len(data)} bytes")
+    state = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    try:
+        if ex.device.type == "cuda":
+            torch.cuda.set_rng_state(state, ex.device)
+        else:
+            torch.set_rng_state(state)
+    except (RuntimeError, ValueError) as exc:
+        raise OpError(f"rt::rng_state: {exc}") from None
 
 
 def use_flags(torch: ModuleType, session: Session) -> None:

@@ -64,12 +64,6 @@ MODES = {"torch": ("off", "module", "op", "forwarded"), "tf": ("off", "layer", "
 # Cases that fail because gpu-trace is wrong, each with what it does (strict: once fixed, they
 # fail until taken off this list).
 KNOWN: dict[tuple[str, str], str] = {
-    ("tiny_gpt", "forwarded"): (
-        "torch.utils.checkpoint keeps no RNG state of the remote device (its module has no "
-        "_initialized, device or get_rng_state), so the recomputed forward draws other dropout "
-        "masks than the forward did: losses differ from step 1 (equal without dropout or "
-        "without checkpointing); on CUDA the state is stashed and restored"
-    ),
     ("dcgan", "forwarded"): (
         "aten::leaky_relu_.default (nn.LeakyReLU(0.2, inplace=True), DCGAN's discriminator) "
         "is not on the server's allow-list: the program fails with RemoteOpError"
