@@ -257,6 +257,56 @@ def cnn(env: Env) -> None:
 
 
 @program
+def gan(env: Env) -> None:
+    """A DCGAN-style pair: in-place LeakyReLU in the discriminator, the generator's graph
+    backwarded after the discriminator's step (tests/thirdparty's dcgan)."""
+    gen = nn.Sequential(nn.Linear(8, 32), nn.ReLU(inplace=True), nn.Linear(32, 16), nn.Tanh())
+    disc = nn.Sequential(nn.Linear(16, 32), nn.LeakyReLU(0.2, inplace=True), nn.Linear(32, 1))
+    gen, disc = gen.to(env.dev), disc.to(env.dev)
+    opt_g = torch.optim.Adam(gen.parameters(), lr=2e-4, betas=(0.5, 0.999))
+    opt_d = torch.optim.Adam(disc.parameters(), lr=2e-4, betas=(0.5, 0.999))
+    real, z = env.t(torch.randn(4, 16)), env.t(torch.randn(4, 8))
+    ones, zeros = env.t(torch.ones(4, 1)), env.t(torch.zeros(4, 1))
+
+    def step() -> None:
+        fake = gen(z)
+        opt_d.zero_grad()
+        d_loss = F.binary_cross_entropy_with_logits(disc(real), ones)
+        d_loss = d_loss + F.binary_cross_entropy_with_logits(disc(fake.detach()), zeros)
+        d_loss.backward()
+        opt_d.step()
+        opt_g.zero_grad()
+        F.binary_cross_entropy_with_logits(disc(fake), ones).backward()
+        opt_g.step()
+
+    env.attempt(step)
+
+
+@program
+def policy_gradient(env: Env) -> None:
+    """REINFORCE: actions drawn from ``Categorical`` (its argument checks: ``all.dim``), the
+    episode's log-probabilities backwarded at its end (tests/thirdparty's reinforce)."""
+    policy = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2)).to(env.dev)
+    opt = torch.optim.Adam(policy.parameters(), lr=1e-2)
+
+    def episode() -> None:
+        log_probs = []
+        for _ in range(3):
+            probs = F.softmax(policy(env.t(torch.randn(1, 4))), dim=1)
+            dist = torch.distributions.Categorical(probs)
+            action = dist.sample()
+            log_probs.append(dist.log_prob(action))
+        returns = env.t(torch.tensor([1.0, 0.5, 0.25]))
+        returns = (returns - returns.mean()) / (returns.std() + 1e-8)
+        loss = torch.cat([-lp * r for lp, r in zip(log_probs, returns)]).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    env.attempt(episode)
+
+
+@program
 def convolutions(env: Env) -> None:
     """The other layers of vision and audio models."""
     x1, x2, x3 = (env.t(torch.randn(*s)) for s in ((2, 4, 16), (2, 4, 8, 8), (1, 2, 4, 6, 6)))

@@ -64,14 +64,6 @@ MODES = {"torch": ("off", "module", "op", "forwarded"), "tf": ("off", "layer", "
 # Cases that fail because gpu-trace is wrong, each with what it does (strict: once fixed, they
 # fail until taken off this list).
 KNOWN: dict[tuple[str, str], str] = {
-    ("dcgan", "forwarded"): (
-        "aten::leaky_relu_.default (nn.LeakyReLU(0.2, inplace=True), DCGAN's discriminator) "
-        "is not on the server's allow-list: the program fails with RemoteOpError"
-    ),
-    ("reinforce", "forwarded"): (
-        "aten::all.dim (Categorical's argument validation, torch._is_all_true) is not on the "
-        "server's allow-list: the program fails with RemoteOpError"
-    ),
     ("profiled", "forwarded"): (
         "the program's own profile (profile_memory=True) has no memory events for the remote "
         "device's tensors: nothing reports their allocations to the profiler, as CUDA's "

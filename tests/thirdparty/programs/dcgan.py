@@ -63,9 +63,13 @@ for _ in range(6):
     grid = torch.stack(torch.meshgrid(torch.arange(16.0), torch.arange(16.0), indexing="ij"))
     d2 = ((grid[None] - centers[:, :, None, None]) ** 2).sum(1, keepdim=True)
     real_batches.append(torch.exp(-d2 / 6) * 2 - 1)
+# weights_init draws on the device: from CUDA's generator on a GPU, the CPU's here. Each is
+# seeded just before, so both draw the same numbers (module construction drew from the CPU's).
 netG = Generator().to(device)
+torch.manual_seed(1)
 netG.apply(weights_init)
 netD = Discriminator().to(device)
+torch.manual_seed(2)
 netD.apply(weights_init)
 criterion = nn.BCELoss()
 optimizerD = torch.optim.Adam(netD.parameters(), lr=2e-4, betas=(0.5, 0.999))

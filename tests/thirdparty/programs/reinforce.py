@@ -51,6 +51,7 @@ torch.manual_seed(543)
 env = Walk(543)
 policy = Policy().to(device)
 optimizer = optim.Adam(policy.parameters(), lr=1e-2)
+torch.manual_seed(7)  # dropout's and sampling's stream, on the device (not the CPU's, after init)
 eps = np.finfo(np.float32).eps.item()
 
 
