@@ -293,12 +293,18 @@ CHECKS: dict[str, Callable[[str], object]] = {
 }
 
 
+#: Settings whose values are never printed, not even when refused (docs/remote.md: tokens are
+#: never shown).
+SECRETS = frozenset({"GPU_TRACE_REMOTE_TOKEN"})
+
+
 def parse(name: str, text: str) -> object:
     """``text`` as variable ``name`` takes it; ValueError naming both and what is accepted."""
     try:
         return CHECKS[name](text)
     except _Invalid as exc:
-        raise ValueError(f"{name} must be {exc}, got {text!r}") from None
+        got = f"{len(text)} characters (not shown)" if name in SECRETS else repr(text)
+        raise ValueError(f"{name} must be {exc}, got {got}") from None
 
 
 def check_environment(environ: Mapping[str, str] | None = None) -> None:
