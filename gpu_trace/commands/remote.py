@@ -43,6 +43,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         device = args.device
         if args.standby < 0:
             raise ValueError("--standby must be 0 or more")
+        if args.max_sessions < 1:  # a server no client could join
+            raise ValueError(f"--max-sessions must be 1 or more, got {args.max_sessions}")
         # GPU activity: the injection library is named before CUDA initializes in this process.
         activity, activity_note = None, None
         process = args.isolation == "process"

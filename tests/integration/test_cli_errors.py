@@ -101,6 +101,13 @@ def test_a_negative_standby_pool_is_refused(tmp_path: Path) -> None:
     assert one_line(out) == "gpu-trace: cannot serve: --standby must be 0 or more"
 
 
+@pytest.mark.parametrize("n", ["0", "-3"])
+def test_a_server_no_client_could_join_is_refused(tmp_path: Path, n: str) -> None:
+    out = cli("serve", "--device", "cpu", "--max-sessions", n, home=tmp_path / "home")
+    assert out.returncode == 2
+    assert one_line(out) == f"gpu-trace: cannot serve: --max-sessions must be 1 or more, got {n}"
+
+
 def test_a_bare_word_is_not_a_store(tmp_path: Path) -> None:
     out = cli("ls", "--store", "notadsn", home=tmp_path / "home", cwd=tmp_path)
     assert out.returncode == 2
