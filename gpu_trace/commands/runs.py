@@ -213,6 +213,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise CLIError(f"cannot write {out}: there is no directory {out.parent}", 2)
     if out.is_dir():
         raise CLIError(f"cannot write {out}: it is a directory", 2)
+    if args.rank < 0:
+        raise CLIError(f"--rank must be 0 or more, got {args.rank}", 2)
     with _open_store(args) as store:
         run_id = _resolve(store, args.run)
         run = store.run(run_id)

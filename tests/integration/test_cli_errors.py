@@ -108,6 +108,13 @@ def test_a_server_no_client_could_join_is_refused(tmp_path: Path, n: str) -> Non
     assert one_line(out) == f"gpu-trace: cannot serve: --max-sessions must be 1 or more, got {n}"
 
 
+def test_a_negative_rank_is_refused_before_the_store_is_read(tmp_path: Path) -> None:
+    out = cli("export", "last", "-o", str(tmp_path / "t.json"), "--rank", "-1", home=tmp_path / "h")
+    assert out.returncode == 2
+    assert one_line(out) == "gpu-trace: --rank must be 0 or more, got -1"
+    assert not (tmp_path / "t.json").exists()
+
+
 def test_a_bare_word_is_not_a_store(tmp_path: Path) -> None:
     out = cli("ls", "--store", "notadsn", home=tmp_path / "home", cwd=tmp_path)
     assert out.returncode == 2
