@@ -113,10 +113,15 @@ def _released(run_dir: Path) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    if args.limit < 1:
+        raise CLIError(f"--limit must be 1 or more, got {args.limit}", 2)
     with _open_store(args) as store:
         runs = store.runs(limit=args.limit, search=args.search)
     if args.json:
         echo(json.dumps(runs, default=str, indent=2))
+        return 0
+    if not runs and args.search:
+        echo(f"no run's id or command contains {args.search!r}")
         return 0
     if not runs:
         echo("no runs yet: gpu-trace record -- python your_script.py")

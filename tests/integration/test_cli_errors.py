@@ -70,6 +70,17 @@ def test_stored_names_cannot_drive_the_terminal(recorded: Path) -> None:
         assert "\x1b" not in out.stdout + out.stderr and "\x07" not in out.stdout + out.stderr
 
 
+def test_ls_says_a_search_matched_nothing_and_refuses_a_limit_below_one(recorded: Path) -> None:
+    out = cli("ls", "--search", "no-such-run", home=recorded)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "no run's id or command contains 'no-such-run'"
+    for limit in ("0", "-1"):
+        refused = cli("ls", "--limit", limit, home=recorded)
+        assert refused.returncode == 2
+        assert one_line(refused) == f"gpu-trace: --limit must be 1 or more, got {limit}"
+    assert "no runs yet" not in cli("ls", home=recorded).stdout  # one is stored
+
+
 def test_the_sanitizer_shows_what_it_escapes() -> None:
     assert _format.text(ATTACK) == "\\x1b]0;PWNED\\x07\\x1b[2J"
     assert _format.text("a\u202eb\nc", keep="\n") == "a\\u202eb\nc"
