@@ -112,8 +112,9 @@ def client_token(explicit: str | None = None) -> str:
         token = path.read_text().strip()
     except OSError:
         raise ValueError(
-            f"no remote token: pass token=..., set GPU_TRACE_REMOTE_TOKEN, or run the server on "
-            f"this machine (it writes {path})"
+            "no remote token: give the server's (--token on the command line, token= in Python)"
+            " or set GPU_TRACE_REMOTE_TOKEN; a server started here without --token or --tenants"
+            f" writes its own to {path}, a --tenants server's are in its tenants file"
         ) from None
     return check_token(token)
 

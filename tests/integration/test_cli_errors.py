@@ -126,6 +126,14 @@ def test_a_negative_rank_is_refused_before_the_store_is_read(tmp_path: Path) -> 
     assert not (tmp_path / "t.json").exists()
 
 
+def test_tenants_without_a_token_says_where_tokens_come_from(tmp_path: Path) -> None:
+    out = cli("tenants", "127.0.0.1:9", home=tmp_path / "home")
+    assert out.returncode == 2
+    line = one_line(out)
+    assert line.startswith("gpu-trace: no remote token: give the server's (--token on the")
+    assert "token=..." not in line and "a --tenants server's are in its tenants file" in line
+
+
 def test_a_bare_word_is_not_a_store(tmp_path: Path) -> None:
     out = cli("ls", "--store", "notadsn", home=tmp_path / "home", cwd=tmp_path)
     assert out.returncode == 2
