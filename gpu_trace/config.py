@@ -428,8 +428,14 @@ def host_hz(explicit: float | None = None) -> float:
 
 
 def nvml_replay(explicit: Path | None = None) -> Path | None:
-    """An NVML sample file to play back instead of NVML (``GPU_TRACE_NVML_REPLAY``)."""
-    value = explicit or _env("GPU_TRACE_NVML_REPLAY")
+    """An NVML sample file to play back instead of NVML (``--nvml-replay``, else
+    ``GPU_TRACE_NVML_REPLAY``); ValueError for one that is not a file, as for the variable."""
+    if explicit is not None:
+        path = Path(explicit).expanduser()
+        if not path.is_file():
+            raise ValueError(f"--nvml-replay must be an existing file, got {str(explicit)!r}")
+        return path
+    value = _env("GPU_TRACE_NVML_REPLAY")
     return Path(value).expanduser() if value else None
 
 

@@ -24,6 +24,10 @@ def cmd_record(args: argparse.Namespace) -> int:
         argv = argv[1:]
     check_settings()  # every setting, before anything is created or the program runs
     telemetry.check(args)
+    try:
+        config.nvml_replay(args.nvml_replay)  # so is a replay file named on the command line
+    except ValueError as exc:
+        raise CLIError(str(exc), 2) from None
     dsn = config.store_dsn(args.store)
     if not args.no_ingest:
         problem = store_module().check_writable(dsn)

@@ -134,6 +134,20 @@ def test_tenants_without_a_token_says_where_tokens_come_from(tmp_path: Path) -> 
     assert "token=..." not in line and "a --tenants server's are in its tenants file" in line
 
 
+def test_a_missing_nvml_replay_file_stops_record_before_the_program(tmp_path: Path) -> None:
+    """As a missing GPU_TRACE_NVML_REPLAY does (test_record_settings): it only warned."""
+    marker = tmp_path / "ran"
+    out = cli(
+        "record", "--nvml-replay", str(tmp_path / "nope.jsonl"), "--",
+        sys.executable, "-c", f"open({str(marker)!r}, 'w')", home=tmp_path / "home",
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert one_line(out) == (
+        f"gpu-trace: --nvml-replay must be an existing file, got {str(tmp_path / 'nope.jsonl')!r}"
+    )
+    assert not marker.exists() and not (tmp_path / "home" / "runs").exists()
+
+
 def test_a_bare_word_is_not_a_store(tmp_path: Path) -> None:
     out = cli("ls", "--store", "notadsn", home=tmp_path / "home", cwd=tmp_path)
     assert out.returncode == 2
