@@ -812,7 +812,9 @@ class Store(RunQueries):
             rows = [tuple(r) for r in result.result_rows]
         except Exception as exc:
             message = _first_line(exc)
-            if "readonly" in message.lower() or "(READONLY)" in str(exc):
+            # ClickHouse's READONLY error (code 164), not any message that quotes the query's
+            # `SETTINGS readonly = '1'` (an unknown column's does)
+            if "(READONLY)" in str(exc) or "in readonly mode" in message:
                 raise StoreError(f"gpu-trace sql is read-only: {message}") from exc
             raise StoreError(f"query failed: {message}") from exc
         return list(result.column_names), rows

@@ -173,6 +173,14 @@ def test_the_checked_text_is_what_runs(store: Store) -> None:
     assert checked.text == "SELECT 1"
 
 
+def test_a_plain_query_error_is_not_called_a_refusal(store: Store) -> None:
+    """ClickHouse's message for an unknown column quotes the query with its `readonly = '1'`
+    setting: it was reported as "gpu-trace sql is read-only: Unknown expression identifier"."""
+    with pytest.raises(StoreError) as exc:
+        store.sql("SELECT nosuchcol FROM spans")
+    assert str(exc.value).startswith("query failed: Unknown expression identifier `nosuchcol`")
+
+
 def test_function_families_allow_no_reader() -> None:
     for name in ("toString", "arrayMap", "countIf", "quantileExactIf", "sumArray", "uniqMerge"):
         assert query_guard.allowed_function(name), name
