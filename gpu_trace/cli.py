@@ -432,8 +432,28 @@ class _Prefixed(logging.Formatter):
         return text if text.startswith("gpu-trace: ") else f"gpu-trace: {text}"
 
 
+def _unknown_command(parser: argparse.ArgumentParser, words: list[str]) -> str | None:
+    """One line for a command that is not one of ours, with the closest one; None if it is."""
+    import difflib
+
+    commands = next(
+        (list(a.choices) for a in parser._actions if isinstance(a, argparse._SubParsersAction)),
+        [],
+    )
+    word = next((w for w in words if not w.startswith("-")), None)  # global options take none
+    if word is None or word in commands:
+        return None
+    close = difflib.get_close_matches(word, commands, n=1)
+    hint = f": did you mean {close[0]!r}?" if close else f" (commands: {', '.join(commands)})"
+    return f"unknown command {_format.text(word)!r}{hint}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    unknown = _unknown_command(parser, sys.argv[1:] if argv is None else argv)
+    if unknown is not None:
+        err(unknown)
+        return 2
     args = parser.parse_args(argv)
     handler = logging.StreamHandler()
     handler.setFormatter(_Prefixed())

@@ -148,6 +148,15 @@ def test_a_missing_nvml_replay_file_stops_record_before_the_program(tmp_path: Pa
     assert not marker.exists() and not (tmp_path / "home" / "runs").exists()
 
 
+def test_a_mistyped_command_gets_the_closest_one(tmp_path: Path) -> None:
+    out = cli("shwo", "last", home=tmp_path / "home")
+    assert out.returncode == 2
+    assert one_line(out) == "gpu-trace: unknown command 'shwo': did you mean 'show'?"
+    out = cli("zzzz", home=tmp_path / "home")
+    assert out.returncode == 2
+    assert one_line(out).startswith("gpu-trace: unknown command 'zzzz' (commands: record, serve,")
+
+
 def test_a_bare_word_is_not_a_store(tmp_path: Path) -> None:
     out = cli("ls", "--store", "notadsn", home=tmp_path / "home", cwd=tmp_path)
     assert out.returncode == 2
