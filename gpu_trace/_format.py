@@ -40,6 +40,11 @@ def count(n: int) -> str:
     return f"{n:,}"
 
 
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """``1 request``, ``3 requests``, ``1,024 files``: a count and its noun, singular for one."""
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
+
+
 def size(n: int | None) -> str:
     """``1.5 GiB`` style (powers of 1024); ``-`` for None."""
     if n is None:

@@ -140,7 +140,7 @@ class ImportReport:
         if self.backward_pairs:
             text += f", {self.backward_pairs} backward ops to their forward op"
         if self.skipped:
-            text += "; left out: " + ", ".join(f"{n} {k}" for k, n in self.skipped.items())
+            text += "; left out: " + ", ".join(f"{k} ({n:,})" for k, n in self.skipped.items())
         return f"{text} ({self.seconds:.1f} s)"
 
 

@@ -94,7 +94,7 @@ def export(args: argparse.Namespace, store: Store, run_id: str) -> int:
         )
     err(
         f"sent {fmt.count(sent)} spans of run {run_id} (trace {run['trace_id']}) to "
-        f"{target.display()} in {exporter.stats['requests']} requests"
+        f"{target.display()} in {fmt.counted(exporter.stats['requests'], 'request')}"
     )
     return 0
 

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from gpu_trace import _format as fmt
 from gpu_trace.commands import CLIError, echo, err
 from gpu_trace.commands.record import NOT_STORED, finish_run
 from gpu_trace.commands.runs import checked_dsn, render_summary, store_module
@@ -80,7 +81,13 @@ def _load_samples(dsn: str) -> None:
         err(f"sample traces not loaded: {exc}")
         return
     for report in reports:
-        err(f"sample run {report.run_id} loaded ({report.files_skipped} files already there)")
+        if not report.files_ingested:
+            err(f"sample run {report.run_id} already loaded")
+            continue
+        there = f"; {report.files_skipped} already there" if report.files_skipped else ""
+        err(
+            f"sample run {report.run_id} loaded ({fmt.counted(report.files_ingested, 'file')}{there})"
+        )
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
