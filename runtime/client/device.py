@@ -129,12 +129,12 @@ class RemoteModule:
     _initialized = True
 
     @staticmethod
-    def device(index: Any) -> contextlib.AbstractContextManager[None]:
+    def device(index: int | str | torch.device | None) -> contextlib.AbstractContextManager[None]:
         """``with torch.remote.device(i)``: one device, nothing to switch to."""
         return contextlib.nullcontext()
 
     @staticmethod
-    def get_rng_state(device: Any = None) -> torch.Tensor:
+    def get_rng_state(device: int | str | torch.device | None = None) -> torch.Tensor:
         """The session's device generator state on the server, as ``torch.cuda.get_rng_state``
         gives it: a uint8 CPU tensor (a round trip: the state is the server's)."""
         c = _session()
@@ -144,7 +144,7 @@ class RemoteModule:
         return torch.frombuffer(bytearray(bytes.fromhex(record.result)), dtype=torch.uint8)
 
     @staticmethod
-    def set_rng_state(state: torch.Tensor, device: Any = None) -> None:
+    def set_rng_state(state: torch.Tensor, device: int | str | torch.device | None = None) -> None:
         """Set the session's device generator on the server (in op order: ops issued after
         this draw from it)."""
         data = state.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes().hex()
