@@ -274,7 +274,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_tenants)
 
     p = sub.add_parser("ingest", help="load a run directory's spool into the store (idempotent)")
-    p.add_argument("run_dir", type=Path, metavar="DIR")
+    p.add_argument(
+        "run_dir",
+        type=Path,
+        metavar="DIR",
+        help="a run directory (run.json and spool/), e.g. one `record --no-ingest` or a store that "
+        "was down left, or one copied from another machine",
+    )
     _store_arg(p)
     p.add_argument(
         "--keep-spool",
@@ -292,7 +298,12 @@ def build_parser() -> argparse.ArgumentParser:
         "store as a new run: CPU ops, annotations, steps, kernels, copies, memsets, CUDA calls and "
         "their launch links. A file imported before is not imported again (its run is named).",
     )
-    p.add_argument("trace", type=Path, metavar="TRACE")
+    p.add_argument(
+        "trace",
+        type=Path,
+        metavar="TRACE",
+        help="a Chrome trace file from torch.profiler, plain or gzipped (read by content)",
+    )
     p.add_argument("--name", help="the run's command line in ls (default: import TRACE's name)")
     _store_arg(p)
     p.set_defaults(func=cmd_import)
