@@ -370,6 +370,12 @@ def build_parser() -> argparse.ArgumentParser:
         "-o", "--output", type=Path, metavar="FILE", help="FILE.json or FILE.json.gz (or --otlp)"
     )
     p.add_argument("--rank", type=int, default=0, help="distributedInfo rank (default 0)")
+    p.add_argument(
+        "--world-size",
+        type=int,
+        metavar="N",
+        help="distributedInfo world size: how many ranks the job has (default: rank + 1)",
+    )
     telemetry.add_arguments(p, streaming=False)
     _store_arg(p)
     p.set_defaults(func=cmd_export)

@@ -470,9 +470,10 @@ class Run:
             )
         return list(asked)
 
-    def export(self, path: str | Path, *, rank: int = 0) -> Path:
+    def export(self, path: str | Path, *, rank: int = 0, world_size: int | None = None) -> Path:
         """Write the run as Chrome trace JSON (``.json`` or ``.json.gz``) for Perfetto and HTA,
-        as `gpu-trace export` does; returns the path. OSError when it can't be written."""
+        as `gpu-trace export` does (``world_size`` defaults to ``rank + 1``); returns the path.
+        OSError when it can't be written."""
         from gpu_trace.tracer.exporter import export_run, get_exporter
 
         out = Path(path)
@@ -490,6 +491,7 @@ class Run:
                 threads=store.threads(self.id),
                 total_spans=counts.get("spans"),
                 rank=rank,
+                world_size=rank + 1 if world_size is None else world_size,
             )
             ok = export_run(exporter, store.iter_spans(self.id), store.iter_counters(self.id))
         if not ok:

@@ -220,6 +220,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise CLIError(f"cannot write {out}: it is a directory", 2)
     if args.rank < 0:
         raise CLIError(f"--rank must be 0 or more, got {args.rank}", 2)
+    world_size = args.rank + 1 if args.world_size is None else args.world_size
+    if world_size <= args.rank:
+        raise CLIError(f"--world-size must be more than --rank ({args.rank}), got {world_size}", 2)
     with _open_store(args) as store:
         run_id = _resolve(store, args.run)
         run = store.run(run_id)
@@ -233,6 +236,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                 total_spans=counts.get("spans"),
                 progress=TerminalProgress(sys.stderr),
                 rank=args.rank,
+                world_size=world_size,
             )
         except OSError as exc:
             raise CLIError(f"cannot write {out}: {exc.strerror or exc}") from None

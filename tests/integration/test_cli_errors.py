@@ -5,6 +5,7 @@ problems printed once."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -79,6 +80,24 @@ def test_ls_says_a_search_matched_nothing_and_refuses_a_limit_below_one(recorded
         assert refused.returncode == 2
         assert one_line(refused) == f"gpu-trace: --limit must be 1 or more, got {limit}"
     assert "no runs yet" not in cli("ls", home=recorded).stdout  # one is stored
+
+
+def test_a_ranks_export_says_its_rank_and_world_size(recorded: Path, tmp_path: Path) -> None:
+    """docs/export.md's `export RUN --rank 3 -o traces/rank-3.json` was a traceback (the world
+    size stayed 1); Run.export the same."""
+    out = cli("export", "last", "--rank", "3", "-o", str(tmp_path / "r3.json"), home=recorded)
+    assert out.returncode == 0, out.stderr
+    info = json.loads((tmp_path / "r3.json").read_text())["distributedInfo"]
+    assert info == {"rank": 3, "world_size": 4}
+    out = cli("export", "last", "--rank", "1", "--world-size", "8", "-o", str(tmp_path / "r1.json"),
+              home=recorded)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    info = json.loads((tmp_path / "r1.json").read_text())["distributedInfo"]
+    assert info == {"rank": 1, "world_size": 8}
+    out = cli("export", "last", "--rank", "3", "--world-size", "2", "-o", str(tmp_path / "x.json"),
+              home=recorded)  # fmt: skip
+    assert out.returncode == 2
+    assert one_line(out) == "gpu-trace: --world-size must be more than --rank (3), got 2"
 
 
 def test_the_sanitizer_shows_what_it_escapes() -> None:
