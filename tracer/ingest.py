@@ -246,6 +246,13 @@ def _ingest_files(
         if spool.kind not in SCHEMAS:
             report.problems.append(f"{path.name}: skipped: unknown kind {spool.kind!r}")
             continue
+        owner = spool.meta.get("run_id")
+        if owner and owner != info.run_id:  # stored under its own id, no run would show it
+            report.problems.append(
+                f"{path.name}: not stored: its rows are run {owner}'s, this directory's run.json"
+                f" is run {info.run_id} (a copied run directory? ingest the one it came from)"
+            )
+            continue
         if spool.meta.get(CLOCK_PEER) and spool.kind in ("spans", "counters"):
             deferred.append((path, size, state, spool))  # mapped once every clock row is known
             continue

@@ -39,3 +39,24 @@ def test_damaged_batches_are_named_counted_and_not_stored(tmp_path: Path) -> Non
         # Logged as done with its problem: a second ingest neither repeats nor stores it.
         again = ingest(store, run_dir)
         assert again.files_skipped == len(list_spool(run_dir)) and again.rows_total == 0
+
+
+def test_a_file_of_another_run_is_named_and_not_stored_under_either(tmp_path: Path) -> None:
+    """A copied run directory (issue 29): its run.json names run "copy", its spool file is run
+    "r"'s. The rows were stored under "r", a run no list shows, and the line said they were
+    stored; now the file is named, nothing is stored and the spool stays."""
+    run_dir = tmp_path / "copy"
+    RunInfo(run_id="copy", trace_id="cd" * 16, started_ns=0, ended_ns=10, status="finished").save(
+        run_dir
+    )
+    assert META["run_id"] == "r"
+    writer = SpoolWriter(run_dir, META)
+    path = writer.write("spans", spans(50))
+    with Store(f"chdb://{tmp_path / 'store'}") as store:
+        report = ingest(store, run_dir)
+        (line,) = report.problems
+        assert line.startswith(f"{path.name}: not stored: its rows are run r's, this directory's")
+        assert report.rows_total == 0
+        _, rows = store.sql("SELECT count() FROM gpu_trace.spans")
+        assert rows == [(0,)]
+    assert path.exists()
