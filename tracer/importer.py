@@ -29,11 +29,11 @@ with the id of its run.
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import logging
 import re
+import stat
 import time
 import zlib
 from collections import Counter
@@ -147,6 +147,44 @@ class ImportReport:
 # ---- reading ------------------------------------------------------------------------------------
 
 
+#: Most a gzipped trace may grow by when decompressed (traces compress about 10x, Kineto's up to
+#: about 30x); beyond it the file is refused as a likely gzip bomb, with what to do if it is real.
+MAX_GZIP_RATIO = 100
+#: ... though a small file may always grow to this much.
+MIN_GZIP_LIMIT = 256 << 20
+
+
+def _gunzip(path: Path, raw: bytes) -> bytes:
+    """``raw`` decompressed (every gzip member), at most :data:`MAX_GZIP_RATIO` times its size."""
+    limit = max(MIN_GZIP_LIMIT, MAX_GZIP_RATIO * len(raw))
+    out: list[bytes] = []
+    total, rest = 0, raw
+    try:
+        while rest:
+            d = zlib.decompressobj(wbits=31)  # one gzip member
+            while True:
+                chunk = d.decompress(rest, 1 << 20)
+                total += len(chunk)
+                if total > limit:
+                    raise TraceImportError(
+                        f"{path.name}: decompresses to more than {limit >> 20} MiB"
+                        f" ({MAX_GZIP_RATIO}x its size): refused as a likely gzip bomb; if it is"
+                        " a real trace, gunzip it and import the .json"
+                    )
+                out.append(chunk)
+                rest = d.unconsumed_tail
+                if d.eof or not rest:
+                    break
+            if not d.eof:
+                raise TraceImportError(f"{path.name}: the gzip stream is truncated")
+            rest = d.unused_data
+            if rest.strip(b"\0") == b"":  # padding after the last member
+                rest = b""
+    except zlib.error as exc:
+        raise TraceImportError(f"{path.name}: not a readable gzip file ({exc})") from None
+    return b"".join(out)
+
+
 def read_trace(path: str | Path) -> tuple[dict[str, object], str]:
     """The parsed trace (a dict with ``traceEvents``) and the SHA-256 of the file's bytes.
 
@@ -156,17 +194,14 @@ def read_trace(path: str | Path) -> tuple[dict[str, object], str]:
     """
     path = Path(path)
     try:
+        if not stat.S_ISREG(path.stat().st_mode):  # /dev/zero, a FIFO: read until memory ends
+            raise TraceImportError(f"{path}: not a regular file")
         raw = path.read_bytes()
     except OSError as exc:
         raise TraceImportError(f"cannot read {path}: {exc.strerror or exc}") from None
     digest = hashlib.sha256(raw).hexdigest()
     if raw[:2] == b"\x1f\x8b":
-        try:
-            raw = gzip.decompress(raw)
-        except EOFError:
-            raise TraceImportError(f"{path.name}: the gzip stream is truncated") from None
-        except (OSError, zlib.error) as exc:
-            raise TraceImportError(f"{path.name}: not a readable gzip file ({exc})") from None
+        raw = _gunzip(path, raw)
     try:
         data = json.loads(raw, parse_float=str)
     except UnicodeDecodeError:

@@ -226,6 +226,33 @@ def test_truncated_and_damaged_gzip(tmp_path: Path) -> None:
         read_trace(tmp_path / "missing.json")
 
 
+def test_what_is_not_a_regular_file_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    """`gpu-trace import /dev/zero` read until the kernel's OOM killer ended it (issue 29)."""
+    for path in (Path("/dev/zero"), tmp_path):
+        with pytest.raises(TraceImportError, match="not a regular file"):
+            read_trace(path)
+
+
+def test_a_gzip_bomb_is_refused_at_its_bound(tmp_path: Path) -> None:
+    """A gzip of 300 MiB of one byte (a few hundred KiB on disk) grows past 100x its size:
+    refused while it is decompressed, before it is all in memory or parsed (issue 29's 2 MB file
+    of 2 GiB of JSON peaked at 6.7 GB)."""
+    path = tmp_path / "bomb.json.gz"
+    block = b" " * (1 << 20)
+    with gzip.open(path, "wb", compresslevel=9) as f:
+        f.write(b'{"traceEvents": [')
+        for _ in range(300):
+            f.write(block)
+        f.write(b"]}")
+    assert path.stat().st_size * 100 < (256 << 20) < 300 << 20  # under the 256 MiB floor x100
+    with pytest.raises(TraceImportError, match=r"decompresses to more than 256 MiB .*gzip bomb"):
+        read_trace(path)
+    # several members and trailing zeros, as gzip writes for concatenated files, still read
+    one = gzip.compress(b'{"traceEvents": ')
+    path.write_bytes(one + gzip.compress(b"[]}") + b"\0" * 8)
+    assert read_trace(path)[0] == {"traceEvents": []}
+
+
 def test_a_list_is_a_trace_too(tmp_path: Path) -> None:
     path = tmp_path / "t.json"
     path.write_text(json.dumps(small()["traceEvents"]))
