@@ -34,6 +34,7 @@ import json
 import logging
 import re
 import stat
+import sys
 import time
 import zlib
 from collections import Counter
@@ -209,6 +210,13 @@ def read_trace(path: str | Path) -> tuple[dict[str, object], str]:
     except json.JSONDecodeError as exc:
         raise TraceImportError(
             f"{path.name}: not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
+    except RecursionError:
+        raise TraceImportError(f"{path.name}: not a Chrome trace (nested too deeply)") from None
+    except ValueError:  # an integer of more digits than Python converts
+        limit = sys.get_int_max_str_digits()
+        raise TraceImportError(
+            f"{path.name}: not a Chrome trace (a number of more than {limit:,} digits)"
         ) from None
     if isinstance(data, list):  # the Trace Event Format's array form
         data = {"traceEvents": data}

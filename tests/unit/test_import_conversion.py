@@ -253,6 +253,26 @@ def test_a_gzip_bomb_is_refused_at_its_bound(tmp_path: Path) -> None:
     assert read_trace(path)[0] == {"traceEvents": []}
 
 
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        ('{"traceEvents": ' + "[" * 100_000 + "]" * 100_000 + "}", "(nested too deeply)"),
+        (
+            '{"traceEvents": [{"ph": "X", "ts": ' + "9" * 5000 + "}]}",
+            "(a number of more than 4,300 digits)",
+        ),
+    ],
+    ids=["deep", "digits"],
+)
+def test_hostile_json_is_one_line(tmp_path: Path, content: str, says: str) -> None:
+    """RecursionError and Python's integer-digits ValueError were tracebacks (issue 29)."""
+    path = tmp_path / "t.json"
+    path.write_text(content)
+    with pytest.raises(TraceImportError) as info:
+        read_trace(path)
+    assert str(info.value) == f"t.json: not a Chrome trace {says}"
+
+
 def test_a_list_is_a_trace_too(tmp_path: Path) -> None:
     path = tmp_path / "t.json"
     path.write_text(json.dumps(small()["traceEvents"]))
