@@ -178,6 +178,8 @@ def patch() -> None:
         "manual_seed_all": lambda seed: device.RemoteModule.manual_seed_all(seed),
         "get_rng_state": lambda device_="cuda": device.RemoteModule.get_rng_state(),
         "set_rng_state": lambda state, device_="cuda": device.RemoteModule.set_rng_state(state),
+        "get_rng_state_all": lambda: [device.RemoteModule.get_rng_state()],
+        "set_rng_state_all": lambda states: device.RemoteModule.set_rng_state(list(states)[0]),
         "get_device_properties": lambda device_=None: _properties(),
         "get_device_name": lambda device_=None: _properties().name,
         "get_device_capability": lambda device_=None: (_properties().major, _properties().minor),

@@ -16,7 +16,9 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from gpu_trace import runtime
+from gpu_trace.runtime.client import cuda
 from tests import serving
+from tests.cuda_build import CudaBuild
 from tests.integration.test_remote_server import Raw
 
 TOKEN = "remote-rng-token-01234567"
@@ -80,6 +82,28 @@ def test_checkpointed_dropout_trains_as_without_checkpointing(
         grads.append([p.grad.cpu() for p in block.parameters()] + [x.grad.cpu()])
     for plain, checkpointed in zip(*grads):
         assert torch.equal(plain, checkpointed)
+
+
+def test_torch_cuda_reads_and_sets_it_in_transparent_mode(served: str) -> None:
+    """A CUDA build without a GPU (tests/cuda_build.py), as `record --remote` sets it up: the
+    program's ``torch.cuda.get_rng_state``/``set_rng_state`` (and the ``_all`` forms) are the
+    session's generator."""
+    with CudaBuild():
+        runtime.connect(served, token=TOKEN)
+        cuda.patch()
+        try:
+            torch.manual_seed(11)
+            state = torch.cuda.get_rng_state()
+            first = torch.rand(6, device="cuda").cpu()
+            torch.cuda.set_rng_state(state)
+            assert torch.equal(first, torch.rand(6, device="cuda").cpu())
+            (every,) = torch.cuda.get_rng_state_all()
+            second = torch.rand(6, device="cuda").cpu()
+            torch.cuda.set_rng_state_all([every])
+            assert torch.equal(second, torch.rand(6, device="cuda").cpu())
+        finally:
+            cuda.unpatch()
+            runtime.disconnect()
 
 
 def test_a_state_not_of_the_devices_size_is_refused(served: str) -> None:
