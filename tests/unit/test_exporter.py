@@ -170,7 +170,7 @@ def test_the_cli_exports_through_the_seam(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(runs_cmd, "_open_store", lambda args: Store())
     monkeypatch.setattr(runs_cmd, "_resolve", lambda store, ref: "r")
     monkeypatch.setattr(exporter_mod, "get_exporter", fake_get_exporter)
-    args = argparse.Namespace(output=tmp_path / "t.json", run="last", rank=0)
+    args = argparse.Namespace(output=tmp_path / "t.json", run="last", rank=0, world_size=None)
     with pytest.raises(CLIError, match=r"^cannot write .*t\.json: the exporter failed"):
         runs_cmd.cmd_export(args)
     assert made == ["chrome"]
