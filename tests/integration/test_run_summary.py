@@ -20,7 +20,6 @@ from gpu_trace._summary_text import render_summary
 from gpu_trace.tracer.ingest import ingest
 from gpu_trace.tracer.records import (
     COUNTER_SCHEMA,
-    SPAN_SCHEMA,
     attrs_column,
     dict_column,
     numeric_column,
@@ -29,30 +28,14 @@ from gpu_trace.tracer.run import RunInfo
 from gpu_trace.tracer.spool import SpoolWriter
 from gpu_trace.tracer.store import Store
 from gpu_trace.tracer.summary import RunSummary
+from tests.integration.test_store import spans_table
 
 RUN_NS = 1000
 
 
 def spans(rows: list[tuple]) -> pa.Table:
-    """(span_id, parent, tid, lane, category, name, start, end) rows as a spool table."""
-    cols = list(zip(*rows, strict=True))
-    n = len(rows)
-    return pa.table(
-        {
-            "span_id": numeric_column(cols[0], pa.uint64()),
-            "parent_span_id": numeric_column(cols[1], pa.uint64()),
-            "pid": numeric_column(np.full(n, 7), pa.uint32()),
-            "tid": numeric_column(cols[2], pa.uint64()),
-            "lane": dict_column(cols[3]),
-            "category": dict_column(cols[4]),
-            "name": dict_column(cols[5]),
-            "start_ns": numeric_column(cols[6], pa.int64()),
-            "end_ns": numeric_column(cols[7], pa.int64()),
-            "depth": numeric_column(np.zeros(n), pa.uint16()),
-            "attrs": attrs_column([None] * n),
-        },
-        schema=SPAN_SCHEMA,
-    )
+    """(span_id, parent, tid, lane, category, name, start, end) rows as a spool table (depth 0)."""
+    return spans_table([(*r, 0) for r in rows])
 
 
 def counters(rows: list[tuple]) -> pa.Table:
