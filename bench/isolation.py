@@ -1,7 +1,8 @@
 """What a worker process per session costs, and what it buys: `serve --isolation process` next to
 `--isolation shared`, in one run, interleaved.
 
-    python bench/isolation.py [--rounds 3] [--ops 3000] [--quick] [--device cpu] [--json FILE]
+    python bench/isolation.py [--rounds 3] [--ops 3000] [--quick] [--device cpu] [--las]
+                              [--probe-after 2] [--json FILE]
 
 Two `gpu-trace serve` processes on the same device (CPU by default; ``--device cuda:0`` on a GPU
 machine), one per isolation, up for the whole run. Each figure is measured by a fresh client
@@ -19,7 +20,12 @@ process per round, the two servers' rounds interleaved (order turned every round
 - ``stall``: tenant B's synchronous round trip while tenant A's batches of 20
   ``mm.out`` of 2048 x 2048 run (the issue's probe), B's median under load over B's median
   alone (``process``: the workers are scheduled by the OS side by side; ``shared``: B's op waits
-  for A's batch).
+  for A's batch). B starts probing ``--probe-after`` seconds after A's first batch, as a
+  developer's session meets a training job that has been running.
+
+``--las`` adds a third server, ``process`` isolation under ``--policy las --las-thresholds 1``:
+A's worker sinks to nice 10 once its session has attained 1 s of device time, and B's probe
+meets it there (``process+las``).
 
 Figures: per isolation, the median over rounds and the [min-max] spread; ``process / shared``.
 The machine is shared and noisy: only ratios within one run mean something.
@@ -115,7 +121,8 @@ CLIENT = textwrap.dedent(
 
 
 @contextlib.contextmanager
-def serving(isolation: str, device: str, home: Path) -> Iterator[str]:
+def serving(mode: str, device: str, home: Path) -> Iterator[str]:
+    isolation, policy = MODES[mode]
     home.mkdir(parents=True, exist_ok=True)
     (home / "tenants.toml").write_text(TENANTS)
     log = home / "serve.log"
@@ -123,14 +130,16 @@ def serving(isolation: str, device: str, home: Path) -> Iterator[str]:
     env.update(GPU_TRACE_HOME=str(home), OMP_NUM_THREADS="1")
     argv = [sys.executable, "-m", "gpu_trace", "serve", "--listen", "127.0.0.1:0"]
     argv += ["--device", device, "--tenants", str(home / "tenants.toml"), "--metrics", "off"]
-    argv += ["--isolation", isolation, "--gpu-activity", "off"]
+    argv += ["--isolation", isolation, "--gpu-activity", "off", "--policy", policy]
+    if policy == "las":
+        argv += ["--las-thresholds", "1"]
     with open(log, "w") as err:
         proc = subprocess.Popen(argv, stderr=err, stdin=subprocess.DEVNULL, env=env)
     try:
         deadline = time.monotonic() + 180
         while "serving" not in log.read_text():
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the {isolation} server did not start: {log.read_text()}")
+                raise SystemExit(f"the {mode} server did not start: {log.read_text()}")
             time.sleep(0.1)
         line = next(ln for ln in log.read_text().splitlines() if " on " in ln)
         yield line.split(" on ")[1].split()[0]
@@ -143,6 +152,12 @@ def serving(isolation: str, device: str, home: Path) -> Iterator[str]:
 
 
 SETTLE = [6.0]
+#: Each server of the run: its isolation and policy.
+MODES = {
+    "process": ("process", "fair"),
+    "shared": ("shared", "fair"),
+    "process+las": ("process", "las"),
+}
 
 
 def client(address: str, token: str, what: str, n: int) -> subprocess.Popen[str]:
@@ -176,6 +191,7 @@ def one_round(address: str, args: argparse.Namespace) -> dict[str, float]:
     hog = client(address, TOKEN_A, "hog", args.hog_s)
     assert hog.stdout is not None
     hog.stdout.readline()  # hogging
+    time.sleep(args.probe_after)
     loaded = result(client(address, TOKEN_B, "probe", 30))["sync"]
     result(hog)
     fig["stall"] = loaded / alone
@@ -194,11 +210,26 @@ def main() -> None:
     ap.add_argument(
         "--settle", type=float, default=6.0, help="seconds a client waits after its first op"
     )
+    ap.add_argument(
+        "--probe-after",
+        type=float,
+        default=2.0,
+        help="seconds tenant A's batches have run when B starts probing (stall)",
+    )
+    ap.add_argument(
+        "--las",
+        action="store_true",
+        help="a third server: process isolation under --policy las (--las-thresholds 1)",
+    )
     args = ap.parse_args()
     SETTLE[0] = args.settle
     if args.quick:
-        args.rounds, args.ops, args.steps, args.hog_s = 1, 300, 8, 3
-    modes = ("process", "shared")
+        args.rounds, args.ops, args.steps, args.hog_s = 1, 300, 8, 4
+    if args.probe_after + 1 >= args.hog_s:
+        ap.error("--probe-after must leave tenant A's batches running a second more (--hog-s)")
+    modes: tuple[str, ...] = (
+        ("process", "shared", "process+las") if args.las else ("process", "shared")
+    )
     figures: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         addresses = {m: stack.enter_context(serving(m, args.device, Path(tmp) / m)) for m in modes}
@@ -210,22 +241,29 @@ def main() -> None:
     units = {"session": "s", "ops": "ops/s", "sync": "µs", "step": "ms", "two": "steps/s"}
     summary: dict[str, dict[str, object]] = {}
     print(f"device {args.device}, {args.rounds} rounds; median [min-max]")
-    print(f"{'figure':<8} {'process':>24} {'shared':>24} {'process/shared':>15}")
+    heads = "".join(f" {m:>24}" for m in modes)
+    print(f"{'figure':<8}{heads} {'process/shared':>15}")
     for key in keys:
         row: dict[str, object] = {}
         cells = []
+        medians = {}
         for mode in modes:
             vals = [f[key] for f in figures[mode]]
-            med = statistics.median(vals)
+            med = medians[mode] = statistics.median(vals)
             row[mode] = {"median": med, "min": min(vals), "max": max(vals)}
-            cells.append(f"{med:.3g} [{min(vals):.3g}-{max(vals):.3g}]")
-        ratio = row["process"]["median"] / row["shared"]["median"]  # type: ignore[index]
+            cells.append(f" {f'{med:.3g} [{min(vals):.3g}-{max(vals):.3g}]':>24}")
+        ratio = medians["process"] / medians["shared"]
         row["ratio"] = ratio
         summary[key] = row
         unit = units.get(key, "x alone")
-        print(f"{key:<8} {cells[0]:>24} {cells[1]:>24} {ratio:>14.2f}x  ({unit})")
+        print(f"{key:<8}{''.join(cells)} {ratio:>14.2f}x  ({unit})")
     if args.json:
-        args.json.write_text(json.dumps({"device": args.device, "figures": summary}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {"device": args.device, "probe_after_s": args.probe_after, "figures": summary},
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -196,6 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
         "the default) or las (least attained service)",
     )
     p.add_argument(
+        "--las-thresholds",
+        metavar="SECONDS,...",
+        help="under --policy las, the device time a session attains before it sinks to each "
+        "lower queue (default 1,10,100)",
+    )
+    p.add_argument(
         "--device-memory",
         metavar="SIZE",
         help="device memory that tenants' memory fractions are taken of, in bytes or as 16GiB "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from typing import Any
 
@@ -39,7 +40,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             device_memory = parse_size(args.device_memory)
             if device_memory <= 0:
                 raise ValueError("--device-memory must be more than 0 bytes")
-        scheduler = PolicyScheduler(make_policy(args.policy))
+        scheduler = PolicyScheduler(make_policy(args.policy, **policy_options(args)))
         device = args.device
         if args.standby < 0:
             raise ValueError("--standby must be 0 or more")
@@ -106,7 +107,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         where = f"token in {token_path}"
     else:
         where = "token from --token/GPU_TRACE_REMOTE_TOKEN"
-    where += f"; policy {args.policy}; isolation {args.isolation}"
+    policy = args.policy
+    if args.las_thresholds is not None:
+        policy += f" (thresholds {args.las_thresholds} s)"
+    where += f"; policy {policy}; isolation {args.isolation}"
     where += f"; GPU activity {'on' if server.gpu_activity_state() == 'on' else 'off'}"
     if sink is not None:
         where += f"; spans to {sink.display}"
@@ -134,6 +138,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     err(f"stopped{why}: served {server.batches_served()} batches{gpu}")
     return 0
+
+
+def policy_options(args: argparse.Namespace) -> dict[str, list[int]]:
+    """``--policy``'s options from the command line (``--las-thresholds``)."""
+    spec = args.las_thresholds
+    if spec is None:
+        return {}
+    if args.policy != "las":
+        raise ValueError(f"--las-thresholds is for --policy las, not {args.policy}")
+    try:
+        seconds = [float(part) for part in spec.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"--las-thresholds takes seconds separated by commas (like 1,10,100), got {spec!r}"
+        ) from None
+    if not all(math.isfinite(s) and s > 0 for s in seconds) or sorted(set(seconds)) != seconds:
+        raise ValueError(f"--las-thresholds must be positive and increasing, got {spec!r}")
+    return {"thresholds_ns": [round(s * 1e9) for s in seconds]}
 
 
 def _serve_metrics(server: Any, listen: str, spec: str | None) -> Any:

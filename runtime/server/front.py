@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import os
 import socket
 import sys
@@ -44,6 +43,7 @@ from gpu_trace.runtime.channel.messages import (
 )
 from gpu_trace.runtime.protocol import backend_flags
 from gpu_trace.runtime.protocol.wire import ConnectionClosed, FrameWriter, MsgType, json_frame
+from gpu_trace.runtime.server.cpu_share import apply_nice, worker_nice
 from gpu_trace.runtime.server.standby import Standby, Worker, WorkerFailed, exit_text
 
 if TYPE_CHECKING:
@@ -106,6 +106,7 @@ class Link:
     ended: Ended | None = None
     paged: list[int | None] = dataclasses.field(default_factory=list)
     paged_event: threading.Event = dataclasses.field(default_factory=threading.Event)
+    nice: int = 0  # what the front last set its threads to
 
 
 class Front:
@@ -217,6 +218,7 @@ class Front:
         link.resident = max(0, int(report.memory_bytes) - int(report.paged_bytes))
         session.batches = int(report.batches)
         self.server.memory.changed(session)
+        self._renice(link)  # under las, a session sinks as it attains service
         sink = self.server.sink
         if report.dirty and hasattr(sink, "mark_dirty"):
             for path in report.dirty:
@@ -226,14 +228,17 @@ class Front:
     # ---- the policy across workers ---------------------------------------------------------------
 
     def _renice(self, link: Link) -> None:
-        """The worker's CPU share, from its tenant's place in the policy: a lower priority
-        class runs at nice 10 and more (the kernel then gives it a few percent of a CPU that a
-        higher class wants), and under ``fair`` a smaller weight runs at a higher nice (each
-        nice step is about 1.25x less CPU: weight 2 against 1 is 3 steps)."""
-        nice = worker_nice(link.session.tenant, self.server.tenants, self.server.scheduler)
-        if nice:
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, link.worker.pid, nice)
+        """The worker's CPU share, from its tenant's place in the policy and (under ``las``)
+        its session's attained service: :mod:`~gpu_trace.runtime.server.cpu_share`. Set on
+        every thread of the worker, again at each report while it is not 0 (a thread started
+        while the others were being set keeps its creator's)."""
+        session = link.session
+        nice = worker_nice(
+            session.tenant, self.server.tenants, self.server.scheduler, session.usage.busy_ns
+        )
+        if nice or link.nice:
+            apply_nice(link.worker.pid, nice)
+            link.nice = nice
 
     # ---- memory across workers -------------------------------------------------------------------
 
@@ -390,17 +395,6 @@ class Front:
             FrameWriter(conn).send(json_frame(MsgType.ERROR, body))
         with contextlib.suppress(OSError):
             conn.shutdown(socket.SHUT_RDWR)
-
-
-def worker_nice(tenant: Tenant, tenants: Sequence[Tenant], scheduler: PolicyScheduler) -> int:
-    """The nice value (0-19) of a worker of ``tenant``'s, among ``tenants`` (see
-    :meth:`Front._renice`)."""
-    top = max(t.priority for t in tenants)
-    nice = 0 if tenant.priority >= top else min(19, 10 + top - tenant.priority)
-    if scheduler.policy.name == "fair":
-        heaviest = max(t.weight for t in tenants if t.priority == tenant.priority)
-        nice += round(math.log(heaviest / tenant.weight, 1.25))
-    return max(0, min(19, nice))
 
 
 def _near(a: int | None, b: int | None) -> bool:

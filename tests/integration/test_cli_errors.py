@@ -138,6 +138,31 @@ def test_a_server_no_client_could_join_is_refused(tmp_path: Path, n: str) -> Non
     assert one_line(out) == f"gpu-trace: cannot serve: --max-sessions must be 1 or more, got {n}"
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--las-thresholds", "1"], "--las-thresholds is for --policy las, not fair"),
+        (
+            ["--policy", "las", "--las-thresholds", "1,x"],
+            "--las-thresholds takes seconds separated by commas (like 1,10,100), got '1,x'",
+        ),
+        (
+            ["--policy", "las", "--las-thresholds", "10,1"],
+            "--las-thresholds must be positive and increasing, got '10,1'",
+        ),
+        (
+            ["--policy", "las", "--las-thresholds", "0,nan"],
+            "--las-thresholds must be positive and increasing, got '0,nan'",
+        ),
+    ],
+    ids=["not-las", "not-a-number", "decreasing", "zero"],
+)
+def test_bad_las_thresholds_are_refused(tmp_path: Path, args: list[str], message: str) -> None:
+    out = cli("serve", "--device", "cpu", *args, home=tmp_path / "home")
+    assert out.returncode == 2
+    assert one_line(out) == f"gpu-trace: cannot serve: {message}"
+
+
 def test_a_negative_rank_is_refused_before_the_store_is_read(tmp_path: Path) -> None:
     out = cli("export", "last", "-o", str(tmp_path / "t.json"), "--rank", "-1", home=tmp_path / "h")
     assert out.returncode == 2

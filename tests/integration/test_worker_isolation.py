@@ -86,7 +86,7 @@ BOB_SCRIPT = textwrap.dedent(
 class Served:
     """A `gpu-trace serve --isolation process` with the tenants above; its stderr in a file."""
 
-    def __init__(self, tmp: Path, extra: str = "") -> None:
+    def __init__(self, tmp: Path, extra: str = "", args: tuple[str, ...] = ()) -> None:
         tmp.mkdir(parents=True, exist_ok=True)
         (tmp / "tenants.toml").write_text(TENANTS + extra)
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_TRACE_")}
@@ -95,7 +95,7 @@ class Served:
         self.log = tmp / "serve.log"
         argv = [sys.executable, "-m", "gpu_trace", "serve", "--listen", "127.0.0.1:0"]
         argv += ["--device", "cpu", "--tenants", str(tmp / "tenants.toml"), "--metrics", "off"]
-        argv += ["--isolation", "process"]
+        argv += ["--isolation", "process", *args]
         with open(self.log, "w") as err:
             self.proc = subprocess.Popen(argv, stderr=err, stdin=subprocess.DEVNULL, env=env)
         deadline = time.monotonic() + 120
@@ -361,12 +361,46 @@ def test_a_batch_past_its_tenants_limit_ends_its_session(tmp_path: Path) -> None
         ]
         assert carol.batch(setup)["ok"]
         pid = carol.batch([["rt::worker_probe", ["pid"], {}, [3]]])["results"]["0"]
-        assert os.getpriority(os.PRIO_PROCESS, pid) == 11  # a lower priority class: nice 10 + 1
+        assert _nices(pid) == {11}  # a lower priority class: nice 10 + 1, on every thread
         mm = ["aten::mm.out", [{"h": 1}, {"h": 1}], {"out": {"h": 2}}, [None]]
         with pytest.raises(ProtocolError, match=r"limit of 1 s \(running aten::mm.out\)"):
             carol.batch([mm] * 20)
         bob = Raw(served.address, token=BOB)
         assert bob.batch([["aten::ones.default", [[4]], {}, [1]]])["ok"]
         assert [ln for ln in served.text().splitlines() if "ran past" in ln] != []
+    finally:
+        served.close()
+
+
+def _nices(pid: int) -> set[int]:
+    """The nice values of process ``pid``'s threads (Linux keeps one per thread)."""
+    return {os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+
+
+def test_under_las_a_worker_sinks_as_its_session_attains_service(tmp_path: Path) -> None:
+    """`--policy las --las-thresholds 0.2`: a session past 0.2 s of device time sinks to the
+    second queue, its worker's threads to nice 10; a new session's worker starts at the top."""
+    served = Served(tmp_path, args=("--policy", "las", "--las-thresholds", "0.2"))
+    try:
+        alice = Raw(served.address, token=ALICE)
+        alice.sock.settimeout(120)
+        setup = [
+            ["aten::ones.default", [[1024, 1024]], {}, [1]],
+            ["aten::empty.memory_format", [[1024, 1024]], {}, [2]],
+        ]
+        assert alice.batch(setup)["ok"]
+        pid = alice.batch([["rt::worker_probe", ["pid"], {}, [3]]])["results"]["0"]
+        assert _nices(pid) == {0}
+        mm = ["aten::mm.out", [{"h": 1}, {"h": 1}], {"out": {"h": 2}}, [None]]
+        deadline = time.monotonic() + 120
+        while _nices(pid) != {10}:  # each batch is service attained; a report carries it
+            assert time.monotonic() < deadline, _nices(pid)
+            assert alice.batch([mm] * 4)["ok"]
+        bob = Raw(served.address, token=BOB)
+        bob.sock.settimeout(120)
+        assert bob.batch([["aten::ones.default", [[4]], {}, [1]]])["ok"]
+        bob_pid = bob.batch([["rt::worker_probe", ["pid"], {}, [2]]])["results"]["0"]
+        assert _nices(bob_pid) == {0}
+        assert "policy las (thresholds 0.2 s)" in served.text()
     finally:
         served.close()
