@@ -146,6 +146,9 @@ class Connection(Receiver):
         self._first_ns = 0
         self._span_id = 0
         self.frees: collections.deque[int] = collections.deque()
+        #: Bytes of the storages its live tensors own, as the profiler hears of them
+        #: (:mod:`~gpu_trace.runtime.client.profiler_memory`).
+        self.allocated = 0
         self._in_flight: dict[int, Batch] = {}
         self.sent_seq = 0
         self.done_seq = 0

@@ -19,6 +19,7 @@ from typing import Any, cast
 
 import torch
 
+from gpu_trace.runtime.client import profiler_memory
 from gpu_trace.runtime.client.connection import Connection, OpRecord, now_ns
 from gpu_trace.runtime.protocol.errors import RemoteError, ServerGone
 from gpu_trace.runtime.protocol.shapes import (
@@ -71,19 +72,34 @@ class _Handle:
     ``sig`` is the tensor's part of a shape-cache key, ``wire`` its argument form (made once).
     """
 
-    __slots__ = ("conn", "id", "sig", "wire")
+    __slots__ = ("conn", "id", "sig", "wire", "nbytes")
 
-    def __init__(self, c: Connection, ident: int, sig: tuple) -> None:
+    def __init__(self, c: Connection, ident: int, sig: tuple, nbytes: int = 0) -> None:
         self.conn = c
         self.id = ident
         self.sig = sig
         self.wire = {"h": ident}
+        self.nbytes = nbytes  # its own storage's (0: a view, or empty)
+        if nbytes:
+            c.allocated += nbytes
+            if _profiling._is_profiler_enabled:
+                profiler_memory.report(id(self), nbytes, c.allocated)
 
     def __del__(self) -> None:
         c = self.conn
         if not c.closed:
             c.frees.append(self.id)
+        if self.nbytes:
+            c.allocated -= self.nbytes
+            try:
+                if _profiling._is_profiler_enabled:
+                    profiler_memory.report(id(self), -self.nbytes, max(0, c.allocated))
+            except Exception:  # at interpreter exit, what it reads may be gone
+                pass
 
+
+#: Where torch says whether a profiler is on (read per tensor made: no call).
+_profiling = torch.autograd.profiler
 
 #: ``Tensor.data``, the base class's attribute (``RemoteTensor.data`` extends its setter).
 _TENSOR_DATA: Any = vars(torch._C.TensorBase)["data"]
@@ -98,12 +114,22 @@ class RemoteTensor(torch.Tensor):
 
     @staticmethod
     def __new__(
-        cls, c: Connection, ident: int, dtype: Any, shape: tuple, stride: tuple, offset: int
+        cls,
+        c: Connection,
+        ident: int,
+        dtype: Any,
+        shape: tuple,
+        stride: tuple,
+        offset: int,
+        nbytes: int | None = None,
     ):
+        """``nbytes``: its storage's bytes, 0 for a view (None: a new storage, sized here)."""
         r = torch.Tensor._make_wrapper_subclass(
             cls, shape, strides=stride, storage_offset=offset, dtype=dtype, device=DEVICE
         )
-        r._rt = _Handle(c, ident, (dtype, shape, stride, offset))
+        if nbytes is None:
+            nbytes = profiler_memory.storage_bytes(dtype, shape, stride, offset)
+        r._rt = _Handle(c, ident, (dtype, shape, stride, offset), nbytes)
         return r
 
     @classmethod
@@ -144,10 +170,11 @@ class RemoteTensor(torch.Tensor):
         return self.detach().cpu().__reduce_ex__(protocol)
 
 
-def _new(c: Connection, plan: NewTensor) -> tuple[int, RemoteTensor]:
+def _new(c: Connection, plan: NewTensor, owns: bool = True) -> tuple[int, RemoteTensor]:
+    """A new handle and its tensor; ``owns``: it has a storage of its own (not a view)."""
     h = c.new_handle()
     dtype, shape, stride, offset = plan
-    return h, RemoteTensor(c, h, dtype, shape, stride, offset)
+    return h, RemoteTensor(c, h, dtype, shape, stride, offset, None if owns else 0)
 
 
 def _stack() -> tuple:
@@ -395,9 +422,13 @@ class _One:
     ``tid``: the op's template in the session whose ``epoch`` is ``tepoch`` (0: none there).
     """
 
-    __slots__ = ("shape", "dtype", "stride", "offset", "sig", "contiguous", "tid", "tepoch")
+    __slots__ = (
+        "shape", "dtype", "stride", "offset", "sig", "contiguous", "tid", "tepoch", "nbytes"
+    )  # fmt: skip
 
-    def __init__(self, dtype: Any, shape: tuple, stride: tuple, offset: int) -> None:
+    def __init__(
+        self, dtype: Any, shape: tuple, stride: tuple, offset: int, owns: bool = True
+    ) -> None:
         self.shape = shape
         self.dtype = dtype
         self.stride = stride
@@ -406,19 +437,22 @@ class _One:
         self.contiguous = offset == 0 and _contiguous_strides(shape) == stride
         self.tid = 0
         self.tepoch = 0
+        #: Its result's storage bytes (0: the result is a view of an input).
+        self.nbytes = profiler_memory.storage_bytes(dtype, shape, stride, offset) if owns else 0
 
 
 class _Many:
     """A plan made ready for any other results: ``described`` as the shape cache describes
     them (:mod:`gpu_trace.runtime.protocol.shapes`); ``tid``/``tepoch`` as :class:`_One`'s."""
 
-    __slots__ = ("is_tuple", "described", "tid", "tepoch")
+    __slots__ = ("is_tuple", "described", "tid", "tepoch", "owns")
 
-    def __init__(self, is_tuple: bool, described: tuple) -> None:
+    def __init__(self, is_tuple: bool, described: tuple, owns: bool = True) -> None:
         self.is_tuple = is_tuple
         self.described = described
         self.tid = 0
         self.tepoch = 0
+        self.owns = owns  # its new results have storages of their own (the op makes no views)
 
 
 class _Call:
@@ -520,9 +554,9 @@ def _miss(
 def _twin(plan: _One | _Many | _Call) -> _One | _Many | _Call:
     """A plan like ``plan`` with no template of its own."""
     if type(plan) is _One:
-        return _One(plan.dtype, plan.shape, plan.stride, plan.offset)
+        return _One(plan.dtype, plan.shape, plan.stride, plan.offset, plan.nbytes > 0)
     if type(plan) is _Many:
-        return _Many(plan.is_tuple, plan.described)
+        return _Many(plan.is_tuple, plan.described, plan.owns)
     return _Call()
 
 
@@ -535,10 +569,11 @@ def _plan(func: Any, args: tuple, kwargs: dict, key: tuple, name: str) -> Any:
         )
     if plan is not DYNAMIC:
         is_tuple, described = plan
+        owns = profiler_memory.allocates(func)
         if not is_tuple and len(described) == 1 and type(described[0]) is NewTensor:
-            plan = _One(*described[0])
+            plan = _One(*described[0], owns)
         else:
-            plan = _Many(is_tuple, described)
+            plan = _Many(is_tuple, described, owns)
     cache.put(key, plan)
     return plan
 
@@ -564,7 +599,7 @@ def _make(c: Connection, ident: int, one: _One) -> RemoteTensor:
             dtype=one.dtype,
             device=DEVICE,
         )
-    r._rt = _Handle(c, ident, one.sig)
+    r._rt = _Handle(c, ident, one.sig, one.nbytes)
     return r
 
 
@@ -584,7 +619,7 @@ def _issue_plan(
     results: list[Any] = []
     for d in plan.described:
         if type(d) is NewTensor:
-            h, t = _new(c, d)
+            h, t = _new(c, d, plan.owns)
             outs.append(h)
             results.append(t)
         elif type(d) is Alias:
@@ -594,7 +629,7 @@ def _issue_plan(
             outs.append(None)
             results.append(None)
         else:
-            pairs = [(None, None) if x is None else _new(c, x) for x in d]
+            pairs = [(None, None) if x is None else _new(c, x, plan.owns) for x in d]
             outs.append([h for h, _ in pairs])
             results.append([t for _, t in pairs])
     record = OpRecord(name, _stack(), t0)

@@ -63,13 +63,7 @@ MODES = {"torch": ("off", "module", "op", "forwarded"), "tf": ("off", "layer", "
 
 # Cases that fail because gpu-trace is wrong, each with what it does (strict: once fixed, they
 # fail until taken off this list).
-KNOWN: dict[tuple[str, str], str] = {
-    ("profiled", "forwarded"): (
-        "the program's own profile (profile_memory=True) has no memory events for the remote "
-        "device's tensors: nothing reports their allocations to the profiler, as CUDA's "
-        "allocator does"
-    ),
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 # Found failing some of the time, so not strict: two op-level recordings of reinforce held
 # 249 and 250 ``Policy.backward`` (one run in two here, beside other engineers' load).
