@@ -27,7 +27,11 @@ What goes where (docs/export.md has the user's view):
   most recent ``flow_window`` spans of category ``forward``; a parent older than both is not
   linked.
 - Counters are counter events (``ph: C``) on a per-host ``counters`` process, named by metric,
-  one series per device.
+  one series per device, ``cat`` the source, the labels (if any) in ``labels`` beside ``args``.
+- A span's ``args`` carry what the store has and Chrome's fields do not (span ids, category,
+  lane, depth), and the trailer's ``gpu_trace`` the run's metadata and what each Chrome pid and
+  tid stands for: ``gpu-trace import`` (``importer.convert_export``) stores the run again from
+  them, exactly.
 """
 
 from __future__ import annotations
@@ -96,8 +100,9 @@ DEVICE_CATEGORIES = (KERNEL, MEMCPY, MEMSET)
 #: First synthetic tid (lane tracks) and pid (counter processes, renumbered pids). Linux pids and
 #: tids stay below 2**22, so these never meet a real one; both stay below 2**31 for old viewers.
 SYNTHETIC_BASE = 1 << 30
-#: Argument names the exporter writes itself; an attribute with one of these names gets "attr.".
-RESERVED_ARGS = ("span_id", "parent_span_id", "category", "lane", "device", "stream")
+#: Argument names the exporter writes itself; an attribute with one of these names (or whose name
+#: starts with "attr.") gets "attr." in front, so the importer can take exactly one off again.
+RESERVED_ARGS = ("span_id", "parent_span_id", "category", "lane", "device", "stream", "depth")
 #: Kineto argument names HTA reads as integers: attributes with these names and an integer value
 #: are written as JSON numbers (everything else stays a string, as recorded).
 INT_ARGS = ("correlation", "External id", "Sequence number", "Fwd thread id", "Ev Idx", "cbid")
@@ -189,8 +194,19 @@ class ChromeTraceExporter:
         self._kineto = categories == "kineto"
         self._thread_names: dict[tuple[str, int, int], str] = {}
         self._process_names: dict[tuple[str, int], str] = {}
+        #: The threads rows as given, for the trailer (``gpu-trace import`` stores them again).
+        self._thread_rows: list[dict[str, str | int]] = []
         for t in threads:
             key = (str(t.get("host", "")), int(t.get("pid", 0)))
+            self._thread_rows.append(
+                {
+                    "host": key[0],
+                    "pid": key[1],
+                    "tid": int(t.get("tid") or 0),
+                    "process_name": str(t.get("process_name") or ""),
+                    "thread_name": str(t.get("thread_name") or ""),
+                }
+            )
             if t.get("tid") is not None and t.get("thread_name"):
                 thread = (*key, int(t["tid"]))  # a local: mypy reads d[(*a, b)] as 3.11's d[*a, b]
                 self._thread_names[thread] = str(t["thread_name"])
@@ -212,6 +228,10 @@ class ChromeTraceExporter:
         self._device_streams: set[tuple[int, int]] = set()
         self._next_pid = SYNTHETIC_BASE
         self._next_tid = SYNTHETIC_BASE
+        #: What each Chrome process and thread track stands for, for the trailer: the recorded
+        #: host, pid and tid behind renumbered pids and synthetic tids (``gpu-trace import``).
+        self._process_rows: list[dict[str, str | int | bool]] = []
+        self._track_rows: list[dict[str, int]] = []
         self._flows = FlowLinker(self.flow_window)
         self.stats: dict[str, Any] = {
             "path": str(self.path),
@@ -361,6 +381,7 @@ class ChromeTraceExporter:
             ',"category":',
             our_cat,
             lane_frag,
+            _depth_fragment(batch),
             attrs_fragment(
                 _without_lane_args(batch, device_rows) if self._kineto else batch["attrs"],
                 reserved=RESERVED_ARGS,
@@ -422,8 +443,13 @@ class ChromeTraceExporter:
             series = pc.if_else(pc.equal(device, ""), "value", device)
         else:
             series = pa.array(["value"] * n, pa.string())
+        # The shortest text that reads back as the same float64; "-0" would read back as 0.
+        number = pc.cast(combined(value.filter(keep)), pa.string())
+        number = pc.if_else(pc.equal(number, "-0"), "-0.0", number)
         events = pc.binary_join_element_wise(
-            ',\n{"ph":"C","name":',
+            ',\n{"ph":"C",',
+            _counter_source(batch),
+            '"name":',
             quote(batch["metric"]),
             ",",
             pid_frag.take(pa.array(host_codes)),
@@ -432,8 +458,10 @@ class ChromeTraceExporter:
             ',"args":{',
             quote(series),
             ":",
-            pc.cast(combined(value.filter(keep)), pa.string()),
-            "}}",
+            number,
+            "}",
+            _counter_labels(batch),
+            "}",
             "",
         )
         self._write_strings(events)
@@ -520,10 +548,22 @@ class ChromeTraceExporter:
             "flow_window": self.flow_window,
             "complete": self.stats["complete"],
         }
-        tail = f'\n],\n"gpu_trace": {dumps(info)}'
         attrs = self.run.get("attrs") or {}
         if isinstance(attrs, list):  # a map as the store may return it: (key, value) pairs
             attrs = dict(attrs)
+        # What `gpu-trace import` needs to store the run again as it was (docs/import.md).
+        info.update(
+            {
+                "categories": "kineto" if self._kineto else "native",
+                "started_ns": _int_or_zero(self.run.get("started_ns")),
+                "ended_ns": _int_or_zero(self.run.get("ended_ns")),
+                "attrs": {str(k): str(v) for k, v in attrs.items()},
+                "threads": self._thread_rows,
+                "processes": self._process_rows,
+                "tracks": self._track_rows,
+            }
+        )
+        tail = f'\n],\n"gpu_trace": {dumps(info)}'
         try:
             wall = base - int(attrs["anchor_mono_ns"]) + int(attrs["anchor_wall_ns"])
             tail += f',\n"baseTimeNanoseconds": {wall}'
@@ -546,6 +586,7 @@ class ChromeTraceExporter:
             cpid = self._new_pid()
         self._used_pids.add(cpid)
         self._pids[key] = cpid
+        self._process_rows.append({"chrome_pid": cpid, "host": host, "pid": pid})
         pname = self._process_names.get(key, "")
         label = " ".join(p for p in (host, str(pid), pname) if p)
         meta = self._meta("process_name", cpid, None, {"name": label})
@@ -565,6 +606,7 @@ class ChromeTraceExporter:
         if cpid is None:
             cpid = self._counter_pids[host] = self._new_pid()
             self._used_pids.add(cpid)
+            self._process_rows.append({"chrome_pid": cpid, "host": host, "counters": True})
             label = f"{host} counters" if host else "counters"
             meta = self._meta("process_name", cpid, None, {"name": label})
             meta += self._meta("process_sort_index", cpid, None, {"sort_index": 1 << 20})
@@ -596,6 +638,7 @@ class ChromeTraceExporter:
                 self._next_tid += 1
             ctid, order = self._next_tid, lanes + 1
         self._used_tids.add(ctid)
+        self._track_rows.append({"chrome_pid": cpid, "chrome_tid": ctid, "tid": tid})
         base = self._thread_names.get((host_name, pid, tid)) or f"thread {tid}"
         meta = self._meta("thread_name", cpid, ctid, {"name": f"{base} · {lane_name}"})
         meta += self._meta("thread_sort_index", cpid, ctid, {"sort_index": rank * 1024 + order})
@@ -617,6 +660,7 @@ class ChromeTraceExporter:
             cpid = dev if dev not in self._used_pids and dev < SYNTHETIC_BASE else self._new_pid()
             self._used_pids.add(cpid)
             self._device_pids[(host, dev)] = cpid
+            self._process_rows.append({"chrome_pid": cpid, "host": host, "device": dev})
             label = f"{host} GPU {dev}" if host else f"GPU {dev}"
             meta = self._meta("process_name", cpid, None, {"name": label})
             meta += self._meta("process_sort_index", cpid, None, {"sort_index": 1 << 19})
@@ -729,6 +773,47 @@ def _kineto_rows(
         if rows.any():
             cat_json = pc.if_else(pa.array(rows), '"gpu_user_annotation"', cat_json)
     return cat_json
+
+
+def _depth_fragment(batch: pa.Table) -> pa.Array | str:
+    """Per row ``,"depth":N`` where the span's depth is not 0 (``""`` there): the store's depth
+    is the recorder's, which the importer cannot work out again from the parents."""
+    if "depth" not in batch.column_names:
+        return ""
+    depth = int64(batch["depth"])
+    if not depth.any():
+        return ""
+    text = pc.binary_join_element_wise(',"depth":', pa.array(depth).cast(pa.string()), "")
+    return pc.if_else(pa.array(depth != 0), text, "")
+
+
+def _counter_source(batch: pa.Table) -> pa.Array | str:
+    """Per row ``"cat":"<source>",`` (``nvml``, ``host``, ``user``...), ``""`` without one."""
+    if "source" not in batch.column_names:
+        return ""
+    source = pc.fill_null(plain(batch["source"]), "")
+    text = pc.binary_join_element_wise('"cat":', quote(source), ",", "")
+    return pc.if_else(pc.equal(source, ""), "", text)
+
+
+def _counter_labels(batch: pa.Table) -> pa.Array | str:
+    """Per row ``,"labels":{...}`` for a sample with labels (``""`` for one without): beside
+    ``args``, whose every entry a viewer draws as a series."""
+    if "labels" not in batch.column_names:
+        return ""
+    pairs = attrs_fragment(_attr_map(batch["labels"]))
+    if isinstance(pairs, str):
+        return ""
+    text = pc.binary_join_element_wise(',"labels":{', pc.utf8_slice_codeunits(pairs, 1), "}", "")
+    return pc.if_else(pc.equal(pairs, ""), "", text)
+
+
+def _int_or_zero(value: object) -> int:
+    """A run's time as an integer (a store's number, or its text); 0 where it has none."""
+    if isinstance(value, (int, np.integer, str)) and not isinstance(value, bool):
+        with contextlib.suppress(ValueError):
+            return int(value)
+    return 0
 
 
 def _forward_spans(batch: pa.Table) -> np.ndarray | None:

@@ -18,12 +18,15 @@ import pyarrow.compute as pc
 
 #: Characters that make a string need JSON escaping (quote, backslash, control characters).
 _NEEDS_ESCAPE = r'[\x00-\x1f"\\]'
-#: A value written as a JSON number: at most 18 digits and no leading zero (JSON has none), so it fits an int64 in any reader.
-_INTEGER = r"^-?(0|[1-9][0-9]{0,17})$"
-#: A finite JSON number (integer or decimal, optional exponent).
-_NUMBER = r"^-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?$"
-#: A flat JSON list of integers, as PyTorch's profiler writes grid and block: ``[1, 2, 3]``.
-_INT_LIST = r"^\[(-?[0-9]{1,18}(, ?-?[0-9]{1,18})*)?\]$"
+#: A value written as a JSON number: at most 18 digits and no leading zero (JSON has none), so it
+#: fits an int64 in any reader; not "-0", which reads back as 0 (the text is what is kept).
+_INTEGER = r"^(0|-?[1-9][0-9]{0,17})$"
+#: A finite JSON number (integer or decimal, optional exponent), not a bare "-0" (as above).
+_NUMBER = r"^(0|-?[1-9][0-9]*|-?(0|[1-9][0-9]*)\.[0-9]+)([eE][-+]?[0-9]+)?$"
+#: A flat JSON list of integers as PyTorch's profiler writes grid and block, ``[1, 2, 3]``: a
+#: reader that writes the list back as JSON gives the same text.
+_LIST_ITEM = "(0|-?[1-9][0-9]{0,17})"
+_INT_LIST = rf"^\[({_LIST_ITEM}(, {_LIST_ITEM})*)?\]$"
 
 
 def dumps(value: Any) -> str:
@@ -125,10 +128,11 @@ def attrs_fragment(
 ) -> pa.Array | str:
     """Per row ``,"key":"value",...`` for the attributes (``""`` for none).
 
-    A key in ``reserved`` gets ``attr.`` in front; the value of a key in ``integer_keys`` is
-    written as a JSON number when it is an integer, of a key in ``number_keys`` when it is a
-    number, of a key in ``list_keys`` as a JSON list when it is a list of integers (other values
-    stay strings, as recorded).
+    A key in ``reserved`` gets ``attr.`` in front, and so, where there are reserved keys, does a
+    key that starts with ``attr.`` (a reader takes exactly one ``attr.`` off again); the value
+    of a key in ``integer_keys`` is written as a JSON number when it is an integer, of a key in
+    ``number_keys`` when it is a number, of a key in ``list_keys`` as a JSON list when it is a
+    list of integers (other values stay strings, as recorded).
     """
     col = combined(col)
     if isinstance(col, pa.MapArray):
@@ -140,11 +144,11 @@ def attrs_fragment(
     if len(keys) == 0:
         return ""
     keys = plain(keys).fill_null("")
-    keys = pc.if_else(
-        pc.is_in(keys, pa.array(reserved, pa.string())),
-        pc.binary_join_element_wise("attr.", keys, ""),
-        keys,
-    )
+    if reserved:
+        escaped = pc.or_(
+            pc.is_in(keys, pa.array(reserved, pa.string())), pc.starts_with(keys, "attr.")
+        )
+        keys = pc.if_else(escaped, pc.binary_join_element_wise("attr.", keys, ""), keys)
     items = plain(items).fill_null("")
     values = quote(items)
     numeric = pc.and_(

@@ -1,4 +1,5 @@
-"""`gpu-trace import`: a PyTorch profiler (Kineto) trace file into the store as a run."""
+"""`gpu-trace import`: a PyTorch profiler (Kineto) trace file, or a file `gpu-trace export` wrote,
+into the store as a run."""
 
 from __future__ import annotations
 

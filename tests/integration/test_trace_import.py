@@ -210,6 +210,35 @@ def test_hta_on_the_export_gives_the_originals_analyses(
     )
 
 
+def test_the_export_imports_back_as_the_same_run(
+    store: Store, slice_run: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Our export of the imported trace (Kineto's dialect: device work on the GPU's tracks) reads
+    back as the imported run, row for row: span ids, parents, pids, tids, lanes, depths,
+    attributes (Kineto's numbers as their text), times to the nanosecond."""
+    out = tmp_path / "again.json.gz"
+    assert main(["export", slice_run, "-o", str(out), "--store", store.dsn]) == 0
+    capsys.readouterr()
+    again = import_trace(store, out).run_id
+
+    def rows(run_id: str) -> list[tuple]:
+        result = store.query(
+            "SELECT * EXCEPT (run_id) FROM __db__.spans WHERE run_id = {run_id:String}",
+            {"run_id": run_id},
+        )
+        return sorted(
+            (tuple(sorted(v.items()) if isinstance(v, dict) else v for v in r)
+             for r in result.result_rows),
+            key=repr,
+        )  # fmt: skip
+
+    assert rows(again) == rows(slice_run)
+    before, after = store.run(slice_run), store.run(again)
+    for key in ("trace_id", "started_ns", "ended_ns", "started_wall_ns", "hosts", "status"):
+        assert after[key] == before[key], key
+    assert dict(after["attrs"])["source_run_id"] == slice_run
+
+
 def test_the_dashboards_reads_find_the_device_lanes(store: Store, slice_run: str) -> None:
     pytest.importorskip("dash")
     from gpu_trace.dashboard import timeline

@@ -577,8 +577,9 @@ def test_integer_looking_attributes_stay_valid_json(tmp_path: Path) -> None:
     path = tmp_path / "ints.json"
     write_chrome_trace(path, RUN, [], [spans(rows)])
     got = [e["args"]["correlation"] for e in by_phase(load(path), "X")]
-    # canonical integers become numbers (HTA needs them); anything else stays the string it was
-    assert got == [0, -7, 123, "0123", 0, "12345678901234567890", "1e3", " 1"]
+    # canonical integers become numbers (HTA needs them); anything else stays the string it was,
+    # "-0" too (as a number it reads back as 0: `gpu-trace import` keeps the text it reads)
+    assert got == [0, -7, 123, "0123", "-0", "12345678901234567890", "1e3", " 1"]
 
 
 def gpu_activity_rows() -> list[tuple]:

@@ -189,7 +189,7 @@ def test_run_attributes_and_clock_anchor() -> None:
         "4",
     )
     assert json.loads(a["device_properties"])[0]["numSms"] == 132
-    assert converted.threads == [(9, 9, "python3", "main")]
+    assert converted.threads == [("", 9, 9, "python3", "main")]  # host: the trace names none
     assert info.hosts == []  # the H100 trace names no host
     data["host_name"] = "gpu-node-7"  # newer PyTorch versions do
     assert convert(data, name="t.json", command="c").info.hosts == ["gpu-node-7"]
@@ -299,6 +299,9 @@ def broken(change: dict, drop: str | None = None) -> dict:
         (broken({"dur": "-2.5"}), "event 7 (kernel): negative dur -2.5"),
         (broken({"pid": "GPU"}), "event 7: pid is 'GPU', not an integer"),
         (broken({"args": {"device": "x"}}), "event 7: device is 'x', not an integer"),
+        # numbers past an int64 column were an OverflowError traceback
+        (broken({"pid": 2**80}), "a time, pid or tid too large for 64 bits"),
+        (broken({"ts": "1e30"}), "a time, pid or tid too large for 64 bits"),
         (trace([1]), "event 0 is a int, not an object"),
         (trace([]), "no events of a PyTorch profiler trace"),
         (trace([x("overhead", "a", "1", "1")]), "no events of a PyTorch profiler trace"),
