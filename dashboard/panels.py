@@ -188,7 +188,8 @@ def details(
         parts.append(html.Div("none (a root span)" if not int(s["parent_span_id"]) else
                               "not in this run", className="hint"))  # fmt: skip
     kids = s.get("children") or []
-    parts.append(html.H5(f"children ({s.get('children_total', 0)})"))
+    floor = "+" if s.get("children_partial") else ""  # too many inside it to read them all
+    parts.append(html.H5(f"children ({s.get('children_total', 0)}{floor})"))
     parts += [_goto(_span_line(c, base), c["span_id"], c["start_ns"], c["end_ns"]) for c in kids]
     if s.get("children_total", 0) > len(kids):
         parts.append(html.Div(f"and {s['children_total'] - len(kids)} more", className="hint"))

@@ -15,7 +15,7 @@ screen, not the run: at most ``MAX_BARS`` bars plus ``rows x buckets`` cells.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -24,6 +24,7 @@ import pyarrow.compute as pc
 from gpu_trace.dashboard import overview
 from gpu_trace.dashboard.gpu_work import device_lane
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore
+from gpu_trace.tracer import nesting
 
 #: Bars drawn at most per window; narrower spans past this go into density cells.
 MAX_BARS = 4000
@@ -589,10 +590,19 @@ def _ids(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+#: Spans of a thread read at most to find a span's children by time; past it the count is a floor.
+MAX_NESTED_SCAN = 1_000_000
+
+
 def span(
     source: ReadOnlyStore, run_id: str, span_id: str, start_ns: int | None = None
 ) -> dict | None:
-    """One span with its parent (on any host) and children (first 100 and their count)."""
+    """One span with its parent (on any host) and children (first 100 and their count).
+
+    Parents and children are as the OTLP export has them (:mod:`gpu_trace.tracer.nesting`): the
+    parent a span names, else the innermost span of its thread enclosing it; the children are
+    the spans naming it and those it is the innermost enclosing span of (``children_partial``:
+    the thread held too many spans inside it to read them all, the count is a floor)."""
     where = "run_id = {run:String} AND span_id = {id:UInt64}"
     params: dict[str, Any] = {"run": run_id, "id": int(span_id)}
     if start_ns is not None:
@@ -605,6 +615,16 @@ def span(
         return None
     out = found[0]
     out["attrs"] = dict(out["attrs"] or {})
+    me = _Selected(
+        int(out["span_id"]),
+        out["host"],
+        int(out["pid"]),
+        int(out["tid"]),
+        out["category"],
+        out["lane"],
+        int(out["start_ns"]),
+        int(out["end_ns"]),
+    )
     parent = int(out["parent_span_id"])
     out["parent"] = None
     if parent:
@@ -616,6 +636,25 @@ def span(
             )
         )
         out["parent"] = rows[0] if rows else None
+    elif nesting.nests(me.category):
+        rows = _ids(
+            source.rows(
+                f"""
+            SELECT {_SPAN_COLUMNS} FROM __db__.spans
+            WHERE run_id = {{run:String}} AND {_SAME_THREAD}
+              AND start_ns <= {{start:Int64}} AND end_ns >= {{end:Int64}}
+              AND end_ns > start_ns AND span_id != 0
+            ORDER BY start_ns DESC, end_ns, span_id DESC LIMIT 1000
+            """,
+                {"run": run_id, **me.thread(), "start": me.start_ns, "end": me.end_ns},
+            )
+        )
+        candidates = [
+            (int(r["start_ns"]), int(r["end_ns"]), int(r["span_id"]), r["category"], r["lane"])
+            for r in rows
+        ]
+        innermost = nesting.innermost(me.start_ns, me.end_ns, candidates)
+        out["parent"] = None if innermost is None else rows[innermost]
     children = _ids(
         source.rows(
             f"""
@@ -626,9 +665,89 @@ def span(
             {"run": run_id, "id": int(span_id)},
         )
     )
-    out["children"] = children
-    out["children_total"] = int(children[0]["total"]) if children else 0
+    total = int(children[0]["total"]) if children else 0
+    first, count, partial = _enclosed(source, run_id, me)
+    if first:
+        children += _ids(
+            source.rows(
+                f"""
+            SELECT {_SPAN_COLUMNS} FROM __db__.spans
+            WHERE run_id = {{run:String}} AND {_SAME_THREAD} AND parent_span_id = 0
+              AND span_id IN {{ids:Array(UInt64)}}
+              AND start_ns >= {{start:Int64}} AND start_ns <= {{end:Int64}}
+            ORDER BY start_ns LIMIT 100
+            """,
+                {
+                    "run": run_id,
+                    **me.thread(),
+                    "ids": first,
+                    "start": me.start_ns,
+                    "end": me.end_ns,
+                },
+            )
+        )
+    out["children"] = sorted(children, key=lambda r: int(r["start_ns"]))[:100]
+    out["children_total"] = total + count
+    out["children_partial"] = partial
     return out
+
+
+class _Selected(NamedTuple):
+    """What finding a span's parent and children by time needs of it."""
+
+    span_id: int
+    host: str
+    pid: int
+    tid: int
+    category: str
+    lane: str
+    start_ns: int
+    end_ns: int
+
+    def thread(self) -> dict[str, str | int]:
+        return {"host": self.host, "pid": self.pid, "tid": self.tid}
+
+
+_SAME_THREAD = "host = {host:String} AND pid = {pid:UInt32} AND tid = {tid:UInt64}"
+
+
+def _enclosed(source: ReadOnlyStore, run_id: str, me: _Selected) -> tuple[list[int], int, bool]:
+    """The spans ``me`` is the innermost enclosing span of (naming no parent): the ids of the first
+    100 by start, their count, and whether its thread had more than :data:`MAX_NESTED_SCAN` spans
+    starting inside it (the count is then a floor)."""
+    if me.end_ns <= me.start_ns or not me.span_id or not nesting.encloses(me.category, me.lane):
+        return [], 0, False
+    table = source.arrow(
+        f"""
+        SELECT span_id, parent_span_id, start_ns, end_ns, category, lane FROM __db__.spans
+        WHERE run_id = {{run:String}} AND {_SAME_THREAD}
+          AND start_ns >= {{start:Int64}} AND start_ns <= {{end:Int64}}
+        ORDER BY start_ns LIMIT {{n:UInt64}}
+        """,
+        {
+            "run": run_id,
+            **me.thread(),
+            "start": me.start_ns,
+            "end": me.end_ns,
+            "n": MAX_NESTED_SCAN,
+        },
+    )
+    ids = table.column("span_id").to_numpy().astype(np.uint64)
+    starts = table.column("start_ns").to_numpy().astype(np.int64)
+    ends = table.column("end_ns").to_numpy().astype(np.int64)
+    at = np.flatnonzero(
+        (ids == np.uint64(me.span_id)) & (starts == me.start_ns) & (ends == me.end_ns)
+    )
+    if not len(at):
+        return [], 0, False
+    kinds = list(zip(table.column("category").to_pylist(), table.column("lane").to_pylist()))
+    known = {k: (nesting.nests(k[0]), nesting.encloses(k[0], k[1])) for k in set(kinds)}
+    nested = np.fromiter((known[k][0] for k in kinds), bool, len(kinds))
+    holds = np.fromiter((known[k][1] for k in kinds), bool, len(kinds))
+    parents = table.column("parent_span_id").to_numpy().astype(np.uint64)
+    found = nesting.children(int(at[0]), starts, ends, ids, parents, nested, holds)
+    first = [int(i) for i in ids[found[:100]]]
+    return first, len(found), table.num_rows >= MAX_NESTED_SCAN
 
 
 def same_range_in_steps(

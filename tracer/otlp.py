@@ -7,17 +7,24 @@ extra), so a forwarded GPU call shows up in the same trace as the request that c
 
 - every span keeps the run's W3C trace id and its own 64-bit span id (a span recorded without
   one, a server op, gets a stable id hashed from what it is);
+- a span's parent is the one it names, else the innermost span enclosing it on its thread
+  (:mod:`gpu_trace.tracer.nesting`: a step holds its ranges, a range its modules, a module its
+  ops); only spans with neither hang under the run's root span;
 - only the kinds asked for are sent (:data:`KINDS`; by default steps, forwarded batches, user
   ranges and top-level modules), and a sent span's parent is its nearest *sent* ancestor, so the
   tree stays whole at any depth; the server's spans of a forwarded call hang under the client's
   batch span as the store relates them (``parent_span_id`` across hosts);
 - one synthesized root span stands for the run (its ``root_span_id`` from run.json, named after
-  the command); it is the child of the span that started the run when ``TRACEPARENT`` named one;
+  the run: its name, else its command); it is the child of the span that started the run when
+  ``TRACEPARENT`` named one;
 - times are Unix-epoch nanoseconds, from the run's anchor pair.
 
-Spans can arrive in any order (the spool holds a child before its parent, since a span is written
-when it ends): :class:`SpanMapper` holds a span whose parent it has not seen until the parent comes
-or :meth:`SpanMapper.finish`, keeping at most :data:`MAX_HELD` such spans.
+Spans come in start order from the store (``order="start"``: a span's enclosing span has come
+before it) or about as they end from the spool (``order="end"``, the stream: a child before its
+parent). :class:`SpanMapper` holds a span whose parent it has not seen until the parent comes or
+:meth:`SpanMapper.finish`; in end order a span naming no parent also waits for a span that
+encloses it, until :meth:`SpanMapper.release` gives up on it (it is top-level then). At most
+:data:`MAX_HELD` spans wait.
 
 The transport is :mod:`gpu_trace.tracer.endpoint`; :class:`OtlpExporter` is the exporter seam's
 OTLP exporter (``get_exporter("otlp", ...)``), used by ``gpu-trace export RUN --otlp URL``.
@@ -31,11 +38,12 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import pyarrow as pa
 
 from gpu_trace.tracer.exporter import ExportResult, check_batch
+from gpu_trace.tracer.nesting import Adopting, Enclosing, end_order, nests, order
 from gpu_trace.tracer.records import (
     FORWARD,
     KERNEL,
@@ -69,7 +77,8 @@ KINDS = ("steps", "forward", "ranges", "modules", "submodules", "ops", "kernels"
 DEFAULT_KINDS = frozenset({"steps", "forward", "ranges", "modules"})
 #: Spans per request (OTLP collectors take a few MB per request; this is about 0.5 MB).
 BATCH_SPANS = 1024
-#: Spans waiting for a parent not seen yet; beyond it the oldest go with the parent they name.
+#: Spans waiting for a parent not seen yet (or, in end order, for a span enclosing them); beyond
+#: it the oldest go with the parent they name (or as top-level).
 MAX_HELD = 100_000
 #: Spans remembered as possible parents (their link and whether they are in a module).
 MAX_SEEN = 1_000_000
@@ -204,6 +213,23 @@ class RunFacts:
         except (KeyError, ValueError):
             return 0
 
+    def name(self) -> str:
+        """The run's name, whole: the one it was given (``profile(name=...)``), an imported
+        trace's command (``import --name``'s, or ``import FILE``), else the recorded command's
+        program (``python train.py``)."""
+        given = self.attrs.get("name", "")
+        if given:
+            return given
+        if self.attrs.get("source") and self.command:  # imported: the command is its name
+            return self.command
+        if not self.command:
+            return "run"
+        args = self.command.split(" ", 2)
+        name = args[0].rsplit("/", 1)[-1]
+        if len(args) > 1 and name.startswith("python"):
+            name = f"{name} {args[1]}"  # python train.py
+        return name[:120]
+
     def root_span_id(self) -> int:
         """The run's root span id (run.json's ``root_span_id``, or one hashed from the run id)."""
         try:
@@ -240,12 +266,24 @@ class MapperStats:
 
 
 class SpanMapper:
-    """Rows in, OTLP spans out: kind selection, nearest-sent-ancestor parents, ids, wall times.
+    """Rows in, OTLP spans out: parents by nesting, kind selection, nearest-sent-ancestor parents,
+    ids, wall times.
 
-    Not thread-safe; one producer feeds it.
+    ``order`` says how rows come: ``"start"``, by start time (the store's order; within one
+    :meth:`add` any order, but rows starting at the same time come in the same call), or
+    ``"end"``, about as they end (the spool). Raises ``ValueError`` for another. Not thread-safe;
+    one producer feeds it.
     """
 
-    def __init__(self, run: RunFacts, kinds: frozenset[str] = DEFAULT_KINDS) -> None:
+    def __init__(
+        self,
+        run: RunFacts,
+        kinds: frozenset[str] = DEFAULT_KINDS,
+        *,
+        order: Literal["start", "end"] = "start",
+    ) -> None:
+        if order not in ("start", "end"):
+            raise ValueError(f"order is 'start' or 'end', got {order!r}")
         from opentelemetry.proto.common.v1 import common_pb2
         from opentelemetry.proto.trace.v1 import trace_pb2
 
@@ -262,6 +300,9 @@ class SpanMapper:
         self._held: OrderedDict[int, Row] = OrderedDict()  # by a key of its own, oldest first
         self._waiting: dict[int, dict[int, None]] = {}  # parent id -> held keys, in order
         self._held_seq = 0
+        # Start order: a span's enclosing span came before it. End order: it comes after.
+        self._enclosing = Enclosing() if order == "start" else None
+        self._adopting: Adopting[Row] | None = Adopting() if order == "end" else None
         self.last_end_ns = 0
 
     # ---- feeding --------------------------------------------------------------------------------
@@ -269,9 +310,32 @@ class SpanMapper:
     def add(self, batch: Iterable[Row]) -> list[tuple[Row, OtlpSpan]]:
         """Map rows; returns the spans ready to send (with their rows, for grouping)."""
         out: list[tuple[Row, OtlpSpan]] = []
-        for row in batch:
+        enclosing, adopting = self._enclosing, self._adopting
+        for row in sorted(batch, key=_by_start if enclosing is not None else _by_end):
             self.stats.spans_in += 1
             self.last_end_ns = max(self.last_end_ns, row.end_ns)
+            thread = (row.host, row.pid, row.tid)
+            if enclosing is not None:
+                parent = enclosing.parent(
+                    thread,
+                    row.span_id,
+                    row.parent_span_id,
+                    row.category,
+                    row.lane,
+                    row.start_ns,
+                    row.end_ns,
+                )
+                if parent != row.parent_span_id:
+                    row = row._replace(parent_span_id=parent)
+            elif adopting is not None:
+                for child in adopting.adopt(
+                    thread, row.span_id, row.category, row.lane, row.start_ns, row.end_ns
+                ):
+                    self._hold(child._replace(parent_span_id=row.span_id), out)
+                if not row.parent_span_id and nests(row.category):
+                    adopting.wait(thread, row.start_ns, row.end_ns, row)
+                    self._make_room(out)
+                    continue
             parent = row.parent_span_id
             if parent and parent != self._root and parent not in self._seen:
                 self._hold(row, out)
@@ -279,9 +343,22 @@ class SpanMapper:
             self._place(row, out)
         return out
 
-    def finish(self) -> list[tuple[Row, OtlpSpan]]:
-        """Everything still held, with the parents it names; then nothing is held."""
+    def release(self, ended_before_ns: int) -> list[tuple[Row, OtlpSpan]]:
+        """In end order: the spans naming no parent that ended before ``ended_before_ns`` and
+        no span enclosing them has come for, as top-level spans (and what waited for them)."""
         out: list[tuple[Row, OtlpSpan]] = []
+        if self._adopting is not None:
+            for row in self._adopting.release(ended_before_ns):
+                self._place(row, out)
+        return out
+
+    def finish(self) -> list[tuple[Row, OtlpSpan]]:
+        """Everything still held, with the parents it names (or as top-level when it waited for
+        an enclosing span); then nothing is held."""
+        out: list[tuple[Row, OtlpSpan]] = []
+        if self._adopting is not None:
+            for row in self._adopting.drain():
+                self._place(row, out)
         while self._held:
             self._release_oldest(out)
         return out
@@ -295,11 +372,7 @@ class SpanMapper:
         for key in ("exit_code", "reason", "remote"):
             if run.attrs.get(key):
                 attrs[f"gpu_trace.{key}"] = run.attrs[key]
-        name = run.command.split(" ", 1)[0].rsplit("/", 1)[-1] if run.command else "run"
-        args = run.command.split(" ", 2)
-        if len(args) > 1 and args[0].rsplit("/", 1)[-1].startswith("python"):
-            name = f"{name} {args[1]}"  # python train.py
-        row = Row(self._root, 0, "", 0, 0, "run", "run", name[:120], start, end, ())
+        row = Row(self._root, 0, "", 0, 0, "run", "run", run.name(), start, end, ())
         span = self._span(row, attrs=tuple(attrs.items()))
         try:
             incoming = int(run.attrs.get("parent_span_id", ""), 16)
@@ -317,8 +390,21 @@ class SpanMapper:
         self._held_seq += 1
         self._held[key] = row
         self._waiting.setdefault(row.parent_span_id, {})[key] = None
-        while len(self._held) > MAX_HELD:
-            self._release_oldest(out)
+        self._make_room(out)
+
+    def _make_room(self, out: list[tuple[Row, OtlpSpan]]) -> None:
+        """Keep at most MAX_HELD waiting: the oldest waiting for a parent goes naming it (the tree
+        stays right if that parent is sent), else the oldest waiting to be enclosed goes on top."""
+        adopting = self._adopting
+        while len(self._held) + (adopting.count if adopting is not None else 0) > MAX_HELD:
+            if self._held:
+                self._release_oldest(out)
+            elif adopting is not None:
+                row = adopting.oldest()
+                if row is None:
+                    return
+                self.stats.held_out += 1
+                self._place(row, out)
 
     def _release_oldest(self, out: list[tuple[Row, OtlpSpan]]) -> None:
         key, row = self._held.popitem(last=False)
@@ -405,6 +491,14 @@ class SpanMapper:
             if len(self._kv) < 4096:
                 self._kv[key] = found
         return found
+
+
+def _by_start(row: Row) -> tuple[int, int, int]:
+    return order(row.start_ns, row.end_ns, row.span_id)
+
+
+def _by_end(row: Row) -> tuple[int, int, int]:
+    return end_order(row.start_ns, row.end_ns, row.span_id)
 
 
 def _kind(row: Row) -> int:

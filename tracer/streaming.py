@@ -14,7 +14,12 @@ stays in the spool and the store either way; ``gpu-trace export RUN --otlp URL``
 Spans are sent when they end (that is when they reach the spool); a span's parent id is known
 from its start, but whether that parent is sent is not, so a span waits in the mapper until its
 parent has been seen (parents end later than their children: a step's spans wait at most one
-step). A forwarding server's spans that come back to the client are on the server's clock; they
+step). A span naming no parent waits for a span of its thread that encloses it
+(:mod:`~gpu_trace.tracer.nesting`; a top-level range waits for its step), and is sent as
+top-level if none came within :data:`HOLD_NS`. For that the mapper needs spans in the order they
+ended, which the spool only nearly is (PyTorch's op spans reach it in batches, up to about 1.5 s
+after the module around them): spans are mapped once :data:`SETTLE_NS` past their end, in end
+order. A forwarding server's spans that come back to the client are on the server's clock; they
 are mapped with a clock model from the run's clock samples (:func:`~gpu_trace.tracer.ingest.
 map_clock`), and wait for the first samples. :meth:`RunStream.close` reads the rest, sends it and
 the run's root span within a deadline, and reports what was sent and dropped.
@@ -22,16 +27,19 @@ the run's root span within a deadline, and reports what was sent and dropped.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
+from gpu_trace.tracer.clock import now_ns
 from gpu_trace.tracer.clocksync import ClockModel
 from gpu_trace.tracer.ingest import CLOCK_PEER, CLOCK_WINDOW_NS, map_clock
 from gpu_trace.tracer.otlp import (
@@ -59,6 +67,15 @@ POLL_S = 0.25
 QUEUE_SPANS = 64 * 1024
 #: Seconds `close` gives the rest of the run to be sent.
 CLOSE_TIMEOUT_S = 15.0
+#: Spans are mapped in end order once this long past their end (run clock, ns): op-level spans
+#: reach the spool up to about 1.5 s after the spans around them (a torch cut waits up to 1 s, a
+#: flush 0.5 s).
+SETTLE_NS = 3_000_000_000
+#: How long a mapped span naming no parent waits for a span enclosing it (ns): a step, or any span,
+#: lasting longer than this has its top-level spans sent as top-level.
+HOLD_NS = 10_000_000_000
+#: Spans waiting to settle; beyond it the oldest are mapped at once.
+MAX_SETTLING = 200_000
 
 
 @dataclass
@@ -85,15 +102,25 @@ class RunStream:
         poll_s: float = POLL_S,
         queue_spans: int = QUEUE_SPANS,
         batch_spans: int = BATCH_SPANS,
+        settle_ns: int = SETTLE_NS,
+        hold_ns: int = HOLD_NS,
+        clock: Callable[[], int] = now_ns,
     ) -> None:
         if queue_spans < 1 or batch_spans < 1:
             raise ValueError("queue_spans and batch_spans must be positive")
+        if settle_ns < 0 or hold_ns < 0:
+            raise ValueError("settle_ns and hold_ns must not be negative")
         self.run_dir = Path(run_dir)
         self.endpoint = endpoint
         self.target = target or "the collector"
         facts = RunFacts.of(asdict(RunInfo.load(self.run_dir)))
-        self.mapper = SpanMapper(facts, kinds)
+        self.mapper = SpanMapper(facts, kinds, order="end")
         self.builder = RequestBuilder(facts)
+        self.settle_ns = settle_ns
+        self.hold_ns = hold_ns
+        self.clock = clock
+        self._settling: list[tuple[int, int, int, Row]] = []  # a heap: end, -start, seq, row
+        self._settle_seq = 0
         self.poll_s = poll_s
         self.queue_spans = queue_spans
         self.batch_spans = batch_spans
@@ -201,6 +228,23 @@ class RunStream:
             assert spool.table is not None
             table, _ = map_clock("spans", spool.table, model, peer)
             self._map(spool, table)
+        if final:  # (followed by finish(), which sends everything)
+            self._settle(None)
+            return
+        settled = self.clock() - self.settle_ns
+        self._settle(settled)
+        self._enqueue(self.mapper.release(settled - self.hold_ns))
+
+    def _settle(self, ended_before: int | None) -> None:
+        """Map the spans that ended before ``ended_before`` (all with None), in end order."""
+        heap = self._settling
+        ready: list[Row] = []
+        while heap and (
+            ended_before is None or heap[0][0] < ended_before or len(heap) > MAX_SETTLING
+        ):
+            ready.append(heapq.heappop(heap)[3])
+        if ready:
+            self._enqueue(self.mapper.add(ready))
 
     def _add_clock(self, table: pa.Table) -> None:
         peers = table.column("peer").cast(pa.string()).to_pylist()
@@ -220,7 +264,9 @@ class RunStream:
     def _map(self, spool: SpoolFile, table: pa.Table) -> None:
         host = spool.meta.get("host", "")
         table = table.append_column("host", pa.array([host] * table.num_rows, pa.string()))
-        self._enqueue(self.mapper.add(rows(table)))
+        for row in rows(table):
+            heapq.heappush(self._settling, (row.end_ns, -row.start_ns, self._settle_seq, row))
+            self._settle_seq += 1
 
     def _enqueue(self, spans: list[tuple[Row, OtlpSpan]]) -> None:
         """Queue ``spans``, waiting for room: the spool on disk is the buffer while the program

@@ -76,14 +76,12 @@ def test_export_sends_the_run_as_one_trace_under_its_root_or_says_why_not(tmp_pa
     root = by_id[run["attrs"]["root_span_id"]]
     assert root.parent_span_id == "" and root.resource["service.name"] == "gpu-trace"
     names = sorted(s.name for s in spans if s.parent_span_id == root.span_id)
-    assert names == [
-        "ProfilerStep#0",
-        "ProfilerStep#1",
-        "backward",
-        "backward",
-        "forward",
-        "forward",
-    ]
+    assert names == ["ProfilerStep#0", "ProfilerStep#1"]
+    steps = {s.span_id: s.name for s in spans if s.name.startswith("ProfilerStep#")}
+    # Each step holds its ranges, NVTX domains' included (they name no parent: nesting by time).
+    for top in ("forward", "backward"):
+        held = sorted(steps[s.parent_span_id] for s in spans if s.name == top)
+        assert held == ["ProfilerStep#0", "ProfilerStep#1"], top
     inner = [s for s in spans if s.name == "inner"]
     assert len(inner) == 2 and all(by_id[s.parent_span_id].name == "forward" for s in inner)
     forward = [s for s in spans if s.name == "forward"]
@@ -111,6 +109,97 @@ def test_export_sends_the_run_as_one_trace_under_its_root_or_says_why_not(tmp_pa
     with otlp_receiver(status=[400]) as receiver:
         refused = cli("export", "last", "--otlp", receiver.url)
     assert refused.returncode == 1 and "HTTP 400" in refused.stderr, refused.stderr
+
+
+#: Steps holding a range, modules and their ops (op level), in a ``profile()`` block with a name of
+#: two words; ops before the first step belong to no step.
+NAMED_PROGRAM = """
+import gpu_trace, torch
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+x = torch.randn(2, 4)
+with gpu_trace.profile(name="tiny-net training", torch="op", nvml=False, host=False) as run:
+    torch.zeros(3).sum()
+    for step in range(2):
+        gpu_trace.step(step)
+        with gpu_trace.range("forward", step=step):
+            net(x).sum().backward()
+print("RUN", run.id)
+"""
+
+
+def test_export_nests_ops_in_modules_in_steps_under_the_whole_run_name(tmp_path: Path) -> None:
+    """The store names no parent for a step, a top-level range, module or op: each goes under the
+    innermost span of its thread that encloses it, and only what nothing encloses under the run's
+    root, which is named after the whole run name."""
+    pytest.importorskip("torch")
+    prog = tmp_path / "prog.py"
+    prog.write_text(textwrap.dedent(NAMED_PROGRAM))
+    ran = subprocess.run([sys.executable, str(prog)], capture_output=True, text=True, timeout=240)
+    assert ran.returncode == 0, ran.stderr
+    run_id = re.search(r"RUN (\S+)", ran.stdout).group(1)  # type: ignore[union-attr]
+    with otlp_receiver() as receiver:
+        out = cli("export", run_id, "--otlp", receiver.url, "--otlp-spans", "all")
+        assert out.returncode == 0, out.stderr
+        spans = receiver.spans()
+    by_id = tree(spans)
+    (root,) = [s for s in spans if s.parent_span_id == ""]
+    assert root.name == "tiny-net training"
+
+    def parent(s: Received) -> Received:
+        return by_id[s.parent_span_id]
+
+    def chain(s: Received) -> list[str]:
+        names = []
+        while s.parent_span_id:
+            s = parent(s)
+            names.append(s.name)
+        return names
+
+    steps = [s for s in spans if s.attrs.get("gpu_trace.category") == "step"]
+    assert len(steps) == 2 and all(parent(s) is root for s in steps)
+    for step in steps:
+        inside = [s for s in spans if step.start <= s.start and s.end <= step.end and s is not step]
+        assert inside and all(step.name in chain(s) for s in inside), step.name
+    (first,) = [s for s in spans if s.name == "forward" and s.attrs["step"] == "0"]
+    assert parent(first).name == "ProfilerStep#0"
+    modules = [s for s in spans if s.attrs.get("gpu_trace.category") == "module"]
+    top = [s for s in modules if s.name == "Sequential"]
+    assert len(top) == 2 and {parent(s).name for s in top} == {"forward"}
+    layers = [s for s in modules if s.name in ("Sequential.0", "Sequential.1", "Sequential.2")]
+    assert len(layers) == 6 and {parent(s).name for s in layers} == {"Sequential"}
+    ops = [s for s in spans if s.attrs.get("gpu_trace.category") == "op"]
+    linear = [s for s in ops if s.name == "aten::linear"]
+    assert len(linear) == 4
+    assert sorted(chain(s) for s in linear) == [
+        [layer, "Sequential", "forward", f"ProfilerStep#{n}", "tiny-net training"]
+        for layer in ("Sequential.0", "Sequential.2")
+        for n in (0, 1)
+    ]
+    # An op inside an op keeps the parent it names; one before the first step hangs under the root.
+    assert {parent(s).name for s in ops if s.name == "aten::addmm"} == {"aten::linear"}
+    before = [s for s in ops if s.name == "aten::zeros"]
+    assert before and all(parent(s) is root for s in before)
+    assert all(s is root or s.parent_span_id in by_id for s in spans)  # one whole tree
+
+    # The default kinds: steps, ranges and top-level modules, the same nesting.
+    with otlp_receiver() as receiver:
+        out = cli("export", run_id, "--otlp", receiver.url)
+        assert out.returncode == 0, out.stderr
+        default = tree(receiver.spans())
+    held = sorted(
+        (s.name, default[s.parent_span_id].name) for s in default.values() if s.parent_span_id
+    )
+    assert held == [
+        ("ProfilerStep#0", "tiny-net training"),
+        ("ProfilerStep#1", "tiny-net training"),
+        ("Sequential", "forward"),
+        ("Sequential", "forward"),
+        ("Tensor.backward", "forward"),
+        ("Tensor.backward", "forward"),
+        ("forward", "ProfilerStep#0"),
+        ("forward", "ProfilerStep#1"),
+    ]
 
 
 def _closed_port() -> int:

@@ -16,7 +16,9 @@ import pytest
 from tests.otlp_receiver import otlp_receiver
 
 #: Records two steps, then waits (a minute at most) for a file the
-#: test writes once the endpoint has seen a span: spans arrive while the program still runs.
+#: test writes once the endpoint has seen a span: spans arrive while the program still runs (the
+#: steps some 13 s after they end: streaming.SETTLE_NS and HOLD_NS, the wait for a span that
+#: could enclose them).
 WAITS = """
 import os, sys, time
 import gpu_trace
@@ -92,7 +94,14 @@ def test_spans_arrive_while_the_program_runs(tmp_path: Path) -> None:
         and root[0].attrs["gpu_trace.exit_code"] == "3"
     )
     assert names.count("work") == 2 and names.count("ProfilerStep#0") == 1
-    assert all(s.parent_span_id == root[0].span_id for s in spans if s is not root[0])
+    # Each range under its step (streamed: the range waited for the step that encloses it), the
+    # steps under the run's root.
+    by_id = {s.span_id: s for s in spans}
+    assert all(s.parent_span_id == root[0].span_id for s in spans if s.name.startswith("Prof"))
+    work = sorted(
+        (s.attrs["step"], by_id[s.parent_span_id].name) for s in spans if s.name == "work"
+    )
+    assert work == [("0", "ProfilerStep#0"), ("1", "ProfilerStep#1")]
     assert f"OTLP {receiver.url}/v1/traces: {len(spans)} spans sent, 0 dropped" in err
 
 

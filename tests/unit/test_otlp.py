@@ -146,6 +146,96 @@ def test_ids_times_kinds_status_and_the_run_root() -> None:
     assert root.end_time_unix_nano - root.start_time_unix_nano == 89_000
 
 
+#: As the store holds a step of a PyTorch program: only a range's, a submodule's and an inner op's
+#: parents are named; the step, the top-level range, module and op name none (one thread).
+FLAT = [
+    row(1, 0, "steps", "step", "ProfilerStep#0", 2_000, 9_000),
+    row(2, 0, "nvtx/gpu_trace", "nvtx", "forward", 2_100, 8_000),
+    row(3, 0, "nvtx/torch", "module", "Net", 2_200, 7_000),
+    row(4, 3, "nvtx/torch", "module", "Linear", 2_300, 6_000),
+    row(5, 0, "torch/ops", "op", "aten::linear", 2_400, 5_000),
+    row(6, 5, "torch/ops", "op", "aten::addmm", 2_500, 4_000),
+    row(7, 0, "torch/ops", "op", "aten::zeros", 100, 200),  # before the step
+    row(8, 0, "nvtx/gpu_trace", "nvtx", "other thread", 2_600, 3_000)._replace(tid=2),
+]
+NESTED = {
+    "ProfilerStep#0": hx(ROOT),
+    "forward": hx(1),
+    "Net": hx(2),
+    "Linear": hx(3),
+    "aten::linear": hx(4),
+    "aten::addmm": hx(5),
+    "aten::zeros": hx(ROOT),
+    "other thread": hx(ROOT),
+}
+
+
+def test_a_span_naming_no_parent_goes_under_the_innermost_span_enclosing_it() -> None:
+    mapper = SpanMapper(RunFacts.of(RUN), parse_kinds("all"))
+    assert parents(mapper.add(FLAT) + mapper.finish()) == NESTED
+    # The default kinds: the nearest sent ancestor of what it encloses.
+    mapper = SpanMapper(RunFacts.of(RUN))
+    got = parents(mapper.add(FLAT) + mapper.finish())
+    assert got == {
+        "ProfilerStep#0": hx(ROOT),
+        "forward": hx(1),
+        "Net": hx(2),
+        "other thread": hx(ROOT),
+    }
+
+
+def test_in_end_order_a_span_waits_for_the_span_enclosing_it() -> None:
+    """The stream's order: a span comes when it ends, before what encloses it. What nothing
+    enclosed goes top-level when given up on (release) or at the end."""
+    mapper = SpanMapper(RunFacts.of(RUN), parse_kinds("all"), order="end")
+    by_end = sorted(FLAT, key=lambda r: r.end_ns)
+    assert mapper.add(by_end[:-1]) == []  # all wait, for the step at last
+    assert parents(mapper.add(by_end[-1:])) == {}  # the step itself may be enclosed yet
+    assert parents(mapper.release(ended_before_ns=5_000)) == {
+        "aten::zeros": hx(ROOT),
+        "other thread": hx(ROOT),
+    }
+    assert parents(mapper.release(ended_before_ns=10_000)) == {
+        k: v for k, v in NESTED.items() if k not in ("aten::zeros", "other thread")
+    }
+    assert mapper.finish() == []
+    # One call in any order, or the end of the run: the same tree.
+    mapper = SpanMapper(RunFacts.of(RUN), parse_kinds("all"), order="end")
+    assert parents(mapper.add(reversed(FLAT)) + mapper.finish()) == NESTED
+    with pytest.raises(ValueError, match="order is 'start' or 'end'"):
+        SpanMapper(RunFacts.of(RUN), order="spool")  # type: ignore[arg-type]
+
+
+def test_waiting_to_be_enclosed_counts_against_the_held_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("gpu_trace.tracer.otlp.MAX_HELD", 2)
+    mapper = SpanMapper(RunFacts.of(RUN), parse_kinds("all"), order="end")
+    marks = [row(10 + i, 0, "nvtx/gpu_trace", "mark", f"m{i}", i, i) for i in range(3)]
+    assert parents(mapper.add(marks)) == {"m0": hx(ROOT)}  # the oldest, as top-level
+    assert mapper.stats.held_out == 1
+    assert parents(mapper.finish()) == {"m1": hx(ROOT), "m2": hx(ROOT)}
+
+
+@pytest.mark.parametrize(
+    "command, attrs, name",
+    [
+        ("tiny-net training", {"name": "tiny-net training"}, "tiny-net training"),  # profile()
+        ("lm rank 3", {"source": "kineto"}, "lm rank 3"),  # import --name
+        ("import rank-3.json", {"source": "kineto"}, "import rank-3.json"),
+        ("/usr/bin/python3 /src/train.py --lr 3", {}, "python3 /src/train.py"),  # record
+        ("./serve --port 1", {}, "serve"),
+        ("", {}, "run"),
+    ],
+)
+def test_the_root_span_is_named_after_the_whole_run_name(
+    command: str, attrs: dict[str, str], name: str
+) -> None:
+    facts = RunFacts.of({**RUN, "command": command, "attrs": {**RUN["attrs"], **attrs}})
+    _, root = SpanMapper(facts).root_span()
+    assert root.name == name
+
+
 def test_parse_kinds() -> None:
     assert parse_kinds("default") == DEFAULT_KINDS
     assert parse_kinds("all") == frozenset(KINDS)
@@ -344,6 +434,35 @@ def test_a_stream_sends_a_spooled_run_with_parents_that_came_late(tmp_path: Path
         "inside-op": hx(2),
         "python train.py": hx(INCOMING),
     }
+
+
+def test_a_stream_nests_spans_that_reach_the_spool_after_what_encloses_them(
+    tmp_path: Path,
+) -> None:
+    """Op spans reach the spool after the module around them (PyTorch hands them over in
+    batches): spans are mapped once settled, in end order, so the op still finds its module;
+    with a clock past every hold, the step and what it holds go while the stream runs."""
+    run_dir = tmp_path / "run"
+    RunInfo(RUN["run_id"], TRACE, 1_000, command=RUN["command"], attrs=dict(RUN["attrs"])).save(
+        run_dir
+    )
+    writer = SpoolWriter(run_dir, {"run_id": RUN["run_id"], "host": "box", "pid": "10"})
+    records = [(*r[:2], *r[5:10], 0, None) for r in FLAT[:6]]
+    for part in (records[2:4], records[4:6], records[:2]):  # modules, ops, step and range
+        writer.write("spans", spans_to_table(part, 10, [1] * len(part)))
+    with otlp_receiver() as receiver:
+        collector = ep.Collector(ep.parse_url(receiver.url))
+        stream = RunStream(
+            run_dir, collector, parse_kinds("all"), poll_s=0.01, clock=lambda: 1 << 62
+        )
+        stream.start()
+        assert receiver.seen.wait(60)
+        running = {s.name: s.parent_span_id for s in receiver.spans()}
+        report = stream.close()
+        got = {s.name: s.parent_span_id for s in receiver.spans()}
+    assert report.error is None and report.sent == 7
+    assert running == {k: v for k, v in NESTED.items() if k in running} and len(running) == 6
+    assert got == {**running, "python train.py": hx(INCOMING)}
 
 
 def test_a_queue_smaller_than_a_flush_makes_the_reader_wait_not_drop(tmp_path: Path) -> None:
