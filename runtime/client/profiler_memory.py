@@ -28,7 +28,6 @@ import os
 import platform
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 import torch.autograd.profiler as autograd_profiler
@@ -38,7 +37,7 @@ log = logging.getLogger(__name__)
 #: ``c10::reportMemoryUsageToProfiler(void*, int64_t, size_t, size_t, c10::Device)``.
 SYMBOL = "_ZN3c1027reportMemoryUsageToProfilerEPvlmmNS_6DeviceE"
 #: ``c10::Device{PrivateUse1, 0}`` as its two bytes in one register (type low, index high).
-DEVICE = int(torch._C._autograd.DeviceType.PrivateUse1)  # type: ignore[attr-defined]
+DEVICE: int = torch._C._autograd.DeviceType.PrivateUse1.value
 
 _fn: Callable[..., None] | None = None
 _resolved = False
@@ -54,7 +53,7 @@ def storage_bytes(
     return extent * dtype.itemsize
 
 
-def allocates(func: Any) -> bool:
+def allocates(func: object) -> bool:
     """Whether op ``func``'s tensor results own new storage (none aliases an input)."""
     schema = getattr(func, "_schema", None)
     if schema is None:

@@ -571,7 +571,8 @@ def _plan(func: Any, args: tuple, kwargs: dict, key: tuple, name: str) -> Any:
         is_tuple, described = plan
         owns = profiler_memory.allocates(func)
         if not is_tuple and len(described) == 1 and type(described[0]) is NewTensor:
-            plan = _One(*described[0], owns)
+            dtype, shape, stride, offset = described[0]
+            plan = _One(dtype, shape, stride, offset, owns)
         else:
             plan = _Many(is_tuple, described, owns)
     cache.put(key, plan)
