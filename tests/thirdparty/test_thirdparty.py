@@ -65,15 +65,6 @@ MODES = {"torch": ("off", "module", "op", "forwarded"), "tf": ("off", "layer", "
 # fail until taken off this list).
 KNOWN: dict[tuple[str, str], str] = {}
 
-# Found failing some of the time, so not strict: two op-level recordings of reinforce held
-# 249 and 250 ``Policy.backward`` (one run in two here, beside other engineers' load).
-FLAKY: dict[tuple[str, str], str] = {
-    ("reinforce", "op"): (
-        "op level: an episode's module backward ranges differ by one between two runs at once "
-        "(Policy.backward 249 vs 250): the count depends on timing"
-    ),
-}
-
 # What a forwarded run prints differently, by design and documented: lines that start with the
 # prefix are left out of both outputs (each must have them) before comparing.
 FORWARDED_DIFFERS = {
@@ -91,8 +82,6 @@ def _cases() -> Iterator[object]:
             marks = []
             if (p.name, mode) in KNOWN:
                 marks.append(pytest.mark.xfail(reason=KNOWN[p.name, mode], strict=True))
-            if (p.name, mode) in FLAKY:
-                marks.append(pytest.mark.xfail(reason=FLAKY[p.name, mode], strict=False))
             yield pytest.param(p.name, mode, id=f"{p.name}-{mode}", marks=marks)
 
 
