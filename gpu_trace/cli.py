@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from gpu_trace import __version__, _format
-from gpu_trace.commands import CLIError, err, telemetry
+from gpu_trace.commands import CLIError, err, runs, telemetry
 from gpu_trace.commands.imports import cmd_import
 from gpu_trace.commands.record import cmd_record
 from gpu_trace.commands.remote import cmd_serve, cmd_tenants
@@ -400,6 +400,35 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="NAME=VALUE",
         help="a {NAME:Type} query parameter",
+    )
+    p.add_argument(
+        "--max-rows",
+        type=runs.count_arg,
+        default=runs.SQL_MAX_ROWS,
+        metavar="N",
+        help=f"stop if the result has more rows (default {runs.SQL_MAX_ROWS:,}; 0: no limit)",
+    )
+    p.add_argument(
+        "--max-bytes",
+        type=runs.size_arg,
+        default=runs.SQL_MAX_BYTES,
+        metavar="SIZE",
+        help="stop if the result is larger: bytes, or 64K, 100M, 4G (default 100M; 0: no limit)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=runs.seconds_arg,
+        default=runs.SQL_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"stop the query after this long (default {runs.SQL_TIMEOUT_S:g}; 0: no limit)",
+    )
+    p.add_argument(
+        "--max-memory",
+        type=runs.size_arg,
+        default=runs.SQL_MAX_MEMORY,
+        metavar="SIZE",
+        help="stop the query if the engine needs more memory for it (default 4G; 0: the "
+        "engine's own limit)",
     )
     _store_arg(p)
     p.set_defaults(func=cmd_sql)

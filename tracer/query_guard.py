@@ -19,16 +19,33 @@ query:
 
 The store runs what passes with ``readonly=1`` as a second layer. :class:`QueryRefused` carries one
 line saying what was refused.
+
+How much a read may take is :class:`Limits`: rows and bytes of its result, seconds, the engine's
+memory. Each goes to the engine as a standard setting (:meth:`Limits.settings`: ``limit``, which
+caps the top-level result only, ``max_result_bytes``, ``max_execution_time``,
+``max_memory_usage``), and the store checks the rows, bytes (:func:`column_bytes`) and time of each
+block it reads as well: embedded chDB leaves ``max_result_rows`` and ``max_result_bytes`` unapplied
+to some plans (``SELECT arrayJoin(range(100000000))`` is one block of 10^8 rows that neither
+stops), and one block is checked by the clock only when it is done.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Set
+from collections.abc import Callable, Iterable, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["QueryRefused", "Checked", "check", "FUNCTIONS", "SYSTEM_TABLES"]
+__all__ = [
+    "QueryRefused",
+    "Checked",
+    "check",
+    "Limits",
+    "column_bytes",
+    "exceeded",
+    "FUNCTIONS",
+    "SYSTEM_TABLES",
+]
 
 
 def _words(text: str) -> list[str]:
@@ -188,9 +205,86 @@ class Node:
 
 @dataclass(frozen=True)
 class Checked:
-    """A query that passed: ``text`` is the canonical statement to run."""
+    """A query that passed: ``text`` is the canonical statement to run, ``statement`` its kind
+    as ``EXPLAIN AST`` names it (``SelectWithUnionQuery`` for a ``SELECT``)."""
 
     text: str
+    statement: str = "SelectWithUnionQuery"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How much one read may take; 0 is no limit (the default for each).
+
+    ``max_rows`` and ``max_bytes`` bound its result (bytes as :func:`column_bytes` counts them),
+    ``timeout_s`` its time, ``max_memory`` what the engine may allocate for it.
+    """
+
+    max_rows: int = 0
+    max_bytes: int = 0
+    timeout_s: float = 0.0
+    max_memory: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_rows", "max_bytes", "timeout_s", "max_memory"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be 0 (no limit) or more, got {getattr(self, name)}")
+
+    def settings(self) -> dict[str, int | float | str]:
+        """The limits as standard ClickHouse settings (chDB and a server read the same)."""
+        out: dict[str, int | float | str] = {}
+        if self.max_rows:
+            # One row more than allowed: its arrival is how the reader knows there were more.
+            # `limit` caps the top-level result only (subqueries and UNION branches are whole).
+            out["limit"] = self.max_rows + 1
+        if self.max_bytes:
+            out["max_result_bytes"] = self.max_bytes
+            out["result_overflow_mode"] = "throw"
+        if self.timeout_s:
+            out["max_execution_time"] = self.timeout_s
+            out["timeout_overflow_mode"] = "throw"
+        if self.max_memory:
+            out["max_memory_usage"] = self.max_memory
+        return out
+
+
+def exceeded(message: str, limits: Limits) -> str | None:
+    """Which of ``limits`` the engine's error ``message`` says was hit ("rows", "bytes", "time",
+    "memory"), or None for another error (or a limit that was not set)."""
+    if "(TIMEOUT_EXCEEDED)" in message and limits.timeout_s:
+        return "time"
+    if "(TOO_MANY_ROWS_OR_BYTES)" in message:
+        if "max bytes" in message and limits.max_bytes:
+            return "bytes"
+        if "max rows" in message and limits.max_rows:
+            return "rows"
+    if "(MEMORY_LIMIT_EXCEEDED)" in message and limits.max_memory:
+        return "memory"
+    return None
+
+
+def column_bytes(column: Sequence[object]) -> int:
+    """About how many bytes a result column (a block's values of one column) takes, counted as
+    ClickHouse sizes them: a number's width, a string's length, a container's contents."""
+    itemsize = getattr(column, "itemsize", None)  # array.array: numbers, packed
+    if isinstance(itemsize, int):
+        return len(column) * itemsize
+    nbytes = getattr(column, "nbytes", None)  # a numpy array
+    if isinstance(nbytes, int):
+        return nbytes
+    return sum(map(_value_bytes, column))
+
+
+def _value_bytes(value: object) -> int:
+    if isinstance(value, (str, bytes, bytearray)):
+        return len(value) + 1
+    if value is None or isinstance(value, (bool, int, float)):
+        return 8
+    if isinstance(value, dict):
+        return 8 + sum(_value_bytes(k) + _value_bytes(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return 8 + sum(map(_value_bytes, value))
+    return 16  # dates, UUIDs, decimals, addresses
 
 
 def allowed_function(name: str) -> bool:
@@ -238,7 +332,7 @@ def check(
     root = _tree([str(r[0]) for r in rows])
     foreign = (_FOREIGN_DATABASES | set(databases)) - {database}
     _Walk(database, foreign).statement(root)
-    return Checked(text)
+    return Checked(text, root.kind)
 
 
 # ---- the canonical text's names ---------------------------------------------------------------

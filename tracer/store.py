@@ -16,6 +16,14 @@ finds the store held waits up to ``lock_timeout_s`` for it, saying so (:func:`ot
 dashboard, which holds the store between requests, gives it up then), and gets
 :class:`StoreError` naming the holder if it is not let in.
 
+chDB cannot open a directory it cannot write (it writes ``status`` first). A ``Store`` opened for
+reading (``reading=True``: what ``ls``, ``show``, ``sql`` and ``export`` ask for) on such a store
+reads it another way (:attr:`Store.read_only`): an engine in a scratch directory of its own
+attaches the store's tables from their files, each on a write-once disk (``local_blob_storage``
+with ``plain`` metadata), so they are permanently read-only there (no insert, merge, mutation or
+cleanup touches a file), and chDB's lock on the store is neither needed nor taken. Every other
+``Store`` refuses such a directory in one line saying it is read-only.
+
 The schema grows by columns added with a default (:data:`ADDED_COLUMNS`): a store made by an
 older version gets them at its next open (``ALTER TABLE ... ADD COLUMN``), its rows unchanged.
 """
@@ -27,9 +35,10 @@ import fcntl
 import logging
 import os
 import re
+import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,6 +47,7 @@ from urllib.parse import unquote, urlparse
 import pyarrow as pa
 
 from gpu_trace import config
+from gpu_trace.tracer import query_guard
 from gpu_trace.tracer.reads import RunQueries, UnknownRunError
 from gpu_trace.tracer.run import RunInfo
 
@@ -50,6 +60,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "Store",
     "StoreError",
+    "LimitExceeded",
     "UnknownRunError",
     "Target",
     "parse_dsn",
@@ -67,6 +78,22 @@ _CLUSTER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 class StoreError(RuntimeError):
     """The store can't be opened, written or asked; the message says why in one line."""
+
+
+class LimitExceeded(StoreError):
+    """A read stopped at one of its :class:`~gpu_trace.tracer.query_guard.Limits`: ``what`` is
+    ``rows``, ``bytes``, ``time`` or ``memory``, ``limit`` its value (rows, bytes or seconds)."""
+
+    def __init__(self, what: str, limit: float) -> None:
+        said = {
+            "rows": f"stopped at {limit:,} rows: the result has more",
+            "bytes": f"stopped at {limit:,} bytes of result",
+            "time": f"stopped after {limit:g} s",
+            "memory": f"stopped at {limit:,} bytes of memory",
+        }
+        super().__init__(said[what])
+        self.what = what
+        self.limit = limit
 
 
 # ---- DSN -----------------------------------------------------------------------------------------
@@ -300,8 +327,19 @@ def _check_dir_writable(path: str) -> str | None:
         os.close(fd)
         os.unlink(name)
     except OSError as exc:
-        return f"the store directory {path} is not writable: {exc.strerror or exc}"
+        return (
+            f"the store {path} is read-only ({exc.strerror or exc}): nothing can be stored in it "
+            "(ls, show, sql and export read it)"
+        )
     return None
+
+
+def _read_only_reason(target: Target) -> str | None:
+    """Why an existing chDB store directory can't be written (:func:`_check_dir_writable`'s
+    line), or None: a server, memory, a writable directory, or none there to read."""
+    if target.kind != "chdb" or not target.path or not Path(target.path).is_dir():
+        return None
+    return _check_dir_writable(target.path)
 
 
 def lock_holder(path: str) -> str | None:
@@ -491,16 +529,110 @@ def _connect(target: Target, *, lock_timeout_s: float) -> Client:
             os.close(waiting)
 
 
+#: The scratch directories of read-only opens: ``<tmp>/gpu-trace-read-<pid>-<random>``.
+SCRATCH_PREFIX = "gpu-trace-read-"
+
+_UUID = re.compile(
+    r"ATTACH TABLE _ UUID '([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})'"
+)
+
+
+def _sql_string(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _table_uuid(path: str, database: str, table: str) -> str | None:
+    """The UUID a chDB store's metadata gives ``database.table`` (its files are under
+    ``store/<uuid[:3]>/<uuid>/``), or None if the store has no such table."""
+    meta = Path(path) / "metadata" / database / f"{table}.sql"
+    try:
+        head = meta.read_text(encoding="utf-8", errors="replace")[:200]
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise StoreError(f"cannot read the store {path}: {exc.strerror or exc}") from None
+    m = _UUID.match(head)
+    if not m:
+        raise StoreError(f"cannot read the store {path} read-only: {meta} names no table UUID")
+    return m.group(1)
+
+
+def _sweep_scratch() -> None:
+    """Remove the scratch directories of read-only opens whose process is gone (one killed, or
+    stopped by `gpu-trace sql`'s hard time limit, leaves its own)."""
+    for entry in Path(tempfile.gettempdir()).glob(SCRATCH_PREFIX + "*"):
+        pid = entry.name[len(SCRATCH_PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(entry, ignore_errors=True)
+        except OSError:
+            pass  # alive, another user's
+
+
+def _open_read_only(target: Target, database: str) -> tuple[Client, str]:
+    """A chDB engine in a scratch directory with the store's tables attached read-only from
+    their files (see the module's docstring); the client and the scratch directory."""
+    import clickhouse_connect
+
+    _sweep_scratch()
+    scratch = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
+    client: Client | None = None
+    try:
+        client = clickhouse_connect.get_client(interface="chdb", path=scratch)
+        client.command(f"CREATE DATABASE IF NOT EXISTS {database}")
+        disk = (
+            "disk(type = 'local_blob_storage', metadata_type = 'plain', "
+            f"path = {_sql_string(target.path.rstrip('/') + '/')})"
+        )
+        for name, (columns, engine, order_by, _) in TABLES.items():
+            uuid = _table_uuid(target.path, database, name)
+            if uuid is None:  # a store made before the table: read it as empty
+                client.command(
+                    f"CREATE TABLE {database}.{name} ({columns}) ENGINE = {engine} "
+                    f"ORDER BY {order_by}"
+                )
+                continue
+            # This version's columns: a column the store's files lack reads its default, as
+            # after ALTER ... ADD COLUMN (ADDED_COLUMNS).
+            client.command(
+                f"ATTACH TABLE {database}.{name} UUID '{uuid}' ({columns}) ENGINE = {engine} "
+                f"ORDER BY {order_by} SETTINGS disk = {disk}"
+            )
+        client.database = database
+    except Exception as exc:
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+        if isinstance(exc, StoreError):
+            raise
+        raise StoreError(
+            f"cannot read the store {target.display()} read-only: {_first_line(exc)}"
+        ) from exc
+    return client, scratch
+
+
 class Store(RunQueries):
     """A connection to the gpu-trace database: ingest, queries, read-only SQL.
 
     ``Store()`` opens the configured store (``GPU_TRACE_STORE``, default chDB under
     ``GPU_TRACE_HOME/store``) and creates what is missing. Use it as a context manager or call
     :meth:`close`: an embedded store is locked to this process while it is open.
+
+    ``reading=True`` says only reads will be asked: an embedded store this process can't write
+    is then opened read-only (:attr:`read_only`; see the module's docstring) instead of refused.
     """
 
     def __init__(
-        self, dsn: str | None = None, *, cluster: str | None = None, lock_timeout_s: float = 10.0
+        self,
+        dsn: str | None = None,
+        *,
+        cluster: str | None = None,
+        lock_timeout_s: float = 10.0,
+        reading: bool = False,
     ) -> None:
         self.dsn = config.store_dsn(dsn)
         try:
@@ -511,12 +643,22 @@ class Store(RunQueries):
         if self.cluster and self.target.kind == "chdb":
             raise StoreError("a cluster needs a ClickHouse server DSN (http://...), not chDB")
         self.database = self.target.database
-        ddl = schema_ddl(self.database, self.cluster)
-        self.client = _connect(self.target, lock_timeout_s=lock_timeout_s)
         self._databases: list[str] | None = None  # other databases, for Store.sql's check
         self._insert_settings: dict[str, Any] = (
             {"insert_distributed_sync": 1} if self.cluster else {}
         )
+        #: The scratch directory of a store read read-only (removed at close), else None.
+        self._scratch: str | None = None
+        #: True when the store is read from its files, read-only (``reading=True`` on an
+        #: embedded store this process can't write): reads work, every write fails.
+        self.read_only = False
+        if reading and _read_only_reason(self.target):
+            self.client, self._scratch = _open_read_only(self.target, self.database)
+            self.read_only = True
+            log.info("gpu-trace: store %s is read-only; reading its files", self.target.path)
+            return
+        ddl = schema_ddl(self.database, self.cluster)
+        self.client = _connect(self.target, lock_timeout_s=lock_timeout_s)
         try:
             for statement in ddl:
                 self.client.command(statement)
@@ -561,6 +703,9 @@ class Store(RunQueries):
         if client is not None:
             with contextlib.suppress(Exception):
                 client.close()
+        scratch, self._scratch = getattr(self, "_scratch", None), None
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
 
     def __enter__(self) -> Store:
         return self
@@ -602,6 +747,10 @@ class Store(RunQueries):
     def connect_again(self) -> Client:
         """Another connection to the same store, for inserts running beside this one's queries
         (pass it to :meth:`insert_arrow`; the caller closes it)."""
+        if self._scratch:
+            import clickhouse_connect
+
+            return clickhouse_connect.get_client(interface="chdb", path=self._scratch)
         return _connect(self.target, lock_timeout_s=0)
 
     def set_readonly(self) -> None:
@@ -708,7 +857,7 @@ class Store(RunQueries):
     def _note_runs_changed(self) -> None:
         """Rewrite an embedded store's :data:`RUNS_CHANGED` (a failure only costs a dashboard
         its shortcut: it then asks the store)."""
-        if self.target.kind != "chdb" or not self.target.path:
+        if self.target.kind != "chdb" or not self.target.path or self.read_only:
             return
         try:
             (Path(self.target.path) / RUNS_CHANGED).write_text(
@@ -793,7 +942,11 @@ class Store(RunQueries):
     # ---- read-only SQL ----------------------------------------------------------------------------
 
     def sql(
-        self, query: str, parameters: dict[str, Any] | None = None
+        self,
+        query: str,
+        parameters: dict[str, Any] | None = None,
+        *,
+        limits: query_guard.Limits | None = None,
     ) -> tuple[list[str], list[tuple[Any, ...]]]:
         """Run one read of the store's tables: ``SELECT``, ``SHOW TABLES``, ``DESCRIBE``, ``EXISTS``.
 
@@ -803,27 +956,73 @@ class Store(RunQueries):
         ``INTO OUTFILE``, ``SETTINGS`` and most system tables are refused before it runs, and the
         engine runs it with ``readonly=1`` as well. Refusals are :class:`StoreError` starting
         ``gpu-trace sql is read-only: ``.
+
+        ``limits`` (:class:`~gpu_trace.tracer.query_guard.Limits`; none by default) bound the
+        result's rows and bytes, the time and the engine's memory: the engine is given them as
+        settings, and the result is read block by block, each block checked, so a read that
+        passes one stops there with :class:`LimitExceeded` and no rows.
         """
         checked = self.check_read(query, parameters)
+        limits = limits or query_guard.Limits()
+        # readonly last: a server applies URL settings in order, and readonly=1 would refuse
+        # the ones after it.
+        settings = {**limits.settings(), "readonly": 1}
+        started = time.monotonic()
+        rows: list[tuple[object, ...]] = []
+        size = 0
+
+        def take(block: Sequence[Sequence[object]]) -> None:
+            nonlocal size
+            if limits.timeout_s and time.monotonic() - started > limits.timeout_s:
+                raise LimitExceeded("time", limits.timeout_s)
+            if limits.max_rows and len(rows) + len(block[0]) > limits.max_rows:
+                raise LimitExceeded("rows", limits.max_rows)
+            if limits.max_bytes:
+                size += sum(map(query_guard.column_bytes, block))
+                if size > limits.max_bytes:
+                    raise LimitExceeded("bytes", limits.max_bytes)
+            rows.extend(zip(*block))
+
         try:
-            result = self.client.query(
-                checked.text, parameters=parameters or {}, settings={"readonly": 1}
-            )
-            rows = [tuple(r) for r in result.result_rows]
+            if checked.statement == "SelectWithUnionQuery":
+                with self.client.query_column_block_stream(
+                    checked.text, parameters=parameters or {}, settings=settings
+                ) as stream:
+                    for block in stream:
+                        take(block)
+                    columns = list(stream.source.column_names)
+            else:  # SHOW, DESCRIBE, EXISTS, EXPLAIN: a little metadata, which chDB won't stream
+                result = self.client.query(
+                    checked.text, parameters=parameters or {}, settings=settings
+                )
+                if result.result_columns:
+                    take(result.result_columns)
+                columns = list(result.column_names)
+        except LimitExceeded:
+            raise
         except Exception as exc:
             message = _first_line(exc)
+            hit = query_guard.exceeded(str(exc), limits)
+            if hit:
+                limit = {
+                    "rows": limits.max_rows,
+                    "bytes": limits.max_bytes,
+                    "time": limits.timeout_s,
+                    "memory": limits.max_memory,
+                }[hit]
+                raise LimitExceeded(hit, limit) from exc
             # ClickHouse's READONLY error (code 164), not any message that quotes the query's
             # `SETTINGS readonly = '1'` (an unknown column's does)
             if "(READONLY)" in str(exc) or "in readonly mode" in message:
                 raise StoreError(f"gpu-trace sql is read-only: {message}") from exc
             raise StoreError(f"query failed: {message}") from exc
-        return list(result.column_names), rows
+        return columns, rows
 
-    def check_read(self, query: str, parameters: dict[str, Any] | None = None) -> Any:
+    def check_read(
+        self, query: str, parameters: dict[str, Any] | None = None
+    ) -> query_guard.Checked:
         """The query as it will run (:class:`~gpu_trace.tracer.query_guard.Checked`), if it only
         reads the store's tables; StoreError saying what was refused if not."""
-        from gpu_trace.tracer import query_guard
-
         if self.client is None:
             raise StoreError("the store is closed")
         if self._databases is None:

@@ -1,10 +1,17 @@
-"""The commands over stored runs: `gpu-trace ingest`, `ls`, `show`, `export`, `sql`, and their rendering."""
+"""The commands over stored runs: `gpu-trace ingest`, `ls`, `show`, `export`, `sql`, and their rendering.
+
+`ls`, `show`, `export` and `sql` only read: they open the store with ``reading=True``, so an
+embedded store this user can't write is read read-only (docs/schema.md) instead of refused.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,10 +44,11 @@ def checked_dsn(explicit: str | None) -> str:
 
 
 def _open_store(args: argparse.Namespace) -> Any:
+    """The store, for a command that only reads it (a read-only one is read as it is)."""
     store_mod = store_module()
     dsn = checked_dsn(getattr(args, "store", None))
     try:
-        return store_mod.Store(dsn)
+        return store_mod.Store(dsn, reading=True)
     except store_mod.StoreError as exc:
         raise CLIError(str(exc)) from None
 
@@ -254,19 +262,118 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+#: `gpu-trace sql`'s default limits (docs/cli.md): rows and bytes of the result, seconds, and
+#: the engine's memory for the query.
+SQL_MAX_ROWS = 100_000
+SQL_MAX_BYTES = 100 << 20
+SQL_TIMEOUT_S = 60.0
+SQL_MAX_MEMORY = 4 << 30
+#: Seconds past --timeout after which `sql` stops a query the engine has not stopped (one long
+#: computation looks at no clock), exiting at once.
+HARD_STOP_GRACE_S = 5.0
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?", re.IGNORECASE)
+
+
+def size_arg(text: str) -> int:
+    """A byte count as --max-bytes and --max-memory take it: 1000000, 64K, 100M, 4G (powers of
+    1024), 0 for no limit."""
+    m = _SIZE.fullmatch(text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (give bytes, or 64K, 100M, 4G)")
+    return int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2).lower() or " "))
+
+
+def count_arg(text: str) -> int:
+    """A row count as --max-rows takes it: 0 (no limit) or more."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"not a count: {text!r} (0 for no limit, or more)")
+    return n
+
+
+def seconds_arg(text: str) -> float:
+    """Seconds as --timeout takes them: 0 (no limit) or more, fractions allowed."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"not seconds: {text!r} (0 for no limit, or more)")
+    return seconds
+
+
+def _limit_line(what: str, limit: float) -> str:
+    """The line `sql` ends with when a limit stops a query, naming the flag that raises it."""
+    if what == "time":
+        return (
+            f"stopped after {limit:g} s: the query ran out of time; raise with --timeout SECONDS "
+            "(0: none)"
+        )
+    if what == "rows":
+        return (
+            f"stopped at {int(limit):,} rows: the result has more; add a LIMIT, or raise with "
+            "--max-rows N (0: none)"
+        )
+    if what == "bytes":
+        return f"stopped at {fmt.size(int(limit))} of result: raise with --max-bytes SIZE (0: none)"
+    return (
+        f"stopped at {fmt.size(int(limit))} of memory: the query needs more; raise with "
+        "--max-memory SIZE (0: the engine's own limit)"
+    )
+
+
+def _hard_stop(seconds: float, line: str) -> threading.Timer:
+    """Exit with ``line`` on stderr after ``seconds`` unless cancelled first (nothing else has
+    been printed then: `sql` prints its rows after the query)."""
+
+    def stop() -> None:
+        err(line)
+        sys.stderr.flush()
+        os._exit(1)
+
+    timer = threading.Timer(seconds, stop)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
 def cmd_sql(args: argparse.Namespace) -> int:
+    from gpu_trace.tracer.query_guard import Limits
+
     params: dict[str, str] = {}
     for item in args.param:
         name, sep, value = item.partition("=")
         if not sep or not name:
             raise CLIError(f"--param takes NAME=VALUE, got {item!r}", 2)
         params[name] = value
+    limits = Limits(  # a namespace made without the flags (a caller's) gets the defaults
+        max_rows=getattr(args, "max_rows", SQL_MAX_ROWS),
+        max_bytes=getattr(args, "max_bytes", SQL_MAX_BYTES),
+        timeout_s=getattr(args, "timeout", SQL_TIMEOUT_S),
+        max_memory=getattr(args, "max_memory", SQL_MAX_MEMORY),
+    )
     with _open_store(args) as store:
         store_mod = store_module()
+        # The engine and the reader stop a query at the limit; this stops one that neither
+        # could (a single long function call).
+        timer = (
+            _hard_stop(limits.timeout_s + HARD_STOP_GRACE_S, _limit_line("time", limits.timeout_s))
+            if limits.timeout_s
+            else None
+        )
         try:
-            columns, rows = store.sql(args.query, parameters=params or None)
+            columns, rows = store.sql(args.query, parameters=params or None, limits=limits)
+        except store_mod.LimitExceeded as exc:
+            raise CLIError(_limit_line(exc.what, exc.limit)) from None
         except store_mod.StoreError as exc:
             raise CLIError(str(exc)) from None
+        finally:
+            if timer is not None:
+                timer.cancel()
     if args.json:
         for row in rows:
             echo(json.dumps(dict(zip(columns, row)), default=str))
