@@ -41,3 +41,47 @@ class TerminalProgress:
             self.stream.write("\n")
             self.stream.flush()
             self._last = None
+
+
+class PhaseProgress:
+    """A one-line progress report for work in phases (``import``: reading, decompressing,
+    parsing, converting, storing): ``progress(phase, done, total)`` redraws the line with the
+    phase and, where ``total`` is known, a bar; :meth:`close` clears it so the closing line
+    starts clean. Draws only when ``stream`` is a terminal, at most one line per change of
+    phase or whole percent."""
+
+    def __init__(self, stream: TextIO, *, prefix: str, width: int = 30) -> None:
+        self.stream = stream
+        self.prefix = prefix
+        self.width = width
+        self._last: str | None = None
+        self._drawn = 0
+        try:
+            self.enabled = bool(stream.isatty())
+        except (AttributeError, ValueError):
+            self.enabled = False
+
+    def __call__(self, phase: str, done: int, total: int | None) -> None:
+        if not self.enabled:
+            return
+        if total:
+            frac = min(done / total, 1.0)
+            filled = int(frac * self.width)
+            bar = f"[{'#' * filled}{'.' * (self.width - filled)}] {frac:4.0%}"
+            line = f"{self.prefix}: {phase} {bar} {done:,}/{total:,}"
+        else:
+            line = f"{self.prefix}: {phase}" + (f" {done:,}" if done else "")
+        if line == self._last:
+            return
+        self._last = line
+        pad = " " * max(0, self._drawn - len(line))
+        self.stream.write("\r" + line + pad)
+        self._drawn = len(line)
+        self.stream.flush()
+
+    def close(self) -> None:
+        """Clear the line (only if something was drawn)."""
+        if self.enabled and self._drawn:
+            self.stream.write("\r" + " " * self._drawn + "\r")
+            self.stream.flush()
+            self._drawn, self._last = 0, None

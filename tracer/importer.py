@@ -45,6 +45,7 @@ import sys
 import time
 import zlib
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
@@ -157,6 +158,17 @@ class ImportReport:
         return f"{text} ({self.seconds:.1f} s)"
 
 
+#: ``progress(phase, done, total)``: what an import tells of its work (total None: unknown).
+Progress = Callable[[str, int, "int | None"], None]
+
+
+def _teller(progress: Progress | None, total: int) -> Callable[[int], None] | None:
+    """``progress`` for the converting phase of ``total`` events (None: nothing to tell)."""
+    if progress is None:
+        return None
+    return lambda done: progress("converting events", done, total)
+
+
 # ---- reading ------------------------------------------------------------------------------------
 
 
@@ -167,17 +179,46 @@ MAX_GZIP_RATIO = 100
 MIN_GZIP_LIMIT = 256 << 20
 
 
-def _gunzip(path: Path, raw: bytes) -> bytes:
+#: Bytes read (and decompressed) between two calls of an import's ``progress``.
+READ_CHUNK = 8 << 20
+#: Events converted between two calls of an import's ``progress``.
+EVENTS_CHUNK = 1 << 16
+
+
+def _read(path: Path, progress: Progress | None) -> bytes:
+    """The file's bytes, read in :data:`READ_CHUNK` pieces with ``progress`` told (MiB)."""
+    if progress is None:
+        return path.read_bytes()
+    size = path.stat().st_size
+    out = bytearray()
+    with path.open("rb") as f:
+        while chunk := f.read(READ_CHUNK):
+            out += chunk
+            progress("reading MiB", _mib(len(out)), _mib(max(size, len(out))))
+    return bytes(out)
+
+
+def _mib(n: int) -> int:
+    """``n`` bytes in MiB, rounded up (a last piece of a file counts: 0 only for nothing)."""
+    return -(-n >> 20)
+
+
+def _gunzip(path: Path, raw: bytes, progress: Progress | None = None) -> bytes:
     """``raw`` decompressed (every gzip member), at most :data:`MAX_GZIP_RATIO` times its size."""
     limit = max(MIN_GZIP_LIMIT, MAX_GZIP_RATIO * len(raw))
     out: list[bytes] = []
     total, rest = 0, raw
+    told = 0
     try:
         while rest:
             d = zlib.decompressobj(wbits=31)  # one gzip member
             while True:
                 chunk = d.decompress(rest, 1 << 20)
                 total += len(chunk)
+                if progress is not None and total - told >= READ_CHUNK:
+                    told = total
+                    done = len(raw) - len(d.unconsumed_tail)  # a suffix of raw is left
+                    progress("decompressing MiB", _mib(done), _mib(len(raw)))
                 if total > limit:
                     raise TraceImportError(
                         f"{path.name}: decompresses to more than {limit >> 20} MiB"
@@ -198,23 +239,25 @@ def _gunzip(path: Path, raw: bytes) -> bytes:
     return b"".join(out)
 
 
-def read_trace(path: str | Path) -> tuple[dict[str, object], str]:
+def read_trace(path: str | Path, progress: Progress | None = None) -> tuple[dict[str, object], str]:
     """The parsed trace (a dict with ``traceEvents``) and the SHA-256 of the file's bytes.
 
     Floats are kept as their text so times convert to nanoseconds exactly. Raises
     :class:`TraceImportError` with one line for a file that is missing, not gzip or JSON, truncated,
-    or not a Chrome trace.
+    or not a Chrome trace. ``progress``: told of each phase (reading and decompressing in MiB).
     """
     path = Path(path)
     try:
         if not stat.S_ISREG(path.stat().st_mode):  # /dev/zero, a FIFO: read until memory ends
             raise TraceImportError(f"{path}: not a regular file")
-        raw = path.read_bytes()
+        raw = _read(path, progress)
     except OSError as exc:
         raise TraceImportError(f"cannot read {path}: {exc.strerror or exc}") from None
     digest = hashlib.sha256(raw).hexdigest()
     if raw[:2] == b"\x1f\x8b":
-        raw = _gunzip(path, raw)
+        raw = _gunzip(path, raw, progress)
+    if progress is not None:
+        progress(f"parsing {len(raw) >> 20:,} MiB of JSON", 0, None)
     try:
         data = json.loads(raw, parse_float=str)
     except UnicodeDecodeError:
@@ -315,21 +358,27 @@ def _int(value: object, what: str, index: int) -> int:
     raise TraceImportError(f"event {index}: {what} is {value!r}, not an integer")
 
 
-def convert(data: dict[str, object], *, name: str, command: str) -> Converted:
+def convert(
+    data: dict[str, object], *, name: str, command: str, progress: Progress | None = None
+) -> Converted:
     """The trace as the store's rows (see the module docstring); TraceImportError for events that
     lack what they need (a ``ts``, a ``dur``, an integer ``pid``). A file ``gpu-trace export``
-    wrote is read as the run it was (:func:`convert_export`)."""
+    wrote is read as the run it was (:func:`convert_export`). ``progress``: told every
+    :data:`EVENTS_CHUNK` events."""
     try:
         if is_export(data):
-            return convert_export(data, name=name, command=command)
-        return _convert_kineto(data, name=name, command=command)
+            return convert_export(data, name=name, command=command, progress=progress)
+        return _convert_kineto(data, name=name, command=command, progress=progress)
     except OverflowError:  # a column's numpy array: a time or id past 64 bits
         raise TraceImportError("a time, pid or tid too large for 64 bits") from None
 
 
-def _convert_kineto(data: dict[str, object], *, name: str, command: str) -> Converted:
+def _convert_kineto(
+    data: dict[str, object], *, name: str, command: str, progress: Progress | None = None
+) -> Converted:
     events = data["traceEvents"]
     assert isinstance(events, list)
+    tell = _teller(progress, len(events))
     cols = _Columns()
     skipped: Counter[str] = Counter()
     process_names: dict[int, str] = {}
@@ -338,6 +387,8 @@ def _convert_kineto(data: dict[str, object], *, name: str, command: str) -> Conv
     device_rows: list[tuple[int, int]] = []  # (row, correlation)
     backward: dict[str, dict[object, tuple[int, int, int]]] = {"s": {}, "f": {}}  # id -> where
     for index, ev in enumerate(events):
+        if tell is not None and not index & (EVENTS_CHUNK - 1):
+            tell(index)
         if not isinstance(ev, dict):
             raise TraceImportError(f"event {index} is a {type(ev).__name__}, not an object")
         ph = ev.get("ph")
@@ -869,7 +920,9 @@ def _number(value: object) -> float | None:
     return number if math.isfinite(number) else None
 
 
-def convert_export(data: dict[str, object], *, name: str, command: str) -> Converted:
+def convert_export(
+    data: dict[str, object], *, name: str, command: str, progress: Progress | None = None
+) -> Converted:
     """A file ``gpu-trace export`` wrote, as the run it was (docs/import.md, "gpu-trace's own
     exports"): span ids, parents, hosts, pids, tids, lanes, categories, depths, attributes and
     counters from what the exporter wrote, times exact to the nanosecond on the run's clock."""
@@ -882,7 +935,10 @@ def convert_export(data: dict[str, object], *, name: str, command: str) -> Conve
     skipped: Counter[str] = Counter()
     process_names: dict[int, str] = {}
     thread_names: dict[tuple[int, int], str] = {}
+    tell = _teller(progress, len(events))
     for index, ev in enumerate(events):
+        if tell is not None and not index & (EVENTS_CHUNK - 1):
+            tell(index)
         if not isinstance(ev, dict):
             raise TraceImportError(f"event {index} is a {type(ev).__name__}, not an object")
         ph = ev.get("ph")
@@ -958,24 +1014,31 @@ def imported_run(store: Store, sha256: str) -> str | None:
     return str(rows[0][0]) if rows else None
 
 
-def import_trace(store: Store, path: str | Path, *, name: str | None = None) -> ImportReport:
+def import_trace(
+    store: Store, path: str | Path, *, name: str | None = None, progress: Progress | None = None
+) -> ImportReport:
     """Import a Kineto trace file into ``store`` as a new run (see the module docstring).
 
     TraceImportError (one line) for a file that cannot be imported; StoreError when the store fails,
     after removing what was written. A file imported before is not imported again: the report
-    names its run, with ``existing`` set.
+    names its run, with ``existing`` set. ``progress(phase, done, total)`` is told what is being
+    done (reading, decompressing, parsing, converting, storing), for a terminal's progress line.
     """
     t0 = time.perf_counter()
     path = Path(path)
-    data, digest = read_trace(path)
+    data, digest = read_trace(path, progress)
     existing = imported_run(store, digest)
     if existing is not None:
         return ImportReport(existing, {}, {}, 0, time.perf_counter() - t0, existing=True)
-    converted = convert(data, name=path.name, command=name or f"import {path.name}")
+    converted = convert(
+        data, name=path.name, command=name or f"import {path.name}", progress=progress
+    )
     del data
     info = converted.info
     info.attrs[SOURCE_SHA] = digest
     counters = converted.counters
+    if progress is not None:
+        progress(f"storing {converted.spans.num_rows:,} spans", 0, None)
     store_spans(store, info, converted.spans, converted.threads, counters)
     report = ImportReport(
         info.run_id,

@@ -335,3 +335,38 @@ def test_last_is_the_run_stored_last_not_the_newest_start(tmp_path: Path) -> Non
     again = json.loads(cli("show", recorded["run_id"], "--json").stdout)["run"]
     assert again["stored_ns"] == recorded["stored_ns"]
     assert json.loads(cli("show", "last", "--json").stdout)["run"]["run_id"] == shown["run_id"]
+
+
+def test_import_tells_its_progress(
+    store: Store, slice_run: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What `gpu-trace import` draws on a terminal (gpu_trace/_progress.py's PhaseProgress):
+    each phase in order, the events converted counted up to all of them, the run as without."""
+    from gpu_trace.tracer import importer
+
+    monkeypatch.setattr(importer, "READ_CHUNK", 1 << 16)
+    monkeypatch.setattr(importer, "EVENTS_CHUNK", 1 << 8)
+    with gzip.open(SLICE, "rt") as f:
+        data = json.load(f)
+    data["note"] = "a copy"  # another file's bytes: imported as a run of its own
+    copy = tmp_path / "copy.json.gz"
+    copy.write_bytes(gzip.compress(json.dumps(data).encode(), mtime=0))
+    told: list[tuple[str, int, int | None]] = []
+    run_id = import_trace(store, copy, progress=lambda *a: told.append(a)).run_id
+    phases = [phase.split()[0] for phase, _, _ in told]
+    assert list(dict.fromkeys(phases)) == [
+        "reading", "decompressing", "parsing", "converting", "storing"
+    ]  # fmt: skip
+    assert phases == sorted(
+        phases, key=["reading", "decompressing", "parsing", "converting", "storing"].index
+    )
+    n = len(data["traceEvents"])
+    converting = [(done, total) for phase, done, total in told if phase.startswith("converting")]
+    assert converting == [(i, n) for i in range(0, n, 1 << 8)]
+    reading = [(done, total) for phase, done, total in told if phase.startswith("reading")]
+    assert reading[-1][0] == reading[-1][1]  # all of it, in MiB
+    count = "SELECT count() FROM __db__.spans WHERE run_id = {r:String}"
+    assert (
+        store.query(count, {"r": run_id}).result_rows
+        == store.query(count, {"r": slice_run}).result_rows
+    )
