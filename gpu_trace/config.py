@@ -45,6 +45,9 @@ ENVIRONMENT: dict[str, str] = {
     "GPU_TRACE_RUN_DIR": "Set by `gpu-trace record` for the traced program and its children: the "
     "run directory the recorder spools into. When set, recording starts at interpreter start.",
     "GPU_TRACE_RUN_ID": "Set by `gpu-trace record`: the run id.",
+    "GPU_TRACE_SIGNAL_ECHO": "Set by `gpu-trace record` for the program it starts: the pipe the "
+    "program says on which signals it got, so a signal sent to the whole process group is not "
+    "forwarded to it a second time (gpu_trace/signal_echo.py).",
     "GPU_TRACE_FLUSH_INTERVAL": "Seconds between background flushes to the spool; a thread's "
     "buffer a quarter full (and of 65536 events or more) is flushed at once. Default 0.5.",
     "GPU_TRACE_BUFFER_EVENTS": "Per-thread buffer capacity in events; beyond it events are dropped "

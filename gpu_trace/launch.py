@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_trace import config
+from gpu_trace.signal_echo import Echo
 from gpu_trace.tracer import context
 from gpu_trace.tracer.clock import anchor, now_ns
 from gpu_trace.tracer.files import disk_full
@@ -311,9 +312,17 @@ def run(launch: Launch) -> int:
     A program killed by a signal gives 128 + the signal number, as a shell reports it.
     """
     samplers = launch.samplers
+    echo = Echo() if _block_possible() else None
     try:
-        proc = subprocess.Popen(launch.argv, env=launch.env)
+        if echo is None:
+            proc = subprocess.Popen(launch.argv, env=launch.env)
+        else:
+            env = {**launch.env, **echo.env}
+            proc = subprocess.Popen(launch.argv, env=env, pass_fds=(echo.write_fd,))
+            echo.started()
     except OSError as exc:
+        if echo is not None:
+            echo.close()
         if samplers is not None:
             samplers.stop()
         finish(launch, 126, f"could not start: {exc.strerror or exc}")
@@ -330,8 +339,10 @@ def run(launch: Launch) -> int:
     try:
         if samplers is not None:
             samplers.start(proc.pid)
-        returncode = _wait(proc, forward) if blocked else _wait_plain(proc)
+        returncode = _wait(proc, forward, echo) if blocked else _wait_plain(proc)
     finally:
+        if echo is not None:
+            echo.close()
         if blocked:  # a signal still pending now goes to `forward` (the program has ended)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _WATCHED)
         if samplers is not None:  # stopped and flushed before anything is ingested
@@ -354,31 +365,46 @@ _WATCHED = {*FORWARDED, signal.SIGCHLD}
 SI_KERNEL = 0x80
 
 
+def _block_possible() -> bool:
+    """Whether :func:`_block_signals` can block (so :func:`_wait` sees who sent what)."""
+    return hasattr(signal, "sigtimedwait") and threading.current_thread() is (
+        threading.main_thread()
+    )
+
+
 def _block_signals() -> bool:
     """Block the forwarded signals and SIGCHLD in this thread, for :func:`_wait`; False where
     that is not possible (no ``sigtimedwait``, or not the main thread)."""
-    if not hasattr(signal, "sigtimedwait") or threading.current_thread() is not (
-        threading.main_thread()
-    ):
+    if not _block_possible():
         return False
     signal.pthread_sigmask(signal.SIG_BLOCK, _WATCHED)
     return True
 
 
-def _wait(proc: subprocess.Popen[bytes], forward: Callable[[int], None]) -> int:
+def _wait(
+    proc: subprocess.Popen[bytes], forward: Callable[[int], None], echo: Echo | None = None
+) -> int:
     """Wait for the program, forwarding each SIGINT and SIGTERM sent to this process alone.
 
     One that the kernel sent (a terminal's ^C) reached the program too, since it shares our
     process group: forwarding it as well gave the program two, so a program cleaning up after
-    its first ``KeyboardInterrupt`` (saving a checkpoint) was interrupted again.
+    its first ``KeyboardInterrupt`` (saving a checkpoint) was interrupted again. One sent to the
+    whole group with ``kill`` looks like one sent to us alone; the program's ``echo`` (a Python
+    program's own account of the signals it got: :mod:`gpu_trace.signal_echo`) tells them apart.
     """
     while (returncode := proc.poll()) is None:
         info = signal.sigtimedwait(_WATCHED, 1.0)  # SIGCHLD wakes it when the program ends
         if info is None or info.si_signo not in FORWARDED:
+            if echo is not None:
+                echo.read()  # noted with the time: what it says long before a signal is not it
             continue
         name = signal.Signals(info.si_signo).name
         if info.si_code == SI_KERNEL:
             log.debug("%s from the terminal reached the program too: not forwarded", name)
+        elif echo is not None and echo.program_got(info.si_signo):
+            log.debug(
+                "%s (sent by pid %d) reached the program too: not forwarded", name, info.si_pid
+            )
         else:
             log.debug("forwarding %s (sent by pid %d) to the program", name, info.si_pid)
             forward(info.si_signo)

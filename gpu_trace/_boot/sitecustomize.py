@@ -24,9 +24,31 @@ def _start() -> None:
         from gpu_trace import _capture
         from gpu_trace.tracer.session import start_from_env
 
-        start_from_env(attach=_capture.attach)
+        rec = start_from_env(attach=_capture.attach)
     except Exception as exc:  # never break the traced program
         sys.stderr.write(f"gpu-trace: recording is off in this process: {exc}\n")
+        return
+    try:
+        # A rank of a distributed job (torchrun, mpirun, srun): its place in the job, from the
+        # launcher's environment; torch.distributed completes it once a process group exists.
+        from gpu_trace.tracer import ranks
+
+        if rec is not None:
+            ranks.write(rec.run_dir, ranks.from_env())
+    except Exception:  # never break the traced program
+        pass
+
+
+def _echo_signals() -> None:
+    # `gpu-trace record` asks whether a signal it got reached the program too (signal_echo.py).
+    if not os.environ.get("GPU_TRACE_SIGNAL_ECHO"):
+        return
+    try:
+        from gpu_trace.signal_echo import echo_from_env
+
+        echo_from_env()
+    except Exception:  # never break the traced program: record then forwards as before
+        pass
 
 
 def _remote() -> None:
@@ -59,6 +81,7 @@ def _chain() -> bool:
 
 
 _start()
+_echo_signals()
 _remote()
 _leave_path()
 if not _chain():

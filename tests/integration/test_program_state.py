@@ -37,6 +37,7 @@ ENVIRONMENT = {
     "GPU_TRACE_NVTX",
     "GPU_TRACE_RUN_DIR",
     "GPU_TRACE_RUN_ID",
+    "GPU_TRACE_SIGNAL_ECHO",  # the pipe it tells record its signals on (signal_echo.py)
     "GPU_TRACE_TF",
     "GPU_TRACE_TORCH",
     "NVTX_INJECTION64_PATH",  # when the NVTX injection library could be built
@@ -277,3 +278,31 @@ def test_interrupt_reaches_the_program_once(tmp_path: Path) -> None:
     runner.send_signal(signal.SIGINT)
     out, err = runner.communicate(timeout=120)
     assert out == "sigints 1\n" and f"forwarding SIGINT (sent by pid {os.getpid()})" in err, err
+
+
+COUNT_SIGTERMS = COUNT_SIGINTS.replace("SIGINT", "SIGTERM").replace("sigints", "sigterms")
+
+
+@pytest.mark.parametrize(
+    ("program", "signum"),
+    [(COUNT_SIGINTS, signal.SIGINT), (COUNT_SIGTERMS, signal.SIGTERM)],
+    ids=["SIGINT", "SIGTERM"],
+)
+def test_a_signal_sent_to_the_process_group_reaches_the_program_once(
+    tmp_path: Path, program: str, signum: signal.Signals
+) -> None:
+    """`kill -INT -PGID` (GNU timeout, a scheduler) reaches the runner and the program; the
+    program tells the runner it got it (gpu_trace/signal_echo.py), so it is not forwarded a
+    second time (it was: two KeyboardInterrupts, the second inside the first's handling)."""
+    prog = script(tmp_path, program)
+    record = [sys.executable, "-m", "gpu_trace", "-v", *RECORD, "--", sys.executable, str(prog)]
+    runner = subprocess.Popen(
+        record, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    assert runner.stdout is not None and runner.stdout.readline() == "ready\n"
+    os.killpg(runner.pid, signum)
+    out, err = runner.communicate(timeout=120)
+    name = signum.name
+    assert out == f"{name.lower()}s 1\n", err
+    assert f"{name} (sent by pid {os.getpid()}) reached the program too: not forwarded" in err, err
+    assert f"forwarding {name}" not in err, err
