@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpu_trace import _format as fmt
+from gpu_trace.tracer.ranks import RankSummary
 from gpu_trace.tracer.summary import CounterStats, RunSummary
 
 #: What the samplers' own metrics are, said above their table.
@@ -102,3 +103,47 @@ def _counter_table(counters: list[CounterStats]) -> str:
     return fmt.table(
         ["SOURCE", "DEVICE", "METRIC", "SAMPLES", "MIN", "MEAN", "MAX"], rows, right={3, 4, 5, 6}
     )
+
+
+def render_ranks(ranks: RankSummary) -> str:
+    """A distributed run's Ranks section: each rank's process, host and busy time, its
+    collectives and the waiting it did; the collectives per kind with their skew; the straggler
+    (tracer/ranks.py has the definitions)."""
+    head = f"ranks (world size {ranks.world_size}"
+    head += f", backend {ranks.backend}" if ranks.backend else ""
+    head += f", job {clip(ranks.job, 40)})" if ranks.job else ")"
+    lines = ["", head]
+    rows = [
+        [str(r.rank), "-" if r.local_rank is None else str(r.local_rank),
+         "-" if r.node is None else str(r.node), clip(r.host, 24),
+         ",".join(str(p) for p in r.pids), fmt.duration(r.busy_ns), fmt.count(r.collectives),
+         fmt.duration(r.waited_ns)]
+        for r in ranks.ranks
+    ]  # fmt: skip
+    lines.append(
+        fmt.table(
+            ["RANK", "LOCAL", "NODE", "HOST", "PID", "BUSY", "COLLECTIVES", "WAITED"],
+            rows,
+            right={0, 1, 2, 5, 6, 7},
+        )
+    )
+    if ranks.collectives:
+        lines += ["", "collectives (skew: the last rank to enter minus the first, per collective)"]
+        rows = [
+            [c.op, fmt.count(c.count), " ".join(f"{r}:{n}" for r, n in c.calls.items()),
+             fmt.duration(c.total_ns), fmt.duration(c.skew_sum_ns), fmt.duration(c.skew_max_ns)]
+            for c in ranks.collectives
+        ]  # fmt: skip
+        lines.append(
+            fmt.table(
+                ["COLLECTIVE", "COUNT", "CALLS PER RANK", "TOTAL", "SKEW SUM", "SKEW MAX"],
+                rows,
+                right={1, 3, 4, 5},
+            )
+        )
+    if ranks.straggler is not None:
+        lines.append(
+            f"straggler: rank {ranks.straggler}, last to enter {fmt.count(ranks.straggler_last)} "
+            f"collectives; the others waited {fmt.duration(ranks.straggler_wait_ns)} for it"
+        )
+    return "\n".join(lines)

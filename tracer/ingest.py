@@ -41,6 +41,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from gpu_trace.tracer import ranks
 from gpu_trace.tracer.clocksync import ClockModel
 from gpu_trace.tracer.records import SCHEMAS
 from gpu_trace.tracer.run import STATS_DIR, RunInfo, recorder_died
@@ -154,7 +155,7 @@ def ingest(store: Store, run_dir: str | Path) -> IngestReport:
     }
     if report.batches_skipped:
         info.attrs["damaged_batches"] = str(report.batches_skipped)
-    _write_threads(store, info, stats, pid_hosts)
+    _write_threads(store, info, stats, pid_hosts, ranks.read(run_dir))
     stored = _stored_run(store, info.run_id)
     if stored is not None:
         info.hosts = list(dict.fromkeys([*stored.hosts, *info.hosts]))
@@ -419,8 +420,14 @@ def _read_stats(run_dir: Path, report: IngestReport) -> list[dict[str, Any]]:
 
 
 def _write_threads(
-    store: Store, info: RunInfo, stats: list[dict[str, Any]], pid_hosts: dict[int, str]
+    store: Store,
+    info: RunInfo,
+    stats: list[dict[str, Any]],
+    pid_hosts: dict[int, str],
+    facts: dict[int, dict[str, str]],
 ) -> None:
+    """One row per thread of each recording process, carrying its process's rank facts
+    (``ranks/<pid>.json``: tracer/ranks.py) if it has any."""
     default_host = info.hosts[0] if info.hosts else ""
     now = time.time_ns()
     rows = []
@@ -441,11 +448,21 @@ def _write_threads(
                         str(s.get("process_name", "")),
                         str(name),
                         now,
+                        facts.get(pid, {}),
                     ]
                 )
     store.insert_rows(
         "threads",
-        ["run_id", "host", "pid", "tid", "process_name", "thread_name", "updated_ns"],
+        [
+            "run_id",
+            "host",
+            "pid",
+            "tid",
+            "process_name",
+            "thread_name",
+            "updated_ns",
+            "process_attrs",
+        ],  # fmt: skip
         rows,
     )
 

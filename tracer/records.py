@@ -29,6 +29,7 @@ CUDA_SYNC = "cuda_sync"  # a CUPTI synchronization record: the CPU waiting on th
 STEP = "step"
 MARK = "mark"
 OTEL = "otel"  # the program's own OpenTelemetry spans (tracer/otel.py)
+COLLECTIVE = "collective"  # a c10d collective call or its backend's work (torch/collectives.py)
 CATEGORIES = (
     NVTX,
     OP,
@@ -43,6 +44,7 @@ CATEGORIES = (
     STEP,
     MARK,
     OTEL,
+    COLLECTIVE,
 )
 
 #: Lane of `gpu_trace.range` and `gpu_trace.mark`: they are NVTX ranges in the domain "gpu_trace".

@@ -207,7 +207,7 @@ TABLES: dict[str, tuple[str, str, str, str]] = {
     ),
     "threads": (
         "run_id String, host LowCardinality(String), pid UInt32, tid UInt64, process_name String,"
-        " thread_name String, updated_ns Int64",
+        " thread_name String, updated_ns Int64, process_attrs Map(String, String)",
         "ReplacingMergeTree(updated_ns)",
         "(run_id, host, pid, tid)",
         "cityHash64(run_id)",
@@ -229,6 +229,9 @@ ADDED_COLUMNS: tuple[tuple[str, str, str], ...] = (
     # When the run first reached the store (wall clock): what `last` means. Rows from before it
     # read their last upsert's time.
     ("runs", "stored_ns", "Int64 DEFAULT updated_ns"),
+    # A process's place in a distributed job (rank, world size, node, ...: tracer/ranks.py),
+    # repeated on each of its threads' rows. Rows from before it read an empty map.
+    ("threads", "process_attrs", "Map(String, String)"),
 )
 
 

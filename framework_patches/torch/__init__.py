@@ -4,7 +4,8 @@
 ``optimizer.step``, ``loss.backward``, DataLoader waits and a step range per iteration. ``op``:
 all of that plus every ATen op (:mod:`.ops_native`, a RecordFunction observer in C++, where
 its library is built, else :mod:`.ops`, the profiler's collection in sessions; chosen by
-``GPU_TRACE_TORCH_OPS``). ``off``: nothing.
+``GPU_TRACE_TORCH_OPS``). At both, once the program makes a process group, its collectives
+(:mod:`.collectives`). ``off``: nothing.
 
 Each part is patched on its own: a PyTorch version where one can't be patched still gets the
 others, and one warning says what is not captured.
@@ -17,8 +18,8 @@ from typing import Any
 
 from gpu_trace import config
 from gpu_trace.framework_patches import spans
+from gpu_trace.framework_patches.torch import collectives, ops_native, program_profiler
 from gpu_trace.framework_patches.torch import modules as torch_modules
-from gpu_trace.framework_patches.torch import ops_native, program_profiler
 from gpu_trace.framework_patches.torch import training as torch_training
 from gpu_trace.framework_patches.torch.ops import OpSource
 from gpu_trace.framework_patches.torch.ops_native import NativeOpSource
@@ -71,6 +72,12 @@ def patch(torch: Any, level: str = "module", *, shapes: bool = False, rec: Any =
         except Exception as exc:
             log.debug("gpu-trace: PyTorch op collection failed", exc_info=True)
             failed.append(f"op ranges ({type(exc).__name__}: {exc})")
+    if rec is not None:  # collectives at module and op level, once a process group exists
+        try:
+            collectives.patch(torch, rec)
+        except Exception as exc:
+            log.debug("gpu-trace: patching torch.distributed failed", exc_info=True)
+            failed.append(f"collectives ({type(exc).__name__}: {exc})")
     torch_modules.on_root = _on_root
     # the program's own torch.profiler: the flusher held while it starts, the sessions aside
     program_profiler.watch(torch, rec, _ops if isinstance(_ops, OpSource) else None)
@@ -117,6 +124,7 @@ def unpatch() -> None:
     global _ops, _patched
     torch_modules.on_root = None
     program_profiler.unwatch()
+    collectives.unpatch()
     torch_modules.unpatch()
     torch_training.unpatch()
     if _ops is not None:
@@ -132,6 +140,7 @@ def is_patched() -> bool:
         or torch_modules.is_patched()
         or torch_training.is_patched()
         or program_profiler.is_watching()
+        or collectives.is_patched()
     )
 
 

@@ -3,7 +3,17 @@
 // recorder's flusher through a C ABI (ctypes). Why: the profiler's own collection processes its
 // events on the program's thread when a session stops (2-5 us an event); this costs the enter
 // and exit callbacks only. See ops_native.py.
+// As libtorch is built: its headers' debug-only checks read state a release libtorch never sets
+// (RecordFunction::inputs() asserts on inputs_valid_, which only a debug build keeps).
+#ifndef NDEBUG
+#define NDEBUG
+#endif
 #include <ATen/record_function.h>
+#include <c10/util/ThreadLocalDebugInfo.h>
+#if __has_include(<torch/csrc/distributed/c10d/ParamCommsUtils.hpp>)
+#include <torch/csrc/distributed/c10d/ParamCommsUtils.hpp>
+#define GT_PARAM_COMMS 1
+#endif
 
 #include <atomic>
 #include <cstdint>
@@ -224,6 +234,211 @@ void on_node_exit(const at::RecordFunction& fn, at::ObserverContext*) {
   }
 }
 
+
+// ---- collectives ---------------------------------------------------------------------------------
+// Two more callbacks, started only in a process with a process group (collectives.py): c10d's
+// dispatcher ops (c10d::allreduce_, ...) at FUNCTION scope: the call on the program's thread, with
+// what c10d's record_param_comms range inside it says where a backend records one (NCCL: process
+// group, sequence number, sizes, dtype, group ranks; read from the thread's debug info, not from
+// inputs); and the backends' work ranges (gloo:all_reduce, nccl:all_reduce, ...) at USER_SCOPE with
+// their input tensors, from when the work runs to when it completes, on the backend's thread.
+// FUNCTION scope costs every op a one-byte name check; USER_SCOPE is record_function ranges only.
+
+// One collective call or one backend work. Kept in step with COMM_RECORD in collectives.py.
+struct CommRec {
+  int64_t start;
+  int64_t end;
+  int64_t seq;        // record_param_comms' sequence number (-1: none)
+  int64_t in_elems;   // -1: unknown
+  int64_t out_elems;  // -1: unknown
+  int64_t bytes;      // work: its input tensors' bytes; call: in_elems x the dtype's size; -1
+  int32_t name;       // interned: c10d::allreduce_, gloo:all_reduce, ...
+  int32_t pg;         // interned process group name (-1: unknown)
+  int32_t pg_desc;    // interned process group description (-1)
+  int32_t ranks;      // interned "0,1,..." global ranks of the group (-1)
+  int32_t dtype;      // interned dtype name (-1)
+  int32_t tid;
+  int32_t kind;       // 0: a c10d call, 1: a backend's work
+  int32_t rank;       // rank in the group (-1)
+  int32_t world;      // group size (-1)
+  int32_t depth;      // c10d calls open around it on its thread
+};
+
+struct CommCtx : at::ObserverContext {
+  CommRec rec;
+};
+
+std::mutex g_comm_lock;  // guards g_comms
+std::vector<CommRec> g_comms;
+std::atomic<uint64_t> g_comm_dropped{0};
+at::CallbackHandle g_call_handle = 0;
+at::CallbackHandle g_work_handle = 0;
+thread_local std::vector<CommCtx*> t_calls;  // this thread's open c10d calls
+
+int32_t intern_text(const std::string& text) {
+  std::lock_guard<std::mutex> g(g_lock);
+  auto got = g_ids.find(text);
+  if (got != g_ids.end()) {
+    return got->second;
+  }
+  int32_t id = static_cast<int32_t>(g_names.size());
+  g_names.push_back(std::make_unique<std::string>(text));
+  g_ids.emplace(*g_names.back(), id);
+  return id;
+}
+
+void comm_blank(CommRec& r) {
+  r.seq = r.in_elems = r.out_elems = r.bytes = -1;
+  r.pg = r.pg_desc = r.ranks = r.dtype = -1;
+  r.rank = r.world = -1;
+  r.depth = 0;
+}
+
+void comm_push(const CommRec& r) {
+  std::lock_guard<std::mutex> g(g_comm_lock);
+  if (g_comms.size() >= g_cap.load(std::memory_order_relaxed)) {
+    g_comm_dropped.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  g_comms.push_back(r);
+}
+
+#ifdef GT_PARAM_COMMS
+void read_param_comms(CommRec& r) {
+  auto* base = c10::ThreadLocalDebugInfo::get(c10::DebugInfoKind::PARAM_COMMS_INFO);
+  if (base == nullptr) {
+    return;
+  }
+  // Only ParamCommsDebugInfo is kept under PARAM_COMMS_INFO (RECORD_PARAM_COMMS).
+  auto* info = static_cast<torch::ParamCommsDebugInfo*>(base);
+  r.seq = info->getSequenceNumber();
+  r.in_elems = info->getInMessageNelems();
+  r.out_elems = info->getOutMessageNelems();
+  r.bytes = r.in_elems * static_cast<int64_t>(c10::elementSize(info->getDType()));
+  r.dtype = intern_text(c10::toString(info->getDType()));
+  r.pg = intern_text(info->getProcessGroupName());
+  r.pg_desc = intern_text(info->getProcessGroupDesc());
+  r.rank = info->getRank();
+  r.world = info->getWorldSize();
+  std::string ranks;
+  for (int64_t k : info->getGroupRanks()) {
+    ranks += (ranks.empty() ? "" : ",") + std::to_string(k);
+  }
+  if (!ranks.empty()) {
+    r.ranks = intern_text(ranks);
+  }
+}
+#endif
+
+std::unique_ptr<at::ObserverContext> on_call_enter(const at::RecordFunction& fn) {
+  const char* name = fn.name();
+  if (name[0] != 'c' && name[0] != 'r') {  // nearly every op: one byte read
+    return nullptr;
+  }
+  try {
+    if (std::strncmp(name, "c10d::", 6) == 0) {
+      auto ctx = std::make_unique<CommCtx>();
+      comm_blank(ctx->rec);
+      ctx->rec.name = intern(local(), name);
+      ctx->rec.kind = 0;
+      ctx->rec.depth = static_cast<int32_t>(t_calls.size());
+      t_calls.push_back(ctx.get());
+      ctx->rec.start = now_ns();
+      return ctx;
+    }
+#ifdef GT_PARAM_COMMS
+    if (!t_calls.empty() && std::strcmp(name, "record_param_comms") == 0) {
+      read_param_comms(t_calls.back()->rec);
+    }
+#endif
+  } catch (...) {
+  }
+  return nullptr;
+}
+
+void on_call_exit(const at::RecordFunction&, at::ObserverContext* base) {
+  if (base == nullptr) {
+    return;
+  }
+  int64_t end = now_ns();
+  try {
+    auto* ctx = static_cast<CommCtx*>(base);
+    if (!t_calls.empty() && t_calls.back() == ctx) {
+      t_calls.pop_back();
+    }
+    ctx->rec.end = end;
+    ctx->rec.tid = local().tid;
+    comm_push(ctx->rec);
+  } catch (...) {
+  }
+}
+
+bool is_work(const char* name) {
+  for (const char* p : {"gloo:", "nccl:", "mpi:", "ucc:", "xccl:"}) {
+    if (std::strncmp(name, p, std::strlen(p)) == 0) {
+      return true;
+    }
+  }
+  return false;
+}
+
+std::unique_ptr<at::ObserverContext> on_work_enter(const at::RecordFunction& fn) {
+  try {
+    const char* name = fn.name();
+    if (!is_work(name)) {
+      return nullptr;
+    }
+    auto ctx = std::make_unique<CommCtx>();
+    comm_blank(ctx->rec);
+    ctx->rec.name = intern(local(), name);
+    ctx->rec.kind = 1;
+    int64_t bytes = 0, elems = 0;
+    std::string dtype;
+    auto add = [&](const at::Tensor& t) {
+      if (!t.defined()) {
+        return;
+      }
+      bytes += static_cast<int64_t>(t.nbytes());
+      elems += t.numel();
+      if (dtype.empty()) {
+        dtype = c10::toString(t.scalar_type());
+      }
+    };
+    for (const c10::IValue& v : fn.inputs()) {
+      if (v.isTensor()) {
+        add(v.toTensor());
+      } else if (v.isTensorList()) {
+        for (const at::Tensor& t : v.toTensorVector()) {
+          add(t);
+        }
+      }
+    }
+    ctx->rec.bytes = bytes;
+    ctx->rec.in_elems = elems;
+    if (!dtype.empty()) {
+      ctx->rec.dtype = intern_text(dtype);
+    }
+    ctx->rec.start = now_ns();
+    return ctx;
+  } catch (...) {
+    return nullptr;
+  }
+}
+
+void on_work_exit(const at::RecordFunction&, at::ObserverContext* base) {
+  if (base == nullptr) {
+    return;
+  }
+  int64_t end = now_ns();
+  try {
+    auto* ctx = static_cast<CommCtx*>(base);
+    ctx->rec.end = end;
+    ctx->rec.tid = local().tid;
+    comm_push(ctx->rec);
+  } catch (...) {
+  }
+}
+
 }  // namespace
 
 #define GT_API __attribute__((visibility("default")))
@@ -245,6 +460,9 @@ void after_fork_child() {
   new std::vector<std::shared_ptr<Buffer>>(std::move(g_buffers));  // leaked on purpose
   g_buffers.clear();
   new (&g_lock) std::mutex();
+  new (&g_comm_lock) std::mutex();
+  g_comms.clear();
+  t_calls.clear();
   Local& l = local();
   l.buf = std::make_shared<Buffer>();
   l.buf->recs.reserve(4096);
@@ -393,6 +611,71 @@ GT_API int64_t gt_name(int32_t id, char* buf, size_t cap) {
   std::memcpy(buf, s.data(), k);
   buf[k] = '\0';
   return static_cast<int64_t>(s.size());
+}
+
+}  // extern "C"
+
+// ---- collectives (see above) ----------------------------------------------------------------------
+
+extern "C" {
+
+GT_API size_t gt_comm_record_size() { return sizeof(CommRec); }
+
+// Starts the collectives' two callbacks (idempotent); 0 on success, -1 on failure.
+GT_API int gt_comms_start() {
+  std::lock_guard<std::mutex> g(g_lock);
+  if (g_call_handle != 0) {
+    return 0;
+  }
+  try {
+    at::RecordFunctionCallback::EndCallback end = on_call_exit;
+    g_call_handle = at::addGlobalCallback(at::RecordFunctionCallback(on_call_enter, end)
+                                              .scopes({at::RecordScope::FUNCTION})
+                                              .needsInputs(false)
+                                              .needsOutputs(false)
+                                              .needsIds(false));
+    end = on_work_exit;
+    g_work_handle = at::addGlobalCallback(at::RecordFunctionCallback(on_work_enter, end)
+                                              .scopes({at::RecordScope::USER_SCOPE})
+                                              .needsInputs(true)
+                                              .needsOutputs(false)
+                                              .needsIds(false));
+    return 0;
+  } catch (...) {
+    return -1;
+  }
+}
+
+// Stops them; records already taken stay for gt_comms_drain.
+GT_API void gt_comms_stop() {
+  at::CallbackHandle a, b;
+  {
+    std::lock_guard<std::mutex> g(g_lock);
+    a = g_call_handle;
+    b = g_work_handle;
+    g_call_handle = g_work_handle = 0;
+  }
+  for (at::CallbackHandle h : {a, b}) {
+    if (h != 0) {
+      try {
+        at::removeCallback(h);
+      } catch (...) {
+      }
+    }
+  }
+}
+
+GT_API uint64_t gt_comms_dropped() { return g_comm_dropped.load(); }
+
+// Moves up to cap finished collective records into out; returns how many.
+GT_API size_t gt_comms_drain(CommRec* out, size_t cap) {
+  std::lock_guard<std::mutex> g(g_comm_lock);
+  size_t take = std::min(cap, g_comms.size());
+  if (take) {
+    std::memcpy(out, g_comms.data(), take * sizeof(CommRec));
+    g_comms.erase(g_comms.begin(), g_comms.begin() + take);
+  }
+  return take;
 }
 
 }  // extern "C"

@@ -213,6 +213,22 @@ def library() -> ctypes.CDLL | None:
         return lib
 
 
+def name_list(lib: ctypes.CDLL, names: list[str]) -> list[str]:
+    """``names`` (the library's interned names read so far) extended with those interned since;
+    ids index it."""
+    have = len(names)
+    count = int(lib.gt_name_count())
+    if count > have:
+        text = ctypes.create_string_buffer(1024)
+        for i in range(have, count):
+            size = int(lib.gt_name(i, text, len(text)))
+            if size >= len(text):
+                text = ctypes.create_string_buffer(size + 1)
+                lib.gt_name(i, text, len(text))
+            names.append(text.value.decode("utf-8", "replace"))
+    return names
+
+
 class NativeOpSource:
     """Runs the native observer and is the recorder's source for its spans (the same interface
     as :class:`.ops.OpSource`: ``calls``, ``passes`` and ``owner`` for the module wrapper).
@@ -372,17 +388,7 @@ class NativeOpSource:
     # ---- records to spans ---------------------------------------------------------------------
 
     def _name_list(self) -> list[str]:
-        have = len(self._names)
-        count = int(self._lib.gt_name_count())
-        if count > have:
-            text = ctypes.create_string_buffer(1024)
-            for i in range(have, count):
-                size = int(self._lib.gt_name(i, text, len(text)))
-                if size >= len(text):
-                    text = ctypes.create_string_buffer(size + 1)
-                    self._lib.gt_name(i, text, len(text))
-                self._names.append(text.value.decode("utf-8", "replace"))
-        return self._names
+        return name_list(self._lib, self._names)
 
     def _ops_table(self, b: np.ndarray) -> pa.Table:
         """The op spans of records ``b``, made with NumPy."""

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from gpu_trace import _format as fmt
 from gpu_trace import config
 from gpu_trace._summary_text import clip as _clip
-from gpu_trace._summary_text import render_summary
+from gpu_trace._summary_text import render_ranks, render_summary
 from gpu_trace._summary_text import wall_ns as _wall_ns
 from gpu_trace.commands import CLIError, echo, err, telemetry
 
@@ -163,6 +163,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     from gpu_trace.commands.kernels import render_kernels
     from gpu_trace.tracer.gpu_reads import gpu_summary
+    from gpu_trace.tracer.ranks import rank_summary
 
     with _open_store(args) as store:
         run_id = _resolve(store, args.run)
@@ -170,11 +171,15 @@ def cmd_show(args: argparse.Namespace) -> int:
         summary = store.summary(run_id, top=args.top)
         forwarding = store.forwarding(run_id, top=args.top)
         gpu = gpu_summary(store, run_id, top=args.top)
+        ranks = rank_summary(store, run_id)
     if args.json:
         out = {"run": run, "summary": summary.as_dict(), "forwarding": forwarding, "gpu": gpu}
+        out["ranks"] = ranks.as_dict() if ranks is not None else None
         echo(json.dumps(out, default=str, indent=2))
         return 0
     echo(render_summary(run, summary))
+    if ranks is not None:
+        echo(render_ranks(ranks))
     if gpu["devices"]:
         echo(render_kernels(gpu))
     if forwarding["ops"]:

@@ -1,0 +1,345 @@
+"""Ranks of a distributed job: who each process is, and how the ranks waited for each other.
+
+Recording side: a process learns its place in the job from the environment its launcher set
+(:func:`from_env`: torchrun's ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``GROUP_RANK``,
+``LOCAL_WORLD_SIZE``, ``TORCHELASTIC_RUN_ID``; Open MPI's ``OMPI_COMM_WORLD_*``; MPICH's
+``PMI_RANK``/``PMI_SIZE``; Slurm's ``SLURM_PROCID``/``SLURM_NTASKS``/...), or from
+``torch.distributed`` once a process group exists (``framework_patches/torch/collectives.py``),
+and writes it to ``<run_dir>/ranks/<pid>.json`` (:func:`write`). Ingest puts it in the
+``threads`` table's ``process_attrs`` (docs/schema.md).
+
+Reading side: :func:`rank_summary` (``gpu-trace show``'s Ranks and Collectives sections) joins
+each collective span (category ``collective``, lane :data:`COLLECTIVE_LANE`) to its rank and
+links the ranks' spans of one collective by (process group, sequence number). Definitions
+(docs/distributed.md):
+
+- **enter**: a rank's collective span start (the c10d call on the program's thread);
+- **skew** of a collective: the last rank's enter minus the first's;
+- **wait caused** by the rank that entered last: the sum over the other ranks of the last enter
+  minus theirs (what they spent waiting for it);
+- **straggler**: the rank that entered last most often (ties: the larger wait caused).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from clickhouse_connect.driver.query import QueryResult
+
+#: Where each process's facts go in a run directory: ``ranks/<pid>.json``.
+RANKS_DIR = "ranks"
+#: The lane of collective calls (framework_patches/torch/collectives.py); backend work has its own.
+COLLECTIVE_LANE = "torch/collectives"
+#: Keys a process's facts may have (all strings), in the order `show` reads them.
+KEYS = (
+    "rank",
+    "local_rank",
+    "world_size",
+    "local_world_size",
+    "node",
+    "host",
+    "job",
+    "launcher",
+    "backend",
+    "source",
+)
+
+# (launcher, rank, world size, local rank, local world size, node, job): the first launcher whose
+# rank variable is set wins; torchrun's (also set by any launcher that follows its convention)
+# first, since torchrun under srun or mpirun sets its own on top.
+_LAUNCHERS = (
+    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+     "TORCHELASTIC_RUN_ID"),
+    ("mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+     "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_NODE_RANK", ""),
+    ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "", ""),
+    ("srun", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE",
+     "SLURM_NODEID", "SLURM_JOB_ID"),
+)  # fmt: skip
+
+
+def _int(text: str | None) -> str | None:
+    """``text`` as a canonical non-negative integer string, None if it is not one."""
+    if text is None:
+        return None
+    text = text.strip()
+    return str(int(text)) if text.isdigit() else None
+
+
+def from_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's place in a job from the launcher's environment: the :data:`KEYS` found
+    (``rank`` and ``world_size`` at least, else ``{}``: not a rank), plus ``host``,
+    ``launcher`` and ``source=env``. A malformed value is left out, never raised."""
+    env = os.environ if environ is None else environ
+    for launcher, rank, world, local, local_world, node, job in _LAUNCHERS:
+        r, w = _int(env.get(rank)), _int(env.get(world))
+        if r is None or w is None or int(r) >= int(w):
+            continue
+        out = {"rank": r, "world_size": w}
+        for key, var in (("local_rank", local), ("local_world_size", local_world), ("node", node)):
+            value = _int(env.get(var)) if var else None
+            if value is not None:
+                out[key] = value
+        if launcher == "torchrun" and "TORCHELASTIC_RUN_ID" not in env and "GROUP_RANK" not in env:
+            launcher = "env"  # RANK/WORLD_SIZE set by hand or by another launcher
+        job_id = (env.get(job) or "").strip() if job else ""
+        if not job_id:
+            job_id = (env.get("SLURM_JOB_ID") or "").strip()
+        if job_id:
+            out["job"] = job_id[:200]
+        out.update(host=socket.gethostname(), launcher=launcher, source="env")
+        return out
+    return {}
+
+
+def write(
+    run_dir: str | os.PathLike[str], facts: Mapping[str, str], pid: int | None = None
+) -> bool:
+    """Write a process's facts to ``<run_dir>/ranks/<pid>.json`` (replaced whole); False if it
+    could not be written (never raises: the traced program goes on)."""
+    if not facts:
+        return False
+    d = Path(run_dir) / RANKS_DIR
+    path = d / f"{os.getpid() if pid is None else pid}.json"
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        d.mkdir(exist_ok=True)
+        tmp.write_text(json.dumps({k: str(v) for k, v in facts.items()}))
+        os.replace(tmp, path)
+    except OSError:
+        return False
+    return True
+
+
+def read(run_dir: str | os.PathLike[str]) -> dict[int, dict[str, str]]:
+    """Every process's facts in a run directory, by pid; unreadable files are left out."""
+    out: dict[int, dict[str, str]] = {}
+    d = Path(run_dir) / RANKS_DIR
+    if not d.is_dir():
+        return out
+    for path in sorted(d.glob("*.json")):
+        if path.name.startswith(".") or not path.stem.isdigit():
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict):
+            out[int(path.stem)] = {str(k): str(v) for k, v in data.items() if k in KEYS}
+    return out
+
+
+# ---- reading: ranks and collectives ----------------------------------------------------------------
+
+# One process per rank: the one whose facts came from torch.distributed, else the first pid.
+_PROCESSES = """
+SELECT host, pid, any(process_attrs) AS facts
+FROM __db__.threads FINAL
+WHERE run_id = {run_id:String} AND process_attrs['rank'] != ''
+GROUP BY host, pid ORDER BY host, pid
+"""
+
+# Busy time of each process: the union of its spans' intervals (marks and steps left out).
+_BUSY = """
+SELECT host, pid, sum(greatest(0, end_ns - greatest(start_ns, if(rn = 1, start_ns, reach)))) AS busy
+FROM (
+    SELECT host, pid, start_ns, end_ns,
+           max(end_ns) OVER (PARTITION BY host, pid ORDER BY start_ns, end_ns
+                             ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS reach,
+           row_number() OVER (PARTITION BY host, pid ORDER BY start_ns, end_ns) AS rn
+    FROM __db__.spans
+    WHERE run_id = {run_id:String} AND category NOT IN ('mark', 'step')
+      AND (host, pid) IN ({pids:Array(Tuple(String, UInt32))})
+)
+GROUP BY host, pid
+"""
+
+
+class Queries(Protocol):
+    """What the rank summary needs of a store (``Store`` has it)."""
+
+    def query(self, template: str, params: dict[str, Any] | None = None) -> QueryResult: ...
+
+
+@dataclass(frozen=True)
+class RankStats:
+    """One rank: its process (the first one recorded with its rank), where, and how busy."""
+
+    rank: int
+    pid: int
+    host: str
+    local_rank: int | None
+    node: int | None
+    busy_ns: int
+    collectives: int  # its collective calls
+    waited_ns: int  # summed over its collectives: the last rank's enter minus its own
+    pids: list[int] = field(default_factory=list)  # every process that carried the rank
+
+
+@dataclass(frozen=True)
+class CollectiveStats:
+    """One kind of collective (``all_reduce``...) over the run."""
+
+    op: str
+    count: int  # collectives, each linked across the ranks that took part
+    calls: dict[int, int]  # rank -> its calls
+    total_ns: int  # every rank's spans summed
+    skew_sum_ns: int
+    skew_max_ns: int
+
+
+@dataclass(frozen=True)
+class RankSummary:
+    """A distributed run's ranks, collectives and straggler (see the module docstring)."""
+
+    world_size: int
+    job: str
+    backend: str
+    ranks: list[RankStats]
+    collectives: list[CollectiveStats]
+    straggler: int | None  # the rank that entered last most often
+    straggler_last: int  # how many collectives it entered last
+    straggler_wait_ns: int  # the waiting it caused
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data for JSON (``show --json``)."""
+        out = asdict(self)
+        for c in out["collectives"]:
+            c["calls"] = {str(k): v for k, v in c["calls"].items()}
+        return out
+
+
+def processes(store: Queries, run_id: str) -> list[dict[str, Any]]:
+    """Every recorded process with rank facts: ``host``, ``pid`` and the facts (strings)."""
+    rows = store.query(_PROCESSES, {"run_id": run_id}).result_rows
+    return [
+        {"host": str(h), "pid": int(p), **{str(k): str(v) for k, v in f.items()}}
+        for h, p, f in rows
+    ]
+
+
+def rank_of(procs: list[dict[str, Any]]) -> dict[tuple[str, int], int]:
+    """(host, pid) -> rank for each process with a rank."""
+    return {
+        (p["host"], p["pid"]): int(p["rank"]) for p in procs if str(p.get("rank", "")).isdigit()
+    }
+
+
+def rank_summary(store: Queries, run_id: str) -> RankSummary | None:
+    """The ranks of a distributed run and how they waited for each other; None if no process
+    of the run carries a rank."""
+    procs = processes(store, run_id)
+    if not procs:
+        return None
+    # the process standing for each rank: facts from torch.distributed first, then the lowest pid
+    main: dict[int, dict[str, Any]] = {}
+    pids: dict[int, list[int]] = {}
+    for p in sorted(procs, key=lambda p: (p.get("source") != "torch", p["pid"])):
+        rank = int(p["rank"])
+        main.setdefault(rank, p)
+        pids.setdefault(rank, []).append(p["pid"])
+    keys = [(p["host"], p["pid"]) for p in main.values()]
+    busy = {
+        (str(h), int(pid)): int(b)
+        for h, pid, b in store.query(_BUSY, {"run_id": run_id, "pids": keys}).result_rows
+    }
+    triples = [(p["host"], p["pid"], r) for r, p in main.items()]
+    linked = store.query(
+        _LINKED, {"run_id": run_id, "procs": triples, "lane": COLLECTIVE_LANE}
+    ).named_results()
+    per_op: dict[str, dict[str, Any]] = {}
+    last: dict[int, list[int]] = {}  # rank -> [times last, wait caused]
+    for c in linked:
+        op = per_op.setdefault(str(c["op"]), {"count": 0, "total": 0, "skew_sum": 0, "skew_max": 0})
+        op["count"] += 1
+        op["total"] += int(c["total"])
+        if int(c["n"]) > 1:
+            skew = int(c["last"]) - int(c["first"])
+            op["skew_sum"] += skew
+            op["skew_max"] = max(op["skew_max"], skew)
+            if skew > 0:
+                got = last.setdefault(int(c["late"]), [0, 0])
+                got[0] += 1
+                got[1] += int(c["caused"])
+    calls: dict[str, dict[int, int]] = {}
+    per_rank: dict[int, list[int]] = {}
+    for op, rank, n, waited in store.query(
+        _PER_RANK, {"run_id": run_id, "procs": triples, "lane": COLLECTIVE_LANE}
+    ).result_rows:
+        calls.setdefault(str(op), {})[int(rank)] = int(n)
+        got = per_rank.setdefault(int(rank), [0, 0])
+        got[0] += int(n)
+        got[1] += int(waited)
+    ranks = [
+        RankStats(
+            rank=r,
+            pid=p["pid"],
+            host=p["host"],
+            local_rank=int(p["local_rank"]) if str(p.get("local_rank", "")).isdigit() else None,
+            node=int(p["node"]) if str(p.get("node", "")).isdigit() else None,
+            busy_ns=busy.get((p["host"], p["pid"]), 0),
+            collectives=per_rank.get(r, [0, 0])[0],
+            waited_ns=per_rank.get(r, [0, 0])[1],
+            pids=sorted(pids[r]),
+        )
+        for r, p in sorted(main.items())
+    ]
+    collectives = [
+        CollectiveStats(
+            op, v["count"], dict(sorted(calls.get(op, {}).items())), v["total"], v["skew_sum"],
+            v["skew_max"],
+        )
+        for op, v in sorted(per_op.items(), key=lambda kv: -kv[1]["total"])
+    ]  # fmt: skip
+    straggler, times, caused = None, 0, 0
+    if last:
+        straggler, (times, caused) = max(last.items(), key=lambda kv: (kv[1][0], kv[1][1]))
+    first = main[min(main)]
+    world = max(
+        [int(p["world_size"]) for p in main.values() if str(p.get("world_size", "")).isdigit()]
+        or [len(main)]
+    )
+    return RankSummary(
+        world_size=world,
+        job=str(first.get("job", "")),
+        backend=str(first.get("backend", "")),
+        ranks=ranks,
+        collectives=collectives,
+        straggler=straggler,
+        straggler_last=times,
+        straggler_wait_ns=caused,
+    )
+
+
+# The ranks' collective spans, each with its rank (from the processes chosen above).
+_RANKED = """
+    SELECT s.name AS op, s.attrs['pg'] AS pg, s.attrs['seq'] AS seq, r.rank AS rank,
+           s.start_ns AS enter, s.end_ns - s.start_ns AS dur
+    FROM __db__.spans AS s
+    INNER JOIN (SELECT t.1 AS host, t.2 AS pid, t.3 AS rank
+                FROM (SELECT arrayJoin({procs:Array(Tuple(String, UInt32, Int64))}) AS t)) AS r
+      ON r.host = s.host AND r.pid = s.pid
+    WHERE s.run_id = {run_id:String} AND s.category = 'collective' AND s.lane = {lane:String}
+"""
+
+_LINKED = f"""
+SELECT op, pg, seq, count() AS n, min(enter) AS first, max(enter) AS last,
+       argMax(rank, enter) AS late, sum(dur) AS total, n * max(enter) - sum(enter) AS caused
+FROM ({_RANKED}) GROUP BY op, pg, seq
+"""
+
+# Per rank and op: its calls, and how long it waited (the last enter minus its own).
+_PER_RANK = f"""
+SELECT op, rank, count() AS n, sum(last - enter) AS waited
+FROM ({_RANKED}) AS c
+INNER JOIN (SELECT op, pg, seq, max(enter) AS last FROM ({_RANKED}) GROUP BY op, pg, seq) AS l
+  USING (op, pg, seq)
+GROUP BY op, rank ORDER BY op, rank
+"""
