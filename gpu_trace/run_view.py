@@ -69,7 +69,7 @@ def _frame(rows: list[dict[str, object]], columns: list[str]) -> pd.DataFrame:
 def _opened(dsn: str) -> Iterator[Store]:
     from gpu_trace.tracer.store import Store
 
-    with Store(dsn) as store:
+    with Store(dsn, reading=True) as store:  # a read-only store is read as `ls` reads it
         yield store
 
 

@@ -109,6 +109,25 @@ def test_reading_commands_read_a_read_only_store(
         assert "read-only" not in done.stderr  # no warning either
 
 
+NOTEBOOK = """
+import sys, gpu_trace
+print(len(gpu_trace.runs(store=sys.argv[1])))
+run = gpu_trace.run("last", store=sys.argv[1])
+print(list(run.spans().name), run.summary().by_total.name.tolist())
+"""
+
+
+def test_the_python_api_reads_a_read_only_store(home: Path, ro_store: Path) -> None:
+    """gpu_trace.runs() and run() (notebooks) read as `ls` and `show` do."""
+    out = subprocess.run(
+        [sys.executable, "-c", NOTEBOOK, str(ro_store)],
+        capture_output=True, text=True, timeout=240,
+        env={**os.environ, "GPU_TRACE_HOME": str(home)},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["1", "['read-me'] ['read-me']"], out.stdout
+
+
 def test_writing_commands_say_the_store_is_read_only(home: Path, ro_store: Path) -> None:
     imported = cli("import", str(KINETO), home=home, store=ro_store)
     assert imported.returncode == 1
