@@ -32,7 +32,7 @@ def cmd_record(args: argparse.Namespace) -> int:
     if not args.no_ingest:
         problem = store_module().check_writable(dsn)
         if problem:
-            raise CLIError(f"store {dsn} is not usable: {problem}", 2)
+            raise CLIError(f"cannot record: {problem} (--no-ingest records into a spool only)", 2)
     try:
         prepared = launch.prepare(
             argv,

@@ -346,7 +346,9 @@ def test_unwritable_store_is_reported_before_the_program_starts(tmp_path: Path) 
     blocker.write_text("")
     out = gpu_trace("record", "--store", f"chdb://{blocker}/store", "--", sys.executable, str(prog))
     assert out.returncode == 2
-    assert "is not usable" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("gpu-trace: cannot record: the store ") and str(blocker) in line
+    assert line.count(f"{blocker}/store") == 1  # the store named once
     assert not marker.exists()
 
 
