@@ -382,6 +382,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="distributedInfo world size: how many ranks the job has (default: rank + 1)",
     )
+    p.add_argument(
+        "--ranks-dir",
+        type=Path,
+        metavar="DIR",
+        help="a distributed run: one Chrome trace per rank, DIR/rank-N.json, as Holistic Trace "
+        "Analysis reads a multi-rank trace (docs/distributed.md)",
+    )
     telemetry.add_arguments(p, streaming=False)
     _store_arg(p)
     p.set_defaults(func=cmd_export)

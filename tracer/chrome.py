@@ -149,8 +149,9 @@ class ChromeTraceExporter:
 
     ``run`` is the run's row (``run_id``, ``trace_id``, ``started_ns``, ``command``, ``hosts``,
     ``attrs``...), ``threads`` a list of ``{host, pid, tid, process_name, thread_name}``.
-    ``rank`` and ``world_size`` go to ``distributedInfo`` (HTA reads the rank from there; name the
-    file ``rank-N.json`` when several ranks share a directory). ``progress(done, total)`` is called
+    ``rank``, ``world_size`` and ``backend`` (when given) go to ``distributedInfo`` (HTA reads the
+    rank from there; name the file ``rank-N.json`` when several ranks share a directory:
+    :func:`write_rank_traces`). ``progress(done, total)`` is called
     after each batch. The file is written under a temporary name and moved into place by
     :meth:`shutdown`, which also writes the trailer: call it, also after an error or Ctrl-C, to get
     a valid file with what was written so far.
@@ -169,6 +170,7 @@ class ChromeTraceExporter:
         categories: str = "kineto",
         flow_window: int = 1 << 18,
         compresslevel: int = 3,
+        backend: str = "",
     ) -> None:
         if categories not in ("kineto", "native"):
             raise ValueError(f"categories must be 'kineto' or 'native', got {categories!r}")
@@ -188,6 +190,7 @@ class ChromeTraceExporter:
             raise ValueError(f"no directory {self.path.parent} to write {self.path.name} into")
         self.run = dict(run)
         self.rank = rank
+        self.backend = str(backend)
         self.progress = progress
         self.total_spans = total_spans
         self.flow_window = max(int(flow_window), 0)
@@ -501,7 +504,9 @@ class ChromeTraceExporter:
         # with the regex '"rank":\s+(\d+)' over the first lines of the file.
         head = (
             "{\n"
-            f'"distributedInfo": {{"rank": {self.rank}, "world_size": {world_size}}},\n'
+            f'"distributedInfo": {{"rank": {self.rank}, "world_size": {world_size}'
+            + (f', "backend": {dumps(self.backend)}' if self.backend else "")
+            + "},\n"
             '"schemaVersion": 1,\n'
             '"displayTimeUnit": "ns",\n'
             f'"deviceProperties": {self._device_properties()},\n'
@@ -888,4 +893,65 @@ def write_chrome_trace(
         ok = True
     finally:
         stats = exporter.close(complete=ok)
+    return stats
+
+
+def write_rank_traces(
+    directory: str | os.PathLike[str],
+    run: dict[str, object],
+    threads: Iterable[dict[str, object]],
+    rank_pids: dict[int, set[tuple[str, int]]],
+    span_batches: Iterable[pa.Table],
+    counter_batches: Iterable[pa.Table] = (),
+    *,
+    world_size: int | None = None,
+    backend: str = "",
+    suffix: str = ".json",
+) -> dict[int, dict[str, object]]:
+    """Write one Chrome trace per rank into ``directory``, ``rank-<N><suffix>``, as HTA reads a
+    multi-rank trace (a directory of files, each with ``distributedInfo``); returns each rank's
+    stats. ``rank_pids`` gives each rank's processes as (host, pid); a rank's file holds their
+    spans and its hosts' counters. Spans of processes without a rank (the launcher's) are in no
+    file. One pass over the batches."""
+    import pyarrow.compute as pc
+
+    out = Path(directory)
+    world = world_size if world_size is not None else max(rank_pids, default=-1) + 1
+    thread_rows = list(threads)
+    exporters: dict[int, ChromeTraceExporter] = {}
+    keys: dict[int, pa.Array] = {}
+    hosts: dict[int, pa.Array] = {}
+    for rank, pids in sorted(rank_pids.items()):
+        mine = [
+            t for t in thread_rows if (str(t.get("host", "")), int(str(t.get("pid", 0)))) in pids
+        ]
+        exporters[rank] = ChromeTraceExporter(
+            out / f"rank-{rank}{suffix}",
+            run=run,
+            threads=mine,
+            rank=rank,
+            world_size=world,
+            backend=backend,
+        )
+        keys[rank] = pa.array(sorted(f"{h}\x00{p}" for h, p in pids))
+        hosts[rank] = pa.array(sorted({h for h, _ in pids}))
+    ok = False
+    try:
+        for batch in span_batches:
+            key = pc.binary_join_element_wise(
+                pc.cast(batch["host"], pa.string()), pc.cast(batch["pid"], pa.string()), "\x00"
+            )
+            for rank, exporter in exporters.items():
+                part = batch.filter(pc.is_in(key, value_set=keys[rank]))
+                if part.num_rows:
+                    exporter.write_spans(part)
+        for batch in counter_batches:
+            host = pc.cast(batch["host"], pa.string())
+            for rank, exporter in exporters.items():
+                part = batch.filter(pc.is_in(host, value_set=hosts[rank]))
+                if part.num_rows:
+                    exporter.write_counters(part)
+        ok = True
+    finally:
+        stats = {rank: exporter.close(complete=ok) for rank, exporter in exporters.items()}
     return stats

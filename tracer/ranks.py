@@ -28,10 +28,8 @@ import socket
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
 
-if TYPE_CHECKING:
-    from clickhouse_connect.driver.query import QueryResult
+from gpu_trace.tracer.summary import Queries
 
 #: Where each process's facts go in a run directory: ``ranks/<pid>.json``.
 RANKS_DIR = "ranks"
@@ -162,12 +160,6 @@ GROUP BY host, pid
 """
 
 
-class Queries(Protocol):
-    """What the rank summary needs of a store (``Store`` has it)."""
-
-    def query(self, template: str, params: dict[str, Any] | None = None) -> QueryResult: ...
-
-
 @dataclass(frozen=True)
 class RankStats:
     """One rank: its process (the first one recorded with its rank), where, and how busy."""
@@ -208,28 +200,38 @@ class RankSummary:
     straggler_last: int  # how many collectives it entered last
     straggler_wait_ns: int  # the waiting it caused
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         """Plain data for JSON (``show --json``)."""
         out = asdict(self)
-        for c in out["collectives"]:
-            c["calls"] = {str(k): v for k, v in c["calls"].items()}
+        out["collectives"] = [
+            {**c, "calls": {str(k): v for k, v in c["calls"].items()}} for c in out["collectives"]
+        ]
         return out
 
 
-def processes(store: Queries, run_id: str) -> list[dict[str, Any]]:
-    """Every recorded process with rank facts: ``host``, ``pid`` and the facts (strings)."""
+@dataclass(frozen=True)
+class Process:
+    """A recorded process with a rank: where it ran and its facts (:data:`KEYS`, strings)."""
+
+    host: str
+    pid: int
+    facts: dict[str, str]
+
+    @property
+    def rank(self) -> int:
+        return int(self.facts["rank"])
+
+    def number(self, key: str) -> int | None:
+        """Fact ``key`` as an int, None if absent or not a number."""
+        value = self.facts.get(key, "")
+        return int(value) if value.isdigit() else None
+
+
+def processes(store: Queries, run_id: str) -> list[Process]:
+    """Every recorded process of the run whose facts have a rank."""
     rows = store.query(_PROCESSES, {"run_id": run_id}).result_rows
-    return [
-        {"host": str(h), "pid": int(p), **{str(k): str(v) for k, v in f.items()}}
-        for h, p, f in rows
-    ]
-
-
-def rank_of(procs: list[dict[str, Any]]) -> dict[tuple[str, int], int]:
-    """(host, pid) -> rank for each process with a rank."""
-    return {
-        (p["host"], p["pid"]): int(p["rank"]) for p in procs if str(p.get("rank", "")).isdigit()
-    }
+    out = [Process(str(h), int(p), {str(k): str(v) for k, v in f.items()}) for h, p, f in rows]
+    return [p for p in out if p.facts.get("rank", "").isdigit()]
 
 
 def rank_summary(store: Queries, run_id: str) -> RankSummary | None:
@@ -239,52 +241,50 @@ def rank_summary(store: Queries, run_id: str) -> RankSummary | None:
     if not procs:
         return None
     # the process standing for each rank: facts from torch.distributed first, then the lowest pid
-    main: dict[int, dict[str, Any]] = {}
+    main: dict[int, Process] = {}
     pids: dict[int, list[int]] = {}
-    for p in sorted(procs, key=lambda p: (p.get("source") != "torch", p["pid"])):
-        rank = int(p["rank"])
-        main.setdefault(rank, p)
-        pids.setdefault(rank, []).append(p["pid"])
-    keys = [(p["host"], p["pid"]) for p in main.values()]
+    for p in sorted(procs, key=lambda p: (p.facts.get("source") != "torch", p.pid)):
+        main.setdefault(p.rank, p)
+        pids.setdefault(p.rank, []).append(p.pid)
+    keys = [(p.host, p.pid) for p in main.values()]
     busy = {
         (str(h), int(pid)): int(b)
         for h, pid, b in store.query(_BUSY, {"run_id": run_id, "pids": keys}).result_rows
     }
-    triples = [(p["host"], p["pid"], r) for r, p in main.items()]
-    linked = store.query(
-        _LINKED, {"run_id": run_id, "procs": triples, "lane": COLLECTIVE_LANE}
-    ).named_results()
-    per_op: dict[str, dict[str, Any]] = {}
+    params = {
+        "run_id": run_id,
+        "procs": [(p.host, p.pid, r) for r, p in main.items()],
+        "lane": COLLECTIVE_LANE,
+    }
+    per_op: dict[str, list[int]] = {}  # op -> [count, total, skew sum, skew max]
     last: dict[int, list[int]] = {}  # rank -> [times last, wait caused]
-    for c in linked:
-        op = per_op.setdefault(str(c["op"]), {"count": 0, "total": 0, "skew_sum": 0, "skew_max": 0})
-        op["count"] += 1
-        op["total"] += int(c["total"])
-        if int(c["n"]) > 1:
-            skew = int(c["last"]) - int(c["first"])
-            op["skew_sum"] += skew
-            op["skew_max"] = max(op["skew_max"], skew)
+    for op, n, first, latest, late, total, caused in store.query(_LINKED, params).result_rows:
+        got = per_op.setdefault(str(op), [0, 0, 0, 0])
+        got[0] += 1
+        got[1] += int(total)
+        if int(n) > 1:
+            skew = int(latest) - int(first)
+            got[2] += skew
+            got[3] = max(got[3], skew)
             if skew > 0:
-                got = last.setdefault(int(c["late"]), [0, 0])
-                got[0] += 1
-                got[1] += int(c["caused"])
+                was = last.setdefault(int(late), [0, 0])
+                was[0] += 1
+                was[1] += int(caused)
     calls: dict[str, dict[int, int]] = {}
-    per_rank: dict[int, list[int]] = {}
-    for op, rank, n, waited in store.query(
-        _PER_RANK, {"run_id": run_id, "procs": triples, "lane": COLLECTIVE_LANE}
-    ).result_rows:
+    per_rank: dict[int, list[int]] = {}  # rank -> [calls, waited]
+    for op, rank, n, waited in store.query(_PER_RANK, params).result_rows:
         calls.setdefault(str(op), {})[int(rank)] = int(n)
-        got = per_rank.setdefault(int(rank), [0, 0])
-        got[0] += int(n)
-        got[1] += int(waited)
+        mine = per_rank.setdefault(int(rank), [0, 0])
+        mine[0] += int(n)
+        mine[1] += int(waited)
     ranks = [
         RankStats(
             rank=r,
-            pid=p["pid"],
-            host=p["host"],
-            local_rank=int(p["local_rank"]) if str(p.get("local_rank", "")).isdigit() else None,
-            node=int(p["node"]) if str(p.get("node", "")).isdigit() else None,
-            busy_ns=busy.get((p["host"], p["pid"]), 0),
+            pid=p.pid,
+            host=p.host,
+            local_rank=p.number("local_rank"),
+            node=p.number("node"),
+            busy_ns=busy.get((p.host, p.pid), 0),
             collectives=per_rank.get(r, [0, 0])[0],
             waited_ns=per_rank.get(r, [0, 0])[1],
             pids=sorted(pids[r]),
@@ -292,29 +292,24 @@ def rank_summary(store: Queries, run_id: str) -> RankSummary | None:
         for r, p in sorted(main.items())
     ]
     collectives = [
-        CollectiveStats(
-            op, v["count"], dict(sorted(calls.get(op, {}).items())), v["total"], v["skew_sum"],
-            v["skew_max"],
-        )
-        for op, v in sorted(per_op.items(), key=lambda kv: -kv[1]["total"])
-    ]  # fmt: skip
-    straggler, times, caused = None, 0, 0
+        CollectiveStats(op, v[0], dict(sorted(calls.get(op, {}).items())), v[1], v[2], v[3])
+        for op, v in sorted(per_op.items(), key=lambda kv: -kv[1][1])
+    ]
+    straggler: int | None = None
+    times = caused_ns = 0
     if last:
-        straggler, (times, caused) = max(last.items(), key=lambda kv: (kv[1][0], kv[1][1]))
-    first = main[min(main)]
-    world = max(
-        [int(p["world_size"]) for p in main.values() if str(p.get("world_size", "")).isdigit()]
-        or [len(main)]
-    )
+        straggler, (times, caused_ns) = max(last.items(), key=lambda kv: (kv[1][0], kv[1][1]))
+    first_rank = main[min(main)]
+    worlds = [w for p in main.values() if (w := p.number("world_size")) is not None]
     return RankSummary(
-        world_size=world,
-        job=str(first.get("job", "")),
-        backend=str(first.get("backend", "")),
+        world_size=max(worlds or [len(main)]),
+        job=first_rank.facts.get("job", ""),
+        backend=first_rank.facts.get("backend", ""),
         ranks=ranks,
         collectives=collectives,
         straggler=straggler,
         straggler_last=times,
-        straggler_wait_ns=caused,
+        straggler_wait_ns=caused_ns,
     )
 
 
@@ -330,7 +325,7 @@ _RANKED = """
 """
 
 _LINKED = f"""
-SELECT op, pg, seq, count() AS n, min(enter) AS first, max(enter) AS last,
+SELECT op, count() AS n, min(enter) AS first, max(enter) AS last,
        argMax(rank, enter) AS late, sum(dur) AS total, n * max(enter) - sum(enter) AS caused
 FROM ({_RANKED}) GROUP BY op, pg, seq
 """

@@ -40,8 +40,8 @@ import logging
 import os
 import threading
 from collections import deque
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from types import ModuleType
 
 import numpy as np
 import pyarrow as pa
@@ -52,6 +52,7 @@ from gpu_trace.tracer import recorder as _recorder
 from gpu_trace.tracer.buffer import private_bits
 from gpu_trace.tracer.clock import now_ns
 from gpu_trace.tracer.columns import spans_to_table
+from gpu_trace.tracer.recorder import Recorder
 from gpu_trace.tracer.records import COLLECTIVE
 
 log = logging.getLogger(__name__)
@@ -185,8 +186,8 @@ class CommSource:
         names = ops_native.name_list(self._lib, self._names)
         return names[i] if 0 <= i < len(names) else ""
 
-    def _spans(self, recs: np.ndarray, closing: bool) -> tuple[list[tuple[Any, ...]], list[int]]:
-        rows: list[tuple[Any, ...]] = []
+    def _spans(self, recs: np.ndarray, closing: bool) -> tuple[list[tuple[object, ...]], list[int]]:
+        rows: list[tuple[object, ...]] = []
         tids: list[int] = []
         for r in recs:
             if int(r["kind"]) == CALL and int(r["depth"]) > 0:
@@ -223,7 +224,7 @@ class CommSource:
         self._next += 1
         return self._prefix + self._next
 
-    def _work_span(self, r: np.void, kind: str) -> tuple[Any, ...]:
+    def _work_span(self, r: np.void, kind: str) -> tuple[object, ...]:
         name = self._text(int(r["name"]))
         attrs = {"op": kind, "backend": name.split(":", 1)[0]}
         if int(r["bytes"]) >= 0:
@@ -233,7 +234,7 @@ class CommSource:
         lane = f"{LANE}/{attrs['backend']}"
         return (self._id(), 0, lane, COLLECTIVE, name, int(r["start"]), int(r["end"]), 0, attrs)
 
-    def _call_span(self, call: np.void, work: np.void | None, kind: str) -> tuple[Any, ...]:
+    def _call_span(self, call: np.void, work: np.void | None, kind: str) -> tuple[object, ...]:
         attrs = {"op": kind, "seq": str(int(call["seq"]))}
         if "rank" in self.facts:
             attrs["rank"] = self.facts["rank"]
@@ -274,8 +275,8 @@ class CommSource:
 # ---- the patch -------------------------------------------------------------------------------------
 
 _source: CommSource | None = None
-_rec: Any = None
-_originals: list[tuple[Any, str, Any]] = []
+_rec: Recorder | None = None
+_originals: list[tuple[ModuleType, str, Callable[..., object]]] = []
 
 
 def library() -> ctypes.CDLL | None:
@@ -296,7 +297,7 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-def facts_from_torch(dist: Any) -> dict[str, str]:
+def facts_from_torch(dist: ModuleType) -> dict[str, str]:
     """The process's facts from the launcher's environment, completed by ``torch.distributed``
     (rank, world size, backend) once it is initialized; never raises."""
     facts = ranks.from_env()
@@ -317,7 +318,7 @@ def facts_from_torch(dist: Any) -> dict[str, str]:
     return facts
 
 
-def on_group(dist: Any) -> None:
+def on_group(dist: ModuleType) -> None:
     """A process group exists: note the process's rank and start the collective callbacks."""
     global _source
     rec = _rec
@@ -338,7 +339,7 @@ def on_group(dist: Any) -> None:
         rec.add_source(source)
 
 
-def patch(torch: Any, rec: Any) -> None:
+def patch(torch: ModuleType, rec: Recorder | None) -> None:
     """Start collectives when the program makes its process group (now, if it has one)."""
     global _rec
     unpatch()
@@ -346,11 +347,11 @@ def patch(torch: Any, rec: Any) -> None:
     if dist is None or not dist.is_available() or rec is None:
         return
     _rec = rec
-    c10d = dist.distributed_c10d
-    original = c10d.init_process_group
+    c10d: ModuleType = dist.distributed_c10d
+    original: Callable[..., object] = c10d.init_process_group
 
     @functools.wraps(original)
-    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+    def init_process_group(*args: object, **kwargs: object) -> object:
         try:
             return original(*args, **kwargs)
         finally:
@@ -360,10 +361,11 @@ def patch(torch: Any, rec: Any) -> None:
             except Exception:  # never break the traced program
                 log.debug("gpu-trace: starting collectives failed", exc_info=True)
 
-    for module in (c10d, dist):
+    modules: tuple[ModuleType, ...] = (c10d, dist)
+    for module in modules:
         if getattr(module, "init_process_group", None) is original:
             _originals.append((module, "init_process_group", original))
-            module.init_process_group = init_process_group
+            setattr(module, "init_process_group", init_process_group)  # noqa: B010
     if dist.is_initialized():
         on_group(dist)
 

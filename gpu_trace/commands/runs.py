@@ -211,6 +211,50 @@ def _render_forwarding(fwd: dict) -> str:
     return head + "\n" + table
 
 
+def _export_ranks(args: argparse.Namespace) -> int:
+    """`export RUN --ranks-dir DIR`: one Chrome trace per rank (docs/distributed.md)."""
+    from gpu_trace.tracer.chrome import write_rank_traces
+    from gpu_trace.tracer.ranks import processes
+
+    out: Path = args.ranks_dir
+    if args.output is not None:
+        raise CLIError("export takes -o FILE or --ranks-dir DIR, not both", 2)
+    if out.exists() and not out.is_dir():
+        raise CLIError(f"cannot write into {out}: it is not a directory", 2)
+    if not out.parent.is_dir():
+        raise CLIError(f"cannot write into {out}: there is no directory {out.parent}", 2)
+    with _open_store(args) as store:
+        run_id = _resolve(store, args.run)
+        procs = processes(store, run_id)
+        if not procs:
+            raise CLIError(f"run {run_id} has no ranks: no process of it carries a rank", 1)
+        rank_pids: dict[int, set[tuple[str, int]]] = {}
+        for p in procs:
+            rank_pids.setdefault(p.rank, set()).add((p.host, p.pid))
+        world = max(p.number("world_size") or 0 for p in procs)
+        backend = next((p.facts["backend"] for p in procs if p.facts.get("backend")), "")
+        try:
+            out.mkdir(exist_ok=True)
+            stats = write_rank_traces(
+                out,
+                store.run(run_id),
+                store.threads(run_id),
+                rank_pids,
+                store.iter_spans(run_id),
+                store.iter_counters(run_id),
+                world_size=max(world, max(rank_pids) + 1),
+                backend=backend,
+            )
+        except OSError as exc:
+            raise CLIError(f"cannot write into {out}: {exc.strerror or exc}") from None
+    events = sum(int(str(s.get("events", 0))) for s in stats.values())
+    echo(
+        f"wrote {fmt.counted(len(stats), 'rank')} ({fmt.count(events)} events) to {out}: "
+        + ", ".join(Path(str(s["path"])).name for s in stats.values())
+    )
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from gpu_trace._progress import TerminalProgress
     from gpu_trace.tracer.exporter import export_run, get_exporter
@@ -222,6 +266,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         with _open_store(args) as store:
             return telemetry.export(args, store, _resolve(store, args.run))
     telemetry.check(args)
+    if getattr(args, "ranks_dir", None) is not None:
+        return _export_ranks(args)
     out: Path | None = args.output
     if out is None:
         raise CLIError("export needs -o FILE (a Chrome trace) or --otlp URL", 2)

@@ -1,0 +1,182 @@
+"""One job, many ranks (issue 28): DDP under torchrun (gloo, real processes) recorded into one run,
+each rank's process carrying its rank, its collectives linked across ranks, a sleeping rank named
+the straggler, and one Chrome trace per rank that Holistic Trace Analysis reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from gpu_trace.tracer.ranks import COLLECTIVE_LANE
+from tests.integration.test_record import gpu_trace, script, sql_json
+
+pytest.importorskip("torch.distributed")
+
+DDP_TRAIN = """
+    import os, sys, time
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(100 + rank)
+    losses = []
+    for step in range(6):
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item().hex())
+    with open(os.path.join(sys.argv[1], f"losses-{rank}.txt"), "w") as f:
+        f.write("\\n".join(losses))
+    dist.destroy_process_group()
+"""
+
+# Rank 1 sleeps before each all_reduce: rank 0 waits for it there.
+SLEEPER = """
+    import time
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.ones(4)
+    for _ in range(4):
+        if dist.get_rank() == 1:
+            time.sleep(SLEEP)
+        dist.all_reduce(t)
+    dist.destroy_process_group()
+"""
+SLEEP = 0.3
+ROUNDS = 4
+
+
+def torchrun(*args: str) -> list[str]:
+    """`python -m torch.distributed.run` (what the torchrun script runs) on two local ranks."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        *args,
+    ]
+
+
+def plain(argv: list[str]) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_TRACE_")}
+    return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=240)
+
+
+def show() -> dict:
+    out = gpu_trace("show", "last", "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_ddp_under_torchrun_is_one_run_of_ranks(tmp_path: Path) -> None:
+    prog = script(tmp_path, DDP_TRAIN)
+    bare, recorded = tmp_path / "bare", tmp_path / "recorded"
+    bare.mkdir()
+    recorded.mkdir()
+    ran = plain(torchrun(str(prog), str(bare)))
+    assert ran.returncode == 0, ran.stderr
+    out = gpu_trace("record", "--", *torchrun(str(prog), str(recorded)))
+    assert out.returncode == 0, out.stderr
+    for rank in (0, 1):  # recording changes nothing the program computes
+        name = f"losses-{rank}.txt"
+        assert (recorded / name).read_text() == (bare / name).read_text()
+
+    data = show()
+    run_id = data["run"]["run_id"]
+    ranks = data["ranks"]
+    assert ranks is not None, "show --json has no ranks"
+    assert ranks["world_size"] == 2 and ranks["backend"] == "gloo"
+    assert [r["rank"] for r in ranks["ranks"]] == [0, 1]
+    # every rank's process has its rank and world size stored, and one pid each
+    procs = sql_json(
+        "SELECT DISTINCT pid, process_attrs['rank'] AS rank, process_attrs['world_size'] AS world,"
+        " process_attrs['local_rank'] AS local, process_attrs['launcher'] AS launcher"
+        " FROM threads FINAL WHERE run_id = {run:String} AND process_attrs['rank'] != ''"
+        " ORDER BY rank",
+        run=run_id,
+    )
+    assert [(p["rank"], p["world"], p["local"]) for p in procs] == [
+        ("0", "2", "0"),
+        ("1", "2", "1"),
+    ]
+    assert {p["launcher"] for p in procs} == {"torchrun"}
+    assert [r["pid"] for r in ranks["ranks"]] == [int(p["pid"]) for p in procs]
+
+    # DDP's gradient all-reduces (from its C++ reducer): as many on each rank, linked by seq
+    spans = sql_json(
+        "SELECT pid, attrs['seq'] AS seq, attrs['bytes_in'] AS bytes, attrs['dtype'] AS dtype"
+        " FROM spans WHERE run_id = {run:String} AND category = 'collective'"
+        " AND lane = {lane:String} AND name = 'all_reduce' ORDER BY pid, start_ns",
+        run=run_id,
+        lane=COLLECTIVE_LANE,
+    )
+    by_pid: dict[int, list[str]] = {}
+    for s in spans:
+        by_pid.setdefault(int(s["pid"]), []).append(s["seq"])
+        assert int(s["bytes"]) > 0 and s["dtype"] == "Float", s
+    assert len(by_pid) == 2
+    first, second = by_pid.values()
+    assert len(first) == len(second) >= 6  # one bucket per step at least
+    assert first == second, "the ranks' all_reduces are not linked by sequence number"
+    kinds = {c["op"]: c for c in ranks["collectives"]}
+    assert kinds["all_reduce"]["count"] == len(first)
+    assert kinds["all_reduce"]["calls"] == {"0": len(first), "1": len(first)}
+
+    text = gpu_trace("show", "last")
+    assert text.returncode == 0, text.stderr
+    assert "ranks (world size 2, backend gloo" in text.stdout
+    assert "all_reduce" in text.stdout
+
+    # one Chrome trace per rank, with distributedInfo, that HTA reads as one job
+    traces = tmp_path / "traces"
+    exported = gpu_trace("export", "last", "--ranks-dir", str(traces))
+    assert exported.returncode == 0, exported.stderr
+    assert sorted(p.name for p in traces.iterdir()) == ["rank-0.json", "rank-1.json"]
+    for rank in (0, 1):
+        trace = json.loads((traces / f"rank-{rank}.json").read_text())
+        assert trace["distributedInfo"] == {"rank": rank, "world_size": 2, "backend": "gloo"}
+        pids = {e["pid"] for e in trace["traceEvents"] if e.get("name") == "all_reduce"}
+        assert pids == {ranks["ranks"][rank]["pid"]}
+    hta = pytest.importorskip("hta.trace_analysis")
+    with warnings.catch_warnings():  # HTA's own pandas deprecations, not ours
+        warnings.simplefilter("ignore")
+        analysis = hta.TraceAnalysis(trace_dir=str(traces))
+        overlap = analysis.get_comm_comp_overlap(visualize=False)
+    assert sorted(analysis.t.traces) == [0, 1]
+    assert sorted(overlap["rank"]) == [0, 1]  # no GPU kernels on a CPU: the shares are NaN
+
+
+def test_the_rank_that_sleeps_before_each_all_reduce_is_the_straggler(tmp_path: Path) -> None:
+    prog = script(tmp_path, SLEEPER.replace("SLEEP", repr(SLEEP)))
+    out = gpu_trace("record", "--", *torchrun(str(prog)))
+    assert out.returncode == 0, out.stderr
+    ranks = show()["ranks"]
+    assert ranks["straggler"] == 1
+    assert ranks["straggler_last"] >= ROUNDS
+    slept = SLEEP * ROUNDS * 1e9
+    assert ranks["straggler_wait_ns"] > slept / 2, ranks  # rank 0 waited for rank 1's sleeps
+    waited = {r["rank"]: r["waited_ns"] for r in ranks["ranks"]}
+    assert waited[0] > slept / 2 and waited[0] > waited[1]
+    reduce = next(c for c in ranks["collectives"] if c["op"] == "all_reduce")
+    assert reduce["count"] == ROUNDS and reduce["calls"] == {"0": ROUNDS, "1": ROUNDS}
+    assert reduce["skew_sum_ns"] > slept / 2
+    text = gpu_trace("show", "last").stdout
+    assert "straggler: rank 1" in text
