@@ -29,6 +29,8 @@ PLOTLY_BUNDLE = Path(__file__).resolve().parent / "static" / "plotly-dashboard.m
 #: asks for and how wide the window is: the layout is then sent with that view drawn.
 VIEW_COOKIE = "gpu_trace_view"
 LABELS_JS = Path(__file__).resolve().parent / "static" / "labels.js"
+#: Shift+Enter in the span search box: the previous match.
+SEARCH_JS = Path(__file__).resolve().parent / "static" / "search.js"
 #: Run first in the page: stores the view cookie, then asks for Dash's layout and callback list
 #: at once (Dash asks only once all its scripts, plotly.js included, have run: about a second on
 #: a small machine) and hands Dash those answers when it asks.
@@ -144,6 +146,7 @@ def create_app(source: ReadOnlyStore) -> Any:
         "".join(f"<script src='{u}'></script>" for u in scripts)
         + "<script>"
         + LABELS_JS.read_text(encoding="utf-8")
+        + SEARCH_JS.read_text(encoding="utf-8")
         + "</script>{%renderer%}",
     )
     regenerator = _regenerator_runtime()

@@ -12,12 +12,12 @@ import re
 import tempfile
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs
 
 from dash import ALL, Dash, Input, Output, Patch, State, ctx, no_update
 from dash.exceptions import PreventUpdate
 
-from gpu_trace.dashboard import figures, gpu_work, panels, reports, timeline
+from gpu_trace.dashboard import address, figures, gpu_work, panels, reports, search, timeline
+from gpu_trace.dashboard.address import Address
 from gpu_trace.dashboard.layout import TABS
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore
 from gpu_trace.tracer.reads import UnknownRunError
@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 
 #: Errors shown in the page as their message.
 EXPECTED = (StoreError, UnknownRunError, ValueError)
+#: What a callback sets: (component id, property) -> value (a figure, children, data, ...).
+Outputs = dict[tuple[str, str], Any]
 #: Counters shown under the timeline when a run is opened, the first three present.
 DEFAULT_COUNTERS = (
     "nvml/gpu_util_pct",
@@ -66,7 +68,14 @@ TIMELINE_OUTPUTS = (
     ("window-text", "children"),
     ("timeline-message", "children"),
     ("export-info", "children"),
+    ("url", "search"),
+    ("steps", "disabled"),
+    ("search", "value"),
+    ("search-count", "children"),
+    ("search-hit", "data"),
 )
+#: The tabs' values (an address naming another tab is read without it).
+TAB_VALUES = tuple(v for v, _ in TABS)
 #: Plot width (px) when the page has not said its own.
 DEFAULT_VIEWPORT = 1600
 
@@ -80,26 +89,52 @@ def _run_option(run: dict[str, Any]) -> dict[str, str]:
     return {"label": f"{run['run_id']} · {run.get('command', '')[:60]}", "value": run["run_id"]}
 
 
-def _url_params(search: str | None) -> tuple[str, str | None]:
-    q = parse_qs((search or "").lstrip("?"))
-    tab = q["tab"][0] if q.get("tab") else None
-    return (q.get("run") or ["last"])[0], tab if tab in {v for v, _ in TABS} else None
+def _picked(asked: tuple[str, ...] | None, found: list[str]) -> list[str]:
+    """The counter panels: those the address asks for that the run has (none, if it asks for
+    none); else the first three of :data:`DEFAULT_COUNTERS` the run has."""
+    if asked is not None:
+        known = [m for m in asked if m in found]
+        if known or not asked:
+            return known
+    return [m for m in DEFAULT_COUNTERS if m in found][:3]
+
+
+def _first_window(
+    addr: Address, start: int, end: int, steps: tuple[int, int, int] | None
+) -> tuple[int, int]:
+    """The window a run opens on: the address's, if it shows some of the run; else the run's
+    steps, from the first one's start to the last one's end; else the whole run."""
+    asked = address.window_in_run(addr.window, end - start)
+    if asked is not None:
+        return start + asked[0], start + asked[1]
+    if steps is not None:
+        return _steps_window(steps)
+    return start, end
+
+
+def _steps_window(steps: list[int] | tuple[int, ...]) -> tuple[int, int]:
+    """The window that frames a run's steps (``timeline.steps_extent``)."""
+    return int(steps[0]), max(int(steps[1]), int(steps[0]) + 1000)
 
 
 def open_run(
-    source: ReadOnlyStore, ref: str | None, viewport: int | None, search: str | None = None
-) -> dict[tuple[str, str], Any]:
-    """Everything the timeline shows for a run opened on its whole duration: the run picker,
-    the counters offered and picked, the window and its figure. ``ref`` is a run id, a prefix
-    or ``last``; an unknown one (or a store that can't be reached) is a message.
+    source: ReadOnlyStore, addr: Address, viewport: int | None, search_str: str | None = None
+) -> Outputs:
+    """Everything the timeline shows for a run opened at the address ``addr``: the run picker,
+    the counters offered and picked, the window (the address's, else the run's steps, else the
+    whole run) and its figure, the search term and its count. An unknown run (or a store that
+    can't be reached) is a message.
+
+    ``search_str``: the address (``?...``) the page shows, whose view this is; None when the
+    view is of a run picked in the page, whose address (``?run=ID``) is then written.
 
     The page's first view is built here, on the server, with the page itself (app.py), so the
     first paint waits for no callback; the same function answers a run picked later.
     """
-    out: dict[tuple[str, str], Any] = {k: no_update for k in TIMELINE_OUTPUTS}
+    out: Outputs = {k: no_update for k in TIMELINE_OUTPUTS}
     out[("selected", "data")] = None
     try:
-        run_id = source.resolve_run(ref or "last")
+        run_id = source.resolve_run(addr.run)
         run = timeline.run(source, run_id)
     except Exception as exc:
         return {**out, **_cleared(), ("message", "children"): _fail(exc)}
@@ -107,11 +142,20 @@ def open_run(
         found = [f"{c['source']}/{c['metric']}" for c in timeline.counter_series(source, run_id)]
     except Exception:
         found = []
-    picked = [m for m in DEFAULT_COUNTERS if m in found][:3]
+    picked = _picked(addr.counters, found)
     start = int(run["started_ns"])
     end = max(int(run["ended_ns"]) or start + 1, start + 1000)
-    win = {"run": run_id, "base": start, "t0": start, "t1": end, "start": start, "end": end,
-           "width": plot_width(viewport), "search": search}  # fmt: skip
+    try:
+        steps = timeline.steps_extent(source, run_id)
+    except Exception:
+        steps = None  # drawn without them; the figure's own queries say what is wrong
+    t0, t1 = _first_window(addr, start, end, steps)
+    if search_str is None:
+        search_str = address.write(Address(run=run_id, tab=addr.tab))
+        out[("url", "search")] = search_str
+    win = {"run": run_id, "base": start, "t0": t0, "t1": t1, "start": start, "end": end,
+           "steps": list(steps) if steps else None, "width": plot_width(viewport),
+           "search": search_str}  # fmt: skip
     out.update(
         {
             ("run", "value"): run_id,
@@ -119,13 +163,57 @@ def open_run(
             ("counter-pick", "options"): [{"label": m, "value": m} for m in found],
             ("counter-pick", "value"): picked,
             ("window", "data"): win,
+            ("steps", "disabled"): steps is None,
         }
     )
+    out.update(_searched(source, run_id, addr.query))
     out.update(draw(source, win, picked))
     return out
 
 
-def _cleared() -> dict[tuple[str, str], Any]:
+def _count_text(total: int, index: int | None, term: str) -> str:
+    """What the page says beside the search box: ``3 of 12`` (or ``12 matches``) and how the
+    term is matched."""
+    if not total:
+        return f"no span matches · {search.describe(term)}"
+    if index is None:
+        return f"{total:,} match{'es' if total != 1 else ''} · {search.describe(term)}"
+    return f"{index + 1:,} of {total:,} · {search.describe(term)}"
+
+
+def _searched(source: ReadOnlyStore, run_id: str, term: str | None) -> Outputs:
+    """The search box, its count and its state for ``term`` counted in the run (no match
+    selected yet); all empty for no term."""
+    if not term:
+        return {("search", "value"): "", ("search-count", "children"): "",
+                ("search-hit", "data"): None}  # fmt: skip
+    try:
+        total = search.count(source, run_id, term)
+    except Exception as exc:
+        return {("search", "value"): term, ("search-count", "children"): _fail(exc),
+                ("search-hit", "data"): None}  # fmt: skip
+    return {
+        ("search", "value"): term,
+        ("search-count", "children"): _count_text(total, None, term),
+        ("search-hit", "data"): {"run": run_id, "q": term, "total": total, "index": None},
+    }
+
+
+def _address(win: dict, picked: list | None, term: str | None, tab: str | None) -> str:
+    """The address of the view ``win`` shows (written to the page's address bar)."""
+    base = int(win["base"])
+    return address.write(
+        Address(
+            run=win["run"],
+            tab=tab if tab and tab != "timeline" else None,
+            window=(int(win["t0"]) - base, int(win["t1"]) - base),
+            counters=tuple(picked or ()),
+            query=term or None,
+        )
+    )
+
+
+def _cleared() -> Outputs:
     return {
         ("run", "value"): None,
         ("counter-pick", "options"): [],
@@ -136,13 +224,16 @@ def _cleared() -> dict[tuple[str, str], Any]:
         ("window-text", "children"): "",
         ("timeline-message", "children"): "",
         ("export-info", "children"): "no run selected",
+        ("steps", "disabled"): True,
+        ("search-count", "children"): "",
+        ("search-hit", "data"): None,
     }
 
 
-def draw(source: ReadOnlyStore, win: dict, picked: list | None) -> dict[tuple[str, str], Any]:
+def draw(source: ReadOnlyStore, win: dict, picked: list | None) -> Outputs:
     """The figure of the window ``win`` and the lines around it."""
     width = int(win.get("width") or plot_width(None))
-    out: dict[tuple[str, str], Any] = {}
+    out: Outputs = {}
     try:
         run_id, t0, t1 = win["run"], int(win["t0"]), int(win["t1"])
         run = timeline.run(source, run_id)
@@ -172,6 +263,11 @@ def draw(source: ReadOnlyStore, win: dict, picked: list | None) -> dict[tuple[st
         f"+{figures.fmt.duration(t0 - base)} to +{figures.fmt.duration(t1 - base)} "
         f"({figures.fmt.duration(t1 - t0)})"
     )
+    steps = win.get("steps")
+    if steps and (t0, t1) == _steps_window(steps):
+        text += f" · the run's {int(steps[2]):,} step{'s' if int(steps[2]) != 1 else ''}"
+    elif (t0, t1) == (int(win["start"]), int(win["end"])):
+        text += " · the whole run"
     note = (
         panels.message("NVML counters of this run are a replay of a SYNTHETIC sample file, "
                        "not a measurement.", "note") if _synthetic(run) else ""
@@ -184,12 +280,13 @@ def draw(source: ReadOnlyStore, win: dict, picked: list | None) -> dict[tuple[st
     return out
 
 
-def first_view(source: ReadOnlyStore, search: str | None, viewport: int | None) -> dict:
-    """The page's first view for the address ``?search`` (app.py puts it in the page)."""
-    ref, tab = _url_params(search)
-    first = {("tabs", "value"): tab or "timeline", ("viewport", "data"): viewport}
+def first_view(source: ReadOnlyStore, location: str | None, viewport: int | None) -> dict:
+    """The page's first view for the address ``location`` (``?...``; app.py puts it in the
+    page)."""
+    addr = address.parse(location, TAB_VALUES)
+    first = {("tabs", "value"): addr.tab or "timeline", ("viewport", "data"): viewport}
     try:
-        run_id = source.resolve_run(ref or "last")
+        run_id = source.resolve_run(addr.run)
     except Exception:
         run_id = None  # open_run says why, in the page
     if run_id and not timeline.prepared(source, run_id):
@@ -201,7 +298,7 @@ def first_view(source: ReadOnlyStore, search: str | None, viewport: int | None) 
         except Exception:
             return first
         return {**first, ("run", "value"): run_id, ("run", "options"): [option]}
-    view = {**open_run(source, ref, viewport, search), **first}
+    view = {**open_run(source, addr, viewport, location or ""), **first}
     run_id = view[("run", "value")]
     view[("run", "options")] = [_run_option(timeline.run(source, run_id))] if run_id else []
     return view
@@ -224,6 +321,63 @@ def _moved(win: dict, relayout: dict | None) -> dict | None:
         t0, t1 = win["base"] + int(bounds[0]), win["base"] + int(bounds[1])
         return {**win, "t0": t0, "t1": max(t1, t0 + 1)}
     return None
+
+
+def _framing(win: dict, start: int, end: int) -> dict:
+    """``win`` moved to frame the span ``[start, end)``: it fills the middle half."""
+    pad = max((end - start) // 2, 1000)
+    return {**win, "t0": start - pad, "t1": end + pad}
+
+
+def _search(
+    source: ReadOnlyStore, win: dict, term: str | None, hit: dict | None, forward: bool | None
+) -> Outputs | None:
+    """The search box's answer: ``term`` counted in the run (``forward`` None: leaving the
+    box), and, going forward or back, the next or previous match framed and selected. None
+    when nothing changes (the box left with the term already counted)."""
+    term = (term or "").strip()
+    run_id = win["run"]
+    same = isinstance(hit, dict) and hit.get("run") == run_id and hit.get("q") == term
+    if forward is None and (same or (not term and not hit)):
+        return None
+    if not term:
+        return _searched(source, run_id, None)
+    if address.text(term) is None:
+        return {("search-count", "children"): panels.message(
+            f"a search term is at most {address.MAX_TEXT} characters, without control characters"
+        ), ("search-hit", "data"): None}  # fmt: skip
+    out: Outputs = {}
+    if not same:
+        out = _searched(source, run_id, term)
+        del out[("search", "value")]  # the box holds it
+        hit = out[("search-hit", "data")]
+    if forward is None or not hit or not hit["total"]:
+        return out
+    try:
+        if hit.get("index") is not None:
+            anchor = (int(hit["start_ns"]), int(hit["span_id"]))
+            found = (
+                search.neighbour(source, run_id, term, after=anchor)
+                if forward
+                else search.neighbour(source, run_id, term, before=anchor)
+            )
+        else:
+            found = search.from_window(
+                source, run_id, term, int(win["t0"]), int(win["t1"]), forward
+            )
+    except Exception as exc:
+        return {**out, ("search-count", "children"): _fail(exc)}
+    if found is None:  # nothing matches any more (a run does not change: not expected)
+        return {**out, **_searched(source, run_id, term)}
+    total = int(hit["total"])
+    out[("search-hit", "data")] = {
+        "run": run_id, "q": term, "total": total, "index": found.index,
+        "span_id": found.span_id, "start_ns": found.start_ns,
+    }  # fmt: skip
+    out[("search-count", "children")] = _count_text(total, found.index, term)
+    out[("window", "data")] = _framing(win, found.start_ns, found.end_ns)
+    out[("selected", "data")] = {"span_id": found.span_id, "start_ns": found.start_ns}
+    return out
 
 
 def register(app: Dash, source: ReadOnlyStore) -> None:
@@ -251,7 +405,7 @@ def register(app: Dash, source: ReadOnlyStore) -> None:
         prevent_initial_call="initial_duplicate",
     )
     def list_runs(
-        search: str | None, status: str | None, _tick: int | None, current: str | None,
+        runs_search: str | None, status: str | None, _tick: int | None, current: str | None,
         shown_stamp: str | None,
     ) -> tuple:  # fmt: skip
         """The run list, the run picker and compare's pickers; on the page's periodic tick only
@@ -272,7 +426,7 @@ def register(app: Dash, source: ReadOnlyStore) -> None:
             with contextlib.suppress(Exception):
                 stamp = source.runs_stamp()
         try:
-            runs = source.runs(limit=500, search=search or None)
+            runs = source.runs(limit=500, search=runs_search or None)
         except Exception as exc:
             return [], [], [], [], _fail(exc), no_update, no_update
         opened: object = no_update
@@ -319,36 +473,56 @@ def register(app: Dash, source: ReadOnlyStore) -> None:
         Input("url", "search"),
         Input("run", "value"),
         Input("reset", "n_clicks"),
+        Input("steps", "n_clicks"),
         Input("zoom", "data"),
         Input({"type": "goto", "span": ALL, "start": ALL, "end": ALL}, "n_clicks"),
         Input("counter-pick", "value"),
+        Input("search", "n_submit"),
+        Input("search", "n_blur"),
+        Input("search-prev", "n_clicks"),
+        Input("search-next", "n_clicks"),
+        State("search", "value"),
+        State("search-hit", "data"),
         State("window", "data"),
         State("tabs", "value"),
         State("viewport", "data"),
     )
-    def update_timeline(search, run_id, _reset, zoom, _goto, picked, win, tab, viewport):
+    def update_timeline(
+        location, run_id, _reset, _steps, zoom, _goto, picked, _submit, _blur, _prev, _next,
+        term, hit, win, tab, viewport,
+    ):  # fmt: skip
         """Every change of what the timeline shows, in one round trip: the address, the run
-        picker, Whole run, zoom and pan, a step link, the counters."""
-        out: dict[tuple[str, str], Any] = {k: no_update for k in TIMELINE_OUTPUTS}
+        picker, Whole run and Steps, zoom and pan, a step link, the counters, the search. Each
+        change but the address's writes the view's address (``address.write``)."""
+        out: Outputs = {k: no_update for k in TIMELINE_OUTPUTS}
         trig = ctx.triggered_id
         if trig is None or trig == "url":
-            ref, want = _url_params(search)
-            if win and win.get("search") == search:
-                # The page came with this view drawn (app.py), or a link to it was followed.
+            addr = address.parse(location, TAB_VALUES)
+            if win and win.get("search") == location:
+                # The page came with this view drawn (app.py), the view wrote this address
+                # itself, or a link to it was followed.
+                want = addr.tab
                 out[("tabs", "value")] = want if want and want != tab else no_update
                 return _ordered(out)
-            view = open_run(source, ref, viewport, search)
-            view[("tabs", "value")] = want or tab
+            view = open_run(source, addr, viewport, location or "")
+            view[("tabs", "value")] = addr.tab or tab
             return _ordered(view)
         if trig == "run":
             # None: Dash's Dropdown clears a value it has no option for; nothing to draw.
             if not run_id or (win and win.get("run") == run_id):
                 return _ordered(out)
-            return _ordered(open_run(source, run_id, viewport))
+            other = tab if tab in TAB_VALUES and tab != "timeline" else None
+            return _ordered(open_run(source, Address(run=run_id, tab=other), viewport))
         if not win:
             return _ordered(out)
+        shown = hit.get("q") if hit and hit.get("run") == win["run"] else None
         if trig == "reset":
             win = {**win, "t0": win["start"], "t1": win["end"]}
+        elif trig == "steps":
+            if not win.get("steps"):
+                return _ordered(out)
+            t0, t1 = _steps_window(win["steps"])
+            win = {**win, "t0": t0, "t1": t1}
         elif trig == "zoom":
             moved = _moved(win, zoom)
             if moved is None:
@@ -358,11 +532,29 @@ def register(app: Dash, source: ReadOnlyStore) -> None:
             if not ctx.triggered[0]["value"]:
                 return _ordered(out)
             start, end = int(trig["start"]), int(trig["end"])
-            pad = max((end - start) // 2, 1000)
-            win = {**win, "t0": start - pad, "t1": end + pad}
+            win = _framing(win, start, end)
             out[("selected", "data")] = {"span_id": trig["span"], "start_ns": start}
+        elif trig in ("search", "search-prev", "search-next"):
+            prop = ctx.triggered[0]["prop_id"].rsplit(".", 1)[-1]
+            step = None if prop == "n_blur" else trig != "search-prev"
+            found = _search(source, win, term, hit, step)
+            if found is None:
+                return _ordered(out)
+            out.update(found)
+            now = out[("search-hit", "data")]
+            shown = now.get("q") if isinstance(now, dict) else shown if now is no_update else None
+            if out.get(("window", "data"), no_update) is no_update:
+                # Counted, not moved: the figure stays; the address gets the term.
+                written = _address(win, picked, shown, tab)
+                out[("url", "search")] = written
+                out[("window", "data")] = {**win, "search": written}
+                return _ordered(out)
+            win = out[("window", "data")]
         elif trig != "counter-pick":
             return _ordered(out)
+        written = _address(win, picked, shown, tab)
+        win = {**win, "search": written}
+        out[("url", "search")] = written
         out[("window", "data")] = win
         out.update(draw(source, win, picked))
         return _ordered(out)
@@ -463,7 +655,7 @@ def register(app: Dash, source: ReadOnlyStore) -> None:
         )
 
 
-def _ordered(out: dict[tuple[str, str], Any]) -> tuple:
+def _ordered(out: Outputs) -> tuple:
     return tuple(out[k] for k in TIMELINE_OUTPUTS)
 
 

@@ -40,6 +40,7 @@ table.grid, table.kv { border-collapse: collapse; margin: 6px 0; font-size: 12px
 table.grid td, table.grid th, table.kv td, table.kv th { border: 1px solid #ddd; padding: 2px 6px; text-align: left; }
 button.goto { display: block; margin: 2px 0; font-size: 12px; text-align: left; background: #f4f6f8; border: 1px solid #ccd; cursor: pointer; }
 button.goto.current { font-weight: bold; }
+.search { display: inline-flex; gap: 4px; align-items: center; }
 #details { border-top: 1px solid #ddd; margin-top: 6px; padding-top: 4px; }
 #timeline { transition: opacity .15s; }
 #timeline[data-dash-is-loading="true"] { opacity: .55; cursor: progress; transition: opacity .2s .3s; }
@@ -87,8 +88,27 @@ def page(store_display: str, view: dict[tuple[str, str], Any] | None = None) -> 
         [
             html.Div(
                 [
-                    html.Button("Whole run", id="reset", n_clicks=0),
+                    html.Button("Whole run", id="reset", n_clicks=0,
+                                title="the whole run (double-click the chart does the same)"),
+                    html.Button("Steps", id="steps", n_clicks=0,
+                                title="from the first step's start to the last step's end",
+                                disabled=view.get(("steps", "disabled"), False)),
                     html.Span(id="window-text", **first("window-text", "children")),
+                    html.Span(
+                        [
+                            dcc.Input(id="search", type="text", debounce=False,
+                                      placeholder="find spans by name (aten::* is a glob)",
+                                      spellCheck=False, autoComplete="off",
+                                      style={"width": "18em"}, **first("search", "value")),
+                            html.Button("◀", id="search-prev", n_clicks=0,
+                                        title="previous match (Shift+Enter in the box)"),
+                            html.Button("▶", id="search-next", n_clicks=0,
+                                        title="next match (Enter in the box)"),
+                            html.Span(id="search-count", className="hint",
+                                      **first("search-count", "children")),
+                        ],
+                        className="search",
+                    ),
                     dcc.Dropdown(id="counter-pick", multi=True, placeholder="counters",
                                  style={"minWidth": "420px"},
                                  **first("counter-pick", "options"),
@@ -139,6 +159,7 @@ def page(store_display: str, view: dict[tuple[str, str], Any] | None = None) -> 
             dcc.Store(id="viewport", **first("viewport", "data")),
             dcc.Store(id="window", **first("window", "data")),
             dcc.Store(id="selected"),
+            dcc.Store(id="search-hit", **first("search-hit", "data")),
             dcc.Store(id="zoom"),
             html.Header(
                 [

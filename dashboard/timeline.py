@@ -189,6 +189,25 @@ def _overview_rows(source: ReadOnlyStore, run_id: str) -> tuple[np.ndarray, np.n
     return source.cached(("overview_rows", run_id), compute)
 
 
+def steps_extent(source: ReadOnlyStore, run_id: str) -> tuple[int, int, int] | None:
+    """The first step's start, the last step's end and how many steps the run has (None: no
+    step); cached per run. A run's first view frames them (docs/dashboard.md, "First view")."""
+
+    def compute() -> tuple[int, int, int] | None:
+        rows = source.rows(
+            """
+            SELECT count() AS n, min(start_ns) AS lo, max(end_ns) AS hi FROM __db__.spans
+            WHERE run_id = {run:String} AND category = 'step' AND end_ns >= start_ns
+            """,
+            {"run": run_id},
+        )
+        if not rows or not int(rows[0]["n"]):
+            return None
+        return int(rows[0]["lo"]), int(rows[0]["hi"]), int(rows[0]["n"])
+
+    return source.cached(("steps_extent", run_id), compute)
+
+
 def prepare(source: ReadOnlyStore, run_id: str) -> dict[str, Any]:
     """Read what a run's zoomed-out windows are answered from, once: the overview (one scan), the
     tracks, and the timeline row of each overview cell. Returns the tracks."""

@@ -28,6 +28,9 @@ from tests.dashboard_data import (  # noqa: E402
 )
 
 TIMEOUT = 60_000
+#: The run with a span named like a script tag, on its whole 3 ms (the span comes after the
+#: steps, which a run's first view frames): the window in the address.
+XSS_WHOLE = "xss&t0=0&t1=3000000"
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +72,17 @@ def open_run(pg, app: Server, run: str) -> None:
 
 def click_bar(pg, index: int | None = None) -> None:
     """Click a bar (the widest one by default) with the mouse, as a user would."""
-    boxes = [b for b in (bars(pg).nth(i).bounding_box() for i in range(bars(pg).count())) if b]
+    plot = pg.locator("#timeline g.draglayer rect.nsewdrag").first.bounding_box()
+    # The part of each bar on the plot (a bar may run past the window's edges).
+    boxes = []
+    for i in range(bars(pg).count()):
+        b = bars(pg).nth(i).bounding_box()
+        if b:
+            left, right = (
+                max(b["x"], plot["x"]),
+                min(b["x"] + b["width"], plot["x"] + plot["width"]),
+            )
+            boxes.append({**b, "x": left, "width": max(0.0, right - left)})
     box = boxes[index] if index is not None else max(boxes, key=lambda b: b["width"])
     for attempt in range(3):  # a click while Dash is still redrawing can miss; a user clicks again
         pg.mouse.click(box["x"] + min(box["width"] / 2, 20), box["y"] + box["height"] / 2)
@@ -153,7 +166,8 @@ def test_the_first_timeline_comes_with_the_page(browser, page, app: Server) -> N
     assert pg.locator("#timeline .heatmaplayer image").count() == 1  # the density cells
     assert pg.locator("#timeline svg.gpu-trace-labels text").count() > 0  # names on wide bars
     assert "clock ±" in pg.inner_text("#timeline")
-    assert pg.inner_text("#window-text").startswith("+0 ns to ")
+    # It frames the run's steps (they start 13.3 s into the 18 s run).
+    assert pg.inner_text("#window-text").endswith("(2.74 s) · the run's 12 steps")
     pg.wait_for_timeout(500)
     assert refused  # the page did ask (the list of runs, ...): it was drawn without the answers
     pg.screenshot(path=str(ARTIFACTS / "timeline-first-paint.png"), full_page=True)
@@ -161,7 +175,7 @@ def test_the_first_timeline_comes_with_the_page(browser, page, app: Server) -> N
 
 
 def test_goto_links_move_the_window_to_another_step(page, app: Server) -> None:
-    open_run(page, app, "xss")
+    open_run(page, app, XSS_WHOLE)
     click_bar(page)  # the widest bar: a step
     assert page.inner_text("#details-name") == "ProfilerStep#0"
     before = page.inner_text("#window-text")
@@ -176,7 +190,7 @@ def test_goto_links_move_the_window_to_another_step(page, app: Server) -> None:
 
 
 def test_script_names_render_as_text(page, app: Server) -> None:
-    open_run(page, app, "xss")
+    open_run(page, app, XSS_WHOLE)
     assert "<b>lane</b>" in page.inner_text("#timeline")  # the lane label, as text
     assert page.locator("#timeline b").count() == 0
     boxes = [bars(page).nth(i).bounding_box() for i in range(bars(page).count())]
@@ -208,7 +222,7 @@ NAMES_ON_BARS = """() => {
 
 
 def test_bar_names_are_drawn_on_their_bars_as_text_and_follow_zooms(page, app: Server) -> None:
-    open_run(page, app, "xss")
+    open_run(page, app, XSS_WHOLE)
     names = page.evaluate(NAMES_ON_BARS)
     assert "ProfilerStep#0" in [n for n, _ in names] and all(on for _, on in names)
     # Zoom onto the span named like a script tag (the last 50 µs of the run): its name is drawn
@@ -249,7 +263,7 @@ def test_tenant_names_render_as_text(page, app: Server) -> None:
 
 
 def test_export_downloads_the_visible_window(page, app: Server, tmp_path: Path) -> None:
-    open_run(page, app, "xss")
+    open_run(page, app, XSS_WHOLE)
     page.click("#tab-export")
     with page.expect_download() as info:
         page.click("#export-button")
@@ -458,3 +472,76 @@ def test_an_open_page_lists_runs_stored_while_it_is_open(browser, tmp_path: Path
         ui.wait(timeout=60)
         assert ui.stderr is not None
         ui.stderr.close()
+
+
+H100 = "20261124-174647-9ad8eb"  # 13.2 s: start-up, then 70 steps in its last 1.7 s
+
+
+def window_text_changed(pg, before: str) -> None:
+    pg.wait_for_function("t => document.querySelector('#window-text').innerText !== t", arg=before)
+
+
+def test_a_run_opens_on_its_steps_and_the_whole_run_is_one_click_away(page, app: Server) -> None:
+    """The H100 sample opened with 80% of its width on start-up before training; it opens on
+    its steps, and Whole run and Steps switch, each writing the address."""
+    open_run(page, app, H100)
+    first = page.inner_text("#window-text")
+    assert first.startswith("+10.6 s to +12.3 s") and first.endswith("the run's 70 steps")
+    assert sum(n.startswith("ProfilerStep#") for n, _ in page.evaluate(NAMES_ON_BARS)) >= 5
+    page.click("#reset")
+    window_text_changed(page, first)
+    assert page.inner_text("#window-text").startswith("+0 ns to +13.2 s")
+    assert "t0=0&t1=13229639417" in page.url
+    page.screenshot(path=str(ARTIFACTS / "h100-whole-run.png"), full_page=True)
+    whole = page.inner_text("#window-text")
+    page.click("#steps")
+    window_text_changed(page, whole)
+    assert page.inner_text("#window-text") == first
+    page.go_back()  # the address before: the whole run again
+    window_text_changed(page, first)
+    assert page.inner_text("#window-text") == whole
+
+
+def test_an_address_with_a_window_and_a_search_term_restores_the_view(page, app: Server) -> None:
+    """A link with a window and a search term opens on that window with the term counted;
+    Enter and Shift+Enter go to the next and previous match (framed, its details shown), the
+    address follows, and a reload shows the same view."""
+    page.goto(f"{app.url}/?run={H100}&t0=11000000000&t1=11500000000&q=train_step")
+    bars(page).first.wait_for(state="attached")
+    page.wait_for_function("document.querySelector('#search-count').innerText.length > 0")
+    assert page.inner_text("#window-text").startswith("+11 s to +11.5 s (500 ms)")
+    assert page.inner_text("#search-count") == "70 matches · name contains, any case"
+    box = page.locator("#search")
+    assert box.input_value() == "train_step"
+    axis = "() => document.querySelector('#timeline .js-plotly-plot').layout.xaxis.range"
+    assert page.evaluate(axis) == [11_000_000_000, 11_500_000_000]
+    page.screenshot(path=str(ARTIFACTS / "address-restored.png"), full_page=True)
+
+    before = page.inner_text("#window-text")
+    box.press("Enter")
+    window_text_changed(page, before)
+    page.wait_for_function(
+        "() => document.querySelector('#details-name')?.innerText === 'train_step'"
+    )
+    at = page.inner_text("#search-count")
+    index = int(at.split(" of ")[0])
+    assert at == f"{index} of 70 · name contains, any case" and 1 <= index <= 70
+    assert "q=train_step" in page.url and "t0=" in page.url
+    moved = page.inner_text("#window-text")
+    assert moved != before and bars(page).count() > 0
+
+    box.press("Shift+Enter")
+    page.wait_for_function(
+        "t => document.querySelector('#search-count').innerText.startsWith(t)",
+        arg=f"{index - 1 if index > 1 else 70} of 70",
+    )
+    page.wait_for_function("t => document.querySelector('#window-text').innerText !== t", arg=moved)
+    shown = page.inner_text("#window-text")
+    address = page.url
+    page.reload()
+    bars(page).first.wait_for(state="attached")
+    page.wait_for_function("document.querySelector('#search-count').innerText.length > 0")
+    assert page.url == address and page.inner_text("#window-text") == shown
+    assert page.inner_text("#search-count") == "70 matches · name contains, any case"
+    assert page.locator("#search").input_value() == "train_step"
+    page.screenshot(path=str(ARTIFACTS / "search.png"), full_page=True)

@@ -493,8 +493,9 @@ def test_the_first_view_is_built_for_the_address(source: ReadOnlyStore) -> None:
     view = callbacks.first_view(source, "?run=fwd&tab=summary", 1500)
     assert view[("run", "value")] == "fwd" and view[("tabs", "value")] == "summary"
     win = view[("window", "data")]
+    # It frames the run's steps (ProfilerStep#0 at 0 to #2's end at 2.9 ms; the run is 3 ms).
     assert (win["t0"], win["t1"], win["width"], win["search"]) == (
-        0, 3_000_000, callbacks.plot_width(1500), "?run=fwd&tab=summary"
+        0, 2_900_000, callbacks.plot_width(1500), "?run=fwd&tab=summary"
     )  # fmt: skip
     assert any(t["type"] == "bar" for t in view[("timeline", "figure")]["data"])
     assert "as bars" in view[("lod", "children")]
@@ -634,19 +635,26 @@ def test_every_trace_type_drawn_is_in_the_plotly_bundle(source: ReadOnlyStore) -
 
 
 def _timeline_callback(client, app, changed: str, values: dict) -> tuple[int, dict]:
-    """POST the page's timeline callback as the Dash renderer does; (status, what it updated)."""
+    """POST the page's timeline callback as the Dash renderer does; (status, what it updated).
+    ``values``: each input's and state's value by ``id.property`` (None where not given; no step
+    links)."""
     key = next(k for k in app.callback_map if "timeline.figure" in k)
-    ids = [("url", "search"), ("run", "value"), ("reset", "n_clicks"), ("zoom", "data")]
-    inputs: list = [{"id": c, "property": p, "value": values.get(f"{c}.{p}")} for c, p in ids]
-    inputs += [[], {"id": "counter-pick", "property": "value", "value": []}]  # no step links
-    state = [{"id": c, "property": p, "value": values.get(f"{c}.{p}")}
-             for c, p in (("window", "data"), ("tabs", "value"), ("viewport", "data"))]  # fmt: skip
+    spec = app.callback_map[key]
+
+    def given(deps: list) -> list:
+        return [
+            [] if isinstance(d["id"], dict) else  # the pattern-matched step links: none
+            {"id": d["id"], "property": d["property"],
+             "value": values.get(f"{d['id']}.{d['property']}")}
+            for d in deps
+        ]  # fmt: skip
+
     body = {
         "output": key,
         "outputs": [{"id": c, "property": p} for c, p in callbacks.TIMELINE_OUTPUTS],
-        "inputs": inputs,
+        "inputs": given(spec["inputs"]),
         "changedPropIds": [changed],
-        "state": state,
+        "state": given(spec["state"]),
     }
     r = client.post("/_dash-update-component", json=body)
     return r.status_code, (r.get_json(silent=True) or {}).get("response", {})
