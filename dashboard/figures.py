@@ -53,6 +53,8 @@ LABEL_PAD_PX = 3
 BESIDE_MIN_CHARS = 8
 #: Width of a label character in ems, generously (track label margin, names cut to fit bars).
 CHAR_EM = 0.62
+#: Characters of a track label at most (longer ones lose their start: host and process).
+MAX_LABEL = 80
 
 
 def esc(text: object) -> str:
@@ -74,12 +76,36 @@ def track_label(t: TrackInfo) -> str:
     proc = t.process.split(" ")[0].rsplit("/", 1)[-1] if t.process else "pid"
     label = f"{proc} {t.pid} · {who} · {t.lane}"
     label = f"{t.host} · {label}" if t.host else label  # an imported trace has no host
-    if t.tenants:  # a server track: whose spans it holds, as the server stamped them
-        names = ", ".join(t.tenants[:3]) + (", …" if len(t.tenants) > 3 else "")
-        label += f" · tenant{'s' if len(t.tenants) > 1 else ''} {names}"
+    owners = owners_text(t.owners) or (
+        f"tenant{'s' if len(t.tenants) > 1 else ''} {_listed(t.tenants)}" if t.tenants else ""
+    )
+    if owners:  # whose work it holds: a server lane's spans, a client process's sessions
+        label += f" · {owners}"
     if t.clock_uncertainty_ns:
         label += f" (clock ±{fmt.duration(t.clock_uncertainty_ns)})"
-    return esc(label if len(label) <= 70 else "…" + label[-69:])
+    return esc(label if len(label) <= MAX_LABEL else "…" + label[-(MAX_LABEL - 1) :])
+
+
+def _listed(names: tuple[str, ...] | list[str], most: int = 3) -> str:
+    return ", ".join(names[:most]) + (", …" if len(names) > most else "")
+
+
+def owners_text(owners: tuple[tuple[str, str], ...]) -> str:
+    """Whose work a track holds, from its (tenant, session) pairs: ``tenant alice (session 2)``,
+    ``tenant bob (sessions 1, 3)``; several tenants by name only, ``tenants alice, bob`` (each
+    server span's hover names its own); ``session 4`` where the session has no tenant."""
+    tenants: dict[str, list[str]] = {}
+    for tenant, session in owners:
+        tenants.setdefault(tenant, []).append(session)
+    named = [t for t in tenants if t]
+    if len(named) > 1:
+        return f"tenants {_listed(named)}"
+    parts = []
+    for tenant, sessions in tenants.items():
+        ids = sorted({s for s in sessions if s}, key=lambda s: (len(s), s))
+        said = f"session{'s' if len(ids) > 1 else ''} {_listed(ids)}" if ids else ""
+        parts.append(f"tenant {tenant}" + (f" ({said})" if said else "") if tenant else said)
+    return ", ".join(p for p in parts if p)
 
 
 def ticks(t0: int, t1: int, base: int, n: int = 8) -> tuple[list[int], list[str]]:
@@ -164,10 +190,21 @@ def timeline(
     data += bars
     if flows and flows["links"]:
         data.append(_flows(flows["links"], by_key, base))
+    legends: set[int] = set()  # panels (by row) with more than one line: each gets a legend
     for i, (name, rows) in enumerate(panels):
-        data += _counter_panel(i + 2, name, rows, base)
+        lines = _counter_panel(i + 2, name, rows, base)
+        if len(lines) > 1:
+            legends.add(i + 2)
+        data += lines
     if clock:
-        data += _clock_panel(len(heights), clock, base)
+        lines = _clock_panel(len(heights), clock, base)
+        if len(lines) > 1:
+            legends.add(len(heights))
+        data += lines
+    for trace in data:
+        row = trace.get("yaxis", "y")[1:]
+        if row and int(row) in legends:
+            trace.update(showlegend=True, legend=f"legend{row}")
 
     tickvals, ticktext = ticks(win.t0, win.t1, base)
     labels = [track_label(t) for t in info]
@@ -225,11 +262,20 @@ def timeline(
             "tickfont": {"size": 9},
         }
         if title:
+            # A panel of several lines has its legend at the right of the gap above it, its
+            # title then at the left.
+            x, anchor = (0.0, "left") if r in legends else (0.5, "center")
             layout["annotations"].append(
-                {"text": title, "x": 0.5, "y": top, "xref": "paper", "yref": "paper",
-                 "xanchor": "center", "yanchor": "bottom", "showarrow": False,
+                {"text": title, "x": x, "y": top, "xref": "paper", "yref": "paper",
+                 "xanchor": anchor, "yanchor": "bottom", "showarrow": False,
                  "font": {"size": TITLE_FONT_PX}}
             )  # fmt: skip
+        if r in legends:
+            layout[f"legend{r}"] = {
+                "x": 1, "xanchor": "right", "y": top, "yanchor": "bottom", "yref": "paper",
+                "orientation": "h", "bgcolor": "rgba(255,255,255,0.8)", "font": {"size": 10},
+                "itemclick": "toggle", "itemdoubleclick": "toggleothers",
+            }  # fmt: skip
         top = bottom - gap
     layout["yaxis"].update(
         range=[n_rows - 0.5, -0.5],
@@ -348,7 +394,11 @@ def _bars(
         g["base"].append(start - base)
         g["y"].append(row)
         name = esc(b["name"])
-        g["hover"].append(f"{name}<br>{fmt.duration(dur)} · {esc(b['lane'])}")
+        owner = owners_text(((b.get("tenant") or "", b.get("session") or ""),))
+        g["hover"].append(
+            f"{name}<br>{fmt.duration(dur)} · {esc(b['lane'])}"
+            + (f"<br>{esc(owner)}" if owner else "")
+        )
         g["cd"].append([b["span_id"], start])
         left, right = max(start, win.t0), min(start + max(dur, int(ns_per_px)), win.t1)
         # Kernel names are long C++ (the full one is in the hover and the details).
@@ -468,6 +518,22 @@ def _flows(links: list[dict[str, Any]], by_key: dict, base: int) -> dict[str, An
     }
 
 
+def series_names(series: list[str]) -> list[str]:
+    """Legend names of a panel's lines (``host[ device][ tenant T][ session S]``, as
+    ``timeline.counters`` names them): without the host and device where every line has the
+    same (``tenant alice session 2``, ``gpu1``); a single line keeps its whole name."""
+    if len(series) < 2:
+        return list(series)
+    words = [s.split(" ") for s in series]
+    same = 0
+    for column in zip(*words):
+        if len(set(column)) > 1 or column[0] in ("tenant", "session"):
+            break
+        same += 1
+    same = min(same, min(len(w) for w in words) - 1)  # every name keeps a word
+    return [" ".join(w[same:]) for w in words]
+
+
 def _counter_panel(row: int, name: str, rows: list[dict], base: int) -> list[dict[str, Any]]:
     series: dict[str, tuple[list, list]] = {}
     for r in rows:
@@ -485,11 +551,14 @@ def _counter_panel(row: int, name: str, rows: list[dict], base: int) -> list[dic
             # A counter holds its value until the next sample: steps, not slopes between
             # samples (the window's data starts with the last sample before it).
             "line": {"width": 1.2, "shape": "hv"},
-            "name": esc(f"{name} {label}"),
+            "name": esc(label),
             "showlegend": False,
-            "hovertemplate": f"{esc(label)}: %{{y:.4g}}<extra>{esc(name)}</extra>",
+            # The line's (escaped) name, never a name pasted into the template, where a
+            # ``%{...}`` in a tenant's name would be read as a field.
+            "hovertemplate": "%{fullData.name}: %{y:.4g}<extra>%{meta}</extra>",
+            "meta": esc(name),
         }
-        for label, (xs, ys) in series.items()
+        for label, (xs, ys) in zip(series_names(list(series)), series.values())
     ]
 
 
@@ -514,7 +583,7 @@ def _clock_panel(row: int, clock: list[dict[str, Any]], base: int) -> list[dict[
                 "mode": "markers",
                 "name": esc(label),
                 "showlegend": False,
-                "hovertemplate": f"{esc(label)}<br>offset %{{y:.1f}} µs from the first"
+                "hovertemplate": "%{fullData.name}<br>offset %{y:.1f} µs from the first"
                 " ± %{error_y.array:.1f} µs<extra>clock sync</extra>",
             }
         )

@@ -97,7 +97,7 @@ def page(store_display: str, view: dict[tuple[str, str], Any] | None = None) -> 
                     html.Span(
                         [
                             dcc.Input(id="search", type="text", debounce=False,
-                                      placeholder="find spans by name (aten::* is a glob)",
+                                      placeholder="find spans: name, or a glob (aten::*)",
                                       spellCheck=False, autoComplete="off",
                                       style={"width": "18em"}, **first("search", "value")),
                             html.Button("◀", id="search-prev", n_clicks=0,

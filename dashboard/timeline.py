@@ -61,6 +61,10 @@ class TrackInfo:
     thread: str = ""
     #: A server track's tenants (its spans' ``tenant`` attrs; empty in a run stored before).
     tenants: tuple[str, ...] = ()
+    #: Whose work the track holds, as (tenant, session) pairs: a server track's spans' own
+    #: (``tenant`` and ``session`` attrs, stamped by the server), a client process's the
+    #: sessions its forwarded batches ran in (empty where none is known).
+    owners: tuple[tuple[str, str], ...] = ()
 
     @property
     def key(self) -> Track:
@@ -114,9 +118,29 @@ class Window:
 #: (each span's ``tenant`` attr, stamped by the server; none in a run stored before).
 _SERVER_TRACKS = """
 SELECT host, pid, tid, lane, max(toInt64OrZero(attrs['clock_uncertainty_ns'])) AS clock_unc,
-       arraySort(groupUniqArray(9)(attrs['tenant'])) AS tenants
+       arraySort(groupUniqArray(9)(attrs['tenant'])) AS tenants,
+       arraySort(groupUniqArray(16)((attrs['tenant'], attrs['session']))) AS owners
 FROM __db__.spans WHERE run_id = {run:String} AND category = 'server'
 GROUP BY host, pid, tid, lane
+"""
+#: Per client process of a forwarded run: the sessions (and their tenants) its batches ran in, as
+#: the server stamped its ``server/execute`` spans (each the child of the client's batch).
+_CLIENT_OWNERS = """
+SELECT p.host AS host, p.pid AS pid,
+       arraySort(groupUniqArray(16)((s.tenant, s.session))) AS owners
+FROM (SELECT parent_span_id, attrs['tenant'] AS tenant, attrs['session'] AS session
+      FROM __db__.spans
+      WHERE run_id = {run:String} AND lane = 'server/execute' AND attrs['session'] != '') AS s
+INNER JOIN (SELECT span_id, host, pid FROM __db__.spans
+            WHERE run_id = {run:String} AND category = 'forward') AS p
+  ON p.span_id = s.parent_span_id
+GROUP BY host, pid
+"""
+#: The tenant and session of server spans drawn as bars (found by their start: the primary key).
+_BAR_OWNERS = """
+SELECT toString(span_id) AS id, start_ns, attrs['tenant'] AS tenant, attrs['session'] AS session
+FROM __db__.spans
+WHERE run_id = {run:String} AND category = 'server' AND start_ns IN {starts:Array(Int64)}
 """
 
 _LANE_ORDER = (
@@ -237,6 +261,11 @@ def tracks(source: ReadOnlyStore, run_id: str) -> dict[str, Any]:
             for c in source.rows(_SERVER_TRACKS, {"run": run_id})
         }
         names = {(t["host"], t["pid"], t["tid"]): t for t in source.threads(run_id)}
+        clients = (
+            {(c["host"], int(c["pid"])): c for c in source.rows(_CLIENT_OWNERS, {"run": run_id})}
+            if server
+            else {}
+        )
         out: list[TrackInfo] = []
         row = 0
         servers = {(t["host"], int(t["pid"])) for t in found if t["lane"].startswith("server/")}
@@ -248,6 +277,8 @@ def tracks(source: ReadOnlyStore, run_id: str) -> dict[str, Any]:
                 levels = 1
             named = names.get((t["host"], int(t["pid"]), int(t["tid"]))) or {}
             served = server.get((t["host"], int(t["pid"]), int(t["tid"]), t["lane"])) or {}
+            client = clients.get((t["host"], int(t["pid"]))) if not served else None
+            owners = (served or client or {}).get("owners") or ()
             info = TrackInfo(
                 host=t["host"],
                 pid=int(t["pid"]),
@@ -259,6 +290,7 @@ def tracks(source: ReadOnlyStore, run_id: str) -> dict[str, Any]:
                 row=row,
                 clock_uncertainty_ns=int(served.get("clock_unc") or 0),
                 tenants=tuple(x for x in served.get("tenants") or () if x),
+                owners=tuple((str(a), str(b)) for a, b in owners if a or b),
                 process=named.get("process_name", ""),
                 thread=named.get("thread_name", ""),
             )
@@ -273,7 +305,27 @@ def tracks(source: ReadOnlyStore, run_id: str) -> dict[str, Any]:
 
 
 def window(source: ReadOnlyStore, run_id: str, t0: int, t1: int, width_px: int = 1600) -> Window:
-    """Spans overlapping ``[t0, t1)`` as bars and density cells (see the module docstring)."""
+    """Spans overlapping ``[t0, t1)`` as bars and density cells (see the module docstring).
+
+    Server spans drawn as bars carry their ``tenant`` and ``session`` (their hover names them:
+    one server lane holds every tenant's work)."""
+    found = _window(source, run_id, t0, t1, width_px)
+    served = [b for b in found.bars if b["category"] == "server"]
+    if served:
+        owners = {
+            (r["id"], int(r["start_ns"])): r
+            for r in source.rows(
+                _BAR_OWNERS,
+                {"run": run_id, "starts": sorted({int(b["start_ns"]) for b in served})},
+            )
+        }
+        for b in served:
+            r = owners.get((str(b["span_id"]), int(b["start_ns"]))) or {}
+            b["tenant"], b["session"] = r.get("tenant", ""), r.get("session", "")
+    return found
+
+
+def _window(source: ReadOnlyStore, run_id: str, t0: int, t1: int, width_px: int) -> Window:
     t0, t1 = int(t0), int(t1)
     if t1 <= t0:
         raise ValueError(f"empty window [{t0}, {t1})")
@@ -521,10 +573,11 @@ def counter_series(source: ReadOnlyStore, run_id: str) -> list[dict[str, Any]]:
     )
 
 
-#: A counter sample's series: its host, device and tenant (or session).
+#: A counter sample's series: its host, device, tenant and session (a tenant's sessions are lines
+#: of their own: two sessions of one tenant were one line, their samples interleaved).
 _SERIES = """concat(host, if(device = '', '', concat(' ', device)),
-    if(labels['tenant'] != '', concat(' tenant ', labels['tenant']),
-       if(labels['session'] != '', concat(' session ', labels['session']), '')))"""
+    if(labels['tenant'] != '', concat(' tenant ', labels['tenant']), ''),
+    if(labels['session'] != '', concat(' session ', labels['session']), ''))"""
 
 
 def counters(

@@ -102,6 +102,20 @@ def test_timeline_zoom_click_details_and_tabs(page, app: Server) -> None:
     assert "forwarded-call links" in lod_before
     assert "SYNTHETIC" in page.inner_text("#timeline-message")
     assert "clock ±" in page.inner_text("#timeline")
+    # Whose lanes: each client process's its tenant and session; the session-memory panel's two
+    # lines each named in its legend.
+    labels = page.evaluate(
+        "[...document.querySelectorAll('#timeline g.yaxislayer-above g.ytick text')]"
+        ".map(t => t.textContent)"
+    )
+    assert any(t.endswith("steps · tenant alice (session 2)") for t in labels)
+    assert any(t.endswith("steps · tenant bob (session 1)") for t in labels)
+    legend = page.evaluate(
+        # A panel's own legend: plotly's classes legend<N>, legend<N>text.
+        "[...document.querySelectorAll('#timeline text[class^=legend][class$=text]')]"
+        ".map(t => t.textContent)"
+    )
+    assert {"tenant alice session 2", "tenant bob session 1"} <= set(legend)
 
     # Zoom: a relayout of the x axis (what a drag-zoom sends) re-queries the window.
     before = page.inner_text("#window-text")

@@ -301,7 +301,9 @@ def test_a_server_spans_tenant_is_the_one_stamped_on_it_not_its_id_bits(
     assert lanes["server/execute"].tenants == ("alice", "bob")
     assert lanes["server/evict"].tenants == ("bob",)  # only bob was paged out
     assert figures.track_label(lanes["server/execute"]).endswith("tenants alice, bob")
-    assert figures.track_label(lanes["server/evict"]).endswith("server/evict · tenant bob")
+    assert figures.track_label(lanes["server/evict"]).endswith(
+        "server/evict · tenant bob (session 2)"
+    )
 
 
 def test_a_run_stored_before_server_spans_carried_their_tenant_says_so(

@@ -14,11 +14,25 @@ import pytest
 
 pytest.importorskip("dash")
 
-from gpu_trace.dashboard import address, callbacks, samples, search, timeline  # noqa: E402
+from gpu_trace.dashboard import (  # noqa: E402
+    address,
+    callbacks,
+    figures,
+    reports,
+    samples,
+    search,
+    timeline,
+)
 from gpu_trace.dashboard.address import Address  # noqa: E402
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore  # noqa: E402
 from gpu_trace.tracer.store import Store  # noqa: E402
-from tests.dashboard_data import XSS, add_run, forwarded_run, lod_run  # noqa: E402
+from tests.dashboard_data import (  # noqa: E402
+    XSS,
+    add_counters,
+    add_run,
+    forwarded_run,
+    lod_run,
+)
 
 H100 = "20261124-174647-9ad8eb"  # 13.2 s: start-up, then 70 steps in its last 1.7 s
 TABS = callbacks.TAB_VALUES
@@ -38,6 +52,20 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReadOnlyStore]:
         for i, n in enumerate(names)
     ]  # fmt: skip
     add_run(store, "names", spans, 0, 20_000)
+    # One tenant (named like a script tag) with two sessions, each holding memory.
+    add_run(store, "two-sessions", [{"name": "s", "lane": "nvtx/a", "start_ns": 0,
+                                     "end_ns": 10_000}], 0, 10_000)  # fmt: skip
+    add_counters(
+        store,
+        "two-sessions",
+        [
+            {"metric": "session_memory_bytes", "ts_ns": ts, "value": v,
+             "labels": {"tenant": XSS, "session": session}}
+            for session, points in (("1", ((1000, 1.0), (5000, 2.0))),
+                                    ("3", ((2000, 10.0), (6000, 20.0))))
+            for ts, v in points
+        ],
+    )  # fmt: skip
     src = ReadOnlyStore(store=store)
     yield src
     src.close()
@@ -414,3 +442,117 @@ def test_zoom_whole_run_and_steps_write_the_address(client: tuple, source: ReadO
     # A run picked in the page: its own address, written.
     changed = post(client, "run.value", {**page, "run.value": "lod"})
     assert changed["url"]["search"] == "?run=lod" == changed["window"]["data"]["search"]
+
+
+# ---- whose lanes, and legends ----------------------------------------------------------------
+
+TWO = "forwarded-two-tenants"
+
+
+def test_a_two_tenant_runs_lanes_name_their_tenant_and_session(source: ReadOnlyStore) -> None:
+    """Its lanes showed pids only (which is tenant A?): each client process's lanes name the
+    tenant and session its batches ran in, each server lane whose work it holds."""
+    sessions = {
+        (s["host"], s["pid"]): (t["key"], s["session"])
+        for t in reports.tenants(source, TWO)["tenants"]
+        for s in t["sessions"]
+    }
+    assert sorted(sessions.values()) == [("alice", "2"), ("bob", "1")]
+    tracks = timeline.tracks(source, TWO)["tracks"]
+    clients = [t for t in tracks if (t.host, t.pid) in sessions]
+    assert {t.lane for t in clients} >= {"steps", "forward/batch", "nvtx/torch"}
+    for t in clients:
+        tenant, session = sessions[(t.host, t.pid)]
+        assert t.owners == ((tenant, session),)
+        assert figures.track_label(t).endswith(f" · tenant {tenant} (session {session})")
+    stamped = source.rows(
+        "SELECT lane, arraySort(groupUniqArray((attrs['tenant'], attrs['session']))) AS o"
+        " FROM __db__.spans WHERE run_id = {r:String} AND category = 'server' GROUP BY lane",
+        {"r": TWO},
+    )
+    server = {t.lane: t for t in tracks if t.lane.startswith("server/")}
+    assert {r["lane"]: [tuple(x) for x in r["o"]] for r in stamped} == {
+        lane: list(t.owners) for lane, t in server.items()
+    }
+    assert " · tenants alice, bob (clock ±" in figures.track_label(server["server/execute"])
+    assert " · tenant bob (session 1) (clock ±" in figures.track_label(server["server/evict"])
+    others = [t for t in tracks if (t.host, t.pid) not in sessions and t not in server.values()]
+    assert others and all(not t.owners and "tenant" not in figures.track_label(t) for t in others)
+
+
+def test_owners_are_said_shortly() -> None:
+    assert figures.owners_text((("alice", "2"),)) == "tenant alice (session 2)"
+    assert figures.owners_text((("bob", "10"), ("bob", "3"))) == "tenant bob (sessions 3, 10)"
+    assert figures.owners_text((("alice", "2"), ("bob", "1"))) == "tenants alice, bob"
+    assert figures.owners_text((("", "4"),)) == "session 4"
+    assert figures.owners_text(()) == ""
+
+
+def test_each_server_bar_names_its_tenant_and_session(source: ReadOnlyStore) -> None:
+    """One server lane holds every tenant's work: each bar's hover says whose it is, as the
+    server stamped the span."""
+    run = timeline.run(source, TWO)
+    t0, t1 = int(run["started_ns"]), int(run["ended_ns"])
+    stamped = {
+        (r["id"], int(r["start_ns"])): f"tenant {r['t']} (session {r['s']})"
+        for r in source.rows(
+            "SELECT toString(span_id) AS id, start_ns, attrs['tenant'] AS t,"
+            " attrs['session'] AS s FROM __db__.spans"
+            " WHERE run_id = {r:String} AND category = 'server'",
+            {"r": TWO},
+        )
+    }
+    for a, b in ((t0, t1), (t1 - (t1 - t0) // 5, t1 - (t1 - t0) // 6)):  # overview; store
+        w = timeline.window(source, TWO, a, b, 1270)
+        served = [x for x in w.bars if x["category"] == "server"]
+        assert served
+        fig = figures.timeline(run, timeline.tracks(source, TWO), w, None, {}, [], 1270)
+        (bars,) = [t for t in fig["data"] if t["type"] == "bar" and t["name"] == "server"]
+        for (span_id, start), hover in zip(bars["customdata"], bars["hovertext"]):
+            assert hover.endswith("<br>" + stamped[(span_id, start)])
+    w = timeline.window(source, "fwd", 0, 3_000_000, 1270)  # a run stored without them
+    assert all(not b["tenant"] for b in w.bars if b["category"] == "server")
+
+
+def test_a_panel_of_several_lines_has_a_legend_naming_each(source: ReadOnlyStore) -> None:
+    """The session-memory panel of the two-tenant sample had two lines and no legend."""
+    timeline.prepare(source, TWO)
+    view = callbacks.first_view(source, f"?run={TWO}", 1600)
+    fig = view[("timeline", "figure")]
+    layout = fig["layout"]
+    titles = [a["text"] for a in layout["annotations"]]
+    row = titles.index("runtime/session_memory_bytes") + 2  # the panel's axis number
+    lines = [t for t in fig["data"] if t.get("yaxis") == f"y{row}"]
+    assert sorted(t["name"] for t in lines) == ["tenant alice session 2", "tenant bob session 1"]
+    assert all(t["showlegend"] and t["legend"] == f"legend{row}" for t in lines)
+    legend = layout[f"legend{row}"]
+    top = layout[f"yaxis{row}"]["domain"][1]
+    assert (legend["y"], legend["yanchor"], legend["x"], legend["xanchor"]) == (
+        top, "bottom", 1, "right"
+    )  # fmt: skip
+    title = layout["annotations"][row - 2]
+    assert (title["x"], title["xanchor"]) == (0.0, "left")  # out of the legend's way
+    # A panel of one line has none.
+    gpu = [t for t in fig["data"] if t.get("yaxis") == "y2"]
+    assert len(gpu) == 1 and not gpu[0]["showlegend"] and "legend2" not in layout
+    assert layout["annotations"][0]["xanchor"] == "center"
+
+
+def test_two_sessions_of_one_tenant_are_two_lines(source: ReadOnlyStore) -> None:
+    """A series was host, device and tenant: a tenant's two sessions were one line, their
+    samples interleaved."""
+    found = timeline.counters(source, "two-sessions", ["runtime/session_memory_bytes"], 0,
+                              10_000, 400)["runtime/session_memory_bytes"]  # fmt: skip
+    series = sorted({r["series"] for r in found})
+    assert series == [f"gpu-box tenant {XSS} session 1", f"gpu-box tenant {XSS} session 3"]
+    run = timeline.run(source, "two-sessions")
+    w = timeline.window(source, "two-sessions", 0, 10_000, 400)
+    tr = timeline.tracks(source, "two-sessions")
+    fig = figures.timeline(run, tr, w, None, {"runtime/session_memory_bytes": found}, [], 400)
+    lines = [t for t in fig["data"] if t.get("yaxis") == "y2"]
+    assert [t["y"] for t in lines] == [[1.0, 2.0], [10.0, 20.0]]
+    assert [t["name"] for t in lines] == [
+        f"tenant {figures.esc(XSS)} session 1", f"tenant {figures.esc(XSS)} session 3"
+    ]  # fmt: skip
+    # Hovers name the line through its escaped name, never the name itself.
+    assert all(XSS not in t["hovertemplate"] and XSS not in t["meta"] for t in lines)
