@@ -1,7 +1,7 @@
 """What a worker process per session costs, and what it buys: `serve --isolation process` next to
 `--isolation shared`, in one run, interleaved.
 
-    python bench/isolation.py [--rounds 3] [--ops 3000] [--quick] [--device cpu] [--las]
+    python bench/isolation.py [--rounds 3] [--ops 3000] [--quick] [--device cpu] [--las] [--stall-only]
                               [--probe-after 2] [--json FILE]
 
 Two `gpu-trace serve` processes on the same device (CPU by default; ``--device cuda:0`` on a GPU
@@ -179,6 +179,9 @@ def result(proc: subprocess.Popen[str], timeout: float = 600) -> dict[str, float
 
 def one_round(address: str, args: argparse.Namespace) -> dict[str, float]:
     fig: dict[str, float] = {}
+    if args.stall_only:
+        fig["stall"] = stall(address, args)
+        return fig
     r = result(client(address, TOKEN_A, "ops", args.ops))
     fig["session"], fig["ops"] = r["session"], r["ops"]
     fig["sync"] = result(client(address, TOKEN_A, "sync", 200))["sync"]
@@ -187,6 +190,12 @@ def one_round(address: str, args: argparse.Namespace) -> dict[str, float]:
     b = client(address, TOKEN_B, "train", args.steps)
     ra, rb = result(a), result(b)
     fig["two"] = ra["steps_per_s"] + rb["steps_per_s"]
+    fig["stall"] = stall(address, args)
+    return fig
+
+
+def stall(address: str, args: argparse.Namespace) -> float:
+    """B's median round trip under A's batches over B's median alone."""
     alone = result(client(address, TOKEN_B, "probe", 100))["sync"]
     hog = client(address, TOKEN_A, "hog", args.hog_s)
     assert hog.stdout is not None
@@ -194,8 +203,7 @@ def one_round(address: str, args: argparse.Namespace) -> dict[str, float]:
     time.sleep(args.probe_after)
     loaded = result(client(address, TOKEN_B, "probe", 30))["sync"]
     result(hog)
-    fig["stall"] = loaded / alone
-    return fig
+    return loaded / alone
 
 
 def main() -> None:
@@ -215,6 +223,11 @@ def main() -> None:
         type=float,
         default=2.0,
         help="seconds tenant A's batches have run when B starts probing (stall)",
+    )
+    ap.add_argument(
+        "--stall-only",
+        action="store_true",
+        help="measure the stall alone (more rounds in the same time: it is the noisiest figure)",
     )
     ap.add_argument(
         "--las",
@@ -237,7 +250,7 @@ def main() -> None:
             for mode in modes if i % 2 == 0 else modes[::-1]:
                 figures[mode].append(one_round(addresses[mode], args))
                 print(f"round {i + 1} {mode}: {figures[mode][-1]}", file=sys.stderr, flush=True)
-    keys = ("session", "ops", "sync", "step", "two", "stall")
+    keys = ("stall",) if args.stall_only else ("session", "ops", "sync", "step", "two", "stall")
     units = {"session": "s", "ops": "ops/s", "sync": "µs", "step": "ms", "two": "steps/s"}
     summary: dict[str, dict[str, object]] = {}
     print(f"device {args.device}, {args.rounds} rounds; median [min-max]")
