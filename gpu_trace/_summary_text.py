@@ -105,10 +105,15 @@ def _counter_table(counters: list[CounterStats]) -> str:
     )
 
 
+def _of_step(ns: int, step_ns: int) -> list[str]:
+    return [fmt.duration(ns), f"{100 * ns / step_ns:.0f}" if step_ns > 0 else "-"]
+
+
 def render_ranks(ranks: RankSummary) -> str:
     """A distributed run's Ranks section: each rank's process, host and busy time, its
-    collectives and the waiting it did; the collectives per kind with their skew; the straggler
-    (tracer/ranks.py has the definitions)."""
+    collectives and the waiting it did; per rank, its steps' computation, communication, overlap
+    and idle time, and how often it entered a collective last and the waiting that caused; the
+    collectives per kind with their skew; the straggler (tracer/ranks.py has the definitions)."""
     head = f"ranks (world size {ranks.world_size}"
     head += f", backend {ranks.backend}" if ranks.backend else ""
     head += f", job {clip(ranks.job, 40)})" if ranks.job else ")"
@@ -127,6 +132,23 @@ def render_ranks(ranks: RankSummary) -> str:
             right={0, 1, 2, 5, 6, 7},
         )
     )
+    if any(r.steps for r in ranks.ranks):
+        lines += [
+            "",
+            "steps per rank (sums over its steps, % of them; LAST: collectives it entered last, "
+            "CAUSED: the others' wait for it)",
+        ]
+        rows = [
+            [str(r.rank), fmt.count(r.steps), fmt.duration(r.step_ns),
+             fmt.duration(r.step_ns // max(1, r.steps)), *_of_step(r.compute_ns, r.step_ns),
+             *_of_step(r.comm_ns, r.step_ns), *_of_step(r.overlap_ns, r.step_ns),
+             *_of_step(r.idle_ns, r.step_ns), fmt.count(r.entered_last),
+             fmt.duration(r.caused_ns)]
+            for r in ranks.ranks
+        ]  # fmt: skip
+        heads = ["RANK", "STEPS", "STEP TIME", "MEAN", "COMPUTE", "%", "COMM", "%", "OVERLAP",
+                 "%", "IDLE", "%", "LAST", "CAUSED"]  # fmt: skip
+        lines.append(fmt.table(heads, rows, right=set(range(14))))
     if ranks.collectives:
         lines += ["", "collectives (skew: the last rank to enter minus the first, per collective)"]
         rows = [

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from gpu_trace import _format as fmt
 from gpu_trace import config
 from gpu_trace._summary_text import SAMPLER_NOTE
+from gpu_trace.tracer.ranks import RankStats, RankStep, RankSummary, rank_summary
 from gpu_trace.tracer.summary import RangeStats, RunSummary
 
 if TYPE_CHECKING:
@@ -296,6 +297,52 @@ class Run:
             ),
             text=render_summary(run, data),
         )
+
+    def ranks(self) -> pd.DataFrame:
+        """One row per rank of a distributed run (empty for a run without ranks): its process,
+        host, busy time, collectives, the waiting it did (``waited_ns``), how often it entered a
+        collective last and the waiting that caused (``entered_last``, ``caused_ns``: sorted by
+        them, the straggler ranking), and sums over its steps of step time, computation,
+        communication, their overlap and idle time (docs/distributed.md defines each)."""
+        rows = [asdict(r) for r in self._rank_summary().ranks]
+        return _frame(rows, list(RankStats.__dataclass_fields__))
+
+    def rank_steps(self) -> pd.DataFrame:
+        """One row per step of each rank (its own process's steps, ``step`` numbering them in
+        time order from 0): ``step_ns``, ``compute_ns``, ``comm_ns``, ``overlap_ns``, ``idle_ns``,
+        where ``compute_ns + comm_ns - overlap_ns + idle_ns == step_ns``; empty without ranks."""
+        rows = [asdict(s) for s in self._rank_summary().steps]
+        return _frame(rows, list(RankStep.__dataclass_fields__))
+
+    def compare_ranks(self, a: int, b: int) -> pd.DataFrame:
+        """Ranks ``a`` and ``b`` side by side, one row per step (their i-th steps matched):
+        each figure of :meth:`rank_steps` as ``<figure>_<a>`` and ``<figure>_<b>``, and
+        ``<figure>_diff`` (a's minus b's) for the times. ValueError for a rank the run lacks."""
+        for rank in (a, b):
+            if isinstance(rank, bool) or not isinstance(rank, int):
+                raise ValueError(f"a rank is an int, got {rank!r}")
+        if a == b:
+            raise ValueError(f"compare two different ranks, got {a} twice")
+        summary = self._rank_summary()
+        known = [r.rank for r in summary.ranks]
+        missing = [r for r in (a, b) if r not in known]
+        if missing:
+            raise ValueError(
+                f"run {self.id} has no rank {missing[0]}; its ranks: {known or 'none'}"
+            )
+        steps = self.rank_steps()
+        times = ["step_ns", "compute_ns", "comm_ns", "overlap_ns", "idle_ns"]
+        mine = [steps[steps["rank"] == r].drop(columns="rank") for r in (a, b)]
+        out = mine[0].merge(mine[1], on="step", how="outer", suffixes=(f"_{a}", f"_{b}"))
+        for col in times:
+            out[f"{col}_diff"] = out[f"{col}_{a}"] - out[f"{col}_{b}"]
+        return out
+
+    def _rank_summary(self) -> RankSummary:
+        self._check()
+        with _opened(self.dsn) as store:
+            found = rank_summary(store, self.id)
+        return found or RankSummary(0, "", "", [], [], None, 0, 0)
 
     def spans(
         self,
