@@ -31,6 +31,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -121,8 +122,13 @@ class _Pending:
     rows: int = 0
 
 
-def ingest(store: Store, run_dir: str | Path) -> IngestReport:
+#: ``progress(phase, done, total)``: what an ingest tells of its work, a spool file at a time.
+Progress = Callable[[str, int, "int | None"], None]
+
+
+def ingest(store: Store, run_dir: str | Path, progress: Progress | None = None) -> IngestReport:
     """Ingest ``run_dir`` into ``store``; see the module docstring. Raises StoreError on store failure.
+    ``progress`` is told of each spool file read (for a terminal's progress line).
 
     Ingest sits above the store and uses only its public methods; the store never imports it.
     """
@@ -143,7 +149,7 @@ def ingest(store: Store, run_dir: str | Path) -> IngestReport:
         report.problems.append(f"run.json: {died}; the run is marked died")
     logged = _logged(store, info.run_id)
     with _Inserter(store, info.run_id, report) as inserter:
-        hosts, pid_hosts = _ingest_files(store, files, info, logged, inserter, report)
+        hosts, pid_hosts = _ingest_files(store, files, info, logged, inserter, report, progress)
 
     stats = _read_stats(run_dir, report)
     info.hosts = hosts
@@ -193,6 +199,7 @@ def _ingest_files(
     logged: dict[tuple[str, int], str],
     inserter: _Inserter,
     report: IngestReport,
+    progress: Progress | None = None,
 ) -> tuple[list[str], dict[int, str]]:
     pending = {kind: _Pending() for kind in SCHEMAS}
     hosts: list[str] = list(info.hosts)
@@ -237,7 +244,9 @@ def _ingest_files(
             inserter.submit(kind, batch)
             pending[kind] = _Pending()
 
-    for path in files:
+    for done, path in enumerate(files):
+        if progress is not None:
+            progress("ingesting spool files", done, len(files))
         size = path.stat().st_size
         state = logged.get((path.name, size))
         if state == "done":
@@ -264,6 +273,8 @@ def _ingest_files(
         models = _clock_models(store, info.run_id, clock_rows)
         for path, size, state, spool in deferred:
             add(path, size, state, spool, models)
+    if progress is not None:
+        progress(f"storing the last of {len(files):,} spool files", 0, None)
     for kind, batch in pending.items():
         if batch.files:
             inserter.submit(kind, batch)

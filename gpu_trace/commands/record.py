@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from gpu_trace import _format as fmt
@@ -75,6 +76,7 @@ def finish_run(
     """Ingest the run, remove its spool once the store is checked to hold it (unless
     ``keep_spool`` or GPU_TRACE_KEEP_SPOOL), and print the closing line. False when the run was
     to be stored and could not be (the line says so, and how to store it later)."""
+    from gpu_trace._progress import PhaseProgress
     from gpu_trace.tracer.ingest import ingest as ingest_run
     from gpu_trace.tracer.retention import release_spool
     from gpu_trace.tracer.run import RunInfo, read_stats
@@ -93,7 +95,11 @@ def finish_run(
     store_mod = store_module()
     try:
         with store_mod.Store(dsn) as store:
-            report = ingest_run(store, run_dir)
+            progress = PhaseProgress(sys.stderr, prefix="record")  # on a terminal only
+            try:
+                report = ingest_run(store, run_dir, progress)
+            finally:
+                progress.close()
             stored = event_count(store.counts(report.run_id))
             try:
                 spool = release_line(release_spool(store, run_dir, keep=keep_spool))

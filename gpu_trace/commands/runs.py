@@ -62,6 +62,7 @@ def _resolve(store: Any, ref: str) -> str:
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
+    from gpu_trace._progress import PhaseProgress
     from gpu_trace.tracer.ingest import ingest
     from gpu_trace.tracer.retention import release_spool
     from gpu_trace.tracer.run import RunInfo
@@ -76,7 +77,11 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     store_mod = store_module()
     try:
         with store_mod.Store(dsn) as store:
-            report = ingest(store, run_dir)
+            progress = PhaseProgress(sys.stderr, prefix="ingest")  # on a terminal only
+            try:
+                report = ingest(store, run_dir, progress)
+            finally:
+                progress.close()
             try:
                 spool = release_line(release_spool(store, run_dir, keep=args.keep_spool))
             except store_mod.StoreError as exc:

@@ -60,3 +60,23 @@ def test_a_file_of_another_run_is_named_and_not_stored_under_either(tmp_path: Pa
         _, rows = store.sql("SELECT count() FROM gpu_trace.spans")
         assert rows == [(0,)]
     assert path.exists()
+
+
+def test_ingest_tells_its_progress_a_file_at_a_time(tmp_path: Path) -> None:
+    """What `gpu-trace ingest` and `record` draw on a terminal while a run is stored (issue 29:
+    a large run was stored for a minute with no output)."""
+    run_dir = tmp_path / "r"
+    RunInfo(run_id="r", trace_id="ab" * 16, started_ns=0, ended_ns=10, status="finished").save(
+        run_dir
+    )
+    writer = SpoolWriter(run_dir, META)
+    for i in range(3):
+        writer.write("spans", spans(10, start=i * 10**9))
+    told: list[tuple[str, int, int | None]] = []
+    with Store(f"chdb://{tmp_path / 'store'}") as store:
+        report = ingest(store, run_dir, progress=lambda *a: told.append(a))
+    assert report.rows["spans"] == 30
+    files = len(list_spool(run_dir))
+    assert told == [("ingesting spool files", i, files) for i in range(files)] + [
+        (f"storing the last of {files} spool files", 0, None)
+    ]
