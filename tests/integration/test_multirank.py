@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from gpu_trace import run as stored_run
 from gpu_trace.tracer.ranks import COLLECTIVE_LANE
 from tests.integration.test_record import gpu_trace, script, sql_json
 
@@ -44,18 +45,20 @@ DDP_TRAIN = """
     dist.destroy_process_group()
 """
 
-# Rank 1 sleeps before each all_reduce: rank 0 waits for it there.
+# Rank 1 sleeps before each all_reduce: rank 0 waits for it there. Each round is a step.
 SLEEPER = """
     import time
     import torch
     import torch.distributed as dist
+    import gpu_trace
 
     dist.init_process_group("gloo")
     t = torch.ones(4)
-    for _ in range(4):
-        if dist.get_rank() == 1:
-            time.sleep(SLEEP)
-        dist.all_reduce(t)
+    for i in range(4):
+        with gpu_trace.step(i):
+            if dist.get_rank() == 1:
+                time.sleep(SLEEP)
+            dist.all_reduce(t)
     dist.destroy_process_group()
 """
 SLEEP = 0.3
@@ -140,9 +143,30 @@ def test_ddp_under_torchrun_is_one_run_of_ranks(tmp_path: Path) -> None:
     assert kinds["all_reduce"]["count"] == len(first)
     assert kinds["all_reduce"]["calls"] == {"0": len(first), "1": len(first)}
 
+    # per rank and step: each rank's own steps (detected at each optimizer.step), whose
+    # computation, communication, overlap and idle time add up to the step, to the ns
+    steps = ranks["steps"]
+    assert [s["step"] for s in steps if s["rank"] == 0] == list(range(6))
+    assert [s["step"] for s in steps if s["rank"] == 1] == list(range(6))
+    for s in steps:
+        assert s["compute_ns"] + s["comm_ns"] - s["overlap_ns"] + s["idle_ns"] == s["step_ns"], s
+        assert min(s["compute_ns"], s["comm_ns"], s["idle_ns"], s["overlap_ns"]) >= 0, s
+        assert s["compute_ns"] > 0 and s["comm_ns"] > 0, s  # it ran the model, all-reduced grads
+    for r in ranks["ranks"]:
+        mine = [s for s in steps if s["rank"] == r["rank"]]
+        for key in ("step_ns", "compute_ns", "comm_ns", "overlap_ns", "idle_ns"):
+            assert r[key] == sum(s[key] for s in mine), key
+    stored = stored_run(run_id)  # the same figures from Python
+    assert list(stored.ranks()["rank"]) == [0, 1]
+    assert stored.rank_steps().to_dict("records") == steps
+    side = stored.compare_ranks(0, 1)
+    assert list(side["step"]) == list(range(6))
+    assert list(side["comm_ns_1"]) == [s["comm_ns"] for s in steps if s["rank"] == 1]
+
     text = gpu_trace("show", "last")
     assert text.returncode == 0, text.stderr
     assert "ranks (world size 2, backend gloo" in text.stdout
+    assert "steps per rank" in text.stdout
     assert "all_reduce" in text.stdout
 
     # one Chrome trace per rank, with distributedInfo, that HTA reads as one job
@@ -180,3 +204,37 @@ def test_the_rank_that_sleeps_before_each_all_reduce_is_the_straggler(tmp_path: 
     assert reduce["skew_sum_ns"] > slept / 2
     text = gpu_trace("show", "last").stdout
     assert "straggler: rank 1" in text
+    by_rank = {r["rank"]: r for r in ranks["ranks"]}
+    assert by_rank[1]["entered_last"] == ranks["straggler_last"]
+    assert by_rank[1]["caused_ns"] == ranks["straggler_wait_ns"]
+    # per step: rank 0 waits in all_reduce (communication) while rank 1 sleeps (idle)
+    steps = {(s["rank"], s["step"]): s for s in ranks["steps"]}
+    assert sorted(steps) == [(r, i) for r in (0, 1) for i in range(ROUNDS)]
+    for i in range(ROUNDS):
+        waiting, sleeping = steps[0, i], steps[1, i]
+        assert waiting["comm_ns"] > sleeping["comm_ns"], (waiting, sleeping)
+        assert sleeping["idle_ns"] > waiting["idle_ns"], (waiting, sleeping)
+        for s in (waiting, sleeping):
+            assert s["compute_ns"] + s["comm_ns"] - s["overlap_ns"] + s["idle_ns"] == s["step_ns"]
+
+
+def test_a_program_without_ranks_has_no_ranks(tmp_path: Path) -> None:
+    prog = script(
+        tmp_path,
+        """
+        import torch
+        import gpu_trace
+
+        for i in range(2):
+            with gpu_trace.step(i):
+                torch.ones(4).add(1)
+        """,
+    )
+    out = gpu_trace("record", "--", sys.executable, str(prog))
+    assert out.returncode == 0, out.stderr
+    data = show()
+    assert data["ranks"] is None and data["summary"]["steps"]
+    text = gpu_trace("show", "last").stdout
+    assert "step times" in text and "ranks (" not in text and "steps per rank" not in text
+    stored = stored_run(data["run"]["run_id"])
+    assert stored.ranks().empty and stored.rank_steps().empty
