@@ -201,6 +201,21 @@ def test_the_rank_that_sleeps_before_each_all_reduce_is_the_straggler(tmp_path: 
     assert waited[0] > slept / 2 and waited[0] > waited[1]
     reduce = next(c for c in ranks["collectives"] if c["op"] == "all_reduce")
     assert reduce["count"] == ROUNDS and reduce["calls"] == {"0": ROUNDS, "1": ROUNDS}
+    # recording issues no collective of its own: each rank's c10d calls and its backend's work
+    # are the program's four all_reduces, nothing else
+    assert [c["op"] for c in ranks["collectives"]] == ["all_reduce"]
+    works = sql_json(
+        "SELECT pid, lane, name, count() AS n FROM spans WHERE run_id = {run:String}"
+        " AND category = 'collective' GROUP BY pid, lane, name ORDER BY pid, lane",
+        run=show()["run"]["run_id"],
+    )
+    assert sorted((w["lane"], w["name"], int(w["n"])) for w in works) == sorted(
+        [
+            (COLLECTIVE_LANE, "all_reduce", ROUNDS),
+            (f"{COLLECTIVE_LANE}/gloo", "gloo:all_reduce", ROUNDS),
+        ]
+        * 2
+    ), works
     assert reduce["skew_sum_ns"] > slept / 2
     text = gpu_trace("show", "last").stdout
     assert "straggler: rank 1" in text
