@@ -12,8 +12,9 @@ What goes where (docs/export.md has the user's view):
   integer nanoseconds, so no precision is lost. ``ts`` is relative to the run's ``started_ns`` (or
   the first span's start when the run does not say); the trailer's ``gpu_trace.time_base_ns`` names
   the base and ``baseTimeNanoseconds`` its Unix time where the run has a wall-clock anchor.
-- Each ``(host, pid)`` is one process, named ``"host pid process_name"``; a pid already used by
-  another host is renumbered. Each ``(host, pid, tid, lane)`` is one thread track: lanes of one
+- Each ``(host, pid)`` is one process, named ``"host process_name"`` (viewers show the pid after
+  the name themselves); a pid already used by another host is renumbered, and its name then ends
+  ``(pid N)`` with the recorded one. Each ``(host, pid, tid, lane)`` is one thread track: lanes of one
   OS thread (``steps``, ``nvtx/gpu_trace``, ``nvtx/<domain>``) overlap without nesting, which Chrome
   events on one tid must not, so every lane but ``steps`` gets a synthetic tid (from 2**30 up) and a
   thread name such as ``"MainThread · nvtx/gpu_trace"``; the ``steps`` lane keeps the real tid.
@@ -26,8 +27,10 @@ What goes where (docs/export.md has the user's view):
   bounded window (``flows.py``): the most recent ``flow_window`` spans of any category plus the
   most recent ``flow_window`` spans of category ``forward``; a parent older than both is not
   linked.
-- Counters are counter events (``ph: C``) on a per-host ``counters`` process, named by metric,
-  one series per device, ``cat`` the source, the labels (if any) in ``labels`` beside ``args``.
+- Counters are counter events (``ph: C``) under their host's first process (a process's
+  counter tracks in Perfetto), named by metric, one series per device, ``cat`` the source, the
+  labels (if any) in ``labels`` beside ``args``; a host without a process in the file gets a
+  ``<host> counters`` process on a synthetic pid.
 - A span's ``args`` carry what the store has and Chrome's fields do not (span ids, category,
   lane, depth), and the trailer's ``gpu_trace`` the run's metadata and what each Chrome pid and
   tid stands for: ``gpu-trace import`` (``importer.convert_export``) stores the run again from
@@ -592,13 +595,22 @@ class ChromeTraceExporter:
         self._used_pids.add(cpid)
         self._pids[key] = cpid
         self._process_rows.append({"chrome_pid": cpid, "host": host, "pid": pid})
-        pname = self._process_names.get(key, "")
-        label = " ".join(p for p in (host, str(pid), pname) if p)
-        meta = self._meta("process_name", cpid, None, {"name": label})
+        meta = self._meta(
+            "process_name", cpid, None, {"name": self._process_label(host, pid, cpid)}
+        )
         meta += self._meta("process_sort_index", cpid, None, {"sort_index": len(self._pids)})
         self._put_meta(meta, 2)
         self.stats["processes"] += 1
         return cpid
+
+    def _process_label(self, host: str, pid: int, cpid: int) -> str:
+        """A process's name as a viewer shows it: Perfetto and chrome://tracing put the Chrome
+        pid after it themselves, so the recorded pid is in the name only where the Chrome pid is
+        not it (a pid another host took first)."""
+        parts = [host, self._process_names.get((host, pid), "")]
+        if cpid != pid:
+            parts.append(f"(pid {pid})")
+        return " ".join(p for p in parts if p) or "process"
 
     def _new_pid(self) -> int:
         while self._next_pid in self._used_pids:
@@ -607,16 +619,27 @@ class ChromeTraceExporter:
         return self._next_pid - 1
 
     def _counter_pid(self, host: str) -> int:
+        """The Chrome process a host's counters sit under (Perfetto and chrome://tracing draw a
+        counter event as a track of its pid's process): the host's first process in this file,
+        else its first in the threads rows; only a host without either gets a process of its
+        own, ``<host> counters`` on a synthetic pid."""
         cpid = self._counter_pids.get(host)
-        if cpid is None:
-            cpid = self._counter_pids[host] = self._new_pid()
-            self._used_pids.add(cpid)
-            self._process_rows.append({"chrome_pid": cpid, "host": host, "counters": True})
-            label = f"{host} counters" if host else "counters"
-            meta = self._meta("process_name", cpid, None, {"name": label})
-            meta += self._meta("process_sort_index", cpid, None, {"sort_index": 1 << 20})
-            self._put_meta(meta, 2)
-            self.stats["processes"] += 1
+        if cpid is not None:
+            return cpid
+        pid = next((p for h, p in self._pids if h == host), None)
+        if pid is None:
+            pid = next((int(t["pid"]) for t in self._thread_rows if t["host"] == host), None)
+        if pid is not None:
+            cpid = self._counter_pids[host] = self._process(host, pid)
+            return cpid
+        cpid = self._counter_pids[host] = self._new_pid()
+        self._used_pids.add(cpid)
+        self._process_rows.append({"chrome_pid": cpid, "host": host, "counters": True})
+        label = f"{host} counters" if host else "counters"
+        meta = self._meta("process_name", cpid, None, {"name": label})
+        meta += self._meta("process_sort_index", cpid, None, {"sort_index": 1 << 20})
+        self._put_meta(meta, 2)
+        self.stats["processes"] += 1
         return cpid
 
     def _track(self, host: int, pid: int, tid: int, lane: int) -> tuple[int, int, str, str]:

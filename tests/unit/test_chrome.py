@@ -214,8 +214,10 @@ def test_golden_small_run(tmp_path: Path) -> None:
 
     meta = by_phase(trace, "M")
     names = {(e["name"], e["pid"], e.get("tid")): e["args"] for e in meta}
-    assert names[("process_name", 10, 0)] == {"name": "h1 10 python train.py"}
-    assert names[("process_name", queue["pid"], 0)] == {"name": "h2 10 gpu-trace serve"}
+    # Perfetto and chrome://tracing show the pid after the name: the name repeats it only where
+    # the Chrome pid is not the recorded one.
+    assert names[("process_name", 10, 0)] == {"name": "h1 python train.py"}
+    assert names[("process_name", queue["pid"], 0)] == {"name": "h2 gpu-trace serve (pid 10)"}
     assert names[("thread_name", 10, 10)] == {"name": "MainThread · steps"}
     assert names[("thread_name", 10, x["forward"]["tid"])] == {
         "name": "MainThread · nvtx/gpu_trace"
@@ -252,8 +254,39 @@ def test_golden_small_run(tmp_path: Path) -> None:
         ("loss", {"value": 0.25}),
     ]
     assert '"ts":0.100,' in next(line for line in lines if '"ph":"C"' in line)
-    cpid = counters[0]["pid"]
-    assert names[("process_name", cpid, 0)] == {"name": "h1 counters"}
+    # A host's counters are counter tracks of its first process, not of a synthetic pid.
+    assert {c["pid"] for c in counters} == {10}
+    assert not [n for k, n in names.items() if k[0] == "process_name" and "counters" in n["name"]]
+
+
+def test_counters_sit_under_a_named_process(tmp_path: Path) -> None:
+    """Perfetto draws a counter event as a track of its pid's process, titled "name pid": a
+    host's counters go under its process (known from the threads rows when no span is in the
+    file), and only a host with no process at all gets a ``<host> counters`` process; the
+    importer reads every sample's host back either way."""
+    from gpu_trace.tracer.importer import convert, read_trace
+
+    counters = pa.table(
+        {
+            "host": ["h1", "h3"],
+            "source": ["nvml", "host"],
+            "device": ["gpu0", ""],
+            "metric": ["sm_util", "cpu_percent"],
+            "ts_ns": pa.array([BASE + 100, BASE + 200], pa.int64()),
+            "value": [50.0, 12.5],
+        }
+    )
+    path = tmp_path / "c.json"
+    write_chrome_trace(path, RUN, THREADS, [], [counters])
+    trace = load(path)
+    names = {
+        e["pid"]: e["args"]["name"] for e in by_phase(trace, "M") if e["name"] == "process_name"
+    }
+    h1, h3 = by_phase(trace, "C")
+    assert h1["pid"] == 10 and names[10] == "h1 python train.py"
+    assert h3["pid"] >= SYNTHETIC_BASE and names[h3["pid"]] == "h3 counters"
+    converted = convert(read_trace(path)[0], name="c.json", command="import c.json")
+    assert converted.counters.column("host").to_pylist() == ["h1", "h3"]
 
 
 def test_gzip_and_dictionary_columns_give_the_same_trace(tmp_path: Path) -> None:
@@ -302,7 +335,7 @@ def test_weird_strings_round_trip(tmp_path: Path, dictionary: bool) -> None:
         assert e["args"]["lane"] == (w or "lane")
     assert trace["traceName"] == 'r"\n'
     assert any(
-        e["args"]["name"].startswith('h"1 10')
+        e["args"]["name"] == 'h"1'  # no process name recorded: the host alone
         for e in by_phase(trace, "M")
         if e["name"] == "process_name"
     )
