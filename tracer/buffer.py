@@ -68,22 +68,51 @@ def running_thread() -> threading.Thread | None:
     return None
 
 
-def native_name(tid: int) -> str:
-    """The name the OS has for this process's thread ``tid`` (``tf_data_private``), else
-    ``thread-<tid>``."""
+def _comm(path: str) -> str:
     try:
-        with open(f"/proc/self/task/{tid}/comm") as f:
-            return f.read().strip() or f"thread-{tid}"
+        with open(path) as f:
+            return f.read().strip()
     except OSError:
-        return f"thread-{tid}"
+        return ""
+
+
+def _unnamed() -> set[str]:
+    """The names a thread has that nobody named: a new thread inherits its creator's, so the
+    process's own (its main thread's, which PyTorch renames ``pt_main_thread`` when imported)
+    or the program's file name, as the kernel named the process at exec."""
+    names = {_comm("/proc/self/comm")}
+    try:
+        with open("/proc/self/cmdline", "rb") as f:
+            argv0 = f.read().split(b"\0", 1)[0]
+        names.add(os.path.basename(argv0.decode(errors="replace"))[:15])
+    except OSError:
+        pass
+    return names - {""}
+
+
+def native_name(tid: int) -> str:
+    """The name the OS has for this process's thread ``tid``, as the library that started it set
+    it (PyTorch's autograd device threads: ``pt_autograd_0``; tf.data's ``tf_data_private``),
+    else ``thread <tid>``: also for a thread nobody named, whose name is its process's."""
+    name = _comm(f"/proc/self/task/{tid}/comm")
+    if not name or name in _unnamed():
+        return f"thread {tid}"
+    return name
+
+
+def _dummy(thread: threading.Thread) -> bool:
+    """A thread ``threading`` did not start but was asked about (``current_thread()`` on it,
+    by the program, ``logging`` or a library): ``threading`` calls it ``Dummy-N``."""
+    return isinstance(thread, getattr(threading, "_DummyThread", ()))
 
 
 def thread_name(tid: int) -> str:
     """The name of this process's thread ``tid`` (an OS thread id): its ``threading`` name where
-    ``threading`` runs it (the main thread: ``MainThread``), else the OS's (:func:`native_name`).
+    ``threading`` started it (the main thread: ``MainThread``), else the OS's
+    (:func:`native_name`), also where ``threading`` has only made up a ``Dummy-N`` for it.
     Never registers a thread with ``threading`` (see :func:`running_thread`)."""
     for thread in threading.enumerate():
-        if thread.native_id == tid:
+        if thread.native_id == tid and not _dummy(thread):
             return thread.name
     return native_name(tid)
 
@@ -121,7 +150,11 @@ class ThreadBuffer:
         self.dropped = 0
         self.tid = threading.get_native_id()
         thread = running_thread()
-        self.thread_name = thread.name if thread is not None else native_name(self.tid)
+        # A Dummy-N is threading's name, not the thread's: the OS has the one it was given.
+        if thread is not None and not _dummy(thread):
+            self.thread_name = thread.name
+        else:
+            self.thread_name = native_name(self.tid)
         # The main thread is never taken for ended: threading marks it stopped once the
         # program's last line has run (threading._shutdown, before the non-daemon threads are
         # joined and atexit runs), while the flusher still flushes and atexit still records (the
