@@ -6,19 +6,23 @@ nothing. `gc` removes what is older than ``--older-than``: runs in the store wit
 directories, spools of stored runs (``--spools-only`` keeps the runs), and directories of runs
 that never reached the store. A run that may still be recording is never touched. Both print what
 they removed with its size: a directory's bytes on disk, and a run's share of the store estimated
-from ``system.parts`` (the tables' bytes times the run's share of their rows).
+from ``system.parts`` (the tables' bytes times the run's share of their rows). On a terminal,
+a progress line on stderr says what each is at (run directories looked at, runs, spools and
+directories removed, of how many), cleared before every line they print.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpu_trace import _format as fmt
+from gpu_trace._progress import PhaseProgress
 from gpu_trace.commands import CLIError, echo, err
 from gpu_trace.commands.runs import checked_dsn, store_module
 
@@ -90,10 +94,14 @@ def cmd_rm(args: argparse.Namespace) -> int:
                 live.append(f"run {t.run_id} {why}")
         if live:
             raise CLIError("; ".join(live) + "; nothing was removed (--force removes it anyway)")
-        _measure(store, list(targets.values()))
-        for t in targets.values():
-            _remove(store, t, store_rows=True, directory=True)
-            echo(f"removed run {t.run_id}: {t.sizes()}")
+        # One run goes at once; many may take a while (a store delete and a directory each).
+        with _Progress("rm" if len(targets) > 1 else None) as progress:
+            progress("measuring", 0, None)
+            _measure(store, list(targets.values()))
+            for i, t in enumerate(targets.values()):
+                progress("removing runs", i, len(targets))
+                _remove(store, t, store_rows=True, directory=True)
+                progress.say(f"removed run {t.run_id}: {t.sizes()}")
     _total("removed", list(targets.values()))
     return 0
 
@@ -118,7 +126,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
     spools: list[_Target] = []  # spool files of stored runs
     orphans: list[_Target] = []  # directories of runs the store does not have
     kept: list[str] = []
-    with store:
+    progress = _Progress("gc")
+    with store, progress:
+        progress("looking at run directories", 0, None)
         dirs = retention.run_dirs()
         stored = store.has_runs(list(dirs))
         if not args.spools_only:
@@ -132,7 +142,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
                     continue
                 runs.append(t)
         handled = {t.run_id for t in runs}
-        for run_id, path in dirs.items():
+        for i, (run_id, path) in enumerate(dirs.items()):
+            progress("looking at run directories", i, len(dirs))
             if run_id in handled:
                 continue
             try:
@@ -150,15 +161,19 @@ def cmd_gc(args: argparse.Namespace) -> int:
                     spools.append(t)
             elif not args.spools_only or _spool_bytes(path):
                 orphans.append(t)
+        progress("measuring", 0, None)
         _measure(store, runs)
         _measure(store, orphans)
         for t in spools:
             t.dir_bytes = _spool_bytes(t.run_dir)
-        for t in runs:
+        doing = "checking" if args.dry_run else "removing"
+        for i, t in enumerate(runs):
+            progress(f"{doing} runs", i, len(runs))
             if not args.dry_run:
                 _remove(store, t, store_rows=True, directory=True)
-            echo(f"{verb} run {t.run_id}: {t.sizes()}")
-        for t in spools:
+            progress.say(f"{verb} run {t.run_id}: {t.sizes()}")
+        for i, t in enumerate(spools):
+            progress(f"{doing} spools of stored runs", i, len(spools))
             if t.run_dir is None:  # every spool was found by its directory
                 continue
             try:
@@ -173,11 +188,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
                 t.dir_bytes = 0
             elif release is not None:
                 t.dir_bytes = release.removed_bytes
-                echo(f"{verb} the spool of run {t.run_id}: {fmt.size(t.dir_bytes)}")
-        for t in orphans:
+                progress.say(f"{verb} the spool of run {t.run_id}: {fmt.size(t.dir_bytes)}")
+        for i, t in enumerate(orphans):
+            progress(f"{doing} run directories not in the store", i, len(orphans))
             if not args.dry_run:
                 _remove(store, t, store_rows=False, directory=True)
-            echo(
+            progress.say(
                 f"{verb} {t.run_dir} (run {t.run_id} is not in the store): {fmt.size(t.dir_bytes)}"
             )
     for line in kept:
@@ -197,6 +213,26 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 # ---- helpers ------------------------------------------------------------------------------------
+
+
+class _Progress(PhaseProgress):
+    """The progress line of ``rm`` and ``gc`` on stderr (a terminal only; none without a
+    ``prefix``), cleared before each line the command prints and, as a context, at the end,
+    also when it fails: the error line then starts clean."""
+
+    def __init__(self, prefix: str | None) -> None:
+        super().__init__(sys.stderr, prefix=prefix or "")
+        self.enabled = self.enabled and prefix is not None
+
+    def say(self, line: str) -> None:
+        self.close()
+        echo(line)
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _resolve(store: Store, ref: str, dirs: dict[str, Path], bad: list[str]) -> str | None:

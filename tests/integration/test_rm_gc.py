@@ -5,8 +5,10 @@ clear error that removes nothing for bad input."""
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -194,3 +196,67 @@ def test_ages_in_their_units(age: str, seconds: int) -> None:
     from gpu_trace.commands.removal import parse_age
 
     assert parse_age(age) == seconds * 10**9
+
+
+class _Tty(io.StringIO):
+    """A terminal, to the progress line."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_gc_draws_its_progress_on_a_terminal_and_clears_it(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    old = make_run("20260106-000000-old000", days_ago=10)
+    orphan = make_run("20260106-000000-orphan", days_ago=9, stored=False)
+    tty = _Tty()
+    monkeypatch.setattr(sys, "stderr", tty)
+    code, out, _ = run_cli(capsys, "gc", "--older-than", "7d")
+    assert code == 0 and not old.exists() and not orphan.exists()
+    drawn = tty.getvalue()
+    frames = [f.rstrip() for f in drawn.split("\r") if f.strip()]
+    empty, half = "." * 30, "#" * 15 + "." * 15
+    assert frames == [
+        "gc: looking at run directories",
+        f"gc: looking at run directories [{empty}]   0% 0/2",
+        f"gc: looking at run directories [{half}]  50% 1/2",
+        "gc: measuring",
+        f"gc: removing runs [{empty}]   0% 0/1",
+        f"gc: removing run directories not in the store [{empty}]   0% 0/1",
+    ]
+    # A shorter frame blanks out what is left of the longer one before it.
+    assert f"\rgc: measuring{' ' * (len(frames[2]) - len(frames[3]))}\r" in drawn
+    # The line is cleared before each line gc prints (on stdout), so nothing is left of it.
+    for frame in frames[4:]:
+        assert f"\r{frame}\r{' ' * len(frame)}\r" in drawn
+    assert drawn.endswith(f"\r{' ' * len(frames[-1])}\r")
+    lines = out.splitlines()
+    assert lines[0].startswith(f"removed run {old.name}: ")
+    assert lines[1].startswith(f"removed {orphan} (run {orphan.name} is not in the store): ")
+
+
+def test_rm_and_gc_draw_nothing_off_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+    a, b = make_run("20260107-000000-aaaaaa"), make_run("20260107-000000-bbbbbb")
+    code, _, err = run_cli(capsys, "rm", a.name, b.name)
+    assert code == 0 and err == "" and not a.exists() and not b.exists()
+    make_run("20260107-000000-cccccc", days_ago=10)
+    code, _, err = run_cli(capsys, "gc", "--older-than", "7d")
+    assert code == 0 and err == ""
+
+
+def test_rm_of_many_runs_draws_its_progress_on_a_terminal(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = make_run("20260108-000000-aaaaaa"), make_run("20260108-000000-bbbbbb")
+    tty = _Tty()
+    monkeypatch.setattr(sys, "stderr", tty)
+    code, out, _ = run_cli(capsys, "rm", a.name, b.name)
+    assert code == 0 and len(out.splitlines()) == 3 and not a.exists() and not b.exists()
+    frames = [f.rstrip() for f in tty.getvalue().split("\r") if f.strip()]
+    assert frames == [
+        "rm: measuring",
+        f"rm: removing runs [{'.' * 30}]   0% 0/2",
+        f"rm: removing runs [{'#' * 15}{'.' * 15}]  50% 1/2",
+    ]
+    assert tty.getvalue().endswith(f"\r{' ' * len(frames[-1])}\r")
