@@ -20,12 +20,14 @@ links the ranks' spans of one collective by (process group, sequence number). De
 - **straggler**: the rank that entered last most often (ties: the larger wait caused); every
   rank's times last and wait caused rank them all (``RankStats.entered_last``, ``caused_ns``).
 
-Per step and rank (:class:`RankStep`, :func:`rank_summary`'s ``steps``; a rank's steps are its own
-process's ``step`` spans, ``ProfilerStep#N``), each figure the time within the step covered by:
+Per step and rank (:func:`rank_steps`, :class:`RankStep`, in :func:`rank_summary`'s ``steps``;
+a rank's steps are its own process's ``step`` spans, ``ProfilerStep#N``), each figure the time
+within the step covered by:
 
 - **computation**: the rank's ``op`` and ``module`` spans (CPU: what torch ran) and its kernels
   not named ``nccl`` (GPU), less the time the thread that ran them spent in one of its own
-  collective calls (a module or ``backward`` range around a collective would count its waiting);
+  collective calls (a module or ``backward`` range around a collective would count its waiting;
+  kernels are per stream and never cut);
 - **communication**: the rank's collective calls (lane :data:`COLLECTIVE_LANE`, enter to the
   backend's end) and its NCCL kernels;
 - **overlap**: both at once (computation on one thread or stream while a collective is in flight);
