@@ -58,15 +58,56 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f'Next: gpu-trace show {run_id} · gpu-trace sql "SELECT lane, count() FROM gpu_trace.spans GROUP BY lane"'
     )
     _load_samples(dsn)
+    kernels = _import_trace_samples(dsn)
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     if args.ui or (args.ui is None and interactive):
-        return _serve_ui(dsn, "127.0.0.1", args.port, H100_RUN, browser=interactive)
+        if kernels:
+            echo(_kernel_view_line(kernels, "the dashboard below opens on it"))
+        return _serve_ui(dsn, "127.0.0.1", args.port, kernels or H100_RUN, browser=interactive)
     echo(
         f"Dashboard: gpu-trace ui  (then open http://127.0.0.1:8050/?run={H100_RUN}: a real H100"
         f" training run; ?run={H100_OP_RUN}: the same at op level;"
         " ?run=forwarded-two-tenants: two tenants sharing one device)"
     )
+    if kernels:
+        echo(
+            _kernel_view_line(kernels, f"http://127.0.0.1:8050/?run={kernels} (after gpu-trace ui)")
+        )
     return 0
+
+
+def _kernel_view_line(run_id: str, where: str) -> str:
+    """The line that points at the imported H100 profiler trace: the product's GPU kernel view."""
+    return (
+        f"GPU kernels: {where}: the H100 PyTorch profiler trace, each kernel and memcpy on its"
+        f" GPU stream under the CPU call that launched it; gpu-trace show {run_id}: its kernel"
+        " table"
+    )
+
+
+def _import_trace_samples(dsn: str) -> str | None:
+    """Import the sample PyTorch profiler trace (dashboard/samples.py); the run id of the first
+    sample trace (imported now or before), None if there is none or it failed (said why)."""
+    from gpu_trace._progress import PhaseProgress
+    from gpu_trace.dashboard import samples
+    from gpu_trace.tracer.importer import TraceImportError
+
+    store_mod = store_module()
+    progress = PhaseProgress(sys.stderr, prefix="demo: importing the H100 trace")
+    try:
+        with store_mod.Store(dsn) as store:
+            reports = samples.import_samples(store, progress=progress)
+    except (TraceImportError, store_mod.StoreError) as exc:
+        progress.close()
+        err(f"sample trace not imported: {exc}")
+        return None
+    progress.close()
+    for report in reports:
+        if report.existing:
+            err(f"sample trace already imported as run {report.run_id}")
+        else:
+            err(f"sample trace imported: {report.summary()}")
+    return reports[0].run_id if reports else None
 
 
 def _load_samples(dsn: str) -> None:

@@ -1,13 +1,18 @@
-"""`gpu-trace demo`: the README's first command records, summarizes and exports a real run."""
+"""`gpu-trace demo`: the README's first command records, summarizes and exports a real run, loads
+the sample runs and imports the real H100 PyTorch profiler trace, whose GPU kernel view its
+closing line points at."""
 
 from __future__ import annotations
 
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+from gpu_trace import config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,3 +47,34 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     assert {"forward", "linear1", "load_batch", "evaluate", "ProfilerStep#19", "loss"} <= names
     pids = {e["pid"] for e in events if e.get("ph") == "X"}
     assert len(pids) >= 2, "the worker process is on the timeline too"
+
+    # The H100 profiler trace is imported beside the H100 runs, and the last line opens it.
+    last = out.stdout.rstrip().splitlines()[-1]
+    found = re.match(
+        r"GPU kernels: http://127\.0\.0\.1:8050/\?run=(\S+) \(after gpu-trace ui\)", last
+    )
+    assert found, last
+    kernels = found.group(1)
+    assert f"gpu-trace show {kernels}: its kernel table" in last
+    assert f"sample trace imported: run {kernels}: " in out.stderr
+    listed = _cli("ls")
+    assert kernels in listed and "import kineto-h100-lm.json.gz" in listed
+    shown = _cli("show", kernels)
+    assert "gpu0/stream7" in shown and "26,520 kernels" in shown, "its kernels, per GPU"
+
+    from gpu_trace.commands import ui
+
+    assert ui._import_trace_samples(config.store_dsn()) == kernels, "imported once only"
+    assert len(re.findall("import kineto-h100-lm", _cli("ls"))) == 1
+
+
+def _cli(*args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "gpu_trace", *args],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
