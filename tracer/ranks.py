@@ -25,12 +25,13 @@ a rank's steps are its own process's ``step`` spans, ``ProfilerStep#N``), each f
 within the step covered by:
 
 - **computation**: the rank's ``op`` and ``module`` spans (CPU: what torch ran) and its kernels
-  not named ``nccl`` (GPU), less the time the thread that ran them spent in one of its own
-  collective calls (a module or ``backward`` range around a collective would count its waiting;
-  kernels are per stream and never cut);
+  not named ``nccl`` (GPU); a span inside which its thread entered a collective (``backward``
+  around DDP's all-reduce: it holds the rank's wait) counts only outside that thread's collective
+  calls, while the spans that hold none (each layer's backward, the ops) count whole;
 - **communication**: the rank's collective calls (lane :data:`COLLECTIVE_LANE`, enter to the
   backend's end) and its NCCL kernels;
-- **overlap**: both at once (computation on one thread or stream while a collective is in flight);
+- **overlap**: both at once (computation while a collective is in flight: DDP's backward of the
+  next layers while a bucket's all-reduce runs, or a compute kernel beside an NCCL kernel);
 - **idle**: neither: the step minus the union of both.
 
 So ``compute + comm - overlap + idle == step`` exactly, in integer ns, per step and in the
@@ -412,8 +413,11 @@ ORDER BY rank, start_ns, end_ns
 
 # A rank's work within [lo, hi) per unit (a CPU thread, or a GPU stream's lane: kernels record tid 0)
 # and kind (comm: collective calls and NCCL kernels; compute: ops, modules, other kernels) as
-# disjoint intervals: spans in start order, a new island
-# where a span starts past the furthest end before it, each island its extent.
+# disjoint intervals: spans in start order, a new island where a span starts past the furthest end
+# before it, each island its extent. A compute span inside which its thread entered a collective
+# (the first collective call starting at or after it starts before it ends) is of kind 'holds':
+# it holds the wait (`backward` around DDP's all-reduce), and counts only outside the thread's
+# collective calls; its children, which hold none, count whole.
 _WORK = f"""
 SELECT rank, unit, kind, min(start_ns) AS lo, max(end_ns) AS hi
 FROM (
@@ -422,22 +426,29 @@ FROM (
                PARTITION BY rank, unit, kind ORDER BY start_ns, end_ns
                ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS island
     FROM (
-        SELECT rank, unit, kind, start_ns, end_ns,
+        SELECT rank, unit, if(kind = 'compute' AND next_call < end_ns, 'holds', kind) AS kind,
+               start_ns, end_ns,
                max(end_ns) OVER (PARTITION BY rank, unit, kind ORDER BY start_ns, end_ns
                                  ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS reach,
                row_number() OVER (PARTITION BY rank, unit, kind ORDER BY start_ns, end_ns) AS rn
         FROM (
-            SELECT r.rank AS rank, if(s.category = 'kernel', s.lane, toString(s.tid)) AS unit,
-                   s.start_ns AS start_ns, s.end_ns AS end_ns,
-                   if(s.category = 'collective'
-                      OR (s.category = 'kernel' AND positionCaseInsensitive(s.name, 'nccl') > 0),
-                      'comm', 'compute') AS kind
-            FROM __db__.spans AS s
-            INNER JOIN ({_RANK_PROCS}) AS r ON r.host = s.host AND r.pid = s.pid
-            WHERE s.run_id = {{run_id:String}} AND s.end_ns > s.start_ns
-              AND s.end_ns > {{lo:Int64}} AND s.start_ns < {{hi:Int64}}
-              AND ((s.category = 'collective' AND s.lane = {{lane:String}})
-                   OR s.category IN ('op', 'module', 'kernel'))
+            SELECT rank, unit, kind, start_ns, end_ns,
+                   min(if(kind = 'comm', start_ns, toInt64(9223372036854775807))) OVER (
+                       PARTITION BY rank, unit ORDER BY start_ns, kind DESC
+                       ROWS BETWEEN CURRENT ROW AND UNBOUNDED FOLLOWING) AS next_call
+            FROM (
+                SELECT r.rank AS rank, if(s.category = 'kernel', s.lane, toString(s.tid)) AS unit,
+                       s.start_ns AS start_ns, s.end_ns AS end_ns,
+                       if(s.category = 'collective' OR
+                          (s.category = 'kernel' AND positionCaseInsensitive(s.name, 'nccl') > 0),
+                          'comm', 'compute') AS kind
+                FROM __db__.spans AS s
+                INNER JOIN ({_RANK_PROCS}) AS r ON r.host = s.host AND r.pid = s.pid
+                WHERE s.run_id = {{run_id:String}} AND s.end_ns > s.start_ns
+                  AND s.end_ns > {{lo:Int64}} AND s.start_ns < {{hi:Int64}}
+                  AND ((s.category = 'collective' AND s.lane = {{lane:String}})
+                       OR s.category IN ('op', 'module', 'kernel'))
+            )
         )
     )
 )
@@ -523,8 +534,10 @@ def rank_steps(store: Queries, run_id: str, procs: Mapping[int, Process]) -> lis
         )
     measures: dict[int, tuple[_Covered, _Covered, _Covered, _Covered]] = {}
     for rank, units in work.items():
-        # a thread computes only outside its own collective calls
-        compute = _union(_minus(u.get("compute", []), u.get("comm", [])) for u in units.values())
+        compute = _union(
+            [u.get("compute", []) for u in units.values()]
+            + [_minus(u.get("holds", []), u.get("comm", [])) for u in units.values()]
+        )
         comm = _union(u.get("comm", []) for u in units.values())
         measures[rank] = (
             _Covered(compute),

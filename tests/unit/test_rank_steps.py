@@ -24,9 +24,11 @@ def two_ranks(store: Store) -> None:
     """Two ranks (pids 100 and 200), two steps of 1000 µs each on each.
 
     Rank 0, step 0 ``[0, 1000)``: a ``backward`` module ``[100, 700)`` on the main thread with an
-    all_reduce called inside it ``[400, 600)`` (the thread waits: not computation); an op on a
-    second thread ``[500, 650)`` while the collective is in flight (overlap 100). So compute
-    ``[100, 400) + [500, 700)`` = 500, comm 200, overlap ``[500, 600)`` = 100, idle 1000 - 600.
+    all_reduce called inside it ``[400, 600)``: it holds the wait, so it computes only outside
+    the call, ``[100, 400) + [600, 700)``; the layer's backward under it ``[150, 380)`` counts,
+    and so does the next layer's ``[420, 480)``, run while the all_reduce is in flight, and an op
+    on a second thread ``[500, 650)``. So compute ``[100, 400) + [420, 480) + [500, 700)`` = 560,
+    comm 200, overlap ``[420, 480) + [500, 600)`` = 160, idle 1000 - ``|[100, 700)|`` = 400.
     Step 1 ``[1000, 2000)``: a GPU kernel ``[1100, 1500)`` and an NCCL kernel ``[1300, 1800)`` on
     another stream: compute 400, comm 500, overlap 200, idle 300.
     Rank 1: step 0 nothing but an all_reduce ``[550, 600)``; step 1 an op ``[1000, 1900)``.
@@ -42,6 +44,8 @@ def two_ranks(store: Store) -> None:
         add(pid, "ProfilerStep#1", "steps", "step", 1000, 2000)
     add(100, "backward", "torch/modules", "module", 100, 700)
     add(100, "all_reduce", ranks.COLLECTIVE_LANE, "collective", 400, 600)
+    add(100, "Linear.backward", "torch/modules", "module", 150, 380)
+    add(100, "Linear2.backward", "torch/modules", "module", 420, 480)
     add(100, "gloo:all_reduce", f"{ranks.COLLECTIVE_LANE}/gloo", "collective", 410, 590, tid=9)
     add(100, "aten::add", "torch/ops", "op", 500, 650, tid=2)
     add(100, "sgemm", "gpu0/stream7", "kernel", 1100, 1500, tid=0)
@@ -85,7 +89,7 @@ def test_each_steps_figures_are_exact_and_add_up(store: Store) -> None:
     assert summary is not None
     got = {(s.rank, s.step): (s.name, figures(s)) for s in summary.steps}
     assert got == {
-        (0, 0): ("ProfilerStep#0", (500, 200, 100, 400)),
+        (0, 0): ("ProfilerStep#0", (560, 200, 160, 400)),
         (0, 1): ("ProfilerStep#1", (400, 500, 200, 300)),
         (1, 0): ("ProfilerStep#0", (0, 50, 0, 950)),
         (1, 1): ("ProfilerStep#1", (900, 0, 0, 100)),
@@ -102,12 +106,12 @@ def test_per_rank_totals_are_the_sums_of_its_steps(store: Store) -> None:
                  r.overlap_ns // US, r.idle_ns // US)
         for r in summary.ranks
     }  # fmt: skip
-    assert totals == {0: (2, 2000, 900, 700, 300, 700), 1: (2, 2000, 900, 50, 0, 1050)}
+    assert totals == {0: (2, 2000, 960, 700, 360, 700), 1: (2, 2000, 900, 50, 0, 1050)}
     # rank 1 entered the one collective last: it made rank 0 wait 150 µs
     by_rank = {r.rank: r for r in summary.ranks}
     assert (by_rank[1].entered_last, by_rank[1].caused_ns) == (1, 150 * US)
     assert (by_rank[0].entered_last, by_rank[0].caused_ns) == (0, 0)
-    assert summary.as_dict()["steps"][0]["compute_ns"] == 500 * US
+    assert summary.as_dict()["steps"][0]["compute_ns"] == 560 * US
 
 
 def test_a_run_without_ranks_has_no_rank_summary(store: Store) -> None:
@@ -122,15 +126,15 @@ def test_the_shown_table_has_each_ranks_totals(store: Store) -> None:
     table = text.split("steps per rank")[1].split("collectives (")[0].splitlines()
     assert table[1].split() == ["RANK", "STEPS", "STEP", "TIME", "MEAN", "COMPUTE", "%", "COMM",
                                 "%", "OVERLAP", "%", "IDLE", "%", "LAST", "CAUSED"]  # fmt: skip
-    assert table[3].split() == ["0", "2", "2", "ms", "1", "ms", "900", "µs", "45", "700", "µs",
-                                "35", "300", "µs", "15", "700", "µs", "35", "0", "0", "ns"]  # fmt: skip
+    assert table[3].split() == ["0", "2", "2", "ms", "1", "ms", "960", "µs", "48", "700", "µs",
+                                "35", "360", "µs", "18", "700", "µs", "35", "0", "0", "ns"]  # fmt: skip
 
 
 def test_run_reads_ranks_steps_and_compares_two_ranks(dsn: str) -> None:
     run = Run("ranked", dsn)
     table = run.ranks()
     assert list(table["rank"]) == [0, 1]
-    assert list(table["compute_ns"]) == [900 * US, 900 * US]
+    assert list(table["compute_ns"]) == [960 * US, 900 * US]
     assert list(table.sort_values("caused_ns", ascending=False)["rank"])[0] == 1
     steps = run.rank_steps()
     assert len(steps) == 4
