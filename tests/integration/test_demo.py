@@ -12,8 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gpu_trace import config
-
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -62,10 +60,25 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     shown = _cli("show", kernels)
     assert "gpu0/stream7" in shown and "26,520 kernels" in shown, "its kernels, per GPU"
 
-    from gpu_trace.commands import ui
-
-    assert ui._import_trace_samples(config.store_dsn()) == kernels, "imported once only"
+    # In a process of its own: chDB holds one store per process, and this one's may be
+    # another test's (the suite runs in one process).
+    again = subprocess.run(
+        [sys.executable, "-c", IMPORT_AGAIN],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        timeout=300,
+    )
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.strip() == kernels, "imported once only"
     assert len(re.findall("import kineto-h100-lm", _cli("ls"))) == 1
+
+
+IMPORT_AGAIN = (
+    "from gpu_trace import config\n"
+    "from gpu_trace.commands import ui\n"
+    "print(ui._import_trace_samples(config.store_dsn()))\n"
+)
 
 
 def _cli(*args: str) -> str:
