@@ -241,6 +241,13 @@ def _run_id(text: str) -> str:
     return text
 
 
+def _signal_echo(text: str) -> str:
+    parts = text.split(":")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        raise _Invalid("FD:PID:INODE, set by gpu-trace record for the program it starts")
+    return text
+
+
 def _anything(text: str) -> str:
     return text
 
@@ -270,6 +277,7 @@ CHECKS: dict[str, Callable[[str], object]] = {
     "GPU_TRACE_RECORD_OPS": _new_file,
     "GPU_TRACE_RUN_DIR": _directory,
     "GPU_TRACE_RUN_ID": _run_id,
+    "GPU_TRACE_SIGNAL_ECHO": _signal_echo,
     "GPU_TRACE_FLUSH_INTERVAL": _number(0, 60, "seconds", lo_open=True),
     "GPU_TRACE_BUFFER_EVENTS": _number(16, MAX_BUFFER_EVENTS, "events", integer=True),
     "GPU_TRACE_NVTX": _choice("native", "python", "off"),
