@@ -70,8 +70,10 @@ class Echo:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
+            poller = select.poll()  # not select(): a descriptor past 1024 is out of its range
+            poller.register(self._read, select.POLLIN)
             try:
-                ready, _, _ = select.select([self._read], [], [], left)
+                ready = poller.poll(left * 1000)
             except InterruptedError:
                 continue
             if not ready:
