@@ -41,8 +41,8 @@ from plotly.io.json import to_json_plotly as to_json  # noqa: E402
 
 from gpu_trace.dashboard import figures, timeline  # noqa: E402
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore  # noqa: E402
+from gpu_trace.store.client import Store  # noqa: E402
 from gpu_trace.tracer.run import RunInfo  # noqa: E402
-from gpu_trace.tracer.store import Store  # noqa: E402
 
 RUN_NS = 10_000_000_000  # 10 s
 CHUNK = 1_000_000

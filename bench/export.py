@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from gpu_trace.tracer.chrome import write_chrome_trace
+from gpu_trace.export.chrome import write_chrome_trace
 from gpu_trace.tracer.records import ATTRS
 
 

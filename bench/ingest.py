@@ -27,11 +27,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from gpu_trace.tracer.ingest import ingest
+from gpu_trace.store.client import Store
+from gpu_trace.store.ingest import ingest
 from gpu_trace.tracer.records import SPAN_SCHEMA, numeric_column
 from gpu_trace.tracer.run import RunInfo, new_trace_id
 from gpu_trace.tracer.spool import SpoolWriter
-from gpu_trace.tracer.store import Store
 
 NAMES = [f"aten::op_{i}" for i in range(200)]
 LANES = ["nvtx/gpu_trace", "nvtx/default", "cpu/main", "gpu0/stream7"]

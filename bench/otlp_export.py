@@ -3,7 +3,7 @@
     python bench/otlp_export.py map [--spans 200000] [--repeats 5]
     python bench/otlp_export.py record [--ranges 200000] [--repeats 3]
 
-``map``: spans per second through the OTLP mapping and encoding (tracer/otlp.py: SpanMapper,
+``map``: spans per second through the OTLP mapping and encoding (export/otlp.py: SpanMapper,
 RequestBuilder, protobuf serialization, 1024 spans a request, every span sent), next to the Chrome
 exporter writing the same batch to a file (its peer: the other export of the same spans),
 interleaved repeat by repeat; medians.
@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def synthetic(n: int) -> pa.Table:
-    from gpu_trace.tracer.exporter import SPAN_BATCH_SCHEMA
+    from gpu_trace.export.exporter import SPAN_BATCH_SCHEMA
 
     lanes = ["steps", "nvtx/torch", "nvtx/gpu_trace", "torch/ops"]
     cats = ["step", "module", "nvtx", "op"]
@@ -71,8 +71,8 @@ class Discard:
 
 
 def bench_map(spans: int, repeats: int) -> None:
-    from gpu_trace.tracer.exporter import export_run, get_exporter
-    from gpu_trace.tracer.otlp import OtlpExporter, parse_kinds
+    from gpu_trace.export.exporter import export_run, get_exporter
+    from gpu_trace.export.otlp import OtlpExporter, parse_kinds
 
     table = synthetic(spans)
     run = {"run_id": "r", "trace_id": "0af7651916cd43dd8448eb211c80319c", "started_ns": 0}

@@ -28,9 +28,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from gpu_trace.tracer.chrome import write_chrome_trace  # noqa: E402
-from gpu_trace.tracer.importer import convert, read_trace, store_spans  # noqa: E402
-from gpu_trace.tracer.store import Store  # noqa: E402
+from gpu_trace.export.chrome import write_chrome_trace  # noqa: E402
+from gpu_trace.store.client import Store  # noqa: E402
+from gpu_trace.store.importer import convert, read_trace, store_spans  # noqa: E402
 
 
 def one_round(path: Path, work: Path, k: int) -> dict[str, float]:

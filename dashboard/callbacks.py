@@ -20,8 +20,8 @@ from gpu_trace.dashboard import address, figures, gpu_work, panels, reports, sea
 from gpu_trace.dashboard.address import Address
 from gpu_trace.dashboard.layout import TABS
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore
-from gpu_trace.tracer.reads import UnknownRunError
-from gpu_trace.tracer.store import StoreError
+from gpu_trace.query.reads import UnknownRunError
+from gpu_trace.store.client import StoreError
 
 log = logging.getLogger(__name__)
 
@@ -661,7 +661,7 @@ def _ordered(out: Outputs) -> tuple:
 
 def export_window(source: ReadOnlyStore, run_id: str, t0: int, t1: int) -> tuple[str, int]:
     """Chrome trace JSON of the spans and counters in ``[t0, t1)``, and how many spans it holds."""
-    from gpu_trace.tracer.exporter import export_run, get_exporter
+    from gpu_trace.export.exporter import export_run, get_exporter
 
     n = source.rows(
         "SELECT count() AS n FROM __db__.spans WHERE run_id = {run:String}"

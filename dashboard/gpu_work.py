@@ -255,7 +255,7 @@ def busy_per_step(source: ReadOnlyStore, run_id: str) -> list[StepBusy]:
 
 def top_kernels(source: ReadOnlyStore, run_id: str, top: int = 20) -> list[DeviceKernels]:
     """The kernels that took the most GPU time, per device, as ``gpu-trace show`` reads them
-    (:func:`gpu_trace.tracer.gpu_reads.gpu_summary`), with each name's short form. A kernel's
+    (:func:`gpu_trace.query.gpu.gpu_summary`), with each name's short form. A kernel's
     ``share`` is its total over the device's busy time (kernels that ran at once on two streams
     both count, so shares can add up past 1)."""
     devices: list[DeviceKernels] = []

@@ -16,7 +16,7 @@ from gpu_trace import _format as fmt
 from gpu_trace.dashboard import charts
 from gpu_trace.dashboard.gpu_work import DeviceKernels, SpanRef, StepBusy
 from gpu_trace.dashboard.reports import NO_TENANT
-from gpu_trace.tracer.summary import RunSummary
+from gpu_trace.query.summary import RunSummary
 
 TENANTS_NOTE = (
     "Per tenant, from the sharing runtime's counters and the server's spans in this run: memory "

@@ -2,7 +2,7 @@
 
 The dashboard is read-only. Every query it sends is one of its own ``SELECT`` templates with
 ``{name:Type}`` parameters (:mod:`gpu_trace.dashboard.timeline`), held to the rule `gpu-trace sql`
-is (:mod:`gpu_trace.tracer.query_guard`: ClickHouse's parser, reads of the store's tables only),
+is (:mod:`gpu_trace.store.guard`: ClickHouse's parser, reads of the store's tables only),
 checked once per template; and with ``enforce_readonly`` (what ``gpu-trace ui`` uses) the engine
 itself is switched to ``readonly=1`` for this process once the store is open.
 
@@ -10,7 +10,7 @@ The web server answers requests on several threads, so one connection is shared 
 chDB lets one process at a time open a store directory (docs/schema.md), and the dashboard stays
 open for hours while `record`, `ls`, `import` and the rest come and go: so the dashboard keeps an
 embedded store open only until another gpu-trace process asks for it (a process waiting for the
-store says so: :func:`~gpu_trace.tracer.store.others_waiting`). A watcher thread sees that within
+store says so: :func:`~gpu_trace.store.client.others_waiting`). A watcher thread sees that within
 :data:`YIELD_POLL_S`, waits for the query running, and closes the store; the next request opens
 it again, after whoever was waiting (docs/dashboard.md, "A dashboard that stays open"). Each open
 counts in :attr:`ReadOnlyStore.opens`: while it is unchanged nobody else has written, so
@@ -18,7 +18,7 @@ counts in :attr:`ReadOnlyStore.opens`: while it is unchanged nobody else has wri
 that is down, a directory another process holds too long) is retried on the next request; the
 message says why in one line, and the page shows it.
 
-The store's reads the dashboard needs (:class:`~gpu_trace.tracer.reads.RunQueries`) are typed
+The store's reads the dashboard needs (:class:`~gpu_trace.query.reads.RunQueries`) are typed
 methods here, each taken under the lock; there is no way to call a store method by name.
 """
 
@@ -33,15 +33,15 @@ from typing import Any, TypeVar
 import pyarrow as pa
 
 from gpu_trace import config
-from gpu_trace.tracer import gpu_reads
-from gpu_trace.tracer.store import (
+from gpu_trace.query import gpu as gpu_reads
+from gpu_trace.query.summary import RunSummary, run_summary, step_times
+from gpu_trace.store.client import (
     Store,
     StoreError,
     others_waiting,
     parse_dsn,
     runs_changed_mark,
 )
-from gpu_trace.tracer.summary import RunSummary, run_summary, step_times
 
 log = logging.getLogger(__name__)
 
@@ -150,11 +150,11 @@ class ReadOnlyStore:
             log.debug("gpu-trace: store %s given up to a waiting process", self._path)
 
     def runs_stamp(self, timeout_s: float | None = None) -> str:
-        """:meth:`Store.runs_stamp <gpu_trace.tracer.reads.RunQueries.runs_stamp>`: changes
+        """:meth:`Store.runs_stamp <gpu_trace.query.reads.RunQueries.runs_stamp>`: changes
         when runs are stored, updated or removed. For an embedded store, the same answer without
         a query (or opening it again) while nobody else has changed runs since the last one:
         held all along, or given up only to processes that changed no run
-        (:func:`~gpu_trace.tracer.store.runs_changed_mark`; each engine start costs the
+        (:func:`~gpu_trace.store.client.runs_changed_mark`; each engine start costs the
         process memory that chDB does not give back)."""
         with self._lock:
             mark = runs_changed_mark(self._path) if self._path else ""
@@ -200,12 +200,12 @@ class ReadOnlyStore:
             return read(self.store())
 
     def gpu_summary(self, run_id: str, top: int = 10) -> gpu_reads.GpuSummary:
-        """:func:`gpu_reads.gpu_summary <gpu_trace.tracer.gpu_reads.gpu_summary>`: per device,
+        """:func:`gpu_reads.gpu_summary <gpu_trace.query.gpu.gpu_summary>`: per device,
         top kernels, busy and idle time (what ``gpu-trace show`` prints)."""
         return self._read(lambda s: gpu_reads.gpu_summary(s, run_id, top))
 
     def runs(self, limit: int = 50, search: str | None = None) -> list[dict[str, Any]]:
-        """:meth:`Store.runs <gpu_trace.tracer.reads.RunQueries.runs>`."""
+        """:meth:`Store.runs <gpu_trace.query.reads.RunQueries.runs>`."""
         return self._read(lambda s: s.runs(limit=limit, search=search))
 
     def run(self, run_id: str) -> dict[str, Any]:
@@ -217,11 +217,11 @@ class ReadOnlyStore:
         return self._read(lambda s: s.resolve_run(ref))
 
     def summary(self, run_id: str, top: int = 20) -> RunSummary:
-        """The run's summary (:func:`~gpu_trace.tracer.summary.run_summary`): what `show` prints."""
+        """The run's summary (:func:`~gpu_trace.query.summary.run_summary`): what `show` prints."""
         return self._read(lambda s: run_summary(s, run_id, top))
 
     def steps(self, run_id: str) -> list[dict[str, Any]]:
-        """Each step of a run in order (:func:`~gpu_trace.tracer.summary.step_times`)."""
+        """Each step of a run in order (:func:`~gpu_trace.query.summary.step_times`)."""
         return self._read(lambda s: step_times(s, run_id))
 
     def forwarding(self, run_id: str, top: int = 20) -> dict[str, Any]:

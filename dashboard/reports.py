@@ -16,7 +16,7 @@ from typing import Any
 
 from gpu_trace.dashboard import gpu_work
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore
-from gpu_trace.tracer.summary import RunSummary
+from gpu_trace.query.summary import RunSummary
 
 #: Runtime counters (``source = 'runtime'``) the Tenants tab reads, with what they are
 #: (docs/sharing.md, "In the client's run"). Per session (labels ``session``, ``tenant``) but for

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING
 from gpu_trace import config
 
 if TYPE_CHECKING:
-    from gpu_trace.tracer.importer import ImportReport, Progress
-    from gpu_trace.tracer.ingest import IngestReport
-    from gpu_trace.tracer.store import Store
+    from gpu_trace.store.client import Store
+    from gpu_trace.store.importer import ImportReport, Progress
+    from gpu_trace.store.ingest import IngestReport
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def packed_runs() -> list[Path]:
 def load_samples(store: Store, *, packed: bool = False) -> list[IngestReport]:
     """Ingest every sample run into ``store`` (idempotent: a second load adds nothing), and the
     packed ones too when ``packed`` (the demo: they take seconds, tests need the small ones)."""
-    from gpu_trace.tracer.ingest import ingest
+    from gpu_trace.store.ingest import ingest
 
     paths = sample_runs() + (packed_runs() if packed else [])
     return [ingest(store, path) for path in paths]
@@ -96,6 +96,6 @@ def import_samples(store: Store, progress: Progress | None = None) -> list[Impor
     """Import every sample trace file into ``store``; a file imported before is not imported
     again (its report has ``existing`` set and names that run). TraceImportError, StoreError as
     ``import_trace`` raises them."""
-    from gpu_trace.tracer.importer import import_trace
+    from gpu_trace.store.importer import import_trace
 
     return [import_trace(store, path, progress=progress) for path in trace_samples()]

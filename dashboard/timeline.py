@@ -24,7 +24,7 @@ import pyarrow.compute as pc
 from gpu_trace.dashboard import overview
 from gpu_trace.dashboard.gpu_work import device_lane
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore
-from gpu_trace.tracer import nesting
+from gpu_trace.query import nesting
 
 #: Bars drawn at most per window; narrower spans past this go into density cells.
 MAX_BARS = 4000
@@ -671,7 +671,7 @@ def span(
 ) -> dict | None:
     """One span with its parent (on any host) and children (first 100 and their count).
 
-    Parents and children are as the OTLP export has them (:mod:`gpu_trace.tracer.nesting`): the
+    Parents and children are as the OTLP export has them (:mod:`gpu_trace.query.nesting`): the
     parent a span names, else the innermost span of its thread enclosing it; the children are
     the spans naming it and those it is the innermost enclosing span of (``children_partial``:
     the thread held too many spans inside it to read them all, the count is a floor)."""

@@ -1,6 +1,6 @@
 """A run's summary as text: what `gpu-trace show` prints and ``Run.summary()`` shows.
 
-It formats a :class:`~gpu_trace.tracer.summary.RunSummary` (every number is computed there) and
+It formats a :class:`~gpu_trace.query.summary.RunSummary` (every number is computed there) and
 the run's row; the CLI and the notebook API both call :func:`render_summary`.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from gpu_trace import _format as fmt
-from gpu_trace.tracer.ranks import RankSummary
-from gpu_trace.tracer.summary import CounterStats, RunSummary
+from gpu_trace.query.ranks import RankSummary
+from gpu_trace.query.summary import CounterStats, RunSummary
 
 #: What the samplers' own metrics are, said above their table.
 SAMPLER_NOTE = "the samplers' own metrics (call_us.<family>: mean µs of an NVML call, per second)"

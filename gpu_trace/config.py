@@ -189,7 +189,7 @@ def _file(text: str) -> Path:
 
 
 def _dsn(text: str) -> str:
-    from gpu_trace.tracer.store import parse_dsn
+    from gpu_trace.store.client import parse_dsn
 
     try:
         parse_dsn(text)
@@ -296,7 +296,7 @@ CHECKS: dict[str, Callable[[str], object]] = {
     "GPU_TRACE_KEEP_SPOOL": _flag,
     "TRACEPARENT": _anything,
     # The program's own OpenTelemetry SDK reads these too: never refused up front; `--otlp`
-    # checks them when it sends (tracer/endpoint.py: from_settings).
+    # checks them when it sends (export/endpoint.py: from_settings).
     "OTEL_EXPORTER_OTLP_ENDPOINT": _anything,
     "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": _anything,
     "OTEL_EXPORTER_OTLP_HEADERS": _anything,
@@ -597,7 +597,7 @@ OTLP_VARIABLES = (
 
 
 def otlp_setting(name: str) -> str | None:
-    """One of :data:`OTLP_VARIABLES` when set (its text: tracer/endpoint.py parses it)."""
+    """One of :data:`OTLP_VARIABLES` when set (its text: export/endpoint.py parses it)."""
     if name not in OTLP_VARIABLES:
         raise KeyError(name)
     return _env(name)

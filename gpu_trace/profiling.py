@@ -10,7 +10,7 @@ running (a notebook cell, a training loop in a script):
   (framework patches at the levels asked, NVTX: ``gpu_trace/_capture.py``);
 - after it, even when it raised: the recorder stops and flushes, the samplers stop and flush, the
   run is closed in ``run.json`` (``finished``, or ``failed``/``killed`` with the exception's type)
-  and ingested into the store (``tracer/ingest.py``); the block's exception then goes on unchanged.
+  and ingested into the store (``store/ingest.py``); the block's exception then goes on unchanged.
 
 The ``as`` target is a :class:`~gpu_trace.run_view.Run`, readable once the block has ended. A
 store that fails at the end is logged, not raised: the spool stays, and the Run says how to load
@@ -79,7 +79,7 @@ class Profile:
         ingest: bool = True,
         keep_spool: bool | None = None,
     ) -> None:
-        from gpu_trace.tracer.store import check_writable, parse_dsn
+        from gpu_trace.store.client import check_writable, parse_dsn
 
         config.check_environment()
         self.torch = config.torch_level(_text("torch", torch))
@@ -264,9 +264,9 @@ class Profile:
 def _ingest(run_dir: Path, dsn: str, keep_spool: bool | None) -> str | None:
     """Ingest the run, then remove its spool once the store is checked to hold it (as `gpu-trace
     record` does; ``keep_spool``); None when it is stored, else why not (logged; spool kept)."""
-    from gpu_trace.tracer.ingest import ingest
-    from gpu_trace.tracer.retention import release_spool
-    from gpu_trace.tracer.store import Store, StoreError
+    from gpu_trace.store.client import Store, StoreError
+    from gpu_trace.store.ingest import ingest
+    from gpu_trace.store.retention import release_spool
 
     try:
         with Store(dsn) as store:

@@ -2,8 +2,8 @@
 
 What `gpu-trace ls`, `show`, `sql` and `export` and the dashboard's timeline give on a terminal or
 in a browser, as pandas DataFrames and a plotly figure for a notebook, from the same code: the
-store's reads (``tracer/reads.py``: runs, the per-lane summary, forwarding), its read-only SQL
-(``tracer/query_guard.py``), the dashboard's step times and timeline figure, the exporter seam.
+store's reads (``query/reads.py``: runs, the per-lane summary, forwarding), its read-only SQL
+(``store/guard.py``), the dashboard's step times and timeline figure, the exporter seam.
 
 Each call opens the store, reads and closes it again: an embedded chDB store is locked to one
 process while it is open, and a notebook that held it would lock `gpu-trace ls` out. Times are
@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 from gpu_trace import _format as fmt
 from gpu_trace import config
 from gpu_trace._summary_text import SAMPLER_NOTE
-from gpu_trace.tracer.ranks import RankStats, RankStep, RankSummary, rank_summary
-from gpu_trace.tracer.summary import RangeStats, RunSummary
+from gpu_trace.query.ranks import RankStats, RankStep, RankSummary, rank_summary
+from gpu_trace.query.summary import RangeStats, RunSummary
 
 if TYPE_CHECKING:
     import numpy as np
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     import plotly.graph_objects as go
     from matplotlib.axes import Axes
 
-    from gpu_trace.tracer.store import Store
+    from gpu_trace.store.client import Store
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def _frame(rows: list[dict[str, object]], columns: list[str]) -> pd.DataFrame:
 
 @contextlib.contextmanager
 def _opened(dsn: str) -> Iterator[Store]:
-    from gpu_trace.tracer.store import Store
+    from gpu_trace.store.client import Store
 
     with Store(dsn, reading=True) as store:  # a read-only store is read as `ls` reads it
         yield store
@@ -138,7 +138,7 @@ class RunRow:
 @dataclass
 class Summary:
     """A run's summary as DataFrames: the numbers `gpu-trace show` prints (``text``), from one
-    :class:`~gpu_trace.tracer.summary.RunSummary` (``data``; docs/cli.md, "show", defines them).
+    :class:`~gpu_trace.query.summary.RunSummary` (``data``; docs/cli.md, "show", defines them).
 
     ``step_stats``: per step kind, count, p50, p90, mean and max step time; ``steps``: each step;
     ``lanes``: spans, busy time (the union of the lane's spans: nested time counted once) and its
@@ -258,7 +258,7 @@ class Run:
         """Step-time distributions, lanes, top ranges by total and self time per lane, counters,
         the samplers' own metrics, forwarded ops."""
         from gpu_trace._summary_text import render_summary
-        from gpu_trace.tracer.summary import run_summary, step_times
+        from gpu_trace.query.summary import run_summary, step_times
 
         if isinstance(top, bool) or not isinstance(top, int) or top < 1:
             raise ValueError(f"top must be a positive int, got {top!r}")
@@ -456,7 +456,7 @@ class Run:
         of the store's tables; anything else is refused with the reason). The database
         ``gpu_trace`` is the default; ``{run_id:String}`` is this run's id; other values go in as
         ``{name:Type}`` parameters given by keyword."""
-        from gpu_trace.tracer.store import StoreError
+        from gpu_trace.store.client import StoreError
 
         if not isinstance(query, str):
             raise ValueError(f"query must be a string, got {type(query).__name__}")
@@ -537,7 +537,7 @@ class Run:
         """Write the run as Chrome trace JSON (``.json`` or ``.json.gz``) for Perfetto and HTA,
         as `gpu-trace export` does (``world_size`` defaults to ``rank + 1``); returns the path.
         OSError when it can't be written."""
-        from gpu_trace.tracer.exporter import export_run, get_exporter
+        from gpu_trace.export.exporter import export_run, get_exporter
 
         out = Path(path)
         if out.suffix not in (".json", ".gz"):

@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
     done = subprocess.run(
         command, cwd=ROOT, env=env, check=False, stdout=subprocess.PIPE, text=True
     )
-    # Name the files as they are in the checkout (tracer/store.py), not as linked in the tree.
+    # Name the files as they are in the checkout (store/client.py), not as linked in the tree.
     linked = tree.relative_to(ROOT).as_posix()
     renames = sorted(
         ((f"{linked}/{p.replace('.', '/')}/", f"{d}/") for p, d in package_dir.items()),

@@ -7,8 +7,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from gpu_trace.store.client import Store
 from gpu_trace.tracer.run import RunInfo
-from gpu_trace.tracer.store import Store
 
 XSS = "<script>alert(1)</script>"
 DATA = Path(__file__).resolve().parent / "data"

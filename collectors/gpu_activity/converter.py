@@ -3,7 +3,7 @@
 The injection library runs in processes that may have no Python (a C++ binary) and writes raw
 records (``activity_file.py``); spans need the recorder's spans of the same run (an API call's
 parent is the op or range open on its thread). Both are in the run directory once the program is
-done, so the conversion runs there: ``tracer/ingest.py`` calls every ``gpu_trace.spool_converters``
+done, so the conversion runs there: ``store/ingest.py`` calls every ``gpu_trace.spool_converters``
 entry point (this module's :func:`convert_run`) before it lists the spool, and every command that
 ingests (``record``, ``ingest``, ``profile()``, the server's sink) gets it without knowing of it.
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from gpu_trace import _format as fmt
 
 if TYPE_CHECKING:
-    from gpu_trace.tracer.gpu_reads import GpuSummary
+    from gpu_trace.query.gpu import GpuSummary
 
 
 def render_kernels(gpu: GpuSummary, width: int = 60) -> str:

@@ -77,10 +77,10 @@ def finish_run(
     ``keep_spool`` or GPU_TRACE_KEEP_SPOOL), and print the closing line. False when the run was
     to be stored and could not be (the line says so, and how to store it later)."""
     from gpu_trace._progress import PhaseProgress
-    from gpu_trace.tracer.ingest import ingest as ingest_run
-    from gpu_trace.tracer.retention import release_spool
+    from gpu_trace.query.summary import event_count
+    from gpu_trace.store.ingest import ingest as ingest_run
+    from gpu_trace.store.retention import release_spool
     from gpu_trace.tracer.run import RunInfo, read_stats
-    from gpu_trace.tracer.summary import event_count
 
     info = RunInfo.load(run_dir)
     stats = read_stats(run_dir)

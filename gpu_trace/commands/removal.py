@@ -27,8 +27,8 @@ from gpu_trace.commands import CLIError, echo, err
 from gpu_trace.commands.runs import checked_dsn, store_module
 
 if TYPE_CHECKING:
+    from gpu_trace.store.client import Store
     from gpu_trace.tracer.run import RunInfo
-    from gpu_trace.tracer.store import Store
 
 _AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400, "": 86400}
@@ -67,7 +67,7 @@ class _Target:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    from gpu_trace.tracer import retention
+    from gpu_trace.store import retention
 
     store_mod = store_module()
     dsn = checked_dsn(args.store)
@@ -107,7 +107,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from gpu_trace.tracer import retention
+    from gpu_trace.store import retention
     from gpu_trace.tracer.run import RunInfo
 
     try:
@@ -258,7 +258,7 @@ def _resolve(store: Store, ref: str, dirs: dict[str, Path], bad: list[str]) -> s
 def _live(store: Store, t: _Target, row: tuple[str, dict[str, str]] | None = None) -> str:
     """Why a run may still be recording ("" if it is not): its run.json when it has a directory
     here, else its ``runs`` row."""
-    from gpu_trace.tracer import retention
+    from gpu_trace.store import retention
     from gpu_trace.tracer.run import RunInfo
 
     info = None
@@ -281,7 +281,7 @@ def _live(store: Store, t: _Target, row: tuple[str, dict[str, str]] | None = Non
 
 
 def _measure(store: Store, targets: list[_Target]) -> None:
-    from gpu_trace.tracer import retention
+    from gpu_trace.store import retention
 
     ids = [t.run_id for t in targets if t.in_store]
     rows = store.table_rows(ids) if ids else {}
@@ -295,7 +295,7 @@ def _measure(store: Store, targets: list[_Target]) -> None:
 
 def _remove(store: Store, t: _Target, *, store_rows: bool, directory: bool) -> None:
     """The store's rows first: a failed delete leaves the directory, so nothing is lost unseen."""
-    from gpu_trace.tracer import retention
+    from gpu_trace.store import retention
 
     store_mod = store_module()
     if store_rows and t.in_store:
@@ -328,7 +328,7 @@ def _total(verb: str, targets: list[_Target]) -> None:
 
 
 def _spool_bytes(path: Path | None) -> int:
-    from gpu_trace.tracer import retention
+    from gpu_trace.store import retention
     from gpu_trace.tracer.spool import spool_dir
 
     if path is None or not spool_dir(path).is_dir():

@@ -23,13 +23,13 @@ from gpu_trace._summary_text import wall_ns as _wall_ns
 from gpu_trace.commands import CLIError, echo, err, telemetry
 
 if TYPE_CHECKING:
-    from gpu_trace.tracer.retention import SpoolRelease
+    from gpu_trace.store.retention import SpoolRelease
 
 
 def store_module() -> Any:
-    from gpu_trace.tracer import store
+    from gpu_trace.store import client
 
-    return store
+    return client
 
 
 def checked_dsn(explicit: str | None) -> str:
@@ -63,8 +63,8 @@ def _resolve(store: Any, ref: str) -> str:
 
 def cmd_ingest(args: argparse.Namespace) -> int:
     from gpu_trace._progress import PhaseProgress
-    from gpu_trace.tracer.ingest import ingest
-    from gpu_trace.tracer.retention import release_spool
+    from gpu_trace.store.ingest import ingest
+    from gpu_trace.store.retention import release_spool
     from gpu_trace.tracer.run import RunInfo
 
     run_dir: Path = args.run_dir
@@ -97,7 +97,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
 
 def release_line(release: SpoolRelease) -> str:
-    """The closing line's clause on the spool (a :class:`~gpu_trace.tracer.retention.
+    """The closing line's clause on the spool (a :class:`~gpu_trace.store.retention.
     SpoolRelease`): removed, with its size, or kept and why; "" when there was none."""
     if release.kept:
         return f"; spool kept: {release.kept}"
@@ -109,7 +109,7 @@ def release_line(release: SpoolRelease) -> str:
 def _released(run_dir: Path) -> str:
     """Why ``run_dir`` has nothing to ingest because its spool was removed after an ingest
     (``ingested.json`` and no spool files), or ""."""
-    from gpu_trace.tracer.retention import INGESTED_FILE
+    from gpu_trace.store.retention import INGESTED_FILE
     from gpu_trace.tracer.spool import list_spool
 
     marker = run_dir / INGESTED_FILE
@@ -167,8 +167,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     from gpu_trace.commands.kernels import render_kernels
-    from gpu_trace.tracer.gpu_reads import gpu_summary
-    from gpu_trace.tracer.ranks import rank_summary
+    from gpu_trace.query.gpu import gpu_summary
+    from gpu_trace.query.ranks import rank_summary
 
     with _open_store(args) as store:
         run_id = _resolve(store, args.run)
@@ -218,8 +218,8 @@ def _render_forwarding(fwd: dict) -> str:
 
 def _export_ranks(args: argparse.Namespace) -> int:
     """`export RUN --ranks-dir DIR`: one Chrome trace per rank (docs/distributed.md)."""
-    from gpu_trace.tracer.chrome import write_rank_traces
-    from gpu_trace.tracer.ranks import processes
+    from gpu_trace.export.chrome import write_rank_traces
+    from gpu_trace.query.ranks import processes
 
     out: Path = args.ranks_dir
     if args.output is not None:
@@ -262,7 +262,7 @@ def _export_ranks(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from gpu_trace._progress import TerminalProgress
-    from gpu_trace.tracer.exporter import export_run, get_exporter
+    from gpu_trace.export.exporter import export_run, get_exporter
 
     if telemetry.wanted(args):
         if args.output is not None:
@@ -398,7 +398,7 @@ def _hard_stop(seconds: float, line: str) -> threading.Timer:
 
 
 def cmd_sql(args: argparse.Namespace) -> int:
-    from gpu_trace.tracer.query_guard import Limits
+    from gpu_trace.store.guard import Limits
 
     params: dict[str, str] = {}
     for item in args.param:

@@ -16,9 +16,9 @@ from gpu_trace import _format as fmt
 from gpu_trace.commands import CLIError, err
 
 if TYPE_CHECKING:
-    from gpu_trace.tracer.endpoint import Collector, Target
-    from gpu_trace.tracer.store import Store
-    from gpu_trace.tracer.streaming import RunStream
+    from gpu_trace.export.endpoint import Collector, Target
+    from gpu_trace.export.streaming import RunStream
+    from gpu_trace.store.client import Store
 
 
 def add_arguments(p: argparse.ArgumentParser, *, streaming: bool) -> None:
@@ -55,8 +55,8 @@ def wanted(args: argparse.Namespace) -> bool:
 
 
 def _collector(args: argparse.Namespace) -> tuple[Collector, Target, frozenset[str]]:
-    from gpu_trace.tracer.endpoint import Collector, from_settings
-    from gpu_trace.tracer.otlp import parse_kinds
+    from gpu_trace.export.endpoint import Collector, from_settings
+    from gpu_trace.export.otlp import parse_kinds
 
     try:
         kinds = parse_kinds(args.otlp_spans)
@@ -77,8 +77,8 @@ def check(args: argparse.Namespace) -> None:
 
 def export(args: argparse.Namespace, store: Store, run_id: str) -> int:
     """`gpu-trace export RUN --otlp URL`: every selected span of a stored run, then its root."""
-    from gpu_trace.tracer.exporter import export_run
-    from gpu_trace.tracer.otlp import OtlpExporter
+    from gpu_trace.export.exporter import export_run
+    from gpu_trace.export.otlp import OtlpExporter
 
     collector, target, kinds = _collector(args)
     run = store.run(run_id)
@@ -107,7 +107,7 @@ def start_stream(args: argparse.Namespace, run_dir: Path) -> RunStream | None:
     """
     if not wanted(args):
         return None
-    from gpu_trace.tracer.streaming import RunStream
+    from gpu_trace.export.streaming import RunStream
 
     collector, target, kinds = _collector(args)
     try:

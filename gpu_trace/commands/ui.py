@@ -20,7 +20,7 @@ H100_OP_RUN = "20261124-174702-6a22f9"
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from gpu_trace import launch
-    from gpu_trace.tracer.exporter import export_run, get_exporter
+    from gpu_trace.export.exporter import export_run, get_exporter
 
     workload = Path(__file__).resolve().parents[1] / "_demo_workload.py"
     dsn = checked_dsn(args.store)
@@ -90,7 +90,7 @@ def _import_trace_samples(dsn: str) -> str | None:
     sample trace (imported now or before), None if there is none or it failed (said why)."""
     from gpu_trace._progress import PhaseProgress
     from gpu_trace.dashboard import samples
-    from gpu_trace.tracer.importer import TraceImportError
+    from gpu_trace.store.importer import TraceImportError
 
     store_mod = store_module()
     progress = PhaseProgress(sys.stderr, prefix="demo: importing the H100 trace")

@@ -40,11 +40,11 @@ from gpu_trace.runtime.protocol.span_tables import (
     trace_owner,
     write_stats,
 )
+from gpu_trace.store.ingest import CLOCK_PEER
 from gpu_trace.tracer import recorder
 from gpu_trace.tracer.buffer import private_bits
 from gpu_trace.tracer.clocksync import ClockModel, Sample, measure
 from gpu_trace.tracer.context import format_traceparent
-from gpu_trace.tracer.ingest import CLOCK_PEER
 from gpu_trace.tracer.records import FORWARD
 from gpu_trace.tracer.spool import SpoolWriter
 

@@ -17,7 +17,7 @@ pytest.importorskip("dash")
 from gpu_trace.dashboard import samples  # noqa: E402
 from gpu_trace.dashboard.app import Server  # noqa: E402
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore  # noqa: E402
-from gpu_trace.tracer.store import Store  # noqa: E402
+from gpu_trace.store.client import Store  # noqa: E402
 from tests.browser.conftest import ARTIFACTS  # noqa: E402
 from tests.dashboard_data import (  # noqa: E402
     XSS,

@@ -17,7 +17,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from gpu_trace.tracer.ingest import convert_spool
+from gpu_trace.store.ingest import convert_spool
 from tests.conftest import recorded
 
 TOKEN = "gpu-remote-activity-token-01"

@@ -14,7 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from gpu_trace.tracer.ingest import convert_spool
+from gpu_trace.store.ingest import convert_spool
 from tests.conftest import recorded
 
 PROGRAM = textwrap.dedent(

@@ -9,7 +9,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from gpu_trace.tracer.chrome import write_chrome_trace
+from gpu_trace.export.chrome import write_chrome_trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from test_chrome import spans  # noqa: E402

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_trace.tracer.store import Store
+from gpu_trace.store.client import Store
 from tests.integration.test_record import gpu_trace, script
 
 PROGRAM = """

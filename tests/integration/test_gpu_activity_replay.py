@@ -21,10 +21,10 @@ import pytest
 from gpu_trace.collectors.gpu_activity import activity_file
 from gpu_trace.collectors.gpu_activity.__main__ import replay
 from gpu_trace.collectors.gpu_activity.activity import RECORD
-from gpu_trace.tracer.ingest import ingest
+from gpu_trace.store.client import Store
+from gpu_trace.store.ingest import ingest
 from gpu_trace.tracer.run import RunInfo
 from gpu_trace.tracer.spool import SpoolWriter
-from gpu_trace.tracer.store import Store
 
 DATA = Path(__file__).parents[1] / "data" / "cupti-h100-lm.jsonl.gz"
 FIRST_NS = 1795546636035488715  # the file's first CUPTI timestamp

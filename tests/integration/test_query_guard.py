@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore
-from gpu_trace.tracer import query_guard
-from gpu_trace.tracer.store import Store, StoreError
+from gpu_trace.store import guard as query_guard
+from gpu_trace.store.client import Store, StoreError
 
 REPO = Path(__file__).resolve().parents[2]
 SECRET = "top-secret-7f3a"

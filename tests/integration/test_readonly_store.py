@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from gpu_trace.tracer import store as store_mod
+from gpu_trace.store import client as store_mod
+from gpu_trace.store.client import Store, StoreError
 from gpu_trace.tracer.run import RunInfo
-from gpu_trace.tracer.store import Store, StoreError
 
 REPO = Path(__file__).resolve().parents[2]
 KINETO = REPO / "tests" / "data" / "kineto-h100-lm-5steps.json.gz"

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from gpu_trace.store.client import Store
 from gpu_trace.tracer.run import read_stats
-from gpu_trace.tracer.store import Store
 
 
 @contextlib.contextmanager

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from gpu_trace import cli
+from gpu_trace.store.client import Store
+from gpu_trace.store.ingest import ingest
 from gpu_trace.tracer import session
-from gpu_trace.tracer.ingest import ingest
 from gpu_trace.tracer.run import RECORDING_ATTRS, RunInfo, describe_recording, recording_attrs
-from gpu_trace.tracer.store import Store
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:

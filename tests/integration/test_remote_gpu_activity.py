@@ -31,10 +31,10 @@ from gpu_trace.runtime.server.activity_tail import FileSource
 from gpu_trace.runtime.server.device_activity import DeviceActivity
 from gpu_trace.runtime.server.server import Server
 from gpu_trace.runtime.server.sink import SpoolSink
+from gpu_trace.store.client import Store
+from gpu_trace.store.ingest import CLOCK_WINDOW_NS, ingest
 from gpu_trace.tracer.clocksync import ClockModel
-from gpu_trace.tracer.ingest import CLOCK_WINDOW_NS, ingest
 from gpu_trace.tracer.run import RunInfo
-from gpu_trace.tracer.store import Store
 from tests import cuda_headers
 
 TOKEN = "gpu-activity-token-0123"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_trace.tracer.store import Store
+from gpu_trace.store.client import Store
 from tests import serving
 from tests.span_checks import check_stored
 

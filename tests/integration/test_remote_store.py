@@ -19,9 +19,9 @@ from gpu_trace import runtime
 from gpu_trace.runtime.client import tensor as rt
 from gpu_trace.runtime.server.server import Server
 from gpu_trace.runtime.server.sink import SpoolSink, StoreSink
-from gpu_trace.tracer.ingest import ingest
+from gpu_trace.store.client import Store
+from gpu_trace.store.ingest import ingest
 from gpu_trace.tracer.run import RunInfo
-from gpu_trace.tracer.store import Store
 
 TOKEN = "store-test-token-0123"
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from gpu_trace import cli, config
-from gpu_trace.tracer.ingest import ingest
+from gpu_trace.store.client import TABLES, Store
+from gpu_trace.store.ingest import ingest
 from gpu_trace.tracer.run import RunInfo, recorder_attrs
 from gpu_trace.tracer.spool import SpoolWriter, list_spool
-from gpu_trace.tracer.store import TABLES, Store
 from tests.conftest import REPO
 from tests.unit.test_spool import META, spans
 

@@ -17,7 +17,9 @@ import pytest
 
 import gpu_trace
 from gpu_trace._summary_text import render_summary
-from gpu_trace.tracer.ingest import ingest
+from gpu_trace.query.summary import RunSummary
+from gpu_trace.store.client import Store
+from gpu_trace.store.ingest import ingest
 from gpu_trace.tracer.records import (
     COUNTER_SCHEMA,
     attrs_column,
@@ -26,8 +28,6 @@ from gpu_trace.tracer.records import (
 )
 from gpu_trace.tracer.run import RunInfo
 from gpu_trace.tracer.spool import SpoolWriter
-from gpu_trace.tracer.store import Store
-from gpu_trace.tracer.summary import RunSummary
 from tests.integration.test_store import spans_table
 
 RUN_NS = 1000

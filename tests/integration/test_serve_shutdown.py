@@ -21,9 +21,9 @@ import gpu_trace
 from gpu_trace import runtime
 from gpu_trace.runtime.client import tensor as rt
 from gpu_trace.runtime.client.connection import Connection
-from gpu_trace.tracer.ingest import ingest
+from gpu_trace.store.client import Store
+from gpu_trace.store.ingest import ingest
 from gpu_trace.tracer.run import RunInfo
-from gpu_trace.tracer.store import Store
 
 ALICE = "alice-token-0123456789"
 BOB = "bob-token-0123456789xyz"

@@ -13,15 +13,15 @@ import torch
 
 import gpu_trace
 from gpu_trace import runtime
+from gpu_trace.export.chrome import write_chrome_trace
+from gpu_trace.export.otlp import RunFacts, SpanMapper, parse_kinds, rows
 from gpu_trace.runtime.client import tensor as rt
 from gpu_trace.runtime.server.server import Server
 from gpu_trace.runtime.server.sink import SpoolSink
 from gpu_trace.runtime.sharing.tenants import load_tenants
-from gpu_trace.tracer.chrome import write_chrome_trace
-from gpu_trace.tracer.ingest import ingest
-from gpu_trace.tracer.otlp import RunFacts, SpanMapper, parse_kinds, rows
+from gpu_trace.store.client import Store
+from gpu_trace.store.ingest import ingest
 from gpu_trace.tracer.run import RunInfo
-from gpu_trace.tracer.store import Store
 
 ALICE = "alice-owner-token-0123456789"
 BOB = "bob-owner-token-0123456789"

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpu_trace.tracer.ingest import ingest
+from gpu_trace.store.client import Store
+from gpu_trace.store.ingest import ingest
 from gpu_trace.tracer.run import RunInfo
 from gpu_trace.tracer.spool import BATCH_ROWS, SpoolWriter, list_spool
-from gpu_trace.tracer.store import Store
 from tests.unit.test_spool import META, spans
 
 

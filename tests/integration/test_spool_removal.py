@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from gpu_trace import cli, config
-from gpu_trace.tracer.ingest import ingest
-from gpu_trace.tracer.retention import INGESTED_FILE, release_spool
+from gpu_trace.store.client import Store
+from gpu_trace.store.ingest import ingest
+from gpu_trace.store.retention import INGESTED_FILE, release_spool
 from gpu_trace.tracer.run import RunInfo, recorder_attrs
 from gpu_trace.tracer.spool import SpoolWriter, list_spool, spool_dir
-from gpu_trace.tracer.store import Store
 from tests.conftest import REPO
 from tests.unit.test_spool import META, spans
 

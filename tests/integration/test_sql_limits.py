@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from gpu_trace.tracer.query_guard import Limits
-from gpu_trace.tracer.store import LimitExceeded, Store
+from gpu_trace.store.client import LimitExceeded, Store
+from gpu_trace.store.guard import Limits
 
 HUGE = "SELECT arrayJoin(range(100000000))"
 # 10^10 pairs, each hashed: minutes of work in blocks the engine's clock sees, in little memory.

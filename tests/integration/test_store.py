@@ -13,11 +13,11 @@ import pyarrow as pa
 import pytest
 
 import gpu_trace
-from gpu_trace.tracer.ingest import ingest
+from gpu_trace.store.client import Store, StoreError, UnknownRunError, check_writable
+from gpu_trace.store.ingest import ingest
 from gpu_trace.tracer.records import SPAN_SCHEMA, attrs_column, dict_column, numeric_column
 from gpu_trace.tracer.run import RunInfo
 from gpu_trace.tracer.spool import SpoolWriter, list_spool, read_spool_file
-from gpu_trace.tracer.store import Store, StoreError, UnknownRunError, check_writable
 
 
 @pytest.fixture
@@ -322,7 +322,7 @@ def test_a_store_in_use_by_another_process_is_a_clear_error(tmp_path: Path) -> N
     path = tmp_path / "store"
     code = (
         "import sys, time\n"
-        "from gpu_trace.tracer.store import Store\n"
+        "from gpu_trace.store.client import Store\n"
         f"s = Store({f'chdb://{path}'!r})\n"
         "print('open', flush=True)\n"
         "sys.stdin.read()\n"
@@ -347,7 +347,7 @@ def test_a_store_made_before_stored_ns_gets_it_when_opened(tmp_path: Path) -> No
     at its next open, its rows reading their last upsert's time, and ``last`` orders by it."""
     import clickhouse_connect
 
-    from gpu_trace.tracer.store import TABLES, schema_ddl
+    from gpu_trace.store.client import TABLES, schema_ddl
 
     path = tmp_path / "old-store"
     old = schema_ddl()
@@ -384,13 +384,13 @@ def test_a_process_waiting_for_the_store_says_so(tmp_path: Path) -> None:
     dashboard watches for to give the store up), and lets go once it has the store."""
     import threading
 
-    from gpu_trace.tracer.store import others_waiting
+    from gpu_trace.store.client import others_waiting
 
     path = tmp_path / "store"
     Store(f"chdb://{path}").close()
     code = (
         "import sys\n"
-        "from gpu_trace.tracer.store import Store\n"
+        "from gpu_trace.store.client import Store\n"
         f"s = Store({f'chdb://{path}'!r})\n"
         "print('open', flush=True)\n"
         "sys.stdin.readline()\n"

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from gpu_trace.cli import main
-from gpu_trace.tracer.gpu_reads import gpu_summary
-from gpu_trace.tracer.importer import import_trace
-from gpu_trace.tracer.store import Store, StoreError
+from gpu_trace.query.gpu import gpu_summary
+from gpu_trace.store.client import Store, StoreError
+from gpu_trace.store.importer import import_trace
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 FULL = DATA / "kineto-h100-lm.json.gz"
@@ -342,7 +342,7 @@ def test_import_tells_its_progress(
 ) -> None:
     """What `gpu-trace import` draws on a terminal (gpu_trace/_progress.py's PhaseProgress):
     each phase in order, the events converted counted up to all of them, the run as without."""
-    from gpu_trace.tracer import importer
+    from gpu_trace.store import importer
 
     monkeypatch.setattr(importer, "READ_CHUNK", 1 << 16)
     monkeypatch.setattr(importer, "EVENTS_CHUNK", 1 << 8)

@@ -184,7 +184,7 @@ def test_the_dashboard_reopens_a_store_it_gave_up_only_when_runs_changed(tmp_pat
         assert source.runs_stamp(timeout_s=0) == empty and source.opens == 1  # not reopened
         stored = subprocess.run(
             [sys.executable, "-c",
-             "from gpu_trace.tracer.store import Store\n"
+             "from gpu_trace.store.client import Store\n"
              "from gpu_trace.tracer.run import RunInfo\n"
              f"with Store({dsn!r}) as s:\n"
              "    s.upsert_run(RunInfo(run_id='new', trace_id='0' * 32, started_ns=0))\n"],

@@ -175,7 +175,7 @@ def test_program_runs_as_it_does_plain(
     """The program's output and exit status are its plain run's, byte for byte; its recorded
     spans nest; at a recording level, two runs (at once, each the other's load) hold the same
     ranges name by name."""
-    from gpu_trace.tracer.store import Store
+    from gpu_trace.store.client import Store
 
     p = PROGRAMS[name]
     expected = _plain(plain, p)

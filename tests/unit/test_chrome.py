@@ -17,7 +17,7 @@ import pytest
 
 import gpu_trace
 from gpu_trace._progress import TerminalProgress
-from gpu_trace.tracer.chrome import SYNTHETIC_BASE, ChromeTraceExporter, write_chrome_trace
+from gpu_trace.export.chrome import SYNTHETIC_BASE, ChromeTraceExporter, write_chrome_trace
 from gpu_trace.tracer.records import ATTRS
 from gpu_trace.tracer.spool import list_spool, read_spool_file
 
@@ -264,7 +264,7 @@ def test_counters_sit_under_a_named_process(tmp_path: Path) -> None:
     host's counters go under its process (known from the threads rows when no span is in the
     file), and only a host with no process at all gets a ``<host> counters`` process; the
     importer reads every sample's host back either way."""
-    from gpu_trace.tracer.importer import convert, read_trace
+    from gpu_trace.store.importer import convert, read_trace
 
     counters = pa.table(
         {

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from gpu_trace import _format as fmt
-from gpu_trace.tracer.importer import ImportReport
+from gpu_trace.store.importer import ImportReport
 
 
 def test_a_count_and_its_noun() -> None:

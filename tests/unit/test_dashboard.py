@@ -24,7 +24,7 @@ from gpu_trace.dashboard import (  # noqa: E402
     timeline,
 )
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore  # noqa: E402
-from gpu_trace.tracer.store import Store, StoreError  # noqa: E402
+from gpu_trace.store.client import Store, StoreError  # noqa: E402
 from tests.dashboard_data import (  # noqa: E402
     XSS,
     forwarded_run,

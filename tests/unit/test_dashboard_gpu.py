@@ -23,8 +23,8 @@ from gpu_trace.dashboard import (  # noqa: E402
     timeline,
 )
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore  # noqa: E402
-from gpu_trace.tracer.importer import import_trace  # noqa: E402
-from gpu_trace.tracer.store import Store  # noqa: E402
+from gpu_trace.store.client import Store  # noqa: E402
+from gpu_trace.store.importer import import_trace  # noqa: E402
 from tests.dashboard_data import (  # noqa: E402
     FILL,
     FILL_SHORT,

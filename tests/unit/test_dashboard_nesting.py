@@ -1,6 +1,6 @@
 """The details panel's parent and children on a real chDB store: a span that names no parent (a
 step, a top-level range, module or op) is the child of the innermost span of its thread enclosing
-it, as the OTLP export has it (tracer/nesting.py); a step's children were "children (0)"."""
+it, as the OTLP export has it (query/nesting.py); a step's children were "children (0)"."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ pytest.importorskip("dash")
 
 from gpu_trace.dashboard import panels, timeline  # noqa: E402
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore  # noqa: E402
-from gpu_trace.tracer.store import Store  # noqa: E402
+from gpu_trace.store.client import Store  # noqa: E402
 from tests.dashboard_data import add_run  # noqa: E402
 from tests.unit.test_dashboard import text_of  # noqa: E402
 

@@ -25,7 +25,7 @@ from gpu_trace.dashboard import (  # noqa: E402
 )
 from gpu_trace.dashboard.address import Address  # noqa: E402
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore  # noqa: E402
-from gpu_trace.tracer.store import Store  # noqa: E402
+from gpu_trace.store.client import Store  # noqa: E402
 from tests.dashboard_data import (  # noqa: E402
     XSS,
     add_counters,

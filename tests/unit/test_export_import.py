@@ -15,8 +15,8 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from gpu_trace.tracer.chrome import write_chrome_trace
-from gpu_trace.tracer.importer import TraceImportError, convert, is_export, read_trace
+from gpu_trace.export.chrome import write_chrome_trace
+from gpu_trace.store.importer import TraceImportError, convert, is_export, read_trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_chrome import BASE, ROWS, RUN, THREADS, gpu_activity_rows, spans  # noqa: E402

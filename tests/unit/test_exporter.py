@@ -8,8 +8,8 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from gpu_trace.tracer.chrome import ChromeTraceExporter
-from gpu_trace.tracer.exporter import (
+from gpu_trace.export.chrome import ChromeTraceExporter
+from gpu_trace.export.exporter import (
     REQUIRED_COLUMNS,
     SPAN_BATCH_SCHEMA,
     CounterExporter,
@@ -105,7 +105,7 @@ class Raising(InMemoryExporter):
 
 def test_export_run_logs_an_exporters_exception_and_still_shuts_it_down(caplog) -> None:
     exp = Raising()
-    with caplog.at_level("ERROR", logger="gpu_trace.tracer.exporter"):
+    with caplog.at_level("ERROR", logger="gpu_trace.export.exporter"):
         assert export_run(exp, [batch(), batch(3, 3)]) is False
     assert exp.is_shutdown
     assert "failed to export spans" in caplog.text and "boom" in caplog.text
@@ -137,7 +137,7 @@ def test_the_cli_exports_through_the_seam(tmp_path: Path, monkeypatch) -> None:
 
     from gpu_trace.commands import CLIError
     from gpu_trace.commands import runs as runs_cmd
-    from gpu_trace.tracer import exporter as exporter_mod
+    from gpu_trace.export import exporter as exporter_mod
 
     class Store:
         def __enter__(self):

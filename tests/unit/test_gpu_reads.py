@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpu_trace.tracer.gpu_reads import busy_ns
+from gpu_trace.query.gpu import busy_ns
 
 
 @given(st.lists(st.tuples(st.integers(0, 1000), st.integers(0, 200)), max_size=40))

@@ -1,4 +1,4 @@
-"""`gpu-trace import`'s reading and conversion of Kineto traces (tracer/importer.py), without a
+"""`gpu-trace import`'s reading and conversion of Kineto traces (store/importer.py), without a
 store: exact times, lanes and categories, nesting, launch links, and every kind of bad input."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_trace.tracer.importer import TraceImportError, convert, read_trace, to_ns
+from gpu_trace.store.importer import TraceImportError, convert, read_trace, to_ns
 
 BASE = 1_790_000_000_000_000_000
 

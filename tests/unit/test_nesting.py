@@ -1,4 +1,4 @@
-"""The nesting rule (tracer/nesting.py): a span's parent is the one it names, else the innermost
+"""The nesting rule (query/nesting.py): a span's parent is the one it names, else the innermost
 span of its thread containing it. Edge cases as documented there, and the three ways of computing
 it (start order, end order, one span's children) against a brute-force reading of the rule."""
 
@@ -10,7 +10,7 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
-from gpu_trace.tracer.nesting import (
+from gpu_trace.query.nesting import (
     Adopting,
     Enclosing,
     children,

@@ -12,10 +12,9 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from gpu_trace.tracer import endpoint as ep
-from gpu_trace.tracer.columns import spans_to_table
-from gpu_trace.tracer.exporter import SPAN_BATCH_SCHEMA, export_run
-from gpu_trace.tracer.otlp import (
+from gpu_trace.export import endpoint as ep
+from gpu_trace.export.exporter import SPAN_BATCH_SCHEMA, export_run
+from gpu_trace.export.otlp import (
     DEFAULT_KINDS,
     KINDS,
     OtlpExporter,
@@ -24,9 +23,10 @@ from gpu_trace.tracer.otlp import (
     SpanMapper,
     parse_kinds,
 )
+from gpu_trace.export.streaming import RunStream
+from gpu_trace.tracer.columns import spans_to_table
 from gpu_trace.tracer.run import RunInfo
 from gpu_trace.tracer.spool import SpoolWriter
-from gpu_trace.tracer.streaming import RunStream
 from tests.otlp_receiver import otlp_receiver
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
@@ -209,7 +209,7 @@ def test_in_end_order_a_span_waits_for_the_span_enclosing_it() -> None:
 def test_waiting_to_be_enclosed_counts_against_the_held_limit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("gpu_trace.tracer.otlp.MAX_HELD", 2)
+    monkeypatch.setattr("gpu_trace.export.otlp.MAX_HELD", 2)
     mapper = SpanMapper(RunFacts.of(RUN), parse_kinds("all"), order="end")
     marks = [row(10 + i, 0, "nvtx/gpu_trace", "mark", f"m{i}", i, i) for i in range(3)]
     assert parents(mapper.add(marks)) == {"m0": hx(ROOT)}  # the oldest, as top-level

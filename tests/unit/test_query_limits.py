@@ -9,7 +9,7 @@ from array import array
 import pytest
 
 from gpu_trace.commands.runs import count_arg, seconds_arg, size_arg
-from gpu_trace.tracer.query_guard import Limits, column_bytes, exceeded
+from gpu_trace.store.guard import Limits, column_bytes, exceeded
 
 
 def test_each_limit_is_a_standard_setting_and_none_is_no_setting() -> None:

@@ -1,4 +1,4 @@
-"""Per step and rank: computation, communication, their overlap and idle time (tracer/ranks.py),
+"""Per step and rank: computation, communication, their overlap and idle time (query/ranks.py),
 on a real chDB store holding spans whose figures are known exactly, and the interval arithmetic
 they rest on."""
 
@@ -12,9 +12,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpu_trace._summary_text import render_ranks
+from gpu_trace.query import ranks
 from gpu_trace.run_view import Run
-from gpu_trace.tracer import ranks
-from gpu_trace.tracer.store import Store
+from gpu_trace.store.client import Store
+from gpu_trace.tracer.ranks import COLLECTIVE_LANE
 from tests.dashboard_data import add_run
 
 US = 1000
@@ -43,14 +44,14 @@ def two_ranks(store: Store) -> None:
         add(pid, "ProfilerStep#0", "steps", "step", 0, 1000)
         add(pid, "ProfilerStep#1", "steps", "step", 1000, 2000)
     add(100, "backward", "torch/modules", "module", 100, 700)
-    add(100, "all_reduce", ranks.COLLECTIVE_LANE, "collective", 400, 600)
+    add(100, "all_reduce", COLLECTIVE_LANE, "collective", 400, 600)
     add(100, "Linear.backward", "torch/modules", "module", 150, 380)
     add(100, "Linear2.backward", "torch/modules", "module", 420, 480)
-    add(100, "gloo:all_reduce", f"{ranks.COLLECTIVE_LANE}/gloo", "collective", 410, 590, tid=9)
+    add(100, "gloo:all_reduce", f"{COLLECTIVE_LANE}/gloo", "collective", 410, 590, tid=9)
     add(100, "aten::add", "torch/ops", "op", 500, 650, tid=2)
     add(100, "sgemm", "gpu0/stream7", "kernel", 1100, 1500, tid=0)
     add(100, "ncclDevKernel_AllReduce_Sum_f32", "gpu0/stream13", "kernel", 1300, 1800, tid=0)
-    add(200, "all_reduce", ranks.COLLECTIVE_LANE, "collective", 550, 600)
+    add(200, "all_reduce", COLLECTIVE_LANE, "collective", 550, 600)
     add(200, "aten::mm", "torch/ops", "op", 1000, 1900)
     add(300, "aten::mm", "torch/ops", "op", 0, 2000)
     add_run(store, "ranked", spans, 0, 2000 * US)

@@ -1,6 +1,6 @@
 """The store's seam: ingest sits above the store, and nobody reaches into another module's privates.
 
-Ingest, the dashboard and the CLI use :class:`~gpu_trace.tracer.store.Store`'s public methods; the
+Ingest, the dashboard and the CLI use :class:`~gpu_trace.store.client.Store`'s public methods; the
 store never imports ingest (they used to call each other); the dashboard asks its
 :class:`~gpu_trace.dashboard.readonly_store.ReadOnlyStore` through typed methods, never by a method's name
 in a string. Read from the source, so a new caller breaking a rule fails here.
@@ -15,11 +15,9 @@ ROOT = Path(__file__).resolve().parents[2]
 #: Modules that talk to the store: the store itself, its reads, ingest, export, the dashboard and
 #: the CLI's store commands.
 CALLERS = [
-    *(
-        ROOT / "tracer" / f
-        for f in ("store.py", "reads.py", "ingest.py", "retention.py", "exporter.py", "chrome.py")
-    ),
-    *(ROOT / "tracer" / f for f in ("importer.py", "gpu_reads.py")),
+    *sorted((ROOT / "store").glob("*.py")),
+    *sorted((ROOT / "query").glob("*.py")),
+    *(ROOT / "export" / f for f in ("exporter.py", "chrome.py")),
     *sorted((ROOT / "dashboard").glob("*.py")),
     *(
         ROOT / "gpu_trace" / "commands" / f
@@ -58,8 +56,8 @@ def foreign_privates(path: Path) -> list[str]:
 
 
 def test_the_store_does_not_import_ingest() -> None:
-    for name in ("store.py", "reads.py"):
-        assert not any("ingest" in m for m in imported(ROOT / "tracer" / name)), name
+    for path in (ROOT / "store" / "client.py", *sorted((ROOT / "query").glob("*.py"))):
+        assert not any("ingest" in m for m in imported(path)), path.name
 
 
 def test_no_caller_reaches_into_another_objects_private_names() -> None:

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from gpu_trace.tracer.store import TABLES, parse_dsn, schema_ddl
+from gpu_trace.store.client import TABLES, parse_dsn, schema_ddl
 
 
 def test_chdb_dsn_forms(tmp_path) -> None:

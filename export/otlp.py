@@ -8,7 +8,7 @@ extra), so a forwarded GPU call shows up in the same trace as the request that c
 - every span keeps the run's W3C trace id and its own 64-bit span id (a span recorded without
   one, a server op, gets a stable id hashed from what it is);
 - a span's parent is the one it names, else the innermost span enclosing it on its thread
-  (:mod:`gpu_trace.tracer.nesting`: a step holds its ranges, a range its modules, a module its
+  (:mod:`gpu_trace.query.nesting`: a step holds its ranges, a range its modules, a module its
   ops); only spans with neither hang under the run's root span;
 - only the kinds asked for are sent (:data:`KINDS`; by default steps, forwarded batches, user
   ranges and top-level modules), and a sent span's parent is its nearest *sent* ancestor, so the
@@ -26,7 +26,7 @@ parent). :class:`SpanMapper` holds a span whose parent it has not seen until the
 encloses it, until :meth:`SpanMapper.release` gives up on it (it is top-level then). At most
 :data:`MAX_HELD` spans wait.
 
-The transport is :mod:`gpu_trace.tracer.endpoint`; :class:`OtlpExporter` is the exporter seam's
+The transport is :mod:`gpu_trace.export.endpoint`; :class:`OtlpExporter` is the exporter seam's
 OTLP exporter (``get_exporter("otlp", ...)``), used by ``gpu-trace export RUN --otlp URL``.
 """
 
@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import pyarrow as pa
 
-from gpu_trace.tracer.exporter import ExportResult, check_batch
-from gpu_trace.tracer.nesting import Adopting, Enclosing, end_order, nests, order
+from gpu_trace.export.exporter import ExportResult, check_batch
+from gpu_trace.query.nesting import Adopting, Enclosing, end_order, nests, order
 from gpu_trace.tracer.records import (
     FORWARD,
     KERNEL,
@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     )
     from opentelemetry.proto.trace.v1.trace_pb2 import Span as OtlpSpan
 
-    from gpu_trace.tracer.endpoint import Endpoint
+    from gpu_trace.export.endpoint import Endpoint
 
 log = logging.getLogger(__name__)
 

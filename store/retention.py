@@ -36,7 +36,7 @@ from gpu_trace.tracer.run import RunInfo, recorder_died
 from gpu_trace.tracer.spool import count_rows, list_spool, spool_dir
 
 if TYPE_CHECKING:
-    from gpu_trace.tracer.store import Store
+    from gpu_trace.store.client import Store
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def release_spool(
 ) -> SpoolRelease:
     """Remove ``run_dir``'s spool files if the store verifiably holds what they held.
 
-    Call after :func:`~gpu_trace.tracer.ingest.ingest` of the same directory into ``store``.
+    Call after :func:`~gpu_trace.store.ingest.ingest` of the same directory into ``store``.
     ``keep`` (``--keep-spool``; default ``GPU_TRACE_KEEP_SPOOL``) keeps them. Never raises for what
     it finds (the reason is in :attr:`SpoolRelease.kept`); StoreError when the store cannot be
     asked, with every file kept. ``dry_run`` checks and counts what would go, removing nothing.

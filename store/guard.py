@@ -1,6 +1,6 @@
 """What a read-only query may do: read the project's tables, and nothing else.
 
-`gpu-trace sql`, :meth:`Store.sql <gpu_trace.tracer.store.Store.sql>` and the dashboard's queries
+`gpu-trace sql`, :meth:`Store.sql <gpu_trace.store.client.Store.sql>` and the dashboard's queries
 go through :func:`check`. The decision is ClickHouse's own parse, never a text pattern on the
 query:
 

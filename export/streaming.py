@@ -2,8 +2,8 @@
 
 It runs in the `gpu-trace record` process, never in the program: a reader thread follows the
 run's spool (``spool/spans-*.arrow`` files appear as the program's recorders flush, every 0.5 s
-by default), maps new spans (:class:`~gpu_trace.tracer.otlp.SpanMapper`) and puts them in a
-bounded queue; a sender thread takes up to :data:`~gpu_trace.tracer.otlp.BATCH_SPANS` at a time
+by default), maps new spans (:class:`~gpu_trace.export.otlp.SpanMapper`) and puts them in a
+bounded queue; a sender thread takes up to :data:`~gpu_trace.export.otlp.BATCH_SPANS` at a time
 and sends them. A slow or dead collector costs the program nothing: the program only writes its
 spool, as always, and never waits on this. When the queue is full the reader waits (the spool on
 disk is the buffer, so a slow collector makes the stream fall behind, not lose spans); a batch the
@@ -15,12 +15,12 @@ Spans are sent when they end (that is when they reach the spool); a span's paren
 from its start, but whether that parent is sent is not, so a span waits in the mapper until its
 parent has been seen (parents end later than their children: a step's spans wait at most one
 step). A span naming no parent waits for a span of its thread that encloses it
-(:mod:`~gpu_trace.tracer.nesting`; a top-level range waits for its step), and is sent as
+(:mod:`~gpu_trace.query.nesting`; a top-level range waits for its step), and is sent as
 top-level if none came within :data:`HOLD_NS`. For that the mapper needs spans in the order they
 ended, which the spool only nearly is (PyTorch's op spans reach it in batches, up to about 1.5 s
 after the module around them): spans are mapped once :data:`SETTLE_NS` past their end, in end
 order. A forwarding server's spans that come back to the client are on the server's clock; they
-are mapped with a clock model from the run's clock samples (:func:`~gpu_trace.tracer.ingest.
+are mapped with a clock model from the run's clock samples (:func:`~gpu_trace.store.ingest.
 map_clock`), and wait for the first samples. :meth:`RunStream.close` reads the rest, sends it and
 the run's root span within a deadline, and reports what was sent and dropped.
 """
@@ -39,10 +39,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from gpu_trace.tracer.clock import now_ns
-from gpu_trace.tracer.clocksync import ClockModel
-from gpu_trace.tracer.ingest import CLOCK_PEER, CLOCK_WINDOW_NS, map_clock
-from gpu_trace.tracer.otlp import (
+from gpu_trace.export.otlp import (
     BATCH_SPANS,
     DEFAULT_KINDS,
     RequestBuilder,
@@ -51,13 +48,16 @@ from gpu_trace.tracer.otlp import (
     SpanMapper,
     rows,
 )
+from gpu_trace.store.ingest import CLOCK_PEER, CLOCK_WINDOW_NS, map_clock
+from gpu_trace.tracer.clock import now_ns
+from gpu_trace.tracer.clocksync import ClockModel
 from gpu_trace.tracer.run import RunInfo
 from gpu_trace.tracer.spool import SpoolFile, list_spool, read_spool_file
 
 if TYPE_CHECKING:
     from opentelemetry.proto.trace.v1.trace_pb2 import Span as OtlpSpan
 
-    from gpu_trace.tracer.endpoint import Endpoint
+    from gpu_trace.export.endpoint import Endpoint
 
 log = logging.getLogger(__name__)
 

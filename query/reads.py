@@ -1,6 +1,6 @@
 """The store's read side: runs, counts, the summary (``summary.py``) and streaming iterators.
 
-:class:`RunQueries` is mixed into :class:`gpu_trace.tracer.store.Store`; it needs only the store's
+:class:`RunQueries` is mixed into :class:`gpu_trace.store.client.Store`; it needs only the store's
 public ``query`` and ``query_arrow``. Every query is a template with ``{name:Type}`` parameters
 and ``__db__`` for the (validated) database name.
 """
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from gpu_trace.tracer.summary import RunSummary, event_count, run_summary
+from gpu_trace.query.summary import RunSummary, event_count, run_summary
 
 if TYPE_CHECKING:
     from clickhouse_connect.driver.query import QueryResult
@@ -88,7 +88,7 @@ class RunQueries:
 
     def runs(self, limit: int = 50, search: str | None = None) -> list[dict[str, Any]]:
         """Runs newest first (by wall-clock start), each with ``spans``, ``counters``, ``events``
-        (:func:`~gpu_trace.tracer.summary.event_count`) and ``duration_ns``.
+        (:func:`~gpu_trace.query.summary.event_count`) and ``duration_ns``.
 
         ``search`` keeps runs whose id, command, status or a host contains it (case-insensitive).
         """
@@ -273,7 +273,7 @@ class RunQueries:
     # ---- summary ----------------------------------------------------------------------------------
 
     def summary(self, run_id: str, top: int = 20) -> RunSummary:
-        """The run's summary (:func:`gpu_trace.tracer.summary.run_summary`): lanes with their busy
+        """The run's summary (:func:`gpu_trace.query.summary.run_summary`): lanes with their busy
         time and top range names, step-time distributions, counters, the samplers' own metrics."""
         return run_summary(self, run_id, top)
 

@@ -19,7 +19,7 @@ that peer (stored and in this spool), keeping the raw times and the offset appli
 A run directory whose ``run.json`` says ``side: server`` is a server's part of a client's run:
 its ``runs`` row only adds its host to the client's row when that is already stored.
 
-Ingest never changes the spool: when the store fails, :class:`~gpu_trace.tracer.store.StoreError`
+Ingest never changes the spool: when the store fails, :class:`~gpu_trace.store.client.StoreError`
 is raised and the same command can be run again. Before it reads the spool, the spool converters
 (:func:`convert_spool`) turn raw files a layer above wrote (GPU activity) into spool files; a raw
 file is removed only once its spool files are written, so that too can be run again.
@@ -49,7 +49,7 @@ from gpu_trace.tracer.run import STATS_DIR, RunInfo, recorder_died
 from gpu_trace.tracer.spool import SpoolFile, list_spool, read_spool_file, spool_dir
 
 if TYPE_CHECKING:
-    from gpu_trace.tracer.store import Store
+    from gpu_trace.store.client import Store
 
 log = logging.getLogger(__name__)
 

@@ -13,18 +13,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from gpu_trace.tracer.json_fragments import micros
+from gpu_trace.export.json_fragments import micros
 from gpu_trace.tracer.records import FORWARD
-
-FLOW_CATEGORY = "flow"
-#: Kineto's flow from a CUDA call to the kernel, copy or memset it launched.
-LAUNCH_CATEGORY = "ac2g"
-#: Kineto's flow from a forward op to the backward op autograd ran for it.
-BACKWARD_CATEGORY = "fwdbwd"
-#: The attribute naming a backward op's forward op by its span id (decimal, so SQL can join on
-#: it): ``gpu-trace import`` sets it from a trace's ``fwdbwd`` flows, the Chrome exporter's
-#: Kineto dialect draws it as a ``fwdbwd`` arrow again.
-FORWARD_SPAN = "forward span"
+from gpu_trace.tracer.trace_format import (
+    BACKWARD_CATEGORY,
+    FLOW_CATEGORY,
+    LAUNCH_CATEGORY,
+)
 
 #: Span ids (sorted) with their Chrome pid, tid and relative start, in matching order.
 Chunk = tuple[np.ndarray, ...]

@@ -54,9 +54,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 import pyarrow as pa
 
-from gpu_trace.tracer.chrome import RESERVED_ARGS
 from gpu_trace.tracer.columns import columns_to_table
-from gpu_trace.tracer.flows import BACKWARD_CATEGORY, FORWARD_SPAN
 from gpu_trace.tracer.records import (
     CUDA_API,
     KERNEL,
@@ -72,9 +70,10 @@ from gpu_trace.tracer.records import (
     numeric_column,
 )
 from gpu_trace.tracer.run import RunInfo, new_run_id, new_trace_id
+from gpu_trace.tracer.trace_format import BACKWARD_CATEGORY, FORWARD_SPAN, RESERVED_ARGS
 
 if TYPE_CHECKING:
-    from gpu_trace.tracer.store import Store
+    from gpu_trace.store.client import Store
 
 log = logging.getLogger(__name__)
 

@@ -54,9 +54,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from gpu_trace.tracer.exporter import ExportResult, check_batch
-from gpu_trace.tracer.flows import FORWARD_SPAN, FlowLinker
-from gpu_trace.tracer.json_fragments import (
+from gpu_trace.export.exporter import ExportResult, check_batch
+from gpu_trace.export.flows import FlowLinker
+from gpu_trace.export.json_fragments import (
     attrs_fragment,
     combined,
     dictionary,
@@ -81,6 +81,7 @@ from gpu_trace.tracer.records import (
     STEP,
     STEP_LANE,
 )
+from gpu_trace.tracer.trace_format import FORWARD_SPAN, RESERVED_ARGS
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +104,6 @@ DEVICE_CATEGORIES = (KERNEL, MEMCPY, MEMSET)
 #: First synthetic tid (lane tracks) and pid (counter processes, renumbered pids). Linux pids and
 #: tids stay below 2**22, so these never meet a real one; both stay below 2**31 for old viewers.
 SYNTHETIC_BASE = 1 << 30
-#: Argument names the exporter writes itself; an attribute with one of these names (or whose name
-#: starts with "attr.") gets "attr." in front, so the importer can take exactly one off again.
-RESERVED_ARGS = ("span_id", "parent_span_id", "category", "lane", "device", "stream", "depth")
 #: Kineto argument names HTA reads as integers: attributes with these names and an integer value
 #: are written as JSON numbers (everything else stays a string, as recorded).
 INT_ARGS = ("correlation", "External id", "Sequence number", "Fwd thread id", "Ev Idx", "cbid")

@@ -3,8 +3,8 @@
 A :class:`Store` opens a DSN (``chdb:///path`` or ``http(s)://user:password@host:port[/db]``)
 through clickhouse-connect, creates the database and tables if they are missing (the same DDL for
 both; ``ON CLUSTER`` plus Distributed tables when a cluster is named), and answers the queries the
-CLI, the dashboard and the exporters ask (:mod:`gpu_trace.tracer.reads`). Ingest
-(:mod:`gpu_trace.tracer.ingest`) sits above it and writes through its public methods
+CLI, the dashboard and the exporters ask (:mod:`gpu_trace.query.reads`). Ingest
+(:mod:`gpu_trace.store.ingest`) sits above it and writes through its public methods
 (:meth:`Store.query`, :meth:`Store.insert_rows`, :meth:`Store.insert_arrow`...); the store never
 imports ingest. Every value reaches the server as a ``{name:Type}`` query parameter; the only
 names put into SQL text are the database and cluster, checked against a strict identifier pattern
@@ -47,8 +47,8 @@ from urllib.parse import unquote, urlparse
 import pyarrow as pa
 
 from gpu_trace import config
-from gpu_trace.tracer import query_guard
-from gpu_trace.tracer.reads import RunQueries, UnknownRunError
+from gpu_trace.query.reads import RunQueries, UnknownRunError
+from gpu_trace.store import guard as query_guard
 from gpu_trace.tracer.run import RunInfo
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ class StoreError(RuntimeError):
 
 
 class LimitExceeded(StoreError):
-    """A read stopped at one of its :class:`~gpu_trace.tracer.query_guard.Limits`: ``what`` is
+    """A read stopped at one of its :class:`~gpu_trace.store.guard.Limits`: ``what`` is
     ``rows``, ``bytes``, ``time`` or ``memory``, ``limit`` its value (rows, bytes or seconds)."""
 
     def __init__(self, what: str, limit: float) -> None:
@@ -955,12 +955,12 @@ class Store(RunQueries):
 
         The database ``gpu_trace`` is the default, so ``SELECT count() FROM spans`` works. Values go
         in as ``{name:Type}`` parameters. ClickHouse's parser decides what the query does
-        (:mod:`gpu_trace.tracer.query_guard`): writes, table functions, file and URL functions,
+        (:mod:`gpu_trace.store.guard`): writes, table functions, file and URL functions,
         ``INTO OUTFILE``, ``SETTINGS`` and most system tables are refused before it runs, and the
         engine runs it with ``readonly=1`` as well. Refusals are :class:`StoreError` starting
         ``gpu-trace sql is read-only: ``.
 
-        ``limits`` (:class:`~gpu_trace.tracer.query_guard.Limits`; none by default) bound the
+        ``limits`` (:class:`~gpu_trace.store.guard.Limits`; none by default) bound the
         result's rows and bytes, the time and the engine's memory: the engine is given them as
         settings, and the result is read block by block, each block checked, so a read that
         passes one stops there with :class:`LimitExceeded` and no rows.
@@ -1024,7 +1024,7 @@ class Store(RunQueries):
     def check_read(
         self, query: str, parameters: dict[str, Any] | None = None
     ) -> query_guard.Checked:
-        """The query as it will run (:class:`~gpu_trace.tracer.query_guard.Checked`), if it only
+        """The query as it will run (:class:`~gpu_trace.store.guard.Checked`), if it only
         reads the store's tables; StoreError saying what was refused if not."""
         if self.client is None:
             raise StoreError("the store is closed")

@@ -1,0 +1,454 @@
+"""Ranks of a distributed job read back: how the ranks waited for each other.
+
+Who each process is was recorded by :mod:`gpu_trace.tracer.ranks`. :func:`rank_summary` (``gpu-trace show``'s Ranks and Collectives sections) joins
+each collective span (category ``collective``, lane :data:`COLLECTIVE_LANE`) to its rank and
+links the ranks' spans of one collective by (process group, sequence number). Definitions
+(docs/distributed.md):
+
+- **enter**: a rank's collective span start (the c10d call on the program's thread);
+- **skew** of a collective: the last rank's enter minus the first's;
+- **wait caused** by the rank that entered last: the sum over the other ranks of the last enter
+  minus theirs (what they spent waiting for it);
+- **straggler**: the rank that entered last most often (ties: the larger wait caused); every
+  rank's times last and wait caused rank them all (``RankStats.entered_last``, ``caused_ns``).
+
+Per step and rank (:func:`rank_steps`, :class:`RankStep`, in :func:`rank_summary`'s ``steps``;
+a rank's steps are its own process's ``step`` spans, ``ProfilerStep#N``), each figure the time
+within the step covered by:
+
+- **computation**: the rank's ``op`` and ``module`` spans (CPU: what torch ran) and its kernels
+  not named ``nccl`` (GPU); a span inside which its thread entered a collective (``backward``
+  around DDP's all-reduce: it holds the rank's wait) counts only outside that thread's collective
+  calls, while the spans that hold none (each layer's backward, the ops) count whole;
+- **communication**: the rank's collective calls (lane :data:`COLLECTIVE_LANE`, enter to the
+  backend's end) and its NCCL kernels;
+- **overlap**: both at once (computation while a collective is in flight: DDP's backward of the
+  next layers while a bucket's all-reduce runs, or a compute kernel beside an NCCL kernel);
+- **idle**: neither: the step minus the union of both.
+
+So ``compute + comm - overlap + idle == step`` exactly, in integer ns, per step and in the
+per-rank totals (sums over the rank's steps).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+
+from gpu_trace.query.summary import Queries
+from gpu_trace.tracer.ranks import COLLECTIVE_LANE
+
+# ---- reading: ranks and collectives ----------------------------------------------------------------
+
+# One process per rank: the one whose facts came from torch.distributed, else the first pid.
+_PROCESSES = """
+SELECT host, pid, any(process_attrs) AS facts
+FROM __db__.threads FINAL
+WHERE run_id = {run_id:String} AND process_attrs['rank'] != ''
+GROUP BY host, pid ORDER BY host, pid
+"""
+
+# Busy time of each process: the union of its spans' intervals (marks and steps left out).
+_BUSY = """
+SELECT host, pid, sum(greatest(0, end_ns - greatest(start_ns, if(rn = 1, start_ns, reach)))) AS busy
+FROM (
+    SELECT host, pid, start_ns, end_ns,
+           max(end_ns) OVER (PARTITION BY host, pid ORDER BY start_ns, end_ns
+                             ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS reach,
+           row_number() OVER (PARTITION BY host, pid ORDER BY start_ns, end_ns) AS rn
+    FROM __db__.spans
+    WHERE run_id = {run_id:String} AND category NOT IN ('mark', 'step')
+      AND (host, pid) IN ({pids:Array(Tuple(String, UInt32))})
+)
+GROUP BY host, pid
+"""
+
+
+@dataclass(frozen=True)
+class RankStats:
+    """One rank: its process (the first one recorded with its rank), where, and how busy."""
+
+    rank: int
+    pid: int
+    host: str
+    local_rank: int | None
+    node: int | None
+    busy_ns: int
+    collectives: int  # its collective calls
+    waited_ns: int  # summed over its collectives: the last rank's enter minus its own
+    pids: list[int] = field(default_factory=list)  # every process that carried the rank
+    entered_last: int = 0  # collectives it entered last (with a skew), the straggler's ranking
+    caused_ns: int = 0  # the waiting it caused there: the other ranks' waits summed
+    steps: int = 0  # its steps; the figures below are sums over them (see RankStep)
+    step_ns: int = 0
+    compute_ns: int = 0
+    comm_ns: int = 0
+    overlap_ns: int = 0
+    idle_ns: int = 0
+
+
+@dataclass(frozen=True)
+class RankStep:
+    """One step of one rank: its computation, communication, their overlap and its idle time
+    (the module docstring defines them; ``compute + comm - overlap + idle == step_ns``)."""
+
+    rank: int
+    step: int  # the rank's i-th step, in time order (steps of two ranks are matched by it)
+    name: str  # as recorded: ProfilerStep#N
+    start_ns: int
+    step_ns: int
+    compute_ns: int
+    comm_ns: int
+    overlap_ns: int
+    idle_ns: int
+
+
+@dataclass(frozen=True)
+class CollectiveStats:
+    """One kind of collective (``all_reduce``...) over the run."""
+
+    op: str
+    count: int  # collectives, each linked across the ranks that took part
+    calls: dict[int, int]  # rank -> its calls
+    total_ns: int  # every rank's spans summed
+    skew_sum_ns: int
+    skew_max_ns: int
+
+
+@dataclass(frozen=True)
+class RankSummary:
+    """A distributed run's ranks, collectives and straggler (see the module docstring)."""
+
+    world_size: int
+    job: str
+    backend: str
+    ranks: list[RankStats]
+    collectives: list[CollectiveStats]
+    straggler: int | None  # the rank that entered last most often
+    straggler_last: int  # how many collectives it entered last
+    straggler_wait_ns: int  # the waiting it caused
+    steps: list[RankStep] = field(default_factory=list)  # every rank's steps, by rank and time
+
+    def as_dict(self) -> dict[str, object]:
+        """Plain data for JSON (``show --json``)."""
+        out = asdict(self)
+        out["collectives"] = [
+            {**c, "calls": {str(k): v for k, v in c["calls"].items()}} for c in out["collectives"]
+        ]
+        return out
+
+
+@dataclass(frozen=True)
+class Process:
+    """A recorded process with a rank: where it ran and its facts (:data:`KEYS`, strings)."""
+
+    host: str
+    pid: int
+    facts: dict[str, str]
+
+    @property
+    def rank(self) -> int:
+        return int(self.facts["rank"])
+
+    def number(self, key: str) -> int | None:
+        """Fact ``key`` as an int, None if absent or not a number."""
+        value = self.facts.get(key, "")
+        return int(value) if value.isdigit() else None
+
+
+def processes(store: Queries, run_id: str) -> list[Process]:
+    """Every recorded process of the run whose facts have a rank."""
+    rows = store.query(_PROCESSES, {"run_id": run_id}).result_rows
+    out = [Process(str(h), int(p), {str(k): str(v) for k, v in f.items()}) for h, p, f in rows]
+    return [p for p in out if p.facts.get("rank", "").isdigit()]
+
+
+def rank_summary(store: Queries, run_id: str) -> RankSummary | None:
+    """The ranks of a distributed run and how they waited for each other; None if no process
+    of the run carries a rank."""
+    procs = processes(store, run_id)
+    if not procs:
+        return None
+    # the process standing for each rank: facts from torch.distributed first, then the lowest pid
+    main: dict[int, Process] = {}
+    pids: dict[int, list[int]] = {}
+    for p in sorted(procs, key=lambda p: (p.facts.get("source") != "torch", p.pid)):
+        main.setdefault(p.rank, p)
+        pids.setdefault(p.rank, []).append(p.pid)
+    keys = [(p.host, p.pid) for p in main.values()]
+    busy = {
+        (str(h), int(pid)): int(b)
+        for h, pid, b in store.query(_BUSY, {"run_id": run_id, "pids": keys}).result_rows
+    }
+    params = {
+        "run_id": run_id,
+        "procs": [(p.host, p.pid, r) for r, p in main.items()],
+        "lane": COLLECTIVE_LANE,
+    }
+    per_op: dict[str, list[int]] = {}  # op -> [count, total, skew sum, skew max]
+    last: dict[int, list[int]] = {}  # rank -> [times last, wait caused]
+    for op, n, first, latest, late, total, caused in store.query(_LINKED, params).result_rows:
+        got = per_op.setdefault(str(op), [0, 0, 0, 0])
+        got[0] += 1
+        got[1] += int(total)
+        if int(n) > 1:
+            skew = int(latest) - int(first)
+            got[2] += skew
+            got[3] = max(got[3], skew)
+            if skew > 0:
+                was = last.setdefault(int(late), [0, 0])
+                was[0] += 1
+                was[1] += int(caused)
+    calls: dict[str, dict[int, int]] = {}
+    per_rank: dict[int, list[int]] = {}  # rank -> [calls, waited]
+    for op, rank, n, waited in store.query(_PER_RANK, params).result_rows:
+        calls.setdefault(str(op), {})[int(rank)] = int(n)
+        mine = per_rank.setdefault(int(rank), [0, 0])
+        mine[0] += int(n)
+        mine[1] += int(waited)
+    steps = rank_steps(store, run_id, main)
+    totals: dict[int, list[int]] = {}  # rank -> [steps, step, compute, comm, overlap, idle]
+    for s in steps:
+        got = totals.setdefault(s.rank, [0] * 6)
+        for i, v in enumerate((1, s.step_ns, s.compute_ns, s.comm_ns, s.overlap_ns, s.idle_ns)):
+            got[i] += v
+    ranks = [
+        RankStats(
+            rank=r,
+            pid=p.pid,
+            host=p.host,
+            local_rank=p.number("local_rank"),
+            node=p.number("node"),
+            busy_ns=busy.get((p.host, p.pid), 0),
+            collectives=per_rank.get(r, [0, 0])[0],
+            waited_ns=per_rank.get(r, [0, 0])[1],
+            pids=sorted(pids[r]),
+            entered_last=last.get(r, [0, 0])[0],
+            caused_ns=last.get(r, [0, 0])[1],
+            **dict(zip(_TOTALS, totals.get(r, [0] * 6))),
+        )
+        for r, p in sorted(main.items())
+    ]
+    collectives = [
+        CollectiveStats(op, v[0], dict(sorted(calls.get(op, {}).items())), v[1], v[2], v[3])
+        for op, v in sorted(per_op.items(), key=lambda kv: -kv[1][1])
+    ]
+    straggler: int | None = None
+    times = caused_ns = 0
+    if last:
+        straggler, (times, caused_ns) = max(last.items(), key=lambda kv: (kv[1][0], kv[1][1]))
+    first_rank = main[min(main)]
+    worlds = [w for p in main.values() if (w := p.number("world_size")) is not None]
+    return RankSummary(
+        world_size=max(worlds or [len(main)]),
+        job=first_rank.facts.get("job", ""),
+        backend=first_rank.facts.get("backend", ""),
+        ranks=ranks,
+        collectives=collectives,
+        straggler=straggler,
+        straggler_last=times,
+        straggler_wait_ns=caused_ns,
+        steps=steps,
+    )
+
+
+# The ranks' collective spans, each with its rank (from the processes chosen above).
+_RANKED = """
+    SELECT s.name AS op, s.attrs['pg'] AS pg, s.attrs['seq'] AS seq, r.rank AS rank,
+           s.start_ns AS enter, s.end_ns - s.start_ns AS dur
+    FROM __db__.spans AS s
+    INNER JOIN (SELECT t.1 AS host, t.2 AS pid, t.3 AS rank
+                FROM (SELECT arrayJoin({procs:Array(Tuple(String, UInt32, Int64))}) AS t)) AS r
+      ON r.host = s.host AND r.pid = s.pid
+    WHERE s.run_id = {run_id:String} AND s.category = 'collective' AND s.lane = {lane:String}
+"""
+
+_LINKED = f"""
+SELECT op, count() AS n, min(enter) AS first, max(enter) AS last,
+       argMax(rank, enter) AS late, sum(dur) AS total, n * max(enter) - sum(enter) AS caused
+FROM ({_RANKED}) GROUP BY op, pg, seq
+"""
+
+# Per rank and op: its calls, and how long it waited (the last enter minus its own).
+_PER_RANK = f"""
+SELECT op, rank, count() AS n, sum(last - enter) AS waited
+FROM ({_RANKED}) AS c
+INNER JOIN (SELECT op, pg, seq, max(enter) AS last FROM ({_RANKED}) GROUP BY op, pg, seq) AS l
+  USING (op, pg, seq)
+GROUP BY op, rank ORDER BY op, rank
+"""
+
+
+# ---- per step and rank: computation, communication, overlap, idle ----------------------------------
+
+_TOTALS = ("steps", "step_ns", "compute_ns", "comm_ns", "overlap_ns", "idle_ns")
+
+_RANK_PROCS = """
+SELECT t.1 AS host, t.2 AS pid, t.3 AS rank
+FROM (SELECT arrayJoin({procs:Array(Tuple(String, UInt32, Int64))}) AS t)
+"""
+
+# Each rank's own steps (its process's step spans), in time order.
+_STEPS_OF_RANKS = f"""
+SELECT r.rank AS rank, s.name AS name, s.start_ns AS start_ns, s.end_ns AS end_ns
+FROM __db__.spans AS s INNER JOIN ({_RANK_PROCS}) AS r ON r.host = s.host AND r.pid = s.pid
+WHERE s.run_id = {{run_id:String}} AND s.category = 'step' AND s.end_ns > s.start_ns
+ORDER BY rank, start_ns, end_ns
+"""
+
+# A rank's work within [lo, hi) per unit (a CPU thread, or a GPU stream's lane: kernels record tid 0)
+# and kind (comm: collective calls and NCCL kernels; compute: ops, modules, other kernels) as
+# disjoint intervals: spans in start order, a new island where a span starts past the furthest end
+# before it, each island its extent. A compute span inside which its thread entered a collective
+# (the first collective call starting at or after it starts before it ends) is of kind 'holds':
+# it holds the wait (`backward` around DDP's all-reduce), and counts only outside the thread's
+# collective calls; its children, which hold none, count whole.
+_WORK = f"""
+SELECT rank, unit, kind, min(start_ns) AS lo, max(end_ns) AS hi
+FROM (
+    SELECT rank, unit, kind, start_ns, end_ns,
+           sum(if(rn = 1 OR start_ns > reach, 1, 0)) OVER (
+               PARTITION BY rank, unit, kind ORDER BY start_ns, end_ns
+               ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS island
+    FROM (
+        SELECT rank, unit, if(kind = 'compute' AND next_call < end_ns, 'holds', kind) AS kind,
+               start_ns, end_ns,
+               max(end_ns) OVER (PARTITION BY rank, unit, kind ORDER BY start_ns, end_ns
+                                 ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS reach,
+               row_number() OVER (PARTITION BY rank, unit, kind ORDER BY start_ns, end_ns) AS rn
+        FROM (
+            SELECT rank, unit, kind, start_ns, end_ns,
+                   min(if(kind = 'comm', start_ns, toInt64(9223372036854775807))) OVER (
+                       PARTITION BY rank, unit ORDER BY start_ns, kind DESC
+                       ROWS BETWEEN CURRENT ROW AND UNBOUNDED FOLLOWING) AS next_call
+            FROM (
+                SELECT r.rank AS rank, if(s.category = 'kernel', s.lane, toString(s.tid)) AS unit,
+                       s.start_ns AS start_ns, s.end_ns AS end_ns,
+                       if(s.category = 'collective' OR
+                          (s.category = 'kernel' AND positionCaseInsensitive(s.name, 'nccl') > 0),
+                          'comm', 'compute') AS kind
+                FROM __db__.spans AS s
+                INNER JOIN ({_RANK_PROCS}) AS r ON r.host = s.host AND r.pid = s.pid
+                WHERE s.run_id = {{run_id:String}} AND s.end_ns > s.start_ns
+                  AND s.end_ns > {{lo:Int64}} AND s.start_ns < {{hi:Int64}}
+                  AND ((s.category = 'collective' AND s.lane = {{lane:String}})
+                       OR s.category IN ('op', 'module', 'kernel'))
+            )
+        )
+    )
+)
+GROUP BY rank, unit, kind, island ORDER BY rank, unit, kind, lo
+"""
+
+Intervals = list[tuple[int, int]]  # disjoint, in order
+
+
+def _union(parts: Iterable[Intervals]) -> Intervals:
+    out: Intervals = []
+    for lo, hi in sorted(i for part in parts for i in part):
+        if out and lo <= out[-1][1]:
+            if hi > out[-1][1]:
+                out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _minus(a: Intervals, b: Intervals) -> Intervals:
+    """``a`` less ``b``."""
+    out: Intervals = []
+    j = 0
+    for lo, hi in a:
+        while j < len(b) and b[j][1] <= lo:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < hi:
+            if b[k][0] > lo:
+                out.append((lo, b[k][0]))
+            lo = max(lo, b[k][1])
+            k += 1
+        if lo < hi:
+            out.append((lo, hi))
+    return out
+
+
+def _both(a: Intervals, b: Intervals) -> Intervals:
+    """``a`` and ``b`` at once."""
+    out: Intervals = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo < hi:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+class _Covered:
+    """How much of a window disjoint intervals cover."""
+
+    def __init__(self, spans: Intervals) -> None:
+        self.spans = spans
+        self.ends = [hi for _, hi in spans]
+
+    def within(self, lo: int, hi: int) -> int:
+        total = 0
+        for a, b in self.spans[bisect.bisect_right(self.ends, lo) :]:
+            if a >= hi:
+                break
+            total += min(b, hi) - max(a, lo)
+        return total
+
+
+def rank_steps(store: Queries, run_id: str, procs: Mapping[int, Process]) -> list[RankStep]:
+    """Every step of each rank (``procs``: the process standing for it) with its computation,
+    communication, overlap and idle time (the module docstring defines them)."""
+    params = {"run_id": run_id, "procs": [(p.host, p.pid, r) for r, p in procs.items()]}
+    steps = store.query(_STEPS_OF_RANKS, params).result_rows
+    if not steps:
+        return []
+    lo, hi = min(int(s[2]) for s in steps), max(int(s[3]) for s in steps)
+    work: dict[int, dict[str, dict[str, Intervals]]] = {}  # rank -> unit -> kind -> intervals
+    rows = store.query(_WORK, {**params, "lo": lo, "hi": hi, "lane": COLLECTIVE_LANE})
+    for rank, unit, kind, a, b in rows.result_rows:
+        work.setdefault(int(rank), {}).setdefault(str(unit), {}).setdefault(str(kind), []).append(
+            (int(a), int(b))
+        )
+    measures: dict[int, tuple[_Covered, _Covered, _Covered, _Covered]] = {}
+    for rank, units in work.items():
+        compute = _union(
+            [u.get("compute", []) for u in units.values()]
+            + [_minus(u.get("holds", []), u.get("comm", [])) for u in units.values()]
+        )
+        comm = _union(u.get("comm", []) for u in units.values())
+        measures[rank] = (
+            _Covered(compute),
+            _Covered(comm),
+            _Covered(_both(compute, comm)),
+            _Covered(_union([compute, comm])),
+        )
+    empty = _Covered([])
+    out: list[RankStep] = []
+    index: dict[int, int] = {}
+    for rank, name, start, end in steps:
+        rank, start, end = int(rank), int(start), int(end)
+        busy, talk, both, either = measures.get(rank, (empty,) * 4)
+        out.append(
+            RankStep(
+                rank=rank,
+                step=index.get(rank, 0),
+                name=str(name),
+                start_ns=start,
+                step_ns=end - start,
+                compute_ns=busy.within(start, end),
+                comm_ns=talk.within(start, end),
+                overlap_ns=both.within(start, end),
+                idle_ns=end - start - either.within(start, end),
+            )
+        )
+        index[rank] = index.get(rank, 0) + 1
+    return out
