@@ -41,6 +41,7 @@ from plotly.io.json import to_json_plotly as to_json  # noqa: E402
 
 from gpu_trace.dashboard import figures, timeline  # noqa: E402
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore  # noqa: E402
+from gpu_trace.query import reads
 from gpu_trace.store.client import Store  # noqa: E402
 from gpu_trace.tracer.run import RunInfo  # noqa: E402
 
@@ -141,7 +142,7 @@ def bench_queries(source: ReadOnlyStore, run_id: str, width: int = 1270) -> None
     print(f"  first open (one scan: overview grid, long spans, tracks, grid rows; kept in memory): "
           f"{1e3 * (time.perf_counter() - t):.0f} ms, {len(tr['tracks'])} tracks, "
           f"{tr['rows']} rows")  # fmt: skip
-    run = source.run(run_id)
+    run = reads.run(source, run_id)
     print(f"  {'window':>12} {'query':>8} {'flows+ctr':>9} {'figure':>8} {'total':>8}"
           f" {'bars':>6} {'density spans':>14} {'cells':>7}")  # fmt: skip
     for frac in (1, 10, 100, 1_000, 10_000, 100_000):
@@ -228,7 +229,7 @@ def bench_browser(source: ReadOnlyStore, runs: list[str], loads: int = 1) -> Non
                 )
                 page.wait_for_timeout(500)
                 zoomed = heap()
-                spans = source.run(run_id)["spans"]
+                spans = reads.run(source, run_id)["spans"]
                 print(f"  {run_id:>12}: {spans:>11,} spans: first page load {load:5.2f} s (scripts"
                       f" run by {nav[1] / 1e3:.2f} s, layout in by {nav[2] / 1e3:.2f} s);"
                       f" JS heap {loaded:6.1f} MiB loaded, {zoomed:6.1f} MiB after a zoom")  # fmt: skip

@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from gpu_trace.export.chrome import write_chrome_trace  # noqa: E402
+from gpu_trace.query import reads  # noqa: E402
 from gpu_trace.store.client import Store  # noqa: E402
 from gpu_trace.store.importer import convert, read_trace, store_spans  # noqa: E402
 
@@ -72,9 +73,9 @@ def hta_check(path: Path, work: Path) -> None:
         t = time.perf_counter()
         stats = write_chrome_trace(
             exported / "rank-0.json.gz",
-            run=store.run(info.run_id),
-            threads=store.threads(info.run_id),
-            span_batches=store.iter_spans(info.run_id),
+            run=reads.run(store, info.run_id),
+            threads=reads.threads(store, info.run_id),
+            span_batches=reads.iter_spans(store, info.run_id),
         )
         print(f"export: {stats['events']:,} events in {time.perf_counter() - t:.1f} s")
     analyses = []

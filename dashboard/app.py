@@ -16,6 +16,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore
+from gpu_trace.query import reads
 
 log = logging.getLogger(__name__)
 
@@ -287,7 +288,7 @@ def warm(source: ReadOnlyStore, run: str | None = None) -> None:
     from gpu_trace.dashboard import timeline
 
     try:
-        run_id = source.resolve_run(run or "last")
+        run_id = reads.resolve_run(source, run or "last")
         timeline.prepare(source, run_id)
     except Exception as exc:  # the page shows store errors; nothing to do here
         log.debug("gpu-trace: warming the dashboard failed: %s", exc)

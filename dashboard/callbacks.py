@@ -20,7 +20,9 @@ from gpu_trace.dashboard import address, figures, gpu_work, panels, reports, sea
 from gpu_trace.dashboard.address import Address
 from gpu_trace.dashboard.layout import TABS
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore
+from gpu_trace.query import reads
 from gpu_trace.query.reads import UnknownRunError
+from gpu_trace.query.source import rows as query_rows
 from gpu_trace.store.client import StoreError
 
 log = logging.getLogger(__name__)
@@ -134,7 +136,7 @@ def open_run(
     out: Outputs = {k: no_update for k in TIMELINE_OUTPUTS}
     out[("selected", "data")] = None
     try:
-        run_id = source.resolve_run(addr.run)
+        run_id = reads.resolve_run(source, addr.run)
         run = timeline.run(source, run_id)
     except Exception as exc:
         return {**out, **_cleared(), ("message", "children"): _fail(exc)}
@@ -286,7 +288,7 @@ def first_view(source: ReadOnlyStore, location: str | None, viewport: int | None
     addr = address.parse(location, TAB_VALUES)
     first = {("tabs", "value"): addr.tab or "timeline", ("viewport", "data"): viewport}
     try:
-        run_id = source.resolve_run(addr.run)
+        run_id = reads.resolve_run(source, addr.run)
     except Exception:
         run_id = None  # open_run says why, in the page
     if run_id and not timeline.prepared(source, run_id):
@@ -426,13 +428,13 @@ def register(app: Dash, source: ReadOnlyStore) -> None:
             with contextlib.suppress(Exception):
                 stamp = source.runs_stamp()
         try:
-            runs = source.runs(limit=500, search=runs_search or None)
+            runs = reads.runs(source, limit=500, search=runs_search or None)
         except Exception as exc:
             return [], [], [], [], _fail(exc), no_update, no_update
         opened: object = no_update
         if ticked and not current and runs and str(shown_stamp).startswith("0:"):
             with contextlib.suppress(Exception):
-                opened = source.resolve_run("last")
+                opened = reads.resolve_run(source, "last")
         shown = [r for r in runs if not status or r.get("status") == status]
         opts = [_run_option(r) for r in runs]
         note = (
@@ -663,7 +665,8 @@ def export_window(source: ReadOnlyStore, run_id: str, t0: int, t1: int) -> tuple
     """Chrome trace JSON of the spans and counters in ``[t0, t1)``, and how many spans it holds."""
     from gpu_trace.export.exporter import export_run, get_exporter
 
-    n = source.rows(
+    n = query_rows(
+        source,
         "SELECT count() AS n FROM __db__.spans WHERE run_id = {run:String}"
         " AND start_ns < {t1:Int64} AND end_ns >= {t0:Int64}",
         {"run": run_id, "t0": t0, "t1": t1},
@@ -678,8 +681,8 @@ def export_window(source: ReadOnlyStore, run_id: str, t0: int, t1: int) -> tuple
         exporter = get_exporter(
             "chrome",
             path=path,
-            run=source.run(run_id),
-            threads=source.threads(run_id),
+            run=reads.run(source, run_id),
+            threads=reads.threads(source, run_id),
             total_spans=int(n),
         )
         spans = source.spans(run_id, start_ns=t0, end_ns=t1)

@@ -22,6 +22,8 @@ from typing import TypedDict
 import numpy as np
 
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore
+from gpu_trace.query.gpu import gpu_summary
+from gpu_trace.query.source import rows as query_rows
 
 #: Span categories of work the device ran (the rest of GPU activity, ``cuda_api`` and
 #: ``cuda_sync``, is on the CPU threads that called CUDA).
@@ -166,7 +168,7 @@ def _intervals(source: ReadOnlyStore, run_id: str) -> dict[int, tuple[np.ndarray
     disjoint ``(starts, ends)`` (cached per run)."""
 
     def compute() -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        table = source.arrow(
+        table = source.query_arrow(
             """
             SELECT toUInt32OrZero(extract(lane, '^gpu([0-9]+)/')) AS device, start_ns, end_ns
             FROM __db__.spans
@@ -226,7 +228,8 @@ def busy_per_step(source: ReadOnlyStore, run_id: str) -> list[StepBusy]:
     devices = _intervals(source, run_id)
     if not devices:
         return []
-    steps = source.rows(
+    steps = query_rows(
+        source,
         """
         SELECT name, pid, start_ns, end_ns FROM __db__.spans
         WHERE run_id = {run:String} AND category = 'step' AND end_ns > start_ns
@@ -259,7 +262,7 @@ def top_kernels(source: ReadOnlyStore, run_id: str, top: int = 20) -> list[Devic
     ``share`` is its total over the device's busy time (kernels that ran at once on two streams
     both count, so shares can add up past 1)."""
     devices: list[DeviceKernels] = []
-    for d in source.gpu_summary(run_id, top)["devices"]:
+    for d in gpu_summary(source, run_id, top)["devices"]:
         kernels = [
             KernelTotal(name=str(k["name"]), short=short_kernel_name(str(k["name"])),
                         count=int(k["count"]), total_ns=int(k["total_ns"]),
@@ -275,7 +278,8 @@ def top_kernels(source: ReadOnlyStore, run_id: str, top: int = 20) -> list[Devic
 
 
 def _span_by_id(source: ReadOnlyStore, run_id: str, span_id: int) -> SpanRef | None:
-    rows = source.rows(
+    rows = query_rows(
+        source,
         """
         SELECT toString(span_id) AS id, toString(parent_span_id) AS parent_id, host,
                pid, tid, lane, category, name, depth, start_ns, end_ns
@@ -322,7 +326,8 @@ def op_gpu_time(source: ReadOnlyStore, run_id: str) -> dict[str, int]:
     span, found by following parent links up from the work (through its API call and any
     range in between), never by matching names. Empty when the run has no server op with GPU
     work under it."""
-    has = source.rows(
+    has = query_rows(
+        source,
         """
         SELECT count() AS n FROM __db__.spans
         WHERE run_id = {run:String} AND lane = 'server/op'
@@ -331,7 +336,8 @@ def op_gpu_time(source: ReadOnlyStore, run_id: str) -> dict[str, int]:
     )
     if not has or not int(has[0]["n"]):
         return {}
-    work = source.rows(
+    work = query_rows(
+        source,
         """
         SELECT parent_span_id AS parent, sum(end_ns - start_ns) AS ns FROM __db__.spans
         WHERE run_id = {run:String} AND category IN {cats:Array(String)}
@@ -348,7 +354,8 @@ def op_gpu_time(source: ReadOnlyStore, run_id: str) -> dict[str, int]:
     for _ in range(MAX_CHAIN):
         if not pending:
             break
-        rows = source.rows(
+        rows = query_rows(
+            source,
             """
             SELECT span_id, parent_span_id, lane, name FROM __db__.spans
             WHERE run_id = {run:String} AND span_id IN {ids:Array(UInt64)}

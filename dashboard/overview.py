@@ -275,12 +275,12 @@ def overview(source: ReadOnlyStore, run_id: str, started_ns: int, ended_ns: int)
     def compute() -> Overview:
         cell = max(1, -(-(max(ended_ns, started_ns + 1) - started_ns) // CELLS))
         params = {"run": run_id, "o": int(started_ns), "cell": int(cell)}
-        grid = source.arrow(_GRID, params)
+        grid = source.query_arrow(_GRID, params)
         grid = grid.cast(plain(grid.schema))
         grid = grid.take(pc.sort_indices(grid, [("cell", "ascending")]))
-        long = source.arrow(_LONG, params)
+        long = source.query_arrow(_LONG, params)
         long = long.cast(plain(long.schema))
-        pins = source.arrow(
+        pins = source.query_arrow(
             _SHORT_PINS, {**params, "cap": MAX_SHORT_PINS, "lanes": list(PIN_LANES)}
         )
         pins = pins.cast(long.schema)

@@ -18,8 +18,9 @@ counts in :attr:`ReadOnlyStore.opens`: while it is unchanged nobody else has wri
 that is down, a directory another process holds too long) is retried on the next request; the
 message says why in one line, and the page shows it.
 
-The store's reads the dashboard needs (:class:`~gpu_trace.query.reads.RunQueries`) are typed
-methods here, each taken under the lock; there is no way to call a store method by name.
+A :class:`ReadOnlyStore` is a :class:`~gpu_trace.query.source.Source`: the dashboard reads through
+the functions of :mod:`gpu_trace.query` like the CLI and ``Run`` do, each query taken under the
+lock and checked; there is no way to call a store method by name.
 """
 
 from __future__ import annotations
@@ -28,13 +29,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pyarrow as pa
 
 from gpu_trace import config
-from gpu_trace.query import gpu as gpu_reads
-from gpu_trace.query.summary import RunSummary, run_summary, step_times
+from gpu_trace.query import reads
 from gpu_trace.store.client import (
     Store,
     StoreError,
@@ -42,6 +42,9 @@ from gpu_trace.store.client import (
     parse_dsn,
     runs_changed_mark,
 )
+
+if TYPE_CHECKING:
+    from clickhouse_connect.driver.query import QueryResult
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +153,7 @@ class ReadOnlyStore:
             log.debug("gpu-trace: store %s given up to a waiting process", self._path)
 
     def runs_stamp(self, timeout_s: float | None = None) -> str:
-        """:meth:`Store.runs_stamp <gpu_trace.query.reads.RunQueries.runs_stamp>`: changes
+        """:func:`~gpu_trace.query.reads.runs_stamp`: changes
         when runs are stored, updated or removed. For an embedded store, the same answer without
         a query (or opening it again) while nobody else has changed runs since the last one:
         held all along, or given up only to processes that changed no run
@@ -163,7 +166,7 @@ class ReadOnlyStore:
                 if (self._store is not None and opens == self.opens) or seen == mark:
                     return stamp
             store = self.store(timeout_s)
-            stamp = store.runs_stamp()
+            stamp = reads.runs_stamp(store)
             self._stamp = (self.opens, stamp, mark)
             return stamp
 
@@ -179,78 +182,35 @@ class ReadOnlyStore:
             raise StoreError(f"the dashboard is read-only: {reason}") from None
         self._checked.add(template)
 
-    def rows(self, template: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-        """Rows of one parameterized SELECT as dicts (``__db__`` is the database)."""
+    def query(self, template: str, params: dict[str, Any] | None = None) -> QueryResult:
+        """One parameterized SELECT (``__db__`` is the database), checked, under the lock."""
         with self._lock:
             store = self.store()
             self._check(store, template, params)
-            return store.dicts(template, params)
+            return store.query(template, params)
 
-    def arrow(self, template: str, params: dict[str, Any] | None = None) -> pa.Table:
-        """One parameterized SELECT as an Arrow table (strings as str)."""
+    def query_arrow(self, template: str, params: dict[str, Any] | None = None) -> pa.Table:
+        """One parameterized SELECT as an Arrow table (strings as str), checked, under the lock."""
         with self._lock:
             store = self.store()
             self._check(store, template, params)
             return store.query_arrow(template, params)
 
-    # ---- the store's reads, under the lock ----------------------------------------------------
-
-    def _read(self, read: Callable[[Store], T]) -> T:
-        with self._lock:
-            return read(self.store())
-
-    def gpu_summary(self, run_id: str, top: int = 10) -> gpu_reads.GpuSummary:
-        """:func:`gpu_reads.gpu_summary <gpu_trace.query.gpu.gpu_summary>`: per device,
-        top kernels, busy and idle time (what ``gpu-trace show`` prints)."""
-        return self._read(lambda s: gpu_reads.gpu_summary(s, run_id, top))
-
-    def runs(self, limit: int = 50, search: str | None = None) -> list[dict[str, Any]]:
-        """:meth:`Store.runs <gpu_trace.query.reads.RunQueries.runs>`."""
-        return self._read(lambda s: s.runs(limit=limit, search=search))
-
-    def run(self, run_id: str) -> dict[str, Any]:
-        """The ``runs`` row of one run with its counts (UnknownRunError if there is none)."""
-        return self._read(lambda s: s.run(run_id))
-
-    def resolve_run(self, ref: str) -> str:
-        """A run id from an id, a unique prefix or ``last``."""
-        return self._read(lambda s: s.resolve_run(ref))
-
-    def summary(self, run_id: str, top: int = 20) -> RunSummary:
-        """The run's summary (:func:`~gpu_trace.query.summary.run_summary`): what `show` prints."""
-        return self._read(lambda s: run_summary(s, run_id, top))
-
-    def steps(self, run_id: str) -> list[dict[str, Any]]:
-        """Each step of a run in order (:func:`~gpu_trace.query.summary.step_times`)."""
-        return self._read(lambda s: step_times(s, run_id))
-
-    def forwarding(self, run_id: str, top: int = 20) -> dict[str, Any]:
-        """Where forwarded ops' time went, per op name."""
-        return self._read(lambda s: s.forwarding(run_id, top=top))
-
-    def threads(self, run_id: str) -> list[dict[str, Any]]:
-        """Thread and process names of a run."""
-        return self._read(lambda s: s.threads(run_id))
-
-    def clock_sync(self, run_id: str) -> list[dict[str, Any]]:
-        """The run's clock samples."""
-        return self._read(lambda s: s.clock_sync(run_id))
-
-    def counts(self, run_id: str) -> dict[str, int]:
-        """Rows of a run per table."""
-        return self._read(lambda s: s.counts(run_id))
+    # ---- pages read whole ----------------------------------------------------------------------
 
     def spans(
         self, run_id: str, start_ns: int | None = None, end_ns: int | None = None
     ) -> list[pa.Table]:
         """Span batches of a run overlapping ``[start_ns, end_ns)``, read whole under the lock."""
-        return self._read(lambda s: list(s.iter_spans(run_id, start_ns=start_ns, end_ns=end_ns)))
+        with self._lock:
+            return list(reads.iter_spans(self, run_id, start_ns=start_ns, end_ns=end_ns))
 
     def counters(
         self, run_id: str, start_ns: int | None = None, end_ns: int | None = None
     ) -> list[pa.Table]:
         """Counter batches of a run within ``[start_ns, end_ns)``, read whole under the lock."""
-        return self._read(lambda s: list(s.iter_counters(run_id, start_ns=start_ns, end_ns=end_ns)))
+        with self._lock:
+            return list(reads.iter_counters(self, run_id, start_ns=start_ns, end_ns=end_ns))
 
     def cached(self, key: tuple, compute: Callable[[], T]) -> T:
         """``compute()`` once per key (runs don't change once ingested; bounded to 64 entries)."""

@@ -16,7 +16,10 @@ from typing import Any
 
 from gpu_trace.dashboard import gpu_work
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore
-from gpu_trace.query.summary import RunSummary
+from gpu_trace.query import reads
+from gpu_trace.query import summary as summaries
+from gpu_trace.query.source import rows as query_rows
+from gpu_trace.query.summary import RunSummary, run_summary
 
 #: Runtime counters (``source = 'runtime'``) the Tenants tab reads, with what they are
 #: (docs/sharing.md, "In the client's run"). Per session (labels ``session``, ``tenant``) but for
@@ -69,7 +72,8 @@ def module_tree(source: ReadOnlyStore, run_id: str, limit: int = 300_000) -> dic
     "truncated"}``; ``path`` joins names with ``/``. At most ``limit`` spans are read (the page says
     when a run has more).
     """
-    rows = source.rows(
+    rows = query_rows(
+        source,
         """
         SELECT span_id, parent_span_id, name, end_ns - start_ns AS dur FROM __db__.spans
         WHERE run_id = {run:String} AND category = 'module' ORDER BY start_ns LIMIT {n:UInt32}
@@ -117,13 +121,13 @@ def module_tree(source: ReadOnlyStore, run_id: str, limit: int = 300_000) -> dic
 
 def step_times(source: ReadOnlyStore, run_id: str) -> list[dict[str, Any]]:
     """Steps of a run in order: ``name, pid, index, start_ns, dur_ns`` (index per process)."""
-    return source.steps(run_id)
+    return summaries.step_times(source, run_id)
 
 
 def summary(source: ReadOnlyStore, run_id: str, top: int = 25) -> dict[str, Any]:
     """Everything the Summary tab shows."""
-    base = source.summary(run_id, top=top)
-    fwd = source.forwarding(run_id, top=top)
+    base = run_summary(source, run_id, top=top)
+    fwd = reads.forwarding(source, run_id, top=top)
     if fwd.get("ops"):
         # Each forwarded op's GPU time: the device work under its server op spans, by parent
         # links (gpu_work.op_gpu_time); None when the server recorded no GPU activity.
@@ -186,10 +190,11 @@ def tenants(source: ReadOnlyStore, run_id: str, buckets: int = 60) -> dict[str, 
     "max_ns"}], "events": [{"tenant", "session", "kind", "start_ns", "end_ns", "attrs",
     "index"}], "summary": [per tenant]}``; ``ts_ns`` of a bucket is its start.
     """
-    run = source.run(run_id)
+    run = reads.run(source, run_id)
     r0, r1 = int(run["started_ns"]), int(run["ended_ns"] or run["started_ns"] + 1)
     params: dict[str, Any] = {"run": run_id}
-    counter_rows = source.rows(
+    counter_rows = query_rows(
+        source,
         """
         SELECT labels['tenant'] AS tenant, labels['session'] AS session, metric, ts_ns, value
         FROM __db__.counters
@@ -201,7 +206,8 @@ def tenants(source: ReadOnlyStore, run_id: str, buckets: int = 60) -> dict[str, 
     )
     # A server span's session and tenant are its attrs, stamped by the server when it wrote it
     # (runtime/protocol/span_tables.py span_owner); empty in a run stored before they were.
-    executes = source.rows(
+    executes = query_rows(
+        source,
         """
         SELECT s.attrs['session'] AS session, s.attrs['tenant'] AS tenant, count() AS batches,
                sum(toUInt64OrZero(s.attrs['ops'])) AS ops, p.host AS host, p.pid AS pid
@@ -214,7 +220,8 @@ def tenants(source: ReadOnlyStore, run_id: str, buckets: int = 60) -> dict[str, 
         """,
         params,
     )
-    extent = source.rows(
+    extent = query_rows(
+        source,
         """
         SELECT min(start_ns) AS lo, max(end_ns) AS hi, count() AS n FROM __db__.spans
         WHERE run_id = {run:String} AND lane IN {lanes:Array(String)}
@@ -227,7 +234,8 @@ def tenants(source: ReadOnlyStore, run_id: str, buckets: int = 60) -> dict[str, 
     lo, hi = (min(times), max(times)) if times else (r0, r1)
     bucket = max(1, -(-(hi - lo + 1) // buckets))
     window = {**params, "lo": lo, "bucket": bucket}
-    busy_rows = source.rows(
+    busy_rows = query_rows(
+        source,
         """
         SELECT session, tenant, b,
                sum(least(end_ns, {lo:Int64} + (b + 1) * {bucket:Int64})
@@ -243,7 +251,8 @@ def tenants(source: ReadOnlyStore, run_id: str, buckets: int = 60) -> dict[str, 
         """,
         window,
     )
-    queue_rows = source.rows(
+    queue_rows = query_rows(
+        source,
         """
         SELECT attrs['session'] AS session, attrs['tenant'] AS tenant,
                intDiv(start_ns - {lo:Int64}, {bucket:Int64}) AS b, count() AS n,
@@ -255,7 +264,8 @@ def tenants(source: ReadOnlyStore, run_id: str, buckets: int = 60) -> dict[str, 
         """,
         window,
     )
-    event_rows = source.rows(
+    event_rows = query_rows(
+        source,
         """
         SELECT attrs['session'] AS session, attrs['tenant'] AS tenant, lane, start_ns, end_ns,
                attrs
@@ -438,7 +448,7 @@ def compare(source: ReadOnlyStore, a: str, b: str, top: int = 15) -> dict[str, A
     totals: dict[str, dict[str, int]] = {}
     fwd: dict[str, dict[str, int]] = {}
     for key, run_id in (("a", a), ("b", b)):
-        summary = source.summary(run_id, top=top)
+        summary = run_summary(source, run_id, top=top)
         out["steps"][key] = _step_stats(summary)
         out["step_series"][key] = step_times(source, run_id)
         per_name: dict[str, int] = {}
@@ -446,7 +456,7 @@ def compare(source: ReadOnlyStore, a: str, b: str, top: int = 15) -> dict[str, A
             for r in lane.ranges:
                 per_name[r.name] = per_name.get(r.name, 0) + r.total_ns
         totals[key] = per_name
-        fwd[key] = source.forwarding(run_id, top=1)["totals"]
+        fwd[key] = reads.forwarding(source, run_id, top=1)["totals"]
     names = sorted(
         set(totals["a"]) | set(totals["b"]),
         key=lambda n: -max(totals["a"].get(n, 0), totals["b"].get(n, 0)),

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore
+from gpu_trace.query.source import rows as query_rows
 
 #: The largest span id: an anchor before every span starting at the same time.
 _LAST_ID = 2**64 - 1
@@ -61,7 +62,8 @@ _BEFORE = " AND start_ns <= {start:Int64} AND (start_ns < {start:Int64} OR span_
 
 def count(source: ReadOnlyStore, run_id: str, term: str) -> int:
     """How many spans of the run match ``term``."""
-    rows = source.rows(
+    rows = query_rows(
+        source,
         f"SELECT count() AS n FROM __db__.spans WHERE {_MATCH}",
         {"run": run_id, "pattern": pattern(term)},
     )
@@ -70,7 +72,8 @@ def count(source: ReadOnlyStore, run_id: str, term: str) -> int:
 
 def _index(source: ReadOnlyStore, run_id: str, term: str, start_ns: int, span_id: int) -> int:
     """How many matches come before the span (``start_ns``, ``span_id``)."""
-    rows = source.rows(
+    rows = query_rows(
+        source,
         f"""
         SELECT count() AS n FROM __db__.spans
         WHERE {_MATCH} AND start_ns <= {{start:Int64}}
@@ -99,9 +102,9 @@ def neighbour(
     elif after is not None:
         anchored = _AFTER
         params.update(start=int(after[0]), id=int(after[1]))
-    rows = source.rows(_NEIGHBOUR.format(anchored=anchored, order=order), params)
+    rows = query_rows(source, _NEIGHBOUR.format(anchored=anchored, order=order), params)
     if not rows and anchored:  # round the end of the run
-        rows = source.rows(_NEIGHBOUR.format(anchored="", order=order), params)
+        rows = query_rows(source, _NEIGHBOUR.format(anchored="", order=order), params)
     if not rows:
         return None
     r = rows[0]

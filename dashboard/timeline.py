@@ -24,7 +24,8 @@ import pyarrow.compute as pc
 from gpu_trace.dashboard import overview
 from gpu_trace.dashboard.gpu_work import device_lane
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore
-from gpu_trace.query import nesting
+from gpu_trace.query import nesting, reads
+from gpu_trace.query.source import rows as query_rows
 
 #: Bars drawn at most per window; narrower spans past this go into density cells.
 MAX_BARS = 4000
@@ -168,7 +169,7 @@ def _lane_rank(track: dict[str, Any], servers: set[tuple[str, int]]) -> tuple:
 
 def run(source: ReadOnlyStore, run_id: str) -> dict[str, Any]:
     """The run's row with its counts (cached: an ingested run does not change)."""
-    return source.cached(("run", run_id), lambda: source.run(run_id))
+    return source.cached(("run", run_id), lambda: reads.run(source, run_id))
 
 
 def _overview(source: ReadOnlyStore, run_id: str) -> overview.Overview:
@@ -218,7 +219,8 @@ def steps_extent(source: ReadOnlyStore, run_id: str) -> tuple[int, int, int] | N
     step); cached per run. A run's first view frames them (docs/dashboard.md, "First view")."""
 
     def compute() -> tuple[int, int, int] | None:
-        rows = source.rows(
+        rows = query_rows(
+            source,
             """
             SELECT count() AS n, min(start_ns) AS lo, max(end_ns) AS hi FROM __db__.spans
             WHERE run_id = {run:String} AND category = 'step' AND end_ns >= start_ns
@@ -258,11 +260,14 @@ def tracks(source: ReadOnlyStore, run_id: str) -> dict[str, Any]:
         found = overview.track_totals(_overview(source, run_id))
         server = {
             (c["host"], int(c["pid"]), int(c["tid"]), c["lane"]): c
-            for c in source.rows(_SERVER_TRACKS, {"run": run_id})
+            for c in query_rows(source, _SERVER_TRACKS, {"run": run_id})
         }
-        names = {(t["host"], t["pid"], t["tid"]): t for t in source.threads(run_id)}
+        names = {(t["host"], t["pid"], t["tid"]): t for t in reads.threads(source, run_id)}
         clients = (
-            {(c["host"], int(c["pid"])): c for c in source.rows(_CLIENT_OWNERS, {"run": run_id})}
+            {
+                (c["host"], int(c["pid"])): c
+                for c in query_rows(source, _CLIENT_OWNERS, {"run": run_id})
+            }
             if server
             else {}
         )
@@ -314,7 +319,8 @@ def window(source: ReadOnlyStore, run_id: str, t0: int, t1: int, width_px: int =
     if served:
         owners = {
             (r["id"], int(r["start_ns"])): r
-            for r in source.rows(
+            for r in query_rows(
+                source,
                 _BAR_OWNERS,
                 {"run": run_id, "starts": sorted({int(b["start_ns"]) for b in served})},
             )
@@ -362,7 +368,8 @@ def _window(source: ReadOnlyStore, run_id: str, t0: int, t1: int, width_px: int)
         " AND end_ns >= {t0:Int64}"
     )
     bars = _ids(
-        source.rows(
+        query_rows(
+            source,
             f"""
         SELECT toString(span_id) AS id, host, pid, tid, lane, category, name, depth,
                start_ns, end_ns
@@ -379,7 +386,7 @@ def _window(source: ReadOnlyStore, run_id: str, t0: int, t1: int, width_px: int)
         threshold, capped = cut + 1, True
         bars = [b for b in bars[:MAX_BARS] if b["end_ns"] - b["start_ns"] >= threshold]
     pinned = _pins(source, where, base, threshold, tr["tracks"])
-    cells = source.arrow(
+    cells = source.query_arrow(
         f"""
         SELECT host, pid, tid, lane, depth,
                intDiv(greatest(start_ns, {{t0:Int64}}) - {{t0:Int64}}, {{bucket:Int64}}) AS bucket,
@@ -436,7 +443,8 @@ def _cell_pins(
     if not len(wanted.start_ns):
         return []
     rows = _ids(
-        source.rows(
+        query_rows(
+            source,
             """
             SELECT toString(span_id) AS id, host, pid, tid, lane, category, name, depth,
                    start_ns, end_ns
@@ -482,7 +490,7 @@ def _pins(
     query = {**params, "thr": threshold, "cap": MAX_PINNED_KINDS,
              "part": max(1, -(-(t1 - t0) // PINS_PER_ROW)),
              "cats": list(overview.PIN_CATEGORIES), "lanes": list(overview.PIN_LANES)}  # fmt: skip
-    longest = source.arrow(
+    longest = source.query_arrow(
         f"""
         SELECT toString(top.1) AS id, host, pid, tid, lane, top.2 AS category, top.3 AS name,
                depth, top.4 AS start_ns, top.5 AS end_ns
@@ -497,7 +505,7 @@ def _pins(
         """,
         query,
     )
-    kinds = source.arrow(
+    kinds = source.query_arrow(
         f"""
         SELECT toString(span_id) AS id, host, pid, tid, lane, category, name, depth, start_ns,
                end_ns
@@ -538,7 +546,8 @@ def flows(source: ReadOnlyStore, run_id: str, t0: int, t1: int) -> dict[str, Any
         # categories, a tenth of a second or more on ten million spans.
         return {"links": [], "total": 0}
     params = {"run": run_id, "t0": int(t0), "t1": int(t1), "cap": MAX_FLOWS}
-    rows = source.rows(
+    rows = query_rows(
+        source,
         """
         SELECT c.host AS c_host, c.pid AS c_pid, c.tid AS c_tid, c.lane AS c_lane,
                c.depth AS c_depth, c.start_ns AS c_start,
@@ -563,7 +572,8 @@ def counter_series(source: ReadOnlyStore, run_id: str) -> list[dict[str, Any]]:
     """Counter metrics of a run: source, metric, samples (cached per run)."""
     return source.cached(
         ("counter_series", run_id),
-        lambda: source.rows(
+        lambda: query_rows(
+            source,
             """
             SELECT source, metric, count() AS samples FROM __db__.counters
             WHERE run_id = {run:String} GROUP BY source, metric ORDER BY source, metric
@@ -591,7 +601,8 @@ def counters(
     if not wanted:
         return {}
     bucket = max(1, -(-(int(t1) - int(t0)) // max(1, int(width_px) // 2)))
-    rows = source.rows(
+    rows = query_rows(
+        source,
         f"""
         SELECT source, metric, {_SERIES} AS series,
                intDiv(ts_ns - {{t0:Int64}}, {{bucket:Int64}}) AS b,
@@ -611,7 +622,8 @@ def counters(
     )
     # The last sample before the window and the first after it, per series: a counter holds
     # its value between samples, so a window narrower than the sampling interval still has one.
-    edges = source.rows(
+    edges = query_rows(
+        source,
         f"""
         SELECT source, metric, {_SERIES} AS series, ts_ns >= {{t1:Int64}} AS after,
                if(after, min(ts_ns), max(ts_ns)) AS ts,
@@ -644,7 +656,7 @@ def counters(
 def clock_sync(source: ReadOnlyStore, run_id: str) -> list[dict[str, Any]]:
     """Clock-offset measurements of a run (remote hosts): ``peer, ts_ns, offset_ns,
     uncertainty_ns`` (cached per run)."""
-    return source.cached(("clock", run_id), lambda: source.clock_sync(run_id))
+    return source.cached(("clock", run_id), lambda: reads.clock_sync(source, run_id))
 
 
 _SPAN_COLUMNS = (
@@ -681,7 +693,9 @@ def span(
         where += " AND start_ns = {start:Int64}"
         params["start"] = int(start_ns)
     found = _ids(
-        source.rows(f"SELECT {_SPAN_COLUMNS} FROM __db__.spans WHERE {where} LIMIT 1", params)
+        query_rows(
+            source, f"SELECT {_SPAN_COLUMNS} FROM __db__.spans WHERE {where} LIMIT 1", params
+        )
     )
     if not found:
         return None
@@ -701,7 +715,8 @@ def span(
     out["parent"] = None
     if parent:
         rows = _ids(
-            source.rows(
+            query_rows(
+                source,
                 f"SELECT {_SPAN_COLUMNS} FROM __db__.spans WHERE run_id = {{run:String}}"
                 " AND span_id = {id:UInt64} LIMIT 1",
                 {"run": run_id, "id": parent},
@@ -710,7 +725,8 @@ def span(
         out["parent"] = rows[0] if rows else None
     elif nesting.nests(me.category):
         rows = _ids(
-            source.rows(
+            query_rows(
+                source,
                 f"""
             SELECT {_SPAN_COLUMNS} FROM __db__.spans
             WHERE run_id = {{run:String}} AND {_SAME_THREAD}
@@ -728,7 +744,8 @@ def span(
         innermost = nesting.innermost(me.start_ns, me.end_ns, candidates)
         out["parent"] = None if innermost is None else rows[innermost]
     children = _ids(
-        source.rows(
+        query_rows(
+            source,
             f"""
         SELECT {_SPAN_COLUMNS}, count() OVER () AS total FROM __db__.spans
         WHERE run_id = {{run:String}} AND parent_span_id = {{id:UInt64}}
@@ -741,7 +758,8 @@ def span(
     first, count, partial = _enclosed(source, run_id, me)
     if first:
         children += _ids(
-            source.rows(
+            query_rows(
+                source,
                 f"""
             SELECT {_SPAN_COLUMNS} FROM __db__.spans
             WHERE run_id = {{run:String}} AND {_SAME_THREAD} AND parent_span_id = 0
@@ -789,7 +807,7 @@ def _enclosed(source: ReadOnlyStore, run_id: str, me: _Selected) -> tuple[list[i
     starting inside it (the count is then a floor)."""
     if me.end_ns <= me.start_ns or not me.span_id or not nesting.encloses(me.category, me.lane):
         return [], 0, False
-    table = source.arrow(
+    table = source.query_arrow(
         f"""
         SELECT span_id, parent_span_id, start_ns, end_ns, category, lane FROM __db__.spans
         WHERE run_id = {{run:String}} AND {_SAME_THREAD}
@@ -832,7 +850,8 @@ def same_range_in_steps(
     or its last one. Empty if the span is not inside a step.
     """
     steps = _ids(
-        source.rows(
+        query_rows(
+            source,
             """
             SELECT toString(span_id) AS id, name, pid, start_ns, end_ns FROM __db__.spans
             WHERE run_id = {run:String} AND category = 'step' ORDER BY start_ns LIMIT 100000
@@ -847,7 +866,8 @@ def same_range_in_steps(
     if s["category"] == "step":  # a step's counterparts are the other steps
         return [{**st, "step": st["name"], "current": st is mine} for st in own]
     same = _ids(
-        source.rows(
+        query_rows(
+            source,
             """
         SELECT toString(span_id) AS id, start_ns, end_ns FROM __db__.spans
         WHERE run_id = {run:String} AND name = {name:String} AND lane = {lane:String}

@@ -5,7 +5,7 @@ them somewhere (a Chrome trace file, an OTLP endpoint, a list in memory). Export
 name through the entry point group ``gpu_trace.exporters``::
 
     exporter = get_exporter("chrome", path="trace.json", run=run, threads=threads)
-    ok = export_run(exporter, store.iter_spans(run_id), store.iter_counters(run_id))
+    ok = export_run(exporter, reads.iter_spans(store, run_id), reads.iter_counters(store, run_id))
 
 Every export in gpu-trace (``gpu-trace export``, ``gpu-trace demo``, the dashboard's) goes through
 :func:`get_exporter` and :func:`export_run`, the one boundary where an exporter's exception is

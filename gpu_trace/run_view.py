@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from gpu_trace import _format as fmt
 from gpu_trace import config
 from gpu_trace._summary_text import SAMPLER_NOTE
+from gpu_trace.query import reads
 from gpu_trace.query.ranks import RankStats, RankStep, RankSummary, rank_summary
 from gpu_trace.query.summary import RangeStats, RunSummary
 
@@ -249,7 +250,7 @@ class Run:
         self._check()
         if self._row is None:
             with _opened(self.dsn) as store:
-                self._row = RunRow.of(store.run(self.id))
+                self._row = RunRow.of(reads.run(store, self.id))
         return self._row
 
     # ---- tables ---------------------------------------------------------------------------------
@@ -264,9 +265,9 @@ class Run:
             raise ValueError(f"top must be a positive int, got {top!r}")
         row = self.row
         with _opened(self.dsn) as store:
-            run = store.run(self.id)
+            run = reads.run(store, self.id)
             data = run_summary(store, self.id, top=top)
-            forwarding = store.forwarding(self.id, top=top)
+            forwarding = reads.forwarding(store, self.id, top=top)
             steps = step_times(store, self.id)
         ranked = ["lane", "name", "category", "count", "total_ns", "self_ns", "median_ns",
                   "mean_ns", "max_ns", "share"]  # fmt: skip
@@ -546,17 +547,19 @@ class Run:
             raise ValueError(f"cannot write {out}: there is no directory {out.parent}")
         self._check()
         with _opened(self.dsn) as store:
-            counts = store.counts(self.id)
+            counts = reads.counts(store, self.id)
             exporter = get_exporter(
                 "chrome",
                 path=out,
-                run=store.run(self.id),
-                threads=store.threads(self.id),
+                run=reads.run(store, self.id),
+                threads=reads.threads(store, self.id),
                 total_spans=counts.get("spans"),
                 rank=rank,
                 world_size=rank + 1 if world_size is None else world_size,
             )
-            ok = export_run(exporter, store.iter_spans(self.id), store.iter_counters(self.id))
+            ok = export_run(
+                exporter, reads.iter_spans(store, self.id), reads.iter_counters(store, self.id)
+            )
         if not ok:
             reason = getattr(exporter, "error", None) or "the exporter failed"
             raise OSError(f"cannot write {out}: {reason}")
@@ -816,7 +819,7 @@ def runs(limit: int = 50, search: str | None = None, store: str | None = None) -
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValueError(f"limit must be a positive int, got {limit!r}")
     with _opened(config.store_dsn(store)) as opened:
-        found = [RunRow.of(r) for r in opened.runs(limit=limit, search=search)]
+        found = [RunRow.of(r) for r in reads.runs(opened, limit=limit, search=search)]
     rows: list[dict[str, object]] = [
         {
             "run_id": r.run_id,
@@ -844,8 +847,8 @@ def run(ref: str = "last", store: str | None = None) -> Run:
         raise ValueError(f"run() takes a run id, a prefix or 'last', got {type(ref).__name__}")
     dsn = config.store_dsn(store)
     with _opened(dsn) as opened:
-        run_id = opened.resolve_run(ref)
-        row = RunRow.of(opened.run(run_id))
+        run_id = reads.resolve_run(opened, ref)
+        row = RunRow.of(reads.run(opened, run_id))
     found = Run(run_id, dsn)
     found._row = row
     return found

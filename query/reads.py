@@ -18,7 +18,7 @@ from gpu_trace.query.source import rows as read_rows
 from gpu_trace.query.summary import RunSummary, event_count, run_summary
 
 if TYPE_CHECKING:
-    from clickhouse_connect.driver.query import QueryResult
+    pass
 
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
@@ -376,76 +376,6 @@ def _iter_ordered(
         if last >= INT64_MAX:
             return
         params["lo"] = last + 1
-
-
-class RunQueries:
-    """The reads above as methods of a source, for callers not yet moved to the functions.
-
-    Mixed into :class:`gpu_trace.store.client.Store` until every caller reads through the
-    functions of this module (issue 27: the store stops importing the query layer)."""
-
-    def query(self, template: str, params: dict[str, Any] | None = None) -> QueryResult:
-        raise NotImplementedError
-
-    def query_arrow(self, template: str, params: dict[str, Any] | None = None) -> pa.Table:
-        raise NotImplementedError
-
-    def dicts(self, template: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-        return read_rows(self, template, params)
-
-    def runs(self, limit: int = 50, search: str | None = None) -> list[dict[str, Any]]:
-        return runs(self, limit, search)
-
-    def runs_started_before(self, wall_ns: int) -> list[tuple[str, str, dict[str, str]]]:
-        return runs_started_before(self, wall_ns)
-
-    def has_runs(self, run_ids: list[str]) -> set[str]:
-        return has_runs(self, run_ids)
-
-    def last_run(self) -> str | None:
-        return last_run(self)
-
-    def runs_stamp(self) -> str:
-        return runs_stamp(self)
-
-    def resolve_run(self, ref: str) -> str:
-        return resolve_run(self, ref)
-
-    def run(self, run_id: str) -> dict[str, Any]:
-        return run(self, run_id)
-
-    def counts(self, run_id: str) -> dict[str, int]:
-        return counts(self, run_id)
-
-    def threads(self, run_id: str) -> list[dict[str, Any]]:
-        return threads(self, run_id)
-
-    def forwarding(self, run_id: str, top: int = 20) -> dict[str, Any]:
-        return forwarding(self, run_id, top)
-
-    def clock_sync(self, run_id: str) -> list[dict[str, Any]]:
-        return clock_sync(self, run_id)
-
-    def summary(self, run_id: str, top: int = 20) -> RunSummary:
-        return summary(self, run_id, top)
-
-    def iter_spans(
-        self,
-        run_id: str,
-        batch_rows: int = 200_000,
-        start_ns: int | None = None,
-        end_ns: int | None = None,
-    ) -> Iterator[pa.Table]:
-        return iter_spans(self, run_id, batch_rows, start_ns, end_ns)
-
-    def iter_counters(
-        self,
-        run_id: str,
-        batch_rows: int = 200_000,
-        start_ns: int | None = None,
-        end_ns: int | None = None,
-    ) -> Iterator[pa.Table]:
-        return iter_counters(self, run_id, batch_rows, start_ns, end_ns)
 
 
 def _run_dict(row: dict[str, Any], counts: dict[str, int]) -> dict[str, Any]:

@@ -47,7 +47,6 @@ from urllib.parse import unquote, urlparse
 import pyarrow as pa
 
 from gpu_trace import config
-from gpu_trace.query.reads import RunQueries, UnknownRunError
 from gpu_trace.store import guard as query_guard
 from gpu_trace.tracer.run import RunInfo
 
@@ -61,7 +60,6 @@ __all__ = [
     "Store",
     "StoreError",
     "LimitExceeded",
-    "UnknownRunError",
     "Target",
     "parse_dsn",
     "schema_ddl",
@@ -618,7 +616,7 @@ def _open_read_only(target: Target, database: str) -> tuple[Client, str]:
     return client, scratch
 
 
-class Store(RunQueries):
+class Store:
     """A connection to the gpu-trace database: ingest, queries, read-only SQL.
 
     ``Store()`` opens the configured store (``GPU_TRACE_STORE``, default chDB under

@@ -15,6 +15,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from gpu_trace.query import reads
+
 Row = Mapping[str, Any]
 
 
@@ -102,16 +104,16 @@ def problems(rows: Iterable[Row]) -> list[str]:
 
 def stored_spans(store: Any, run_id: str) -> list[dict]:
     """A stored run's spans, through the store's public API."""
-    return [r for t in store.iter_spans(run_id) for r in t.to_pylist()]
+    return [r for t in reads.iter_spans(store, run_id) for r in t.to_pylist()]
 
 
 def check_stored(store: Any, ref: str = "last") -> list[dict]:
     """Fail (AssertionError listing them) if the stored run ``ref`` has any of :func:`problems`,
     or a negative self time in its summary (what ``gpu-trace show`` prints); returns its spans."""
-    run_id = store.resolve_run(ref)
+    run_id = reads.resolve_run(store, ref)
     rows = stored_spans(store, run_id)
     found = problems(rows)
-    for lane in store.summary(run_id, top=1000).lanes:
+    for lane in reads.summary(store, run_id, top=1000).lanes:
         for r in lane.ranges:
             if r.self_ns < 0:
                 found.append(f"show: {lane.lane} {r.name!r} self time {r.self_ns} ns")

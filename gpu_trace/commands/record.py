@@ -10,6 +10,7 @@ from gpu_trace import _format as fmt
 from gpu_trace import config
 from gpu_trace.commands import CLIError, check_settings, err, telemetry
 from gpu_trace.commands.runs import release_line, store_module
+from gpu_trace.query import reads
 
 #: record's exit status when the program succeeded but its run could not be stored (sysexits'
 #: EX_TEMPFAIL: the spool is kept, and `gpu-trace ingest DIR` stores it later). A program's own
@@ -100,7 +101,7 @@ def finish_run(
                 report = ingest_run(store, run_dir, progress)
             finally:
                 progress.close()
-            stored = event_count(store.counts(report.run_id))
+            stored = event_count(reads.counts(store, report.run_id))
             try:
                 spool = release_line(release_spool(store, run_dir, keep=keep_spool))
             except store_mod.StoreError as exc:

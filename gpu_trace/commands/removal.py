@@ -25,6 +25,7 @@ from gpu_trace import _format as fmt
 from gpu_trace._progress import PhaseProgress
 from gpu_trace.commands import CLIError, echo, err
 from gpu_trace.commands.runs import checked_dsn, store_module
+from gpu_trace.query import reads
 
 if TYPE_CHECKING:
     from gpu_trace.store.client import Store
@@ -85,7 +86,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
                 targets[run_id] = _Target(run_id, run_dir=dirs.get(run_id))
         if bad:
             raise CLIError("; ".join(bad) + "; nothing was removed")
-        stored = store.has_runs(list(targets))
+        stored = reads.has_runs(store, list(targets))
         live = []
         for t in targets.values():
             t.in_store = t.run_id in stored
@@ -130,9 +131,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
     with store, progress:
         progress("looking at run directories", 0, None)
         dirs = retention.run_dirs()
-        stored = store.has_runs(list(dirs))
+        stored = reads.has_runs(store, list(dirs))
         if not args.spools_only:
-            for run_id, status, attrs in store.runs_started_before(before):
+            for run_id, status, attrs in reads.runs_started_before(store, before):
                 t = _Target(run_id, in_store=True, run_dir=dirs.get(run_id))
                 why = _live(store, t, (status, attrs))
                 if not why and t.run_dir is not None and _last_write_ns(t.run_dir) >= before:
@@ -238,10 +239,9 @@ class _Progress(PhaseProgress):
 def _resolve(store: Store, ref: str, dirs: dict[str, Path], bad: list[str]) -> str | None:
     """The run id ``ref`` names in the store, or else among the run directories; None (and a
     line in ``bad``) when it names none or several."""
-    store_mod = store_module()
     try:
-        return str(store.resolve_run(ref))
-    except store_mod.UnknownRunError as exc:
+        return str(reads.resolve_run(store, ref))
+    except reads.UnknownRunError as exc:
         message = str(exc)
     if ref in dirs:
         return ref
@@ -269,7 +269,7 @@ def _live(store: Store, t: _Target, row: tuple[str, dict[str, str]] | None = Non
             info = None
     if info is None and t.in_store:
         if row is None:
-            stored = store.run(t.run_id)
+            stored = reads.run(store, t.run_id)
             row = (str(stored.get("status", "")), dict(stored.get("attrs") or {}))
         info = RunInfo(t.run_id, "", 0, status=row[0], attrs=row[1])
     if info is None or not retention.is_live(info):

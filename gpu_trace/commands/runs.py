@@ -21,6 +21,7 @@ from gpu_trace._summary_text import clip as _clip
 from gpu_trace._summary_text import render_ranks, render_summary
 from gpu_trace._summary_text import wall_ns as _wall_ns
 from gpu_trace.commands import CLIError, echo, err, telemetry
+from gpu_trace.query import reads
 
 if TYPE_CHECKING:
     from gpu_trace.store.retention import SpoolRelease
@@ -54,10 +55,9 @@ def _open_store(args: argparse.Namespace) -> Any:
 
 
 def _resolve(store: Any, ref: str) -> str:
-    store_mod = store_module()
     try:
-        return store.resolve_run(ref)
-    except store_mod.UnknownRunError as exc:
+        return reads.resolve_run(store, ref)
+    except reads.UnknownRunError as exc:
         raise CLIError(str(exc)) from None
 
 
@@ -129,7 +129,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.limit < 1:
         raise CLIError(f"--limit must be 1 or more, got {args.limit}", 2)
     with _open_store(args) as store:
-        runs = store.runs(limit=args.limit, search=args.search)
+        runs = reads.runs(store, limit=args.limit, search=args.search)
     if args.json:
         echo(json.dumps(runs, default=str, indent=2))
         return 0
@@ -172,13 +172,18 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     with _open_store(args) as store:
         run_id = _resolve(store, args.run)
-        run = store.run(run_id)
-        summary = store.summary(run_id, top=args.top)
-        forwarding = store.forwarding(run_id, top=args.top)
+        run = reads.run(store, run_id)
+        summary = reads.summary(store, run_id, top=args.top)
+        forwarding = reads.forwarding(store, run_id, top=args.top)
         gpu = gpu_summary(store, run_id, top=args.top)
         ranks = rank_summary(store, run_id)
     if args.json:
-        out = {"run": run, "summary": summary.as_dict(), "forwarding": forwarding, "gpu": gpu}
+        out: dict[str, object] = {
+            "run": run,
+            "summary": summary.as_dict(),
+            "forwarding": forwarding,
+            "gpu": gpu,
+        }
         out["ranks"] = ranks.as_dict() if ranks is not None else None
         echo(json.dumps(out, default=str, indent=2))
         return 0
@@ -242,11 +247,11 @@ def _export_ranks(args: argparse.Namespace) -> int:
             out.mkdir(exist_ok=True)
             stats = write_rank_traces(
                 out,
-                store.run(run_id),
-                store.threads(run_id),
+                reads.run(store, run_id),
+                reads.threads(store, run_id),
                 rank_pids,
-                store.iter_spans(run_id),
-                store.iter_counters(run_id),
+                reads.iter_spans(store, run_id),
+                reads.iter_counters(store, run_id),
                 world_size=max(world, max(rank_pids) + 1),
                 backend=backend,
             )
@@ -289,14 +294,14 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise CLIError(f"--world-size must be more than --rank ({args.rank}), got {world_size}", 2)
     with _open_store(args) as store:
         run_id = _resolve(store, args.run)
-        run = store.run(run_id)
-        counts = store.counts(run_id)
+        run = reads.run(store, run_id)
+        counts = reads.counts(store, run_id)
         try:
             exporter = get_exporter(
                 "chrome",
                 path=out,
                 run=run,
-                threads=store.threads(run_id),
+                threads=reads.threads(store, run_id),
                 total_spans=counts.get("spans"),
                 progress=TerminalProgress(sys.stderr),
                 rank=args.rank,
@@ -304,7 +309,9 @@ def cmd_export(args: argparse.Namespace) -> int:
             )
         except OSError as exc:
             raise CLIError(f"cannot write {out}: {exc.strerror or exc}") from None
-        ok = export_run(exporter, store.iter_spans(run_id), store.iter_counters(run_id))
+        ok = export_run(
+            exporter, reads.iter_spans(store, run_id), reads.iter_counters(store, run_id)
+        )
     if not ok:
         reason = getattr(exporter, "error", None) or "the exporter failed"
         kept = (

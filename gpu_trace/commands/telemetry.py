@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from gpu_trace import _format as fmt
 from gpu_trace.commands import CLIError, err
+from gpu_trace.query import reads
 
 if TYPE_CHECKING:
     from gpu_trace.export.endpoint import Collector, Target
@@ -81,10 +82,10 @@ def export(args: argparse.Namespace, store: Store, run_id: str) -> int:
     from gpu_trace.export.otlp import OtlpExporter
 
     collector, target, kinds = _collector(args)
-    run = store.run(run_id)
+    run = reads.run(store, run_id)
     exporter = OtlpExporter(collector, run, kinds)
     # The last requests go at shutdown, whose failure export_run cannot see: the exporter's error.
-    ok = export_run(exporter, store.iter_spans(run_id)) and exporter.error is None
+    ok = export_run(exporter, reads.iter_spans(store, run_id)) and exporter.error is None
     sent = exporter.stats["sent"]
     if not ok:
         reason = exporter.error or "the exporter failed"

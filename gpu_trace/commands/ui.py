@@ -10,6 +10,7 @@ from gpu_trace import _format as fmt
 from gpu_trace.commands import CLIError, echo, err
 from gpu_trace.commands.record import NOT_STORED, finish_run
 from gpu_trace.commands.runs import checked_dsn, render_summary, store_module
+from gpu_trace.query import reads
 
 #: The sample run the demo's dashboard opens on: a real GPU run (an H100 training a GPT-style
 #: model, module ranges, real NVML counters; sample_traces/README.md).
@@ -47,11 +48,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     out = args.output or prepared.run_dir / "trace.json.gz"
     with store_module().Store(dsn) as store:
         run_id = prepared.info.run_id
-        echo(render_summary(store.run(run_id), store.summary(run_id, top=5)))
+        echo(render_summary(reads.run(store, run_id), reads.summary(store, run_id, top=5)))
         exporter = get_exporter(
-            "chrome", path=out, run=store.run(run_id), threads=store.threads(run_id)
+            "chrome", path=out, run=reads.run(store, run_id), threads=reads.threads(store, run_id)
         )
-        if not export_run(exporter, store.iter_spans(run_id), store.iter_counters(run_id)):
+        if not export_run(
+            exporter, reads.iter_spans(store, run_id), reads.iter_counters(store, run_id)
+        ):
             raise CLIError(f"cannot write {out}: {getattr(exporter, 'error', None)}")
     echo(f"\nChrome trace: {out}  (open it in https://ui.perfetto.dev or chrome://tracing)")
     echo(

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from gpu_trace.query import reads
+from gpu_trace.query.source import rows as query_rows
 from gpu_trace.store.client import Store
 from tests.integration.test_record import (
     cpu_hog,  # noqa: F401 (a fixture)
@@ -24,7 +26,7 @@ def _every_run_nests():
     negative self time in the spans or in what `gpu-trace show` prints (tests/span_checks.py)."""
     yield
     with Store() as store:
-        for run in store.runs(limit=1000):
+        for run in reads.runs(store, limit=1000):
             check_stored(store, run["run_id"])
 
 
@@ -108,10 +110,11 @@ def test_record_cells_called_in_a_loop(tmp_path: Path, level: str) -> None:
     )
     assert out.returncode == 0, out.stderr
     with Store() as store:
-        rows = store.dicts(
+        rows = query_rows(
+            store,
             "SELECT name, count() AS n FROM __db__.spans WHERE run_id = {run:String} "
             "AND category = 'module' GROUP BY name",
-            {"run": store.resolve_run("last")},
+            {"run": reads.resolve_run(store, "last")},
         )
     got = {r["name"]: int(r["n"]) for r in rows}
     assert got["Sequence.lstm1"] == got["Sequence.lstm2"] == 20 * got["Sequence"] > 0

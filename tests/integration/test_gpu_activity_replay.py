@@ -21,6 +21,7 @@ import pytest
 from gpu_trace.collectors.gpu_activity import activity_file
 from gpu_trace.collectors.gpu_activity.__main__ import replay
 from gpu_trace.collectors.gpu_activity.activity import RECORD
+from gpu_trace.query import reads
 from gpu_trace.store.client import Store
 from gpu_trace.store.ingest import ingest
 from gpu_trace.tracer.run import RunInfo
@@ -123,7 +124,7 @@ def test_every_record_becomes_a_span_and_every_device_record_finds_its_call(
         # the clock: CUPTI's first time is the anchor's monotonic time, others follow exactly
         _, rows = store.sql("SELECT min(start_ns) FROM gpu_trace.spans")
         assert rows == [(5_000,)]
-        assert store.run("gpu")["attrs"]["gpu_activity_records"] == "13329"
+        assert reads.run(store, "gpu")["attrs"]["gpu_activity_records"] == "13329"
         _, rows = store.sql("SELECT count(), uniqExact(span_id) FROM gpu_trace.spans")
         assert rows == [(13329, 13329)]
     assert not list((run_dir / "spool").glob("gpu_activity-*"))  # converted once, into the spool

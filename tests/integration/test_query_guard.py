@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore
+from gpu_trace.query.source import rows as query_rows
 from gpu_trace.store import guard as query_guard
 from gpu_trace.store.client import Store, StoreError
 
@@ -190,11 +191,11 @@ def test_function_families_allow_no_reader() -> None:
 
 def test_the_dashboard_is_held_to_the_same_rule(store: Store, secret: Path) -> None:
     source = ReadOnlyStore(store=store)
-    assert source.rows("SELECT count() AS n FROM __db__.spans") == [{"n": 0}]
+    assert query_rows(source, "SELECT count() AS n FROM __db__.spans") == [{"n": 0}]
     with pytest.raises(StoreError, match="dashboard is read-only.*file"):
-        source.rows(f"SELECT file('{secret}') AS f")
+        query_rows(source, f"SELECT file('{secret}') AS f")
     with pytest.raises(StoreError, match="dashboard is read-only.*OUTFILE"):
-        source.arrow(f"SELECT 1 INTO OUTFILE '{secret}' TRUNCATE")
+        source.query_arrow(f"SELECT 1 INTO OUTFILE '{secret}' TRUNCATE")
     assert secret.read_text() == SECRET + "\n"
 
 

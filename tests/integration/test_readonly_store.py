@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from gpu_trace.query import reads
 from gpu_trace.store import client as store_mod
 from gpu_trace.store.client import Store, StoreError
 from gpu_trace.tracer.run import RunInfo
@@ -170,10 +171,10 @@ def test_a_store_read_read_only_is_read_whole_and_left_as_it_was(seamed: Path) -
     with Store(f"chdb://{seamed}", reading=True) as store:
         assert store.read_only
         scratch = Path(store._scratch or "")
-        (run,) = store.runs()
+        (run,) = reads.runs(store)
         assert store.sql("SELECT name FROM spans")[1] == [("read-me",)]
-        assert store.counts(run["run_id"])["spans"] == 1
-        assert list(store.iter_spans(run["run_id"]))[0].num_rows == 1
+        assert reads.counts(store, run["run_id"])["spans"] == 1
+        assert list(reads.iter_spans(store, run["run_id"]))[0].num_rows == 1
         sizes = store.run_bytes([run["run_id"]])
         assert sizes is not None and sizes[run["run_id"]] > 0
         # Its tables are read-only in the engine itself: no insert, no delete.
@@ -184,7 +185,7 @@ def test_a_store_read_read_only_is_read_whole_and_left_as_it_was(seamed: Path) -
             store.upsert_run(info)
         with pytest.raises(StoreError, match="read-only"):
             store.delete_run(run["run_id"])
-        assert [r["run_id"] for r in store.runs()] == [run["run_id"]]
+        assert [r["run_id"] for r in reads.runs(store)] == [run["run_id"]]
     assert not scratch.exists()
     assert files(seamed) == before  # no file added, changed or removed: no merge, no cleanup
 

@@ -16,6 +16,7 @@ import torch
 
 import gpu_trace
 from gpu_trace import runtime
+from gpu_trace.query import reads
 from gpu_trace.runtime.client import tensor as rt
 from gpu_trace.runtime.server.server import Server
 from gpu_trace.runtime.server.sink import SpoolSink, StoreSink
@@ -123,7 +124,7 @@ def test_server_spans_go_to_the_shared_store_under_the_clients_run(
     assert clock[0][0] == clock[0][1] >= 12
 
     # The client's runs row stays the client's, with the server's host.
-    run = store.run(info.run_id)
+    run = reads.run(store, info.run_id)
     assert run["command"] == info.command and run["status"] == info.status
 
 
@@ -135,7 +136,7 @@ def test_server_written_run_alone_gets_a_placeholder_row(
         _forward(server, tmp_path / "run", monkeypatch)
     info = RunInfo.load(tmp_path / "run")
     ingest(store, spool / info.run_id)  # before the client's run: still on a clock (the copies)
-    run = store.run(info.run_id)
+    run = reads.run(store, info.run_id)
     assert run["status"] == "server" and run["trace_id"] == info.trace_id
     offsets = _rows(
         store,
@@ -144,7 +145,7 @@ def test_server_written_run_alone_gets_a_placeholder_row(
     )
     assert offsets == [(0,)]
     ingest(store, tmp_path / "run")
-    run = store.run(info.run_id)
+    run = reads.run(store, info.run_id)
     assert run["command"] == info.command
     stats = json.loads(next((spool / info.run_id / "stats").glob("server-*.json")).read_text())
     assert stats["events"] > 0

@@ -17,6 +17,7 @@ import pytest
 
 import gpu_trace
 from gpu_trace._summary_text import render_summary
+from gpu_trace.query import reads
 from gpu_trace.query.summary import RunSummary
 from gpu_trace.store.client import Store
 from gpu_trace.store.ingest import ingest
@@ -71,7 +72,7 @@ def stored(tmp_path: Path, run_id: str, span_rows: list[tuple], counter_rows=())
 
 def summary_of(dsn: str, run_id: str, top: int = 20) -> RunSummary:
     with Store(dsn) as store:
-        return store.summary(run_id, top=top)
+        return reads.summary(store, run_id, top=top)
 
 
 # A parent A with two children on its thread, one of them with a child of its own; a second A;
@@ -164,7 +165,7 @@ def test_sampler_metrics_are_apart(tmp_path: Path) -> None:
     assert [c.metric for c in summary.sampler] == ["call_us.clocks", "call_us.utilization"]
     assert summary.events == 1 + len(SAMPLED)
     with Store(dsn) as store:
-        text = render_summary(store.run("sampled"), summary)
+        text = render_summary(reads.run(store, "sampled"), summary)
     counters, _, sampler = text.partition("the samplers' own metrics")
     assert "gpu_util_pct" in counters and "call_us" not in counters
     assert "call_us.clocks" in sampler and "gpu_util_pct" not in sampler

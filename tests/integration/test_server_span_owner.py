@@ -15,6 +15,7 @@ import gpu_trace
 from gpu_trace import runtime
 from gpu_trace.export.chrome import write_chrome_trace
 from gpu_trace.export.otlp import RunFacts, SpanMapper, parse_kinds, rows
+from gpu_trace.query import reads
 from gpu_trace.runtime.client import tensor as rt
 from gpu_trace.runtime.server.server import Server
 from gpu_trace.runtime.server.sink import SpoolSink
@@ -94,9 +95,11 @@ def test_each_server_span_reads_back_with_the_session_and_tenant_it_was_written_
         assert n >= 5 * 2 + 4
 
     # Exported, a server span keeps them: Chrome args, OTLP attributes.
-    run = store.run(info.run_id)
+    run = reads.run(store, info.run_id)
     chrome = tmp_path / "trace.json"
-    write_chrome_trace(chrome, run, store.threads(info.run_id), store.iter_spans(info.run_id))
+    write_chrome_trace(
+        chrome, run, reads.threads(store, info.run_id), reads.iter_spans(store, info.run_id)
+    )
     events = json.loads(chrome.read_text())
     events = events["traceEvents"] if isinstance(events, dict) else events
     served = [e for e in events if e.get("cat") == "server" and e.get("ph") == "X"]
@@ -104,7 +107,7 @@ def test_each_server_span_reads_back_with_the_session_and_tenant_it_was_written_
     assert {(e["args"]["session"], e["args"]["tenant"]) for e in served} == set(written.items())
     mapper = SpanMapper(RunFacts.of(run), parse_kinds("all"))
     sent = []
-    for batch in store.iter_spans(info.run_id):
+    for batch in reads.iter_spans(store, info.run_id):
         sent += mapper.add(rows(batch))
     sent += mapper.finish()
     owners = {

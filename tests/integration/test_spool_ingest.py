@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gpu_trace.query import reads
 from gpu_trace.store.client import Store
 from gpu_trace.store.ingest import ingest
 from gpu_trace.tracer.run import RunInfo
@@ -35,7 +36,7 @@ def test_damaged_batches_are_named_counted_and_not_stored(tmp_path: Path) -> Non
             "SELECT count(), countIf(start_ns < 0 OR end_ns < start_ns) FROM gpu_trace.spans"
         )
         assert rows == [(2 * BATCH_ROWS + 100, 0)]
-        assert store.run("r")["attrs"]["damaged_batches"] == "1"
+        assert reads.run(store, "r")["attrs"]["damaged_batches"] == "1"
         # Logged as done with its problem: a second ingest neither repeats nor stores it.
         again = ingest(store, run_dir)
         assert again.files_skipped == len(list_spool(run_dir)) and again.rows_total == 0

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from gpu_trace import cli, config
+from gpu_trace.query import reads
 from gpu_trace.store.client import Store
 from gpu_trace.store.ingest import ingest
 from gpu_trace.store.retention import INGESTED_FILE, release_spool
@@ -58,7 +59,7 @@ def test_record_removes_the_spool_once_the_store_holds_it(
     marker = json.loads((run_dir / INGESTED_FILE).read_text())
     assert marker["rows"]["spans"] >= 50 and marker["removed_files"] >= 1
     with Store() as store:
-        assert store.counts(run_dir.name)["spans"] == marker["rows"]["spans"]
+        assert reads.counts(store, run_dir.name)["spans"] == marker["rows"]["spans"]
     # Nothing is left to ingest: one clear line, not an empty run.
     code, _, err = run_cli(capsys, "ingest", str(run_dir))
     assert code == 2 and "its spool was removed after it was ingested into chdb://" in err

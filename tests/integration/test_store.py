@@ -13,7 +13,10 @@ import pyarrow as pa
 import pytest
 
 import gpu_trace
-from gpu_trace.store.client import Store, StoreError, UnknownRunError, check_writable
+from gpu_trace.query import reads
+from gpu_trace.query.reads import UnknownRunError
+from gpu_trace.query.source import rows as query_rows
+from gpu_trace.store.client import Store, StoreError, check_writable
 from gpu_trace.store.ingest import ingest
 from gpu_trace.tracer.records import SPAN_SCHEMA, attrs_column, dict_column, numeric_column
 from gpu_trace.tracer.run import RunInfo
@@ -101,16 +104,21 @@ def test_ingest_roundtrip_from_a_real_recording(
     # 3 steps + 3 x (outer, inner, tick)
     assert report.rows == {"spans": 12, "counters": 3, "clock_sync": 0}
     assert report.files_ingested == len(list_spool(run_dir)) and report.problems == []
-    assert store.counts("rt-1") == {"spans": 12, "counters": 3, "clock_sync": 0, "threads": 1}
+    assert reads.counts(store, "rt-1") == {
+        "spans": 12,
+        "counters": 3,
+        "clock_sync": 0,
+        "threads": 1,
+    }
 
-    run = store.run("rt-1")
+    run = reads.run(store, "rt-1")
     info = RunInfo.load(run_dir)
     assert run["trace_id"] == info.trace_id and run["status"] == "finished"
     assert run["duration_ns"] == info.ended_ns - info.started_ns > 0
     assert run["attrs"]["events"] == "15" and run["attrs"]["dropped"] == "0"
     assert run["started_wall_ns"] > 1_600_000_000 * 10**9
 
-    spans = pa.concat_tables(store.iter_spans("rt-1"))
+    spans = pa.concat_tables(reads.iter_spans(store, "rt-1"))
     assert spans.num_rows == 12
     assert spans.column("start_ns").to_pylist() == sorted(spans.column("start_ns").to_pylist())
     names = spans.column("name").to_pylist()
@@ -122,10 +130,10 @@ def test_ingest_roundtrip_from_a_real_recording(
     outer_ids = {r["span_id"] for r in outer}
     assert all(r["parent_span_id"] in outer_ids and r["depth"] == 1 for r in inner)
 
-    counters = pa.concat_tables(store.iter_counters("rt-1")).to_pylist()
+    counters = pa.concat_tables(reads.iter_counters(store, "rt-1")).to_pylist()
     assert [c["value"] for c in counters] == [1.0, 0.5, 1.0 / 3]
     assert {c["metric"] for c in counters} == {"loss"}
-    threads = store.threads("rt-1")
+    threads = reads.threads(store, "rt-1")
     assert len(threads) == 1 and threads[0]["thread_name"] == "MainThread"
 
 
@@ -137,8 +145,8 @@ def test_ingest_twice_adds_no_rows(
     second = ingest(store, run_dir)
     assert second.rows_total == 0
     assert second.files_skipped == first.files_ingested and second.files_ingested == 0
-    assert store.counts("twice")["spans"] == 12
-    assert len(store.runs()) == 1
+    assert reads.counts(store, "twice")["spans"] == 12
+    assert len(reads.runs(store)) == 1
 
 
 def test_resumes_a_crash_between_insert_and_log(
@@ -155,10 +163,15 @@ def test_resumes_a_crash_between_insert_and_log(
     store.client.command(
         "ALTER TABLE gpu_trace.spans DELETE WHERE name = 'inner' SETTINGS mutations_sync = 1"
     )
-    assert store.counts("crash")["spans"] == 9
+    assert reads.counts(store, "crash")["spans"] == 9
     report = ingest(store, run_dir)
     assert report.rows == {"spans": 3, "counters": 0, "clock_sync": 0}
-    assert store.counts("crash") == {"spans": 12, "counters": 3, "clock_sync": 0, "threads": 1}
+    assert reads.counts(store, "crash") == {
+        "spans": 12,
+        "counters": 3,
+        "clock_sync": 0,
+        "threads": 1,
+    }
     assert ingest(store, run_dir).files_skipped == report.files_ingested
 
 
@@ -176,7 +189,7 @@ def test_truncated_and_corrupt_spool_keep_every_readable_row(store: Store, tmp_p
 
     report = ingest(store, run_dir)
     assert report.rows["spans"] == readable
-    assert store.counts("damaged")["spans"] == readable
+    assert reads.counts(store, "damaged")["spans"] == readable
     truncated = next(p for p in report.problems if p.startswith(path.name))
     assert f"kept {readable} rows, skipped the rest:" in truncated
     garbage = next(p for p in report.problems if p.startswith("spans-7-zzzzzz"))
@@ -190,19 +203,19 @@ def test_unknown_run_lists_recent_runs_and_last_resolves(store: Store, tmp_path:
         hand_made_run(tmp_path / name, spans_table([(1, 0, 1, "l", "nvtx", "x", 0, 5, 0)]))
         ingest(store, tmp_path / name)
     with pytest.raises(UnknownRunError) as err:
-        store.resolve_run("nope")
+        reads.resolve_run(store, "nope")
     assert isinstance(err.value, LookupError)
     assert "nope" in str(err.value)
     assert all(r in str(err.value) for r in ("20260101-000000-aaaaaa", "20260102-000000-cccccc"))
     with pytest.raises(UnknownRunError, match="ambiguous"):
-        store.resolve_run("20260101-000000-aa")
-    assert store.resolve_run("20260101-000000-aab") == "20260101-000000-aabbbb"
-    assert store.resolve_run("20260102-000000-cccccc") == "20260102-000000-cccccc"
+        reads.resolve_run(store, "20260101-000000-aa")
+    assert reads.resolve_run(store, "20260101-000000-aab") == "20260101-000000-aabbbb"
+    assert reads.resolve_run(store, "20260102-000000-cccccc") == "20260102-000000-cccccc"
     # All three have started_ns 0 and no clock anchor; last is the one ingested last.
-    assert store.resolve_run("last") == "20260102-000000-cccccc"
+    assert reads.resolve_run(store, "last") == "20260102-000000-cccccc"
     with pytest.raises(UnknownRunError):
-        store.run("nope")
-    assert [r["run_id"] for r in store.runs(search="CCCC")] == ["20260102-000000-cccccc"]
+        reads.run(store, "nope")
+    assert [r["run_id"] for r in reads.runs(store, search="CCCC")] == ["20260102-000000-cccccc"]
 
 
 def test_last_is_the_newest_recording(
@@ -211,8 +224,8 @@ def test_last_is_the_newest_recording(
     ingest(store, record(tmp_path / "runs" / "zz-older", monkeypatch, steps=1))
     time.sleep(0.01)
     ingest(store, record(tmp_path / "runs" / "aa-newer", monkeypatch, steps=1))
-    assert store.resolve_run("last") == "aa-newer"
-    assert [r["run_id"] for r in store.runs()] == ["aa-newer", "zz-older"]
+    assert reads.resolve_run(store, "last") == "aa-newer"
+    assert [r["run_id"] for r in reads.runs(store)] == ["aa-newer", "zz-older"]
 
 
 def test_summary_self_time_on_a_nested_trace(store: Store, tmp_path: Path) -> None:
@@ -229,7 +242,7 @@ def test_summary_self_time_on_a_nested_trace(store: Store, tmp_path: Path) -> No
     ]
     hand_made_run(tmp_path / "nested", spans_table(rows))
     ingest(store, tmp_path / "nested")
-    summary = store.summary("nested", top=10)
+    summary = reads.summary(store, "nested", top=10)
     lanes = {lane.lane: lane for lane in summary.lanes}
     assert set(lanes) == {"cpu", "worker"}
     cpu = {r.name: r for r in lanes["cpu"].ranges}
@@ -242,7 +255,7 @@ def test_summary_self_time_on_a_nested_trace(store: Store, tmp_path: Path) -> No
     assert [r.name for r in lanes["cpu"].ranges] == ["A", "C", "B", "D"]
     assert [r.name for r in lanes["cpu"].by_self][:1] == ["A"]
     assert lanes["cpu"].spans == 5 and lanes["worker"].by_self[0].self_ns == 60
-    top1 = store.summary("nested", top=1)
+    top1 = reads.summary(store, "nested", top=1)
     cpu1 = next(lane for lane in top1.lanes if lane.lane == "cpu")
     assert [r.name for r in cpu1.ranges] == ["A"]
 
@@ -255,7 +268,7 @@ def test_iter_spans_pages_by_start_without_splitting_ties(store: Store, tmp_path
     ]
     hand_made_run(tmp_path / "ties", spans_table(rows[::-1]))
     ingest(store, tmp_path / "ties")
-    pages = list(store.iter_spans("ties", batch_rows=10))
+    pages = list(reads.iter_spans(store, "ties", batch_rows=10))
     assert sum(p.num_rows for p in pages) == 350
     starts = [s for p in pages for s in p.column("start_ns").to_pylist()]
     assert starts == sorted(starts)
@@ -265,7 +278,9 @@ def test_iter_spans_pages_by_start_without_splitting_ties(store: Store, tmp_path
     depths = pages[0].column("depth").to_pylist()[:7]
     assert depths == sorted(depths)  # parents first among equal starts
     # A window keeps spans overlapping it: [120, 260) -> starts 100, 200 (100 ends at 150).
-    window = pa.concat_tables(store.iter_spans("ties", batch_rows=3, start_ns=120, end_ns=260))
+    window = pa.concat_tables(
+        reads.iter_spans(store, "ties", batch_rows=3, start_ns=120, end_ns=260)
+    )
     assert sorted(set(window.column("start_ns").to_pylist())) == [100, 200]
     assert window.num_rows == 14
 
@@ -290,7 +305,7 @@ def test_sql_is_read_only(store: Store, tmp_path: Path) -> None:
     ):
         with pytest.raises(StoreError, match="read-only"):
             store.sql(statement)
-    assert store.counts("q")["spans"] == 1
+    assert reads.counts(store, "q")["spans"] == 1
     assert {"spans", "runs"} <= {r[0] for r in store.sql("SHOW TABLES")[1]}
 
 
@@ -339,7 +354,7 @@ def test_a_store_in_use_by_another_process_is_a_clear_error(tmp_path: Path) -> N
         holder.wait(timeout=60)
         holder.stdout.close()
     with Store(f"chdb://{path}") as s:  # free again once the other process is gone
-        assert s.runs() == []
+        assert reads.runs(s) == []
 
 
 def test_a_store_made_before_stored_ns_gets_it_when_opened(tmp_path: Path) -> None:
@@ -369,14 +384,19 @@ def test_a_store_made_before_stored_ns_gets_it_when_opened(tmp_path: Path) -> No
         rows = store.query("SELECT run_id, stored_ns FROM __db__.runs FINAL ORDER BY run_id")
         assert rows.result_rows == [("old-a", 10), ("old-b", 20)]
         # old-a started later, but old-b was stored (upserted) later.
-        assert store.resolve_run("last") == "old-b"
+        assert reads.resolve_run(store, "last") == "old-b"
         store.upsert_run(RunInfo(run_id="new", trace_id="0" * 32, started_ns=0, status="finished"))
-        assert store.resolve_run("last") == "new"
-        stored = store.run("new")["stored_ns"]
+        assert reads.resolve_run(store, "last") == "new"
+        stored = reads.run(store, "new")["stored_ns"]
         store.upsert_run(RunInfo(run_id="new", trace_id="0" * 32, started_ns=0, status="died"))
-        assert store.run("new")["status"] == "died" and store.run("new")["stored_ns"] == stored
+        assert (
+            reads.run(store, "new")["status"] == "died"
+            and reads.run(store, "new")["stored_ns"] == stored
+        )
     with Store(f"chdb://{path}") as store:  # opened again: nothing more to add
-        assert [c for c in store.dicts("DESCRIBE TABLE __db__.runs") if c["name"] == "stored_ns"]
+        assert [
+            c for c in query_rows(store, "DESCRIBE TABLE __db__.runs") if c["name"] == "stored_ns"
+        ]
 
 
 def test_a_process_waiting_for_the_store_says_so(tmp_path: Path) -> None:
@@ -418,7 +438,7 @@ def test_a_process_waiting_for_the_store_says_so(tmp_path: Path) -> None:
         assert holder.stdout.readline().strip() == "closed"  # the holder let go (still running)
         waiter.join(timeout=60)
         assert opened and not others_waiting(str(path))
-        assert opened[0].runs() == []
+        assert reads.runs(opened[0]) == []
     finally:
         for s in opened:
             s.close()

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from gpu_trace.cli import main
+from gpu_trace.query import reads
 from gpu_trace.query.gpu import gpu_summary
 from gpu_trace.store.client import Store, StoreError
 from gpu_trace.store.importer import import_trace
@@ -81,7 +82,7 @@ def test_every_event_of_the_original_is_a_span(store: Store, full_run: str) -> N
         ).result_rows
     )
     assert apis == {"runtime": 37_027, "driver": 1_860}
-    run = store.run(full_run)
+    run = reads.run(store, full_run)
     assert run["status"] == "finished" and run["trace_id"] == "25a8c11b34694816a5defc448fc21b4f"
     assert run["attrs"]["kineto.cuda_runtime_version"] == "13000"
     # Wall-clock time from baseTimeNanoseconds: the trace was taken on 2026-11-24.
@@ -137,10 +138,10 @@ def test_times_are_exact_and_every_launch_is_linked(store: Store, slice_run: str
 def test_a_second_import_is_refused_with_the_run(
     store: Store, slice_run: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    before = len(store.runs(limit=100))
+    before = len(reads.runs(store, limit=100))
     assert main(["import", str(SLICE), "--store", store.dsn]) == 0
     assert f"already imported as run {slice_run}" in capsys.readouterr().out
-    assert len(store.runs(limit=100)) == before
+    assert len(reads.runs(store, limit=100)) == before
 
 
 def test_sql_reads_the_imported_run(
@@ -233,7 +234,7 @@ def test_the_export_imports_back_as_the_same_run(
         )  # fmt: skip
 
     assert rows(again) == rows(slice_run)
-    before, after = store.run(slice_run), store.run(again)
+    before, after = reads.run(store, slice_run), reads.run(store, again)
     for key in ("trace_id", "started_ns", "ended_ns", "started_wall_ns", "hosts", "status"):
         assert after[key] == before[key], key
     assert dict(after["attrs"])["source_run_id"] == slice_run
@@ -247,7 +248,7 @@ def test_the_dashboards_reads_find_the_device_lanes(store: Store, slice_run: str
     source = ReadOnlyStore(store=store)
     lanes = {t.lane for t in timeline.tracks(source, slice_run)["tracks"]}
     assert {"gpu0/stream7", "cuda_api", "torch/ops"} <= lanes
-    run = store.run(slice_run)
+    run = reads.run(store, slice_run)
     window = timeline.window(source, slice_run, run["started_ns"], run["ended_ns"])
     assert window.density_spans + len(window.bars) > 0
 
@@ -255,13 +256,13 @@ def test_the_dashboards_reads_find_the_device_lanes(store: Store, slice_run: str
 def test_bad_input_is_one_line_and_stores_nothing(
     store: Store, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    before = len(store.runs(limit=100))
+    before = len(reads.runs(store, limit=100))
     bad = tmp_path / "t.json.gz"
     bad.write_bytes(SLICE.read_bytes()[:100_000])
     assert main(["import", str(bad), "--store", store.dsn]) == 1
     err = capsys.readouterr().err
     assert err == "gpu-trace: import: t.json.gz: the gzip stream is truncated; nothing was stored\n"
-    assert len(store.runs(limit=100)) == before
+    assert len(reads.runs(store, limit=100)) == before
 
 
 def test_a_store_failure_leaves_no_part_of_the_run(

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from gpu_trace.query.source import rows as query_rows
 from tests import serving
 from tests.span_checks import check_stored
 
@@ -159,7 +160,8 @@ def _run_id(out: subprocess.CompletedProcess) -> str:
 
 
 def _counts(store: object, run_id: str) -> dict[tuple[str, str], int]:
-    rows = store.dicts(  # type: ignore[attr-defined]
+    rows = query_rows(
+        store,  # type: ignore[attr-defined]
         "SELECT category, name, count() AS n FROM __db__.spans WHERE run_id = {run:String} "
         "GROUP BY category, name",
         {"run": run_id},

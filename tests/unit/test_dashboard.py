@@ -24,6 +24,8 @@ from gpu_trace.dashboard import (  # noqa: E402
     timeline,
 )
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore  # noqa: E402
+from gpu_trace.query import reads
+from gpu_trace.query.source import rows as query_rows
 from gpu_trace.store.client import Store, StoreError  # noqa: E402
 from tests.dashboard_data import (  # noqa: E402
     XSS,
@@ -51,7 +53,8 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReadOnlyStore]:
 
 
 def overlapping(source: ReadOnlyStore, run: str, t0: int, t1: int) -> int:
-    return source.rows(
+    return query_rows(
+        source,
         "SELECT count() AS n FROM __db__.spans WHERE run_id = {r:String}"
         " AND start_ns < {t1:Int64} AND end_ns >= {t0:Int64}",
         {"r": run, "t0": t0, "t1": t1},
@@ -121,7 +124,7 @@ def test_span_details_cross_hosts_and_same_range_in_other_steps(source: ReadOnly
 
 
 def test_names_are_escaped_in_the_figure(source: ReadOnlyStore) -> None:
-    run = source.run("fwd")
+    run = reads.run(source, "fwd")
     tr = timeline.tracks(source, "fwd")
     w = timeline.window(source, "fwd", 0, 3_000_000, 2000)
     fig = figures.timeline(run, tr, w, timeline.flows(source, "fwd", 0, 3_000_000), {}, [], 2000)
@@ -142,7 +145,7 @@ def test_ticks_are_durations_since_the_run_started() -> None:
 
 
 def test_counters_are_bucketed_in_the_window(source: ReadOnlyStore) -> None:
-    run = source.run("local-training")
+    run = reads.run(source, "local-training")
     t0, t1 = run["started_ns"], run["ended_ns"]
     found = timeline.counters(source, "local-training", ["nvml/gpu_util_pct"], t0, t1, 200)
     rows = found["nvml/gpu_util_pct"]
@@ -177,7 +180,8 @@ def test_tenants_of_the_two_tenant_sample(source: ReadOnlyStore) -> None:
     assert len(alice) == len(bob) == 1 and alice[0]["session"] != bob[0]["session"]
     assert alice[0]["pid"] != bob[0]["pid"], "each tenant's session is its own client process"
     # Every server span names its session and tenant, as the server stamped it; one tenant each.
-    stamped = source.rows(
+    stamped = query_rows(
+        source,
         "SELECT attrs['session'] AS s, groupUniqArray(attrs['tenant']) AS t FROM __db__.spans"
         " WHERE run_id = {r:String} AND category = 'server' GROUP BY s ORDER BY s",
         {"r": run},
@@ -201,7 +205,8 @@ def test_tenants_of_the_two_tenant_sample(source: ReadOnlyStore) -> None:
     assert {r["tenant"] for r in data["busy"]} == {r["tenant"] for r in data["queue"]} == {
         "alice", "bob"
     }  # fmt: skip
-    spans = source.rows(
+    spans = query_rows(
+        source,
         "SELECT lane, count() AS n, sum(end_ns - start_ns) AS ns FROM __db__.spans"
         " WHERE run_id = {r:String} AND lane IN ('server/execute', 'server/queue') GROUP BY lane",
         {"r": run},
@@ -214,7 +219,8 @@ def test_tenants_of_the_two_tenant_sample(source: ReadOnlyStore) -> None:
     # The summary is the counters' last values (summed over a tenant's sessions).
     last = {
         (r["t"], r["metric"]): r["v"]
-        for r in source.rows(
+        for r in query_rows(
+            source,
             """SELECT t, metric, sum(v) AS v FROM (
                  SELECT labels['tenant'] AS t, labels['session'] AS s, metric,
                         argMax(value, ts_ns) AS v
@@ -225,13 +231,14 @@ def test_tenants_of_the_two_tenant_sample(source: ReadOnlyStore) -> None:
     }
     peaks = {
         r["t"]: r["v"]
-        for r in source.rows(
+        for r in query_rows(
+            source,
             "SELECT labels['tenant'] AS t, max(value) AS v FROM __db__.counters"
             " WHERE run_id = {r:String} AND metric = 'tenant_memory_bytes' GROUP BY t",
             {"r": run},
         )
     }
-    meta = source.run(run)
+    meta = reads.run(source, run)
     for row in data["summary"]:
         t = row["tenant"]
         for m in ("busy_ns", "queue_wait_ns", "bytes_in", "bytes_out", "quota_waits"):
@@ -277,7 +284,8 @@ def test_a_server_spans_tenant_is_the_one_stamped_on_it_not_its_id_bits(
     source: ReadOnlyStore,
 ) -> None:
     run = "tenants-one-id-prefix"
-    prefixes = source.rows(
+    prefixes = query_rows(
+        source,
         "SELECT uniqExact(bitShiftRight(span_id, 32)) AS n FROM __db__.spans"
         " WHERE run_id = {r:String} AND category = 'server'",
         {"r": run},
@@ -363,7 +371,7 @@ def test_export_window_holds_only_the_window(source: ReadOnlyStore) -> None:
 
 def test_source_sends_only_selects(source: ReadOnlyStore) -> None:
     with pytest.raises(StoreError, match="read-only"):
-        source.rows("DROP TABLE __db__.spans")
+        query_rows(source, "DROP TABLE __db__.spans")
     # Reads only: no method of the dashboard's store writes, or calls the store by name.
     assert not any(hasattr(source, name) for name in ("call", "ingest", "insert_rows", "sql"))
 
@@ -371,7 +379,7 @@ def test_source_sends_only_selects(source: ReadOnlyStore) -> None:
 def test_unreachable_store_is_one_line(tmp_path: Path) -> None:
     src = ReadOnlyStore("http://127.0.0.1:9", lock_timeout_s=0)
     with pytest.raises(StoreError) as exc:
-        src.rows("SELECT 1")
+        query_rows(src, "SELECT 1")
     assert "127.0.0.1:9" in str(exc.value) and "\n" not in str(exc.value)
 
 
@@ -392,7 +400,7 @@ def decoded(spec: dict) -> np.ndarray:
 
 
 def lod_figure(source: ReadOnlyStore, t0: int, t1: int, width: int) -> tuple[timeline.Window, dict]:
-    run = source.run("lod")
+    run = reads.run(source, "lod")
     w = timeline.window(source, "lod", t0, t1, width)
     return w, figures.timeline(run, timeline.tracks(source, "lod"), w, None, {}, [], width)
 
@@ -423,7 +431,7 @@ def test_density_cells_say_how_busy_and_leave_empty_cells_blank(source: ReadOnly
 
 
 def test_bars_are_one_trace_per_category(source: ReadOnlyStore) -> None:
-    run = source.run("fwd")
+    run = reads.run(source, "fwd")
     w = timeline.window(source, "fwd", 0, 3_000_000, 2000)
     fig = figures.timeline(run, timeline.tracks(source, "fwd"), w, None, {}, [], 2000)
     names = [t["name"] for t in fig["data"] if t["type"] == "bar"]
@@ -431,7 +439,7 @@ def test_bars_are_one_trace_per_category(source: ReadOnlyStore) -> None:
 
 
 def test_wide_bars_are_labelled_with_their_name_cut_to_fit(source: ReadOnlyStore) -> None:
-    run = source.run("fwd")
+    run = reads.run(source, "fwd")
     tr = timeline.tracks(source, "fwd")
     w = timeline.window(source, "fwd", 0, 3_000_000, 2000)
     fig = figures.timeline(run, tr, w, None, {}, [], 2000)
@@ -460,7 +468,7 @@ def test_wide_bars_are_labelled_with_their_name_cut_to_fit(source: ReadOnlyStore
 def test_bar_names_are_raw_text_for_the_labels_layer(source: ReadOnlyStore) -> None:
     """static/labels.js sets each name as a text node's textContent (never parsed as markup),
     so the figure carries names as they are, unlike plotly's labels and hovers."""
-    run = source.run("fwd")
+    run = reads.run(source, "fwd")
     w = timeline.window(source, "fwd", 2_900_000, 3_000_000, 2000)  # the script-named span, wide
     fig = figures.timeline(run, timeline.tracks(source, "fwd"), w, None, {}, [], 2000)
     assert XSS in fig["layout"]["meta"]["labels"]["text"]
@@ -736,7 +744,7 @@ MINUTE_WIDTH = 1270  # the plot of a 1600 px window
 def minute_figure(
     source: ReadOnlyStore, t0: int, t1: int, counters: list[str] | None = None
 ) -> tuple[timeline.Window, dict]:
-    run = source.run("minute")
+    run = reads.run(source, "minute")
     w = timeline.window(source, "minute", t0, t1, MINUTE_WIDTH)
     found = timeline.counters(source, "minute", counters or [], t0, t1, MINUTE_WIDTH)
     tr = timeline.tracks(source, "minute")
@@ -870,7 +878,7 @@ def test_panels_keep_a_fixed_gap_for_the_titles_whatever_the_figures_height(
 
 def test_counter_axes_start_at_zero_and_bytes_read_as_bytes(source: ReadOnlyStore) -> None:
     """A flat memory counter had five ticks of one number; plotly wrote 40B for 40 GB."""
-    run = source.run("local-training")
+    run = reads.run(source, "local-training")
     t0, t1 = run["started_ns"], run["ended_ns"]
     picked = ["nvml/gpu_util_pct", "nvml/mem_used_bytes"]
     found = timeline.counters(source, "local-training", picked, t0, t1, 1000)

@@ -23,6 +23,7 @@ from gpu_trace.dashboard import (  # noqa: E402
     timeline,
 )
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore  # noqa: E402
+from gpu_trace.query.source import rows as query_rows
 from gpu_trace.store.client import Store  # noqa: E402
 from gpu_trace.store.importer import import_trace  # noqa: E402
 from tests.dashboard_data import (  # noqa: E402
@@ -203,7 +204,8 @@ def test_the_real_h100_trace_imported_reads_on_the_dashboard(source: ReadOnlySto
     assert all(t.device is None for t in info[:-2]) and info[-2].levels == 1
     found = gpu_work.top_kernels(source, run_id)
     assert [(d["device"], d["kernels"]) for d in found] == [(0, kernels)]
-    longest = source.rows(
+    longest = query_rows(
+        source,
         "SELECT toString(span_id) AS id, toString(parent_span_id) AS parent FROM __db__.spans"
         " WHERE run_id = {r:String} AND category = 'kernel'"
         " ORDER BY end_ns - start_ns DESC LIMIT 1",
@@ -265,9 +267,10 @@ def test_real_cupti_records_through_the_collectors_conversion_read_on_the_dashbo
     assert all("stream 7" in x and "waits of" in x for x in labels[2:]) and len(labels) > 2
     (device,) = gpu_work.top_kernels(source, "cupti")
     assert device["device"] == 0 and device["kernels"] == 523
-    k = source.rows(
+    k = query_rows(
+        source,
         "SELECT toString(span_id) AS id, toString(parent_span_id) AS parent FROM __db__.spans"
-        " WHERE run_id = 'cupti' AND category = 'kernel' ORDER BY start_ns LIMIT 1"
+        " WHERE run_id = 'cupti' AND category = 'kernel' ORDER BY start_ns LIMIT 1",
     )[0]
     chain = gpu_work.launch_chain(source, "cupti", k["id"], k["parent"])
     assert chain and chain[0]["category"] == "cuda_api" and chain[0]["lane"] == "cuda_api"

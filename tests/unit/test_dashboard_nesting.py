@@ -12,6 +12,7 @@ pytest.importorskip("dash")
 
 from gpu_trace.dashboard import panels, timeline  # noqa: E402
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore  # noqa: E402
+from gpu_trace.query.source import rows as query_rows
 from gpu_trace.store.client import Store  # noqa: E402
 from tests.dashboard_data import add_run  # noqa: E402
 from tests.unit.test_dashboard import text_of  # noqa: E402
@@ -108,8 +109,10 @@ def test_a_span_with_more_inside_than_is_read_says_its_count_is_a_floor(
 
 def test_the_store_keeps_the_parents_as_recorded(source: ReadOnlyStore) -> None:
     """The rule is applied when read: the spans table keeps the parent ids its producers named."""
-    rows = source.rows(
-        "SELECT span_id, parent_span_id FROM __db__.spans WHERE run_id = {r:String}", {"r": "nest"}
+    rows = query_rows(
+        source,
+        "SELECT span_id, parent_span_id FROM __db__.spans WHERE run_id = {r:String}",
+        {"r": "nest"},
     )
     assert {r["span_id"]: r["parent_span_id"] for r in rows} == {
         s["span_id"]: s.get("parent_span_id", 0) for s in SPANS

@@ -25,6 +25,7 @@ from gpu_trace.dashboard import (  # noqa: E402
 )
 from gpu_trace.dashboard.address import Address  # noqa: E402
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore  # noqa: E402
+from gpu_trace.query.source import rows as query_rows
 from gpu_trace.store.client import Store  # noqa: E402
 from tests.dashboard_data import (  # noqa: E402
     XSS,
@@ -72,7 +73,8 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReadOnlyStore]:
 
 
 def names_of(source: ReadOnlyStore, run: str) -> list[dict]:
-    return source.rows(
+    return query_rows(
+        source,
         "SELECT toString(span_id) AS id, span_id AS n, name, start_ns FROM __db__.spans"
         " WHERE run_id = {r:String}",
         {"r": run},
@@ -221,7 +223,8 @@ def test_a_run_opens_on_its_steps_with_the_whole_run_a_click_away(source: ReadOn
     on start-up before training."""
     timeline.prepare(source, H100)
     view = callbacks.first_view(source, f"?run={H100}", 1600)
-    steps = source.rows(
+    steps = query_rows(
+        source,
         "SELECT min(start_ns) AS lo, max(end_ns) AS hi FROM __db__.spans"
         " WHERE run_id = {r:String} AND category = 'step'",
         {"r": H100},
@@ -465,7 +468,8 @@ def test_a_two_tenant_runs_lanes_name_their_tenant_and_session(source: ReadOnlyS
         tenant, session = sessions[(t.host, t.pid)]
         assert t.owners == ((tenant, session),)
         assert figures.track_label(t).endswith(f" · tenant {tenant} (session {session})")
-    stamped = source.rows(
+    stamped = query_rows(
+        source,
         "SELECT lane, arraySort(groupUniqArray((attrs['tenant'], attrs['session']))) AS o"
         " FROM __db__.spans WHERE run_id = {r:String} AND category = 'server' GROUP BY lane",
         {"r": TWO},
@@ -495,7 +499,8 @@ def test_each_server_bar_names_its_tenant_and_session(source: ReadOnlyStore) -> 
     t0, t1 = int(run["started_ns"]), int(run["ended_ns"])
     stamped = {
         (r["id"], int(r["start_ns"])): f"tenant {r['t']} (session {r['s']})"
-        for r in source.rows(
+        for r in query_rows(
+            source,
             "SELECT toString(span_id) AS id, start_ns, attrs['tenant'] AS t,"
             " attrs['session'] AS s FROM __db__.spans"
             " WHERE run_id = {r:String} AND category = 'server'",
