@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpu_trace import _format as fmt
-from gpu_trace.query.ranks import RankSummary
+from gpu_trace.query.distributed import RankSummary
 from gpu_trace.query.summary import CounterStats, RunSummary
 
 #: What the samplers' own metrics are, said above their table.

@@ -29,7 +29,7 @@ from gpu_trace import _format as fmt
 from gpu_trace import config
 from gpu_trace._summary_text import SAMPLER_NOTE
 from gpu_trace.query import reads
-from gpu_trace.query.ranks import RankStats, RankStep, RankSummary, rank_summary
+from gpu_trace.query.distributed import RankStats, RankStep, RankSummary, rank_summary
 from gpu_trace.query.summary import RangeStats, RunSummary
 
 if TYPE_CHECKING:

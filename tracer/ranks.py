@@ -8,7 +8,7 @@ Recording side: a process learns its place in the job from the environment its l
 and writes it to ``<run_dir>/ranks/<pid>.json`` (:func:`write`). Ingest puts it in the
 ``threads`` table's ``process_attrs`` (docs/schema.md).
 
-The reading side (rank summaries, per-step analysis) is :mod:`gpu_trace.query.ranks`.
+The reading side (rank summaries, per-step analysis) is :mod:`gpu_trace.query.distributed`.
 """
 
 from __future__ import annotations

@@ -168,7 +168,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     from gpu_trace.commands.kernels import render_kernels
     from gpu_trace.query.gpu import gpu_summary
-    from gpu_trace.query.ranks import rank_summary
+    from gpu_trace.query.distributed import rank_summary
 
     with _open_store(args) as store:
         run_id = _resolve(store, args.run)
@@ -224,7 +224,7 @@ def _render_forwarding(fwd: dict) -> str:
 def _export_ranks(args: argparse.Namespace) -> int:
     """`export RUN --ranks-dir DIR`: one Chrome trace per rank (docs/distributed.md)."""
     from gpu_trace.export.chrome import write_rank_traces
-    from gpu_trace.query.ranks import processes
+    from gpu_trace.query.distributed import processes
 
     out: Path = args.ranks_dir
     if args.output is not None:

@@ -1,4 +1,4 @@
-"""Per step and rank: computation, communication, their overlap and idle time (query/ranks.py),
+"""Per step and rank: computation, communication, their overlap and idle time (query/distributed.py),
 on a real chDB store holding spans whose figures are known exactly, and the interval arithmetic
 they rest on."""
 
@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpu_trace._summary_text import render_ranks
-from gpu_trace.query import ranks
+from gpu_trace.query import distributed as ranks
 from gpu_trace.run_view import Run
 from gpu_trace.store.client import Store
 from gpu_trace.tracer.ranks import COLLECTIVE_LANE
