@@ -167,8 +167,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     from gpu_trace.commands.kernels import render_kernels
-    from gpu_trace.query.gpu import gpu_summary
     from gpu_trace.query.distributed import rank_summary
+    from gpu_trace.query.gpu import gpu_summary
 
     with _open_store(args) as store:
         run_id = _resolve(store, args.run)
