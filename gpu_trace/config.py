@@ -189,7 +189,7 @@ def _file(text: str) -> Path:
 
 
 def _dsn(text: str) -> str:
-    from gpu_trace.store.client import parse_dsn
+    from gpu_trace.store.dsn import parse_dsn
 
     try:
         parse_dsn(text)

@@ -79,7 +79,8 @@ class Profile:
         ingest: bool = True,
         keep_spool: bool | None = None,
     ) -> None:
-        from gpu_trace.store.client import check_writable, parse_dsn
+        from gpu_trace.store.dsn import parse_dsn
+        from gpu_trace.store.embedded import check_writable
 
         config.check_environment()
         self.torch = config.torch_level(_text("torch", torch))

@@ -20,6 +20,7 @@ NOT_STORED = 75
 
 def cmd_record(args: argparse.Namespace) -> int:
     from gpu_trace import launch
+    from gpu_trace.store.embedded import check_writable
 
     argv = list(args.argv)
     if argv and argv[0] == "--":
@@ -32,7 +33,7 @@ def cmd_record(args: argparse.Namespace) -> int:
         raise CLIError(str(exc), 2) from None
     dsn = config.store_dsn(args.store)
     if not args.no_ingest:
-        problem = store_module().check_writable(dsn)
+        problem = check_writable(dsn)
         if problem:
             raise CLIError(f"cannot record: {problem} (--no-ingest records into a spool only)", 2)
     try:

@@ -36,9 +36,11 @@ def store_module() -> Any:
 def checked_dsn(explicit: str | None) -> str:
     """The store DSN to use (--store, GPU_TRACE_STORE or the default); a malformed one is a
     usage error (exit 2) naming the accepted forms, before anything is opened or created."""
+    from gpu_trace.store.dsn import parse_dsn
+
     dsn = config.store_dsn(explicit)
     try:
-        store_module().parse_dsn(dsn)
+        parse_dsn(dsn)
     except ValueError as exc:
         raise CLIError(f"--store {dsn!r}: {exc}", 2) from None
     return dsn

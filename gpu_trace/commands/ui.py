@@ -22,11 +22,12 @@ H100_OP_RUN = "20261124-174702-6a22f9"
 def cmd_demo(args: argparse.Namespace) -> int:
     from gpu_trace import launch
     from gpu_trace.export.exporter import export_run, get_exporter
+    from gpu_trace.store.embedded import check_writable
 
     workload = Path(__file__).resolve().parents[1] / "_demo_workload.py"
     dsn = checked_dsn(args.store)
     _check_port(args.port)
-    problem = store_module().check_writable(dsn)
+    problem = check_writable(dsn)
     if problem:
         raise CLIError(f"store {dsn} is not usable: {problem}", 2)
     # Without NVML the demo plays back a real H100 recording from the repository, if present.

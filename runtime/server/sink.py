@@ -400,7 +400,7 @@ class StoreSink(SpoolSink):
     kind = "store"
 
     def __init__(self, dsn: str, root: str | Path, interval_s: float = 5.0) -> None:
-        from gpu_trace.store.client import parse_dsn
+        from gpu_trace.store.dsn import parse_dsn
 
         target = parse_dsn(dsn)
         if target.kind != "http":

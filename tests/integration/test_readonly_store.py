@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from gpu_trace.query import reads
-from gpu_trace.store import client as store_mod
+from gpu_trace.store import embedded
 from gpu_trace.store.client import Store, StoreError
 from gpu_trace.tracer.run import RunInfo
 
@@ -162,7 +162,7 @@ def seamed(home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     def read_only(path: str) -> str:
         return f"the store {path} is read-only (Permission denied): nothing can be stored in it"
 
-    monkeypatch.setattr(store_mod, "_check_dir_writable", read_only)
+    monkeypatch.setattr(embedded, "_check_dir_writable", read_only)
     return copy
 
 

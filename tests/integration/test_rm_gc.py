@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from gpu_trace import cli, config
-from gpu_trace.store.client import TABLES, Store
+from gpu_trace.store.client import Store
 from gpu_trace.store.ingest import ingest
+from gpu_trace.store.schema import TABLES
 from gpu_trace.tracer.run import RunInfo, recorder_attrs
 from gpu_trace.tracer.spool import SpoolWriter, list_spool
 from tests.conftest import REPO

@@ -16,7 +16,8 @@ import gpu_trace
 from gpu_trace.query import reads
 from gpu_trace.query.reads import UnknownRunError
 from gpu_trace.query.source import rows as query_rows
-from gpu_trace.store.client import Store, StoreError, check_writable
+from gpu_trace.store.client import Store, StoreError
+from gpu_trace.store.embedded import check_writable
 from gpu_trace.store.ingest import ingest
 from gpu_trace.tracer.records import SPAN_SCHEMA, attrs_column, dict_column, numeric_column
 from gpu_trace.tracer.run import RunInfo
@@ -362,7 +363,7 @@ def test_a_store_made_before_stored_ns_gets_it_when_opened(tmp_path: Path) -> No
     at its next open, its rows reading their last upsert's time, and ``last`` orders by it."""
     import clickhouse_connect
 
-    from gpu_trace.store.client import TABLES, schema_ddl
+    from gpu_trace.store.schema import TABLES, schema_ddl
 
     path = tmp_path / "old-store"
     old = schema_ddl()
@@ -404,7 +405,7 @@ def test_a_process_waiting_for_the_store_says_so(tmp_path: Path) -> None:
     dashboard watches for to give the store up), and lets go once it has the store."""
     import threading
 
-    from gpu_trace.store.client import others_waiting
+    from gpu_trace.store.embedded import others_waiting
 
     path = tmp_path / "store"
     Store(f"chdb://{path}").close()

@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from gpu_trace.store.client import TABLES, parse_dsn, schema_ddl
+from gpu_trace.store.dsn import parse_dsn
+from gpu_trace.store.schema import TABLES, schema_ddl
 
 
 def test_chdb_dsn_forms(tmp_path) -> None:
