@@ -39,8 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plotly.io.json import to_json_plotly as to_json  # noqa: E402
 
-from gpu_trace.dashboard import figures, timeline  # noqa: E402
+from gpu_trace.dashboard import timeline  # noqa: E402
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore  # noqa: E402
+from gpu_trace.plots import figures  # noqa: E402
 from gpu_trace.query import reads
 from gpu_trace.store.client import Store  # noqa: E402
 from gpu_trace.tracer.run import RunInfo  # noqa: E402

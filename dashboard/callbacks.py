@@ -16,13 +16,14 @@ from typing import Any
 from dash import ALL, Dash, Input, Output, Patch, State, ctx, no_update
 from dash.exceptions import PreventUpdate
 
-from gpu_trace.dashboard import address, figures, gpu_work, panels, reports, search, timeline
+from gpu_trace.dashboard import address, panels, reports, timeline
 from gpu_trace.dashboard.address import Address
 from gpu_trace.dashboard.layout import TABS
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore
-from gpu_trace.query import reads
+from gpu_trace.plots import figures
+from gpu_trace.query import gpu_work, reads, windows
+from gpu_trace.query import matches as search
 from gpu_trace.query.reads import UnknownRunError
-from gpu_trace.query.source import rows as query_rows
 from gpu_trace.store.client import StoreError
 
 log = logging.getLogger(__name__)
@@ -665,12 +666,7 @@ def export_window(source: ReadOnlyStore, run_id: str, t0: int, t1: int) -> tuple
     """Chrome trace JSON of the spans and counters in ``[t0, t1)``, and how many spans it holds."""
     from gpu_trace.export.exporter import export_run, get_exporter
 
-    n = query_rows(
-        source,
-        "SELECT count() AS n FROM __db__.spans WHERE run_id = {run:String}"
-        " AND start_ns < {t1:Int64} AND end_ns >= {t0:Int64}",
-        {"run": run_id, "t0": t0, "t1": t1},
-    )[0]["n"]
+    n = windows.spans_in(source, run_id, t0, t1)
     if n > EXPORT_MAX_SPANS:
         raise ValueError(
             f"the window holds {n:,} spans; zoom in below {EXPORT_MAX_SPANS:,} or use "

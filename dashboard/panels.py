@@ -13,10 +13,10 @@ from dash import dcc, html
 from dash.development.base_component import Component
 
 from gpu_trace import _format as fmt
-from gpu_trace.dashboard import charts
-from gpu_trace.dashboard.gpu_work import DeviceKernels, SpanRef, StepBusy
-from gpu_trace.dashboard.reports import NO_TENANT
+from gpu_trace.plots import charts
+from gpu_trace.query.gpu_work import DeviceKernels, SpanRef, StepBusy
 from gpu_trace.query.summary import RunSummary
+from gpu_trace.query.tenancy import NO_TENANT
 
 TENANTS_NOTE = (
     "Per tenant, from the sharing runtime's counters and the server's spans in this run: memory "

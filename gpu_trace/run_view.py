@@ -14,12 +14,10 @@ plotly come with the ``ui`` extra.
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import functools
 import html
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -28,15 +26,13 @@ from typing import TYPE_CHECKING
 from gpu_trace import _format as fmt
 from gpu_trace import config
 from gpu_trace._summary_text import SAMPLER_NOTE
-from gpu_trace.query import reads
+from gpu_trace.query import frames, reads
 from gpu_trace.query.distributed import RankStats, RankStep, RankSummary, rank_summary
 from gpu_trace.query.summary import RangeStats, RunSummary
 
 if TYPE_CHECKING:
-    import numpy as np
     import pandas as pd
     import plotly.graph_objects as go
-    from matplotlib.axes import Axes
 
     from gpu_trace.store.client import Store
 
@@ -50,9 +46,6 @@ TIMELINE_COUNTERS = (
     "nvml/mem_used_bytes",
     "host/cpu_util_pct",
     "user/loss",
-)
-_SPAN_COLUMNS = (
-    "span_id, parent_span_id, host, pid, tid, lane, category, name, start_ns, end_ns, depth, attrs"
 )
 
 
@@ -77,12 +70,6 @@ def _opened(dsn: str) -> Iterator[Store]:
 
     with Store(dsn, reading=True) as store:  # a read-only store is read as `ls` reads it
         yield store
-
-
-def _like(pattern: str) -> str:
-    """A glob (``*``, ``?``) as a LIKE pattern; without wildcards it matches the text exactly."""
-    out = pattern.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-    return out.replace("*", "%").replace("?", "_")
 
 
 def _window(start: int | None, end: int | None) -> None:
@@ -370,35 +357,15 @@ class Run:
             isinstance(limit, bool) or not isinstance(limit, int) or limit < 1
         ):
             raise ValueError(f"limit must be a positive int or None, got {limit!r}")
-        where = ["run_id = {run_id:String}"]
-        params: dict[str, object] = {"run_id": self.id}
         for col, value in (("lane", lane), ("name", name), ("category", category)):
-            if value is None:
-                continue
-            if not isinstance(value, str):
+            if value is not None and not isinstance(value, str):
                 raise ValueError(f"{col} must be a string, got {type(value).__name__}")
-            if col == "category":
-                where.append("category = {category:String}")
-                params["category"] = value
-            else:
-                where.append(f"{col} LIKE {{{col}:String}}")
-                params[col] = _like(value)
-        if start is not None:
-            where.append("end_ns >= {start:Int64}")
-            params["start"] = start
-        if end is not None:
-            where.append("start_ns < {end:Int64}")
-            params["end"] = end
-        if limit is not None:
-            params["limit"] = limit
-        query = (
-            f"SELECT {_SPAN_COLUMNS} FROM __db__.spans WHERE {' AND '.join(where)}"
-            " ORDER BY start_ns, depth, span_id"
-            + (" LIMIT {limit:UInt64}" if limit is not None else "")
-        )
         base = self.row.started_ns
         with _opened(self.dsn) as store:
-            table = store.query_arrow(query, params)
+            table = frames.spans(
+                store, self.id, lane=lane, name=name, category=category, start=start, end=end,
+                limit=limit,
+            )  # fmt: skip
         if limit is not None and table.num_rows >= limit:
             log.warning(
                 "gpu-trace: run %s: showing the first %d spans; pass limit=None for all",
@@ -423,28 +390,11 @@ class Run:
         ``t_ms`` since the run's start.
         """
         _window(start, end)
-        where = ["run_id = {run_id:String}"]
-        params: dict[str, object] = {"run_id": self.id}
-        if name is not None:
-            if not isinstance(name, str):
-                raise ValueError(f"name must be a string, got {type(name).__name__}")
-            where.append(
-                "(concat(source, '/', metric) LIKE {name:String} OR metric LIKE {name:String})"
-            )
-            params["name"] = _like(name)
-        if start is not None:
-            where.append("ts_ns >= {start:Int64}")
-            params["start"] = start
-        if end is not None:
-            where.append("ts_ns < {end:Int64}")
-            params["end"] = end
+        if name is not None and not isinstance(name, str):
+            raise ValueError(f"name must be a string, got {type(name).__name__}")
         base = self.row.started_ns
         with _opened(self.dsn) as store:
-            table = store.query_arrow(
-                "SELECT host, source, device, metric, ts_ns, value, labels FROM __db__.counters"
-                f" WHERE {' AND '.join(where)} ORDER BY ts_ns, source, metric, device, host",
-                params,
-            )
+            table = frames.counters(store, self.id, name=name, start=start, end=end)
         _pd()
         df = table.to_pandas()
         df["labels"] = [dict(a) for a in df["labels"]]
@@ -489,9 +439,8 @@ class Run:
         GitHub) while Jupyter still shows the interactive figure."""
         import plotly.graph_objects as go
 
-        from gpu_trace.dashboard import figures
-        from gpu_trace.dashboard import timeline as tl
-        from gpu_trace.dashboard.readonly_store import ReadOnlyStore
+        from gpu_trace.plots import figures, picture
+        from gpu_trace.query import overview, relatives, series, windows
 
         _window(start, end)
         if isinstance(width, bool) or not isinstance(width, int) or not 200 <= width <= 20000:
@@ -500,25 +449,27 @@ class Run:
         t0 = row.started_ns if start is None else start
         t1 = end if end is not None else max(row.ended_ns or t0 + 1, t0 + 1000)
         with _opened(self.dsn) as store:
-            source = ReadOnlyStore(store=store)
-            run = tl.run(source, self.id)
-            found = [f"{c['source']}/{c['metric']}" for c in tl.counter_series(source, self.id)]
-            picked = self._counters_drawn(found, counters)
-            tracks = tl.tracks(source, self.id)
-            win = tl.window(source, self.id, t0, t1, width)
-            flows = tl.flows(source, self.id, t0, t1)
-            series = tl.counters(source, self.id, picked, t0, t1, width)
-            clock = [c for c in tl.clock_sync(source, self.id) if t0 <= c["ts_ns"] < t1]
+            run = reads.run(store, self.id)
+            names = series.counter_series(store, self.id)
+            picked = self._counters_drawn([f"{c['source']}/{c['metric']}" for c in names], counters)
+            ov = overview.overview(
+                store, self.id, int(run["started_ns"]), int(run["ended_ns"] or 0)
+            )
+            tracks = windows.tracks(store, self.id, ov)
+            win = windows.window(store, self.id, t0, t1, width, ov, tracks)
+            flows = relatives.flows(store, self.id, t0, t1, tracks)
+            lines = series.counters(store, self.id, picked, t0, t1, width)
+            clock = [c for c in reads.clock_sync(store, self.id) if t0 <= c["ts_ns"] < t1]
         if counters is None:
-            series = {k: v for k, v in series.items() if _drawable(v, t0)}
-            series = dict(list(series.items())[:4])
-        figure = figures.timeline(run, tracks, win, flows, series, clock, width)
-        _labels_as_text(figure)
+            lines = {k: v for k, v in lines.items() if _drawable(v, t0)}
+            lines = dict(list(lines.items())[:4])
+        figure = figures.timeline(run, tracks, win, flows, lines, clock, width)
+        picture.labels_as_text(figure)
         figure["layout"]["width"] = width
         plotly_figure = go.Figure(figure)
         if not static:
             return plotly_figure
-        return _figure_with_picture()(plotly_figure, _picture(plotly_figure))
+        return picture.figure_with_picture()(plotly_figure, picture.picture(plotly_figure))
 
     @staticmethod
     def _counters_drawn(found: list[str], asked: list[str] | None) -> list[str]:
@@ -604,27 +555,7 @@ class Run:
         return f"<b>gpu-trace run {html.escape(self.id)}</b><table>{rows}</table>"
 
 
-def _labels_as_text(figure: dict[str, object]) -> None:
-    """The names on the bars as a text trace: the dashboard draws them with its own script
-    (``layout.meta.labels``), which a notebook does not load."""
-    from gpu_trace.dashboard.figures import esc
-
-    layout = figure.get("layout")
-    data = figure.get("data")
-    if not isinstance(layout, dict) or not isinstance(data, list):
-        return
-    labels = (layout.pop("meta", None) or {}).get("labels") or {}
-    if labels.get("text"):
-        beside = labels.get("beside") or [False] * len(labels["text"])
-        data.append(
-            {"type": "scatter", "mode": "text", "x": labels["x"], "y": labels["y"],
-             "text": [esc(t) for t in labels["text"]], "textposition": "middle right",
-             "textfont": {"size": 10, "color": ["#222" if o else "white" for o in beside]},
-             "hoverinfo": "skip", "showlegend": False}
-        )  # fmt: skip
-
-
-def _drawable(rows: list[dict[str, object]], t0: int) -> bool:
+def _drawable(rows: Sequence[Mapping[str, object]], t0: int) -> bool:
     """Whether a counter panel of ``rows`` (``dashboard.timeline.counters``) draws a line in a
     window starting at ``t0``: some series has two samples, the last in or after the window. A
     short block has one host sample at most (2 a second), from before it: that is no line, and
@@ -633,184 +564,6 @@ def _drawable(rows: list[dict[str, object]], t0: int) -> bool:
     for r in rows:
         by_series.setdefault(r["series"], []).append(int(str(r["ts_ns"])))
     return any(len(ts) > 1 and max(ts) >= t0 for ts in by_series.values())
-
-
-@functools.cache
-def _figure_with_picture() -> type:
-    """A plotly Figure that carries a PNG of itself and offers both to Jupyter (plotly is
-    imported lazily, so the class is made on first use)."""
-    import plotly.graph_objects as go
-
-    class Figure(go.Figure):
-        def __init__(self, figure: go.Figure, png: bytes) -> None:
-            super().__init__(figure)
-            self._png = png
-
-        @property
-        def png(self) -> bytes:
-            """The figure drawn as a PNG (matplotlib)."""
-            return self._png
-
-        def _repr_mimebundle_(
-            self,
-            include: object = None,
-            exclude: object = None,
-            validate: bool = True,
-            **kw: object,
-        ) -> dict[str, object]:
-            # Jupyter draws plotly's own mime type; a viewer that runs no JavaScript (nbconvert,
-            # GitHub) takes the PNG. Plotly's text/html would be chosen before the PNG there and
-            # show nothing without its script, so it is left out.
-            bundle = dict(super()._repr_mimebundle_(include, exclude, validate, **kw) or {})
-            bundle.pop("text/html", None)
-            bundle["image/png"] = base64.b64encode(self._png).decode("ascii")
-            bundle.setdefault("text/plain", f"<timeline figure, {len(self.data)} traces>")
-            return bundle
-
-        def _ipython_display_(self) -> None:
-            # plotly's own shows its renderer's bundle, which has no PNG.
-            from IPython.display import display
-
-            display(self._repr_mimebundle_(), raw=True)
-
-    return Figure
-
-
-def _rgba(color: object) -> str | tuple[float, float, float, float]:
-    """A plotly colour (``#hex``, ``rgb(...)``, ``rgba(...)``) as matplotlib takes it."""
-    text = str(color)
-    if text.startswith("rgb"):
-        parts = [float(v) for v in text[text.index("(") + 1 : text.rindex(")")].split(",")]
-        return (parts[0] / 255, parts[1] / 255, parts[2] / 255, parts[3] if len(parts) > 3 else 1.0)
-    return text
-
-
-def _values(spec: object) -> np.ndarray:
-    """A trace's array: a sequence (None for a gap), an array, or plotly's typed-array dict
-    (``dashboard.figures.typed``)."""
-    import numpy as np
-
-    if isinstance(spec, dict) and "bdata" in spec:
-        shape = [int(n) for n in str(spec["shape"]).split(",")]
-        raw = base64.b64decode(spec["bdata"])
-        return np.frombuffer(raw, dtype=f"<{spec['dtype']}").reshape(shape).astype(float)
-    if isinstance(spec, np.ndarray):
-        return spec.astype(float)
-    values = spec if isinstance(spec, (list, tuple)) else []
-    return np.asarray([np.nan if v is None else v for v in values], dtype=float)
-
-
-def _picture(plotly_figure: go.Figure, dpi: int = 100) -> bytes:
-    """The timeline figure (``dashboard.figures.timeline``'s, bar names as a text trace) drawn
-    with matplotlib as a PNG of the same size and layout: the track rows with their bars,
-    density cells and bands, then each counter panel with its title. Hovers, flows' clicks and
-    legends' toggles are the interactive figure's; the PNG holds no date or version, so the
-    same figure gives the same bytes."""
-    import io
-    from html import unescape
-
-    import numpy as np
-
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.colors import LinearSegmentedColormap
-        from matplotlib.figure import Figure
-        from matplotlib.ticker import EngFormatter
-    except ImportError:
-        raise ImportError(
-            "timeline(static=True) draws with matplotlib: pip install matplotlib"
-        ) from None
-    figure = plotly_figure.to_plotly_json()  # plain dicts, as figures.timeline built them
-    layout = figure["layout"]
-    width, height = float(layout.get("width") or 1200), float(layout["height"])
-    margin = layout["margin"]
-    plot_w = width - margin["l"] - margin["r"]
-    plot_h = height - margin["t"] - margin["b"]
-    pt = 72 / dpi  # plotly sizes are pixels, matplotlib's points
-    fig = Figure(figsize=(width / dpi, height / dpi), dpi=dpi)
-    FigureCanvasAgg(fig)
-    axes: dict[str, Axes] = {}
-    for key in sorted((k for k in layout if k.startswith("yaxis")), key=lambda k: int(k[5:] or 1)):
-        n = key[5:]
-        y0, y1 = layout[key]["domain"]
-        ax = fig.add_axes(
-            (
-                margin["l"] / width,
-                (margin["b"] + y0 * plot_h) / height,
-                plot_w / width,
-                (y1 - y0) * plot_h / height,
-            )
-        )
-        xaxis = layout[f"xaxis{n}"]
-        ax.set_xlim(*xaxis["range"])
-        ax.set_xticks(xaxis["tickvals"])
-        ax.set_xticklabels(xaxis["ticktext"] if xaxis.get("showticklabels") else [])
-        ax.tick_params(labelsize=9 * pt, length=2)
-        ax.grid(axis="x", color="#e5e5e5", linewidth=0.6)
-        ax.set_axisbelow(True)
-        for side in ("top", "right"):
-            ax.spines[side].set_visible(False)
-        axes[n] = ax
-    top = axes[""]
-    yaxis = layout["yaxis"]
-    top.set_ylim(*yaxis["range"])
-    top.set_yticks(yaxis.get("tickvals") or [])
-    top.set_yticklabels([unescape(t) for t in yaxis.get("ticktext") or []], fontsize=10 * pt)
-    for shape in layout.get("shapes") or []:
-        top.axhspan(shape["y0"], shape["y1"], color=_rgba(shape["fillcolor"]), lw=0, zorder=0)
-    for trace in figure["data"]:
-        ax = axes.get(str(trace.get("yaxis", "y"))[1:], top)
-        kind, mode = trace.get("type"), trace.get("mode", "")
-        if kind == "bar":
-            color = _rgba(trace["marker"]["color"])
-            ax.barh(_values(trace["y"]), _values(trace["x"]), left=_values(trace["base"]),
-                    height=trace.get("width", 0.8), color=color, linewidth=0)  # fmt: skip
-        elif kind == "heatmap":
-            z = _values(trace["z"])
-            left = trace["x0"] - trace["dx"] / 2
-            low, high = trace["colorscale"][0][1], trace["colorscale"][-1][1]
-            ax.imshow(
-                np.ma.masked_invalid(z), aspect="auto", interpolation="nearest",
-                cmap=LinearSegmentedColormap.from_list("busy", [_rgba(low), _rgba(high)]),
-                vmin=0, vmax=1, origin="upper",
-                extent=(left, left + z.shape[1] * trace["dx"], trace["y0"] + z.shape[0] - 0.5,
-                        trace["y0"] - 0.5),
-            )  # fmt: skip
-        elif mode == "text":
-            colors = trace.get("textfont", {}).get("color") or ["#222"] * len(trace["text"])
-            for x, y, text, color in zip(trace["x"], trace["y"], trace["text"], colors):
-                ax.text(x, y, unescape(text), fontsize=10 * pt, color=color, va="center",
-                        clip_on=True)  # fmt: skip
-        elif kind == "scatter" and len(trace.get("x") or []):
-            x, y = _values(trace["x"]), _values(trace["y"])
-            line = trace.get("line") or {}
-            if "error_y" in trace:  # the clock panel
-                ax.errorbar(x, y, yerr=_values(trace["error_y"]["array"]), fmt="o", ms=3)
-            elif "lines" in mode:
-                step = "steps-post" if line.get("shape") == "hv" else "default"
-                ax.plot(x, y, drawstyle=step, lw=line.get("width", 1.2),
-                        color=_rgba(line["color"]) if "color" in line else None,
-                        label=unescape(str(trace.get("name", ""))))  # fmt: skip
-    for n, ax in axes.items():
-        if n:
-            ax.set_ylim(bottom=min(0.0, ax.get_ylim()[0]))
-            ax.tick_params(axis="y", labelsize=9 * pt)
-            unit = "B" if layout[f"yaxis{n}"].get("ticksuffix") == "B" else ""
-            ax.yaxis.set_major_formatter(EngFormatter(unit=unit))  # 12.5 M, not 1.25 and 1e7
-            if f"legend{n}" in layout:
-                ax.legend(fontsize=10 * pt, loc="upper right", frameon=False)
-    for note in layout.get("annotations") or []:
-        fig.text(
-            (margin["l"] + note["x"] * plot_w) / width,
-            (margin["b"] + note["y"] * plot_h) / height + 2 / height,
-            unescape(note["text"]),
-            ha=note.get("xanchor", "center"),
-            va="bottom",
-            fontsize=note.get("font", {}).get("size", 13) * pt,
-        )
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": None})
-    return buf.getvalue()
 
 
 def runs(limit: int = 50, search: str | None = None, store: str | None = None) -> pd.DataFrame:

@@ -15,16 +15,14 @@ pytest.importorskip("dash")
 
 from gpu_trace.dashboard import (  # noqa: E402
     callbacks,
-    charts,
-    figures,
-    overview,
     panels,
     reports,
     samples,
     timeline,
 )
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore  # noqa: E402
-from gpu_trace.query import reads
+from gpu_trace.plots import charts, figures  # noqa: E402
+from gpu_trace.query import overview, reads, windows  # noqa: E402
 from gpu_trace.query.source import rows as query_rows
 from gpu_trace.store.client import Store, StoreError  # noqa: E402
 from tests.dashboard_data import (  # noqa: E402
@@ -85,7 +83,7 @@ def test_zooming_in_turns_density_into_bars(source: ReadOnlyStore) -> None:
 
 
 def test_bar_limit_moves_the_rest_into_density(source: ReadOnlyStore, monkeypatch) -> None:
-    monkeypatch.setattr(timeline, "MAX_BARS", 100)
+    monkeypatch.setattr(windows, "MAX_BARS", 100)
     w = timeline.window(source, "lod", 0, 10_000_000, 30_000)
     assert w.capped and len(w.bars) <= 100
     assert w.total_spans == overlapping(source, "lod", 0, 10_000_000)

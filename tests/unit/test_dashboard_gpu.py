@@ -15,14 +15,13 @@ import pytest
 pytest.importorskip("dash")
 
 from gpu_trace.dashboard import (  # noqa: E402
-    charts,
-    figures,
-    gpu_work,
     panels,
     reports,
     timeline,
 )
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore  # noqa: E402
+from gpu_trace.plots import charts, figures  # noqa: E402
+from gpu_trace.query import gpu_work  # noqa: E402
 from gpu_trace.query.source import rows as query_rows
 from gpu_trace.store.client import Store  # noqa: E402
 from gpu_trace.store.importer import import_trace  # noqa: E402

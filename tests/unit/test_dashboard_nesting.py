@@ -12,6 +12,7 @@ pytest.importorskip("dash")
 
 from gpu_trace.dashboard import panels, timeline  # noqa: E402
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore  # noqa: E402
+from gpu_trace.query import relatives
 from gpu_trace.query.source import rows as query_rows
 from gpu_trace.store.client import Store  # noqa: E402
 from tests.dashboard_data import add_run  # noqa: E402
@@ -101,7 +102,7 @@ def test_batches_device_work_and_other_threads_are_not_nested(source: ReadOnlySt
 def test_a_span_with_more_inside_than_is_read_says_its_count_is_a_floor(
     source: ReadOnlyStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(timeline, "MAX_NESTED_SCAN", 3)  # the step, forward, Net
+    monkeypatch.setattr(relatives, "MAX_NESTED_SCAN", 3)  # the step, forward, Net
     step = details(source, 1)
     assert kids(step) == ["forward"] and step["children_partial"]
     assert "children (1+)" in text_of(panels.details(step, [], 0))

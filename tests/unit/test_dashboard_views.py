@@ -17,14 +17,14 @@ pytest.importorskip("dash")
 from gpu_trace.dashboard import (  # noqa: E402
     address,
     callbacks,
-    figures,
     reports,
     samples,
-    search,
     timeline,
 )
 from gpu_trace.dashboard.address import Address  # noqa: E402
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore  # noqa: E402
+from gpu_trace.plots import figures  # noqa: E402
+from gpu_trace.query import matches as search  # noqa: E402
 from gpu_trace.query.source import rows as query_rows
 from gpu_trace.store.client import Store  # noqa: E402
 from tests.dashboard_data import (  # noqa: E402

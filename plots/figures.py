@@ -1,6 +1,6 @@
 """The timeline figure: tracks of bars and density cells, flow lines, counters under it.
 
-Plain functions from what :mod:`gpu_trace.dashboard.timeline` returns to a plotly figure; no
+Plain functions from what :mod:`gpu_trace.query.windows` returns to a plotly figure; no
 store, no Dash. The x axis is nanoseconds since the run started (ticks are labelled with
 durations); every name plotly draws is HTML-escaped, so a span called ``<script>`` is shown as
 text. The names on bars go raw in ``layout.meta.labels`` to ``static/labels.js``, which sets each
@@ -13,14 +13,17 @@ import base64
 import bisect
 import html
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
 
 from gpu_trace import _format as fmt
-from gpu_trace.dashboard.gpu_work import DEVICE_CATEGORIES, device_lane, short_kernel_name
-from gpu_trace.dashboard.timeline import TrackInfo, Window
+from gpu_trace.query.gpu_work import DEVICE_CATEGORIES, device_lane, short_kernel_name
+from gpu_trace.query.relatives import FlowLink, Flows
+from gpu_trace.query.series import CounterPoint
+from gpu_trace.query.windows import TrackInfo, Tracks, Window
 
 #: Bar colour per span category.
 COLORS = {
@@ -156,10 +159,10 @@ def label_margin(labels: list[str], font_px: int = 10) -> int:
 
 def timeline(
     run: dict[str, Any],
-    tracks: dict[str, Any],
+    tracks: Tracks,
     win: Window,
-    flows: dict[str, Any] | None = None,
-    counters: dict[str, list[dict[str, Any]]] | None = None,
+    flows: Flows | None = None,
+    counters: Mapping[str, list[CounterPoint]] | None = None,
     clock: list[dict[str, Any]] | None = None,
     width_px: int = 1600,
     synthetic: bool = False,
@@ -497,7 +500,7 @@ def fit_label(name: str, width_px: float) -> str:
     return name[: max(1, room - 1)] + "…"
 
 
-def _flows(links: list[dict[str, Any]], by_key: dict, base: int) -> dict[str, Any]:
+def _flows(links: list[FlowLink], by_key: dict, base: int) -> dict[str, Any]:
     xs: list[Any] = []
     ys: list[Any] = []
     for link in links:
@@ -534,7 +537,9 @@ def series_names(series: list[str]) -> list[str]:
     return [" ".join(w[same:]) for w in words]
 
 
-def _counter_panel(row: int, name: str, rows: list[dict], base: int) -> list[dict[str, Any]]:
+def _counter_panel(
+    row: int, name: str, rows: list[CounterPoint], base: int
+) -> list[dict[str, Any]]:
     series: dict[str, tuple[list, list]] = {}
     for r in rows:
         xs, ys = series.setdefault(r["series"], ([], []))

@@ -11,7 +11,7 @@ A window at least one cell per bucket wide is then answered from memory: long sp
 density, short cells are re-binned into the window's buckets (a cell lies in the bucket its start
 falls in, so positions are good to one bucket). Every span is in exactly one cell or the long
 list, so nothing is dropped. Narrower windows go to the store, which then reads a small part of
-the run (:func:`gpu_trace.dashboard.timeline.window`).
+the run (:func:`gpu_trace.query.windows.window`).
 
 The same scan gives the tracks (spans, depths, longest span per track).
 """
@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from gpu_trace.dashboard.readonly_store import ReadOnlyStore
+from gpu_trace.query.source import Source
 
 #: Cells across a run in the overview grid.
 CELLS = 4096
@@ -250,7 +250,8 @@ def pick_pins(
 def window_part(start: np.ndarray, t0: int, t1: int, parts: int) -> np.ndarray:
     """Which of ``parts`` equal parts of ``[t0, t1)`` each span starts in (or overlaps first)."""
     size = max(1, -(-(t1 - t0) // max(1, parts)))
-    return (np.maximum(start, t0) - t0) // size
+    part: np.ndarray = (np.maximum(start, t0) - t0) // size
+    return part
 
 
 def bin_cells(
@@ -269,27 +270,24 @@ def bin_cells(
 _KEYS = ("host", "pid", "tid", "lane", "depth")
 
 
-def overview(source: ReadOnlyStore, run_id: str, started_ns: int, ended_ns: int) -> Overview:
-    """The run's overview, read once per run (cached in ``source``)."""
-
-    def compute() -> Overview:
-        cell = max(1, -(-(max(ended_ns, started_ns + 1) - started_ns) // CELLS))
-        params = {"run": run_id, "o": int(started_ns), "cell": int(cell)}
-        grid = source.query_arrow(_GRID, params)
-        grid = grid.cast(plain(grid.schema))
-        grid = grid.take(pc.sort_indices(grid, [("cell", "ascending")]))
-        long = source.query_arrow(_LONG, params)
-        long = long.cast(plain(long.schema))
-        pins = source.query_arrow(
-            _SHORT_PINS, {**params, "cap": MAX_SHORT_PINS, "lanes": list(PIN_LANES)}
-        )
-        pins = pins.cast(long.schema)
-        long = pa.concat_tables([long, pins]).append_column(
-            "short", pa.array(np.r_[np.zeros(long.num_rows, bool), np.ones(pins.num_rows, bool)])
-        )
-        return Overview(origin=int(started_ns), cell_ns=int(cell), grid=grid, long=long)
-
-    return source.cached(("overview", run_id), compute)
+def overview(source: Source, run_id: str, started_ns: int, ended_ns: int) -> Overview:
+    """The run's overview: three scans of the run (a caller keeps it: the dashboard once per
+    run)."""
+    cell = max(1, -(-(max(ended_ns, started_ns + 1) - started_ns) // CELLS))
+    params = {"run": run_id, "o": int(started_ns), "cell": int(cell)}
+    grid = source.query_arrow(_GRID, params)
+    grid = grid.cast(plain(grid.schema))
+    grid = grid.take(pc.sort_indices(grid, [("cell", "ascending")]))
+    long = source.query_arrow(_LONG, params)
+    long = long.cast(plain(long.schema))
+    pins = source.query_arrow(
+        _SHORT_PINS, {**params, "cap": MAX_SHORT_PINS, "lanes": list(PIN_LANES)}
+    )
+    pins = pins.cast(long.schema)
+    long = pa.concat_tables([long, pins]).append_column(
+        "short", pa.array(np.r_[np.zeros(long.num_rows, bool), np.ones(pins.num_rows, bool)])
+    )
+    return Overview(origin=int(started_ns), cell_ns=int(cell), grid=grid, long=long)
 
 
 def track_totals(ov: Overview) -> list[dict[str, Any]]:

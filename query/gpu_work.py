@@ -9,9 +9,8 @@ everything here follows ``parent_span_id``; nothing matches names across lanes.
 
 Busy time is the union of a device's kernel, copy and memset intervals (concurrent kernels on
 two streams count once), cut to the window asked for: it is what the GPU was doing, not the sum
-of what it was asked to do. Plain functions of a
-:class:`~gpu_trace.dashboard.readonly_store.ReadOnlyStore`; the tables are drawn by
-:mod:`gpu_trace.dashboard.panels`.
+of what it was asked to do. Plain functions of a :class:`~gpu_trace.query.source.Source`; the
+dashboard draws the tables (``dashboard/panels.py``) and keeps what it reads once per run.
 """
 
 from __future__ import annotations
@@ -21,8 +20,8 @@ from typing import TypedDict
 
 import numpy as np
 
-from gpu_trace.dashboard.readonly_store import ReadOnlyStore
 from gpu_trace.query.gpu import gpu_summary
+from gpu_trace.query.source import Source
 from gpu_trace.query.source import rows as query_rows
 
 #: Span categories of work the device ran (the rest of GPU activity, ``cuda_api`` and
@@ -163,32 +162,28 @@ def short_kernel_name(name: str) -> str:
     return short or name[:SHORT_NAME_CHARS]
 
 
-def _intervals(source: ReadOnlyStore, run_id: str) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+def intervals(source: Source, run_id: str) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """Per device, its busy intervals: the union of its kernel, copy and memset spans as sorted,
-    disjoint ``(starts, ends)`` (cached per run)."""
-
-    def compute() -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        table = source.query_arrow(
-            """
-            SELECT toUInt32OrZero(extract(lane, '^gpu([0-9]+)/')) AS device, start_ns, end_ns
-            FROM __db__.spans
-            WHERE run_id = {run:String} AND category IN {cats:Array(String)}
-              AND match(lane, '^gpu[0-9]+/stream[0-9]+$') AND end_ns > start_ns
-            """,
-            {"run": run_id, "cats": list(DEVICE_CATEGORIES)},
-        )
-        out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        if not table.num_rows:
-            return out
-        device = table["device"].to_numpy().astype(np.int64)
-        start = table["start_ns"].to_numpy().astype(np.int64)
-        end = table["end_ns"].to_numpy().astype(np.int64)
-        for d in np.unique(device):
-            mine = device == d
-            out[int(d)] = union(start[mine], end[mine])
+    disjoint ``(starts, ends)``."""
+    table = source.query_arrow(
+        """
+        SELECT toUInt32OrZero(extract(lane, '^gpu([0-9]+)/')) AS device, start_ns, end_ns
+        FROM __db__.spans
+        WHERE run_id = {run:String} AND category IN {cats:Array(String)}
+          AND match(lane, '^gpu[0-9]+/stream[0-9]+$') AND end_ns > start_ns
+        """,
+        {"run": run_id, "cats": list(DEVICE_CATEGORIES)},
+    )
+    out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    if not table.num_rows:
         return out
-
-    return source.cached(("gpu_intervals", run_id), compute)
+    device = table["device"].to_numpy().astype(np.int64)
+    start = table["start_ns"].to_numpy().astype(np.int64)
+    end = table["end_ns"].to_numpy().astype(np.int64)
+    for d in np.unique(device):
+        mine = device == d
+        out[int(d)] = union(start[mine], end[mine])
+    return out
 
 
 def union(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -218,14 +213,20 @@ def covered(starts: np.ndarray, ends: np.ndarray, w0: np.ndarray, w1: np.ndarray
     return np.where(some, total - head - tail, 0)
 
 
-def busy_per_step(source: ReadOnlyStore, run_id: str) -> list[StepBusy]:
+def busy_per_step(
+    source: Source,
+    run_id: str,
+    devices: dict[int, tuple[np.ndarray, np.ndarray]] | None = None,
+) -> list[StepBusy]:
     """Each step's GPU busy and idle time on each device that ran anything in the run.
 
     A step's window is its span on the CPU clock; busy is the union of the device's kernel, copy
     and memset intervals inside it, idle the rest. Rows ``step, pid, index, start_ns, dur_ns,
-    device, busy_ns, idle_ns, busy_share`` in step order, then device.
+    device, busy_ns, idle_ns, busy_share`` in step order, then device. ``devices``: what
+    :func:`intervals` gives, when the caller has it already.
     """
-    devices = _intervals(source, run_id)
+    if devices is None:
+        devices = intervals(source, run_id)
     if not devices:
         return []
     steps = query_rows(
@@ -256,7 +257,7 @@ def busy_per_step(source: ReadOnlyStore, run_id: str) -> list[StepBusy]:
     return out
 
 
-def top_kernels(source: ReadOnlyStore, run_id: str, top: int = 20) -> list[DeviceKernels]:
+def top_kernels(source: Source, run_id: str, top: int = 20) -> list[DeviceKernels]:
     """The kernels that took the most GPU time, per device, as ``gpu-trace show`` reads them
     (:func:`gpu_trace.query.gpu.gpu_summary`), with each name's short form. A kernel's
     ``share`` is its total over the device's busy time (kernels that ran at once on two streams
@@ -277,7 +278,7 @@ def top_kernels(source: ReadOnlyStore, run_id: str, top: int = 20) -> list[Devic
     return devices
 
 
-def _span_by_id(source: ReadOnlyStore, run_id: str, span_id: int) -> SpanRef | None:
+def _span_by_id(source: Source, run_id: str, span_id: int) -> SpanRef | None:
     rows = query_rows(
         source,
         """
@@ -297,7 +298,7 @@ def _span_by_id(source: ReadOnlyStore, run_id: str, span_id: int) -> SpanRef | N
 
 
 def launch_chain(
-    source: ReadOnlyStore, run_id: str, span_id: str, parent_span_id: str | int
+    source: Source, run_id: str, span_id: str, parent_span_id: str | int
 ) -> list[SpanRef]:
     """The spans a span was launched from, innermost first: for a kernel, its API call, then the
     op, modules and ranges open on the launching thread, up to the step (or the root).
@@ -320,7 +321,7 @@ def launch_chain(
     return out
 
 
-def op_gpu_time(source: ReadOnlyStore, run_id: str) -> dict[str, int]:
+def op_gpu_time(source: Source, run_id: str) -> dict[str, int]:
     """GPU time (ns) of each forwarded op on the server, by the op's name as the forwarding
     breakdown groups it: the device work (kernels, copies, memsets) under each ``server/op``
     span, found by following parent links up from the work (through its API call and any

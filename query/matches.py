@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpu_trace.dashboard.readonly_store import ReadOnlyStore
+from gpu_trace.query.source import Source
 from gpu_trace.query.source import rows as query_rows
 
 #: The largest span id: an anchor before every span starting at the same time.
@@ -60,7 +60,7 @@ _AFTER = " AND start_ns >= {start:Int64} AND (start_ns > {start:Int64} OR span_i
 _BEFORE = " AND start_ns <= {start:Int64} AND (start_ns < {start:Int64} OR span_id < {id:UInt64})"
 
 
-def count(source: ReadOnlyStore, run_id: str, term: str) -> int:
+def count(source: Source, run_id: str, term: str) -> int:
     """How many spans of the run match ``term``."""
     rows = query_rows(
         source,
@@ -70,7 +70,7 @@ def count(source: ReadOnlyStore, run_id: str, term: str) -> int:
     return int(rows[0]["n"]) if rows else 0
 
 
-def _index(source: ReadOnlyStore, run_id: str, term: str, start_ns: int, span_id: int) -> int:
+def _index(source: Source, run_id: str, term: str, start_ns: int, span_id: int) -> int:
     """How many matches come before the span (``start_ns``, ``span_id``)."""
     rows = query_rows(
         source,
@@ -85,7 +85,7 @@ def _index(source: ReadOnlyStore, run_id: str, term: str, start_ns: int, span_id
 
 
 def neighbour(
-    source: ReadOnlyStore,
+    source: Source,
     run_id: str,
     term: str,
     after: tuple[int, int] | None = None,
@@ -113,7 +113,7 @@ def neighbour(
 
 
 def from_window(
-    source: ReadOnlyStore, run_id: str, term: str, t0: int, t1: int, forward: bool
+    source: Source, run_id: str, term: str, t0: int, t1: int, forward: bool
 ) -> Hit | None:
     """Where a search starts when no match is selected: forward, the first match starting in or
     after the window ``[t0, t1)``; backward, the last one starting before its end."""

@@ -1,4 +1,5 @@
-"""Charts of the Summary, Tenants and Compare tabs, from what :mod:`.reports` returns.
+"""Charts of the dashboard's Summary, Tenants and Compare tabs, from what the query layer returns
+(:mod:`gpu_trace.query.tenancy`, :mod:`gpu_trace.query.gpu_work`, the dashboard's reports).
 
 Plain functions to plotly figures; every name drawn is HTML-escaped (:func:`figures.esc`).
 Durations go in as integer ns and are drawn in ms.
@@ -11,8 +12,8 @@ from typing import Any
 import plotly.graph_objects as go
 
 from gpu_trace import _format as fmt
-from gpu_trace.dashboard.figures import empty, esc
-from gpu_trace.dashboard.gpu_work import StepBusy, device_lane, short_kernel_name
+from gpu_trace.plots.figures import empty, esc
+from gpu_trace.query.gpu_work import StepBusy, device_lane, short_kernel_name
 
 PARTS = (
     ("client_ns", "client", "#ff7f0e"),

@@ -1,0 +1,555 @@
+"""Timeline windows: a run's tracks, the visible window at a level of detail, and its flows.
+
+Everything here is a plain function of a :class:`~gpu_trace.query.source.Source` and integer
+nanoseconds on the run's clock; the figures are built from what they return
+(:mod:`gpu_trace.plots.figures`). What a run's windows are answered from (its overview,
+:mod:`gpu_trace.query.overview`, and its tracks) is read once and handed in: the dashboard keeps
+it per run, ``Run.timeline`` reads it for the one figure.
+
+Level of detail (docs/dashboard.md): the window ``[t0, t1)`` is cut into buckets of a few pixels.
+A span at least one bucket wide is drawn as a bar, up to :data:`MAX_BARS` of them (the longest;
+past that the threshold rises to the shortest one kept). Every other span in the window is
+counted into a density cell of its track, depth and bucket (span count and busy time), so each
+span is either a bar or part of a cell: none is dropped. What a window costs is bounded by the
+screen, not the run: at most ``MAX_BARS`` bars plus ``rows x buckets`` cells.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypedDict
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from gpu_trace.query import overview, reads
+from gpu_trace.query.gpu_work import device_lane
+from gpu_trace.query.source import Source
+from gpu_trace.query.source import rows as query_rows
+
+#: Bars drawn at most per window; narrower spans past this go into density cells.
+MAX_BARS = 4000
+#: Pixels per density bucket (and the narrowest bar).
+BUCKET_PX = 3
+#: Nesting levels drawn per track; deeper spans share the last level.
+MAX_LEVELS = 4
+#: Spans narrower than the bar threshold drawn as bars anyway (docs/dashboard.md, "Always
+#: drawn"): the longest of each timeline row in each of this many equal parts of the window, so
+#: every row shows what takes its time, named, at any zoom...
+PINS_PER_ROW = 3
+#: ...and every step and forwarded batch in the window, the longest this many.
+MAX_PINNED_KINDS = 1000
+
+Track = tuple[str, int, int, str]  # host, pid, tid, lane
+
+
+@dataclass
+class TrackInfo:
+    """One timeline track (host, pid, tid, lane) and the rows it takes."""
+
+    host: str
+    pid: int
+    tid: int
+    lane: str
+    spans: int
+    min_depth: int
+    levels: int
+    row: int = 0  # first row, top to bottom
+    clock_uncertainty_ns: int = 0  # remote tracks: the largest uncertainty applied
+    process: str = ""
+    thread: str = ""
+    #: A server track's tenants (its spans' ``tenant`` attrs; empty in a run stored before).
+    tenants: tuple[str, ...] = ()
+    #: Whose work the track holds, as (tenant, session) pairs: a server track's spans' own
+    #: (``tenant`` and ``session`` attrs, stamped by the server), a client process's the
+    #: sessions its forwarded batches ran in (empty where none is known).
+    owners: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def key(self) -> Track:
+        return (self.host, self.pid, self.tid, self.lane)
+
+    @property
+    def device(self) -> int | None:
+        """The GPU of a device lane (``gpu<device>/stream<stream>``), else None."""
+        found = device_lane(self.lane)
+        return found[0] if found else None
+
+    @property
+    def remote(self) -> bool:
+        return self.clock_uncertainty_ns > 0 or self.lane.startswith("server/")
+
+    def level(self, depth: int) -> int:
+        return min(max(0, depth - self.min_depth), self.levels - 1)
+
+
+class Tracks(TypedDict):
+    """A run's tracks (:func:`tracks`)."""
+
+    tracks: list[TrackInfo]
+    rows: int  # timeline rows of all tracks
+    max_dur: int  # the longest span's length
+    unended: int  # spans that end before they start (never closed): not drawn
+    server_tracks: int  # tracks holding spans of category ``server``
+
+
+#: The timeline rows of an overview's grid cells and of its long spans (:func:`overview_rows`).
+OverviewRows = tuple[np.ndarray, np.ndarray]
+
+
+@dataclass
+class Window:
+    """What one window query found."""
+
+    t0: int
+    t1: int
+    bucket_ns: int
+    bars: list[dict[str, Any]] = field(default_factory=list)
+    #: Density: spans counted per timeline row and bucket (rows x buckets), and their busy ns.
+    count: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
+    busy_ns: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
+    bar_threshold_ns: int = 0  # spans at least this long are bars
+    capped: bool = False  # MAX_BARS was reached and the threshold raised
+    #: Bars narrower than the threshold, drawn anyway (they are last in ``bars``, ``pinned``).
+    pinned: int = 0
+
+    @property
+    def density_spans(self) -> int:
+        return int(self.count.sum())
+
+    @property
+    def density_cells(self) -> int:
+        """Cells drawn (row and bucket with at least one span)."""
+        return int(np.count_nonzero(self.count))
+
+    @property
+    def total_spans(self) -> int:
+        return len(self.bars) + self.density_spans
+
+
+#: Per server track: the largest clock uncertainty applied, and the tenants whose spans it holds
+#: (each span's ``tenant`` attr, stamped by the server; none in a run stored before).
+_SERVER_TRACKS = """
+SELECT host, pid, tid, lane, max(toInt64OrZero(attrs['clock_uncertainty_ns'])) AS clock_unc,
+       arraySort(groupUniqArray(9)(attrs['tenant'])) AS tenants,
+       arraySort(groupUniqArray(16)((attrs['tenant'], attrs['session']))) AS owners
+FROM __db__.spans WHERE run_id = {run:String} AND category = 'server'
+GROUP BY host, pid, tid, lane
+"""
+#: Per client process of a forwarded run: the sessions (and their tenants) its batches ran in, as
+#: the server stamped its ``server/execute`` spans (each the child of the client's batch).
+_CLIENT_OWNERS = """
+SELECT p.host AS host, p.pid AS pid,
+       arraySort(groupUniqArray(16)((s.tenant, s.session))) AS owners
+FROM (SELECT parent_span_id, attrs['tenant'] AS tenant, attrs['session'] AS session
+      FROM __db__.spans
+      WHERE run_id = {run:String} AND lane = 'server/execute' AND attrs['session'] != '') AS s
+INNER JOIN (SELECT span_id, host, pid FROM __db__.spans
+            WHERE run_id = {run:String} AND category = 'forward') AS p
+  ON p.span_id = s.parent_span_id
+GROUP BY host, pid
+"""
+#: The tenant and session of server spans drawn as bars (found by their start: the primary key).
+_BAR_OWNERS = """
+SELECT toString(span_id) AS id, start_ns, attrs['tenant'] AS tenant, attrs['session'] AS session
+FROM __db__.spans
+WHERE run_id = {run:String} AND category = 'server' AND start_ns IN {starts:Array(Int64)}
+"""
+
+_LANE_ORDER = (
+    "steps", "nvtx/", "torch/", "cuda_api", "cpu/", "forward/", "server/", "gpu", "nvml/",
+)  # fmt: skip
+
+
+def _lane_rank(track: dict[str, Any], servers: set[tuple[str, int]]) -> tuple[Any, ...]:
+    """Host, then its processes' threads and their lanes, then its GPUs (each GPU's streams in
+    order, whichever process launched on them: one group per GPU, next to the counter panels
+    under the timeline); the forwarding server's tracks last, its GPU work (``servers``: the
+    processes with ``server/`` lanes) after them, so a forwarded call reads down the page from
+    the client's op to the server's execute and op spans, its CUDA calls and its kernels."""
+    lane = track["lane"]
+    in_server = (track["host"], int(track["pid"])) in servers
+    server = 1 if lane.startswith("server/") or in_server else 0
+    gpu = device_lane(lane)
+    if gpu is not None:
+        return (server, track["host"], 1, gpu[0], gpu[1], lane, track["pid"], track["tid"])
+    kind = next((i for i, p in enumerate(_LANE_ORDER) if lane.startswith(p)), len(_LANE_ORDER))
+    if in_server and lane == "cuda_api":  # a server thread's CUDA calls: under its op spans
+        kind = len(_LANE_ORDER)
+    return (server, track["host"], 0, track["pid"], track["tid"], kind, lane)
+
+
+def track_rows(table: pa.Table, tracks: list[TrackInfo]) -> np.ndarray:
+    """The timeline row of each row of ``table`` (columns host, pid, tid, lane, depth): its
+    track's first row plus its level; -1 where the track is not drawn."""
+    if not table.num_rows:
+        return np.zeros(0, np.int64)
+    keys = (
+        pc.binary_join_element_wise(
+            table["host"].cast(pa.string()),
+            pc.cast(table["pid"], pa.string()),
+            pc.cast(table["tid"], pa.string()),
+            table["lane"].cast(pa.string()),
+            "|",
+        )
+        .combine_chunks()
+        .dictionary_encode()
+    )
+    by_key = {f"{t.host}|{t.pid}|{t.tid}|{t.lane}": t for t in tracks}
+    found = [by_key.get(k) for k in keys.dictionary.to_pylist()]
+    first = np.array([t.row if t else -1 for t in found], np.int64)
+    lowest = np.array([t.min_depth if t else 0 for t in found], np.int64)
+    levels = np.array([t.levels if t else 1 for t in found], np.int64)
+    code = keys.indices.to_numpy(zero_copy_only=False)
+    depth = table["depth"].to_numpy().astype(np.int64)
+    row = first[code] + np.clip(depth - lowest[code], 0, levels[code] - 1)
+    return np.where(first[code] >= 0, row, -1)
+
+
+def overview_rows(ov: overview.Overview, tracks: list[TrackInfo]) -> OverviewRows:
+    """Timeline rows of the overview's grid cells and long spans."""
+    return track_rows(ov.grid, tracks), track_rows(ov.long, tracks)
+
+
+def steps_extent(source: Source, run_id: str) -> tuple[int, int, int] | None:
+    """The first step's start, the last step's end and how many steps the run has (None: no
+    step). A run's first view frames them (docs/dashboard.md, "First view")."""
+    rows = query_rows(
+        source,
+        """
+        SELECT count() AS n, min(start_ns) AS lo, max(end_ns) AS hi FROM __db__.spans
+        WHERE run_id = {run:String} AND category = 'step' AND end_ns >= start_ns
+        """,
+        {"run": run_id},
+    )
+    if not rows or not int(rows[0]["n"]):
+        return None
+    return int(rows[0]["lo"]), int(rows[0]["hi"]), int(rows[0]["n"])
+
+
+def tracks(source: Source, run_id: str, ov: overview.Overview) -> Tracks:
+    """Tracks of a run (``ov``: its overview), grouped host > process > thread > lane (remote
+    server tracks last).
+
+    Returns ``{"tracks": [TrackInfo], "rows": N, "max_dur": ns, "unended": N, "server_tracks": N}``
+    (tracks holding spans of category ``server``).
+    ``unended`` counts spans that end before they start (never closed): they can't be drawn, and
+    the page says how many there are.
+    """
+
+    found = overview.track_totals(ov)
+    server = {
+        (c["host"], int(c["pid"]), int(c["tid"]), c["lane"]): c
+        for c in query_rows(source, _SERVER_TRACKS, {"run": run_id})
+    }
+    names = {(t["host"], t["pid"], t["tid"]): t for t in reads.threads(source, run_id)}
+    clients = (
+        {(c["host"], int(c["pid"])): c for c in query_rows(source, _CLIENT_OWNERS, {"run": run_id})}
+        if server
+        else {}
+    )
+    out: list[TrackInfo] = []
+    row = 0
+    servers = {(t["host"], int(t["pid"])) for t in found if t["lane"].startswith("server/")}
+    for t in sorted(found, key=lambda t: _lane_rank(t, servers)):
+        levels = min(MAX_LEVELS, int(t["max_depth"]) - int(t["min_depth"]) + 1)
+        if device_lane(t["lane"]) is not None:
+            # A stream runs its work in order: one row, whatever depth the launching
+            # call had (an imported trace nests device work under its call's depth).
+            levels = 1
+        named = names.get((t["host"], int(t["pid"]), int(t["tid"]))) or {}
+        served = server.get((t["host"], int(t["pid"]), int(t["tid"]), t["lane"])) or {}
+        client = clients.get((t["host"], int(t["pid"]))) if not served else None
+        owners = (served or client or {}).get("owners") or ()
+        info = TrackInfo(
+            host=t["host"],
+            pid=int(t["pid"]),
+            tid=int(t["tid"]),
+            lane=t["lane"],
+            spans=int(t["spans"]),
+            min_depth=int(t["min_depth"]),
+            levels=max(1, levels),
+            row=row,
+            clock_uncertainty_ns=int(served.get("clock_unc") or 0),
+            tenants=tuple(x for x in served.get("tenants") or () if x),
+            owners=tuple((str(a), str(b)) for a, b in owners if a or b),
+            process=named.get("process_name", ""),
+            thread=named.get("thread_name", ""),
+        )
+        row += info.levels
+        out.append(info)
+    max_dur = max((int(t["max_dur"]) for t in found), default=0)
+    unended = sum(int(t["unended"]) for t in found)
+    return {"tracks": out, "rows": row, "max_dur": max_dur, "unended": unended,
+            "server_tracks": len(server)}  # fmt: skip
+
+
+def window(
+    source: Source,
+    run_id: str,
+    t0: int,
+    t1: int,
+    width_px: int,
+    ov: overview.Overview,
+    tracks: Tracks,
+    rows: Callable[[], OverviewRows] | None = None,
+) -> Window:
+    """Spans overlapping ``[t0, t1)`` as bars and density cells (see the module docstring), of a
+    run whose overview is ``ov`` and tracks ``tracks``; ``rows`` gives :func:`overview_rows`
+    (asked only when the window is answered from the overview; a caller may keep them).
+
+    Server spans drawn as bars carry their ``tenant`` and ``session`` (their hover names them:
+    one server lane holds every tenant's work)."""
+    if rows is None:
+        rows = lambda: overview_rows(ov, tracks["tracks"])  # noqa: E731
+    found = _window(source, run_id, t0, t1, width_px, ov, tracks, rows)
+    served = [b for b in found.bars if b["category"] == "server"]
+    if served:
+        owners = {
+            (r["id"], int(r["start_ns"])): r
+            for r in query_rows(
+                source,
+                _BAR_OWNERS,
+                {"run": run_id, "starts": sorted({int(b["start_ns"]) for b in served})},
+            )
+        }
+        for b in served:
+            r = owners.get((str(b["span_id"]), int(b["start_ns"]))) or {}
+            b["tenant"], b["session"] = r.get("tenant", ""), r.get("session", "")
+    return found
+
+
+def _window(
+    source: Source,
+    run_id: str,
+    t0: int,
+    t1: int,
+    width_px: int,
+    ov: overview.Overview,
+    tr: Tracks,
+    rows: Callable[[], OverviewRows],
+) -> Window:
+    t0, t1 = int(t0), int(t1)
+    if t1 <= t0:
+        raise ValueError(f"empty window [{t0}, {t1})")
+    buckets = max(1, int(width_px) // BUCKET_PX)
+    bucket = max(1, -(-(t1 - t0) // buckets))
+    nb = max(1, -(-(t1 - t0) // bucket))
+    if bucket >= ov.cell_ns:  # zoomed out: answered from the overview in memory
+        grid_row, long_row = rows()
+        found = ov.window(
+            t0, t1, bucket, MAX_BARS, grid_row, long_row, tr["rows"],
+            (PINS_PER_ROW, MAX_PINNED_KINDS),
+        )  # fmt: skip
+        extra = _cell_pins(source, run_id, found["grid_pins"], found["bars"])
+        for _, row, cell, dur in extra:  # drawn as bars: out of the cell that counted them
+            found["count"][row, cell] -= 1
+            found["busy_ns"][row, cell] -= dur
+        return Window(
+            t0=t0,
+            t1=t1,
+            bucket_ns=bucket,
+            bars=found["bars"] + [b for b, *_ in extra],
+            count=found["count"],
+            busy_ns=found["busy_ns"],
+            bar_threshold_ns=found["threshold"],
+            capped=found["capped"],
+            pinned=found["pinned"] + len(extra),
+        )
+    lo = t0 - tr["max_dur"] - 1  # lets the primary key prune by start_ns
+    base = {"run": run_id, "t0": t0, "t1": t1, "lo": lo}
+    where = (
+        "run_id = {run:String} AND start_ns < {t1:Int64} AND start_ns >= {lo:Int64}"
+        " AND end_ns >= {t0:Int64}"
+    )
+    bars = text_ids(
+        query_rows(
+            source,
+            f"""
+        SELECT toString(span_id) AS id, host, pid, tid, lane, category, name, depth,
+               start_ns, end_ns
+        FROM __db__.spans WHERE {where} AND end_ns - start_ns >= {{min:Int64}}
+        ORDER BY end_ns - start_ns DESC, start_ns LIMIT {{cap:UInt32}}
+        """,
+            {**base, "min": bucket, "cap": MAX_BARS + 1},
+        )
+    )
+    threshold, capped = bucket, False
+    if len(bars) > MAX_BARS:
+        # Keep the bars strictly longer than the first one left out; the rest become density.
+        cut = bars[MAX_BARS]["end_ns"] - bars[MAX_BARS]["start_ns"]
+        threshold, capped = cut + 1, True
+        bars = [b for b in bars[:MAX_BARS] if b["end_ns"] - b["start_ns"] >= threshold]
+    pinned = _pins(source, where, base, threshold, tr["tracks"])
+    cells = source.query_arrow(
+        f"""
+        SELECT host, pid, tid, lane, depth,
+               intDiv(greatest(start_ns, {{t0:Int64}}) - {{t0:Int64}}, {{bucket:Int64}}) AS bucket,
+               count() AS n,
+               sum(least(end_ns, {{t1:Int64}}) - greatest(start_ns, {{t0:Int64}})) AS busy_ns
+        FROM __db__.spans WHERE {where} AND end_ns - start_ns < {{thr:Int64}}
+        GROUP BY host, pid, tid, lane, depth, bucket
+        """,
+        {**base, "bucket": bucket, "thr": threshold},
+    )
+    # The pinned spans are bars: taken out of the cells they were counted in.
+    taken = pa.Table.from_pylist(pinned) if pinned else None
+    c_rows: list[np.ndarray] = []
+    c_buckets: list[np.ndarray] = []
+    c_spans: list[np.ndarray] = []
+    c_busy: list[np.ndarray] = []
+    if cells.num_rows:
+        c_rows.append(track_rows(cells, tr["tracks"]))
+        c_buckets.append(cells["bucket"].to_numpy().astype(np.int64))
+        c_spans.append(cells["n"].to_numpy().astype(np.float64))
+        c_busy.append(cells["busy_ns"].to_numpy().astype(np.float64))
+    if taken is not None:
+        s0 = np.maximum(taken["start_ns"].to_numpy(), t0)
+        c_rows.append(track_rows(taken, tr["tracks"]))
+        c_buckets.append((s0 - t0) // bucket)
+        c_spans.append(-np.ones(taken.num_rows))
+        c_busy.append(-(np.minimum(taken["end_ns"].to_numpy(), t1) - s0).astype(np.float64))
+    if c_rows:
+        count, busy_ns = overview.bin_cells(
+            np.concatenate(c_rows), np.concatenate(c_buckets), np.concatenate(c_spans),
+            np.concatenate(c_busy), tr["rows"], nb,
+        )  # fmt: skip
+    else:
+        count, busy_ns = np.zeros((tr["rows"], nb), np.int64), np.zeros((tr["rows"], nb))
+    return Window(
+        t0=t0,
+        t1=t1,
+        bucket_ns=bucket,
+        bars=bars + pinned,
+        count=count,
+        busy_ns=busy_ns,
+        bar_threshold_ns=threshold,
+        capped=capped,
+        pinned=len(pinned),
+    )
+
+
+def _cell_pins(
+    source: Source, run_id: str, wanted: overview.CellPins, drawn: list[dict[str, object]]
+) -> list[tuple[dict[str, object], int, int, int]]:
+    """The overview cells' longest spans that a zoomed-out window draws anyway, read from the
+    store by where they start (the primary key: a few granules), with the row and bucket of
+    the density cell each was counted in and its length. One already drawn (a short step or batch) is left out."""
+    if not len(wanted.start_ns):
+        return []
+    rows = text_ids(
+        query_rows(
+            source,
+            """
+            SELECT toString(span_id) AS id, host, pid, tid, lane, category, name, depth,
+                   start_ns, end_ns
+            FROM __db__.spans
+            WHERE run_id = {run:String} AND start_ns IN {starts:Array(Int64)}
+            """,
+            {"run": run_id, "starts": sorted({int(x) for x in wanted.start_ns})},
+        )
+    )
+    by_key: dict[tuple[object, ...], list[dict[str, object]]] = {}
+    for r in rows:
+        key = (r["host"], r["pid"], r["tid"], r["lane"], r["depth"], r["start_ns"],
+               r["end_ns"] - r["start_ns"])  # fmt: skip
+        by_key.setdefault(key, []).append(r)
+    seen = {(b["span_id"], b["start_ns"]) for b in drawn}
+    out = []
+    for k, start, dur, row, cell in zip(
+        wanted.keys, wanted.start_ns, wanted.dur_ns, wanted.row, wanted.bucket
+    ):
+        key = (k["host"], k["pid"], k["tid"], k["lane"], k["depth"], int(start), int(dur))
+        found = by_key.get(key)
+        if not found:
+            continue
+        b = found.pop(0)
+        if (b["span_id"], b["start_ns"]) in seen:
+            continue
+        seen.add((b["span_id"], b["start_ns"]))
+        out.append(({**b, "pinned": True}, int(row), int(cell), int(dur)))
+    return out
+
+
+def _pins(
+    source: Source, where: str, params: dict[str, object], threshold: int,
+    tracks: list[TrackInfo],
+) -> list[dict[str, object]]:  # fmt: skip
+    """The spans of a zoomed-in window narrower than ``threshold`` that are drawn as bars
+    anyway: the longest of each row in each of :data:`PINS_PER_ROW` parts of the window and
+    the :data:`MAX_PINNED_KINDS` longest steps and forwarded batches (:func:`overview.pick_pins`,
+    the rule of zoomed-out windows). One ``argMax`` per track, depth and part (a sort of the
+    window's spans by length, ``LIMIT BY``, took ten times as long)."""
+    t0, t1 = int(str(params["t0"])), int(str(params["t1"]))
+    narrow = f"{where} AND end_ns >= start_ns AND end_ns - start_ns < {{thr:Int64}}"
+    query = {**params, "thr": threshold, "cap": MAX_PINNED_KINDS,
+             "part": max(1, -(-(t1 - t0) // PINS_PER_ROW)),
+             "cats": list(overview.PIN_CATEGORIES), "lanes": list(overview.PIN_LANES)}  # fmt: skip
+    longest = source.query_arrow(
+        f"""
+        SELECT toString(top.1) AS id, host, pid, tid, lane, top.2 AS category, top.3 AS name,
+               depth, top.4 AS start_ns, top.5 AS end_ns
+        FROM (
+            SELECT host, pid, tid, lane, depth,
+                   argMax((span_id, category, name, start_ns, end_ns),
+                          (end_ns - start_ns, -start_ns)) AS top
+            FROM __db__.spans WHERE {narrow}
+            GROUP BY host, pid, tid, lane, depth,
+                     intDiv(greatest(start_ns, {{t0:Int64}}) - {{t0:Int64}}, {{part:Int64}})
+        )
+        """,
+        query,
+    )
+    kinds = source.query_arrow(
+        f"""
+        SELECT toString(span_id) AS id, host, pid, tid, lane, category, name, depth, start_ns,
+               end_ns
+        FROM __db__.spans WHERE {narrow}
+          AND (category IN {{cats:Array(String)}} OR lane IN {{lanes:Array(String)}})
+        ORDER BY end_ns - start_ns DESC, start_ns LIMIT {{cap:UInt32}}
+        """,
+        query,
+    )
+    tables = [t.cast(overview.plain(t.schema)) for t in (longest, kinds) if t.num_rows]
+    if not tables:
+        return []
+    found = pa.concat_tables([t.cast(tables[0].schema) for t in tables])
+    start, end = found["start_ns"].to_numpy(), found["end_ns"].to_numpy()
+    kind = pc.or_(
+        pc.is_in(found["category"], pa.array(overview.PIN_CATEGORIES)),
+        pc.is_in(found["lane"], pa.array(overview.PIN_LANES)),
+    ).to_numpy(zero_copy_only=False)
+    keep = overview.pick_pins(
+        track_rows(found, tracks), overview.window_part(start, t0, t1, PINS_PER_ROW),
+        end - start, kind.astype(bool), MAX_PINNED_KINDS, start,
+    )  # fmt: skip
+    out: list[dict[str, object]] = []
+    seen = set()
+    for b in text_ids(found.take(pa.array(keep, pa.int64())).to_pylist()):
+        if (b["span_id"], b["start_ns"]) not in seen:  # a step or batch found twice
+            seen.add((b["span_id"], b["start_ns"]))
+            out.append({**b, "pinned": True})
+    return out
+
+
+def spans_in(source: Source, run_id: str, t0: int, t1: int) -> int:
+    """How many spans of the run overlap ``[t0, t1)``."""
+    found = query_rows(
+        source,
+        "SELECT count() AS n FROM __db__.spans WHERE run_id = {run:String}"
+        " AND start_ns < {t1:Int64} AND end_ns >= {t0:Int64}",
+        {"run": run_id, "t0": int(t0), "t1": int(t1)},
+    )
+    return int(found[0]["n"]) if found else 0
+
+
+def text_ids(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Span ids travel as decimal strings (UInt64 does not fit a JavaScript number): a row's
+    ``id`` and ``parent_id`` (read as ``toString``) become ``span_id`` and ``parent_span_id``."""
+    for r in rows:
+        r["span_id"] = r.pop("id")
+        if "parent_id" in r:
+            r["parent_span_id"] = r.pop("parent_id")
+    return rows
