@@ -31,7 +31,8 @@ sys.path.insert(0, str(REPO))
 from gpu_trace.export.chrome import write_chrome_trace  # noqa: E402
 from gpu_trace.query import reads  # noqa: E402
 from gpu_trace.store.client import Store  # noqa: E402
-from gpu_trace.store.importer import convert, read_trace, store_spans  # noqa: E402
+from gpu_trace.store.importer import convert, store_spans  # noqa: E402
+from gpu_trace.store.trace_file import read_trace  # noqa: E402
 
 
 def one_round(path: Path, work: Path, k: int) -> dict[str, float]:

@@ -33,7 +33,7 @@ What goes where (docs/export.md has the user's view):
   ``<host> counters`` process on a synthetic pid.
 - A span's ``args`` carry what the store has and Chrome's fields do not (span ids, category,
   lane, depth), and the trailer's ``gpu_trace`` the run's metadata and what each Chrome pid and
-  tid stands for: ``gpu-trace import`` (``importer.convert_export``) stores the run again from
+  tid stands for: ``gpu-trace import`` (``exported_trace.convert_export``) stores the run again from
   them, exactly.
 """
 

@@ -12,7 +12,8 @@ from gpu_trace.commands.runs import checked_dsn, store_module
 
 def cmd_import(args: argparse.Namespace) -> int:
     from gpu_trace._progress import PhaseProgress
-    from gpu_trace.store.importer import TraceImportError, import_trace
+    from gpu_trace.store.importer import import_trace
+    from gpu_trace.store.trace_file import TraceImportError
 
     dsn = checked_dsn(args.store)
     store_mod = store_module()

@@ -94,7 +94,7 @@ def _import_trace_samples(dsn: str) -> str | None:
     sample trace (imported now or before), None if there is none or it failed (said why)."""
     from gpu_trace._progress import PhaseProgress
     from gpu_trace.dashboard import samples
-    from gpu_trace.store.importer import TraceImportError
+    from gpu_trace.store.trace_file import TraceImportError
 
     store_mod = store_module()
     progress = PhaseProgress(sys.stderr, prefix="demo: importing the H100 trace")

@@ -343,10 +343,10 @@ def test_import_tells_its_progress(
 ) -> None:
     """What `gpu-trace import` draws on a terminal (gpu_trace/_progress.py's PhaseProgress):
     each phase in order, the events converted counted up to all of them, the run as without."""
-    from gpu_trace.store import importer
+    from gpu_trace.store import trace_file
 
-    monkeypatch.setattr(importer, "READ_CHUNK", 1 << 16)
-    monkeypatch.setattr(importer, "EVENTS_CHUNK", 1 << 8)
+    monkeypatch.setattr(trace_file, "READ_CHUNK", 1 << 16)
+    monkeypatch.setattr(trace_file, "EVENTS_CHUNK", 1 << 8)
     with gzip.open(SLICE, "rt") as f:
         data = json.load(f)
     data["note"] = "a copy"  # another file's bytes: imported as a run of its own

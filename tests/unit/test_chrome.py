@@ -264,7 +264,8 @@ def test_counters_sit_under_a_named_process(tmp_path: Path) -> None:
     host's counters go under its process (known from the threads rows when no span is in the
     file), and only a host with no process at all gets a ``<host> counters`` process; the
     importer reads every sample's host back either way."""
-    from gpu_trace.store.importer import convert, read_trace
+    from gpu_trace.store.importer import convert
+    from gpu_trace.store.trace_file import read_trace
 
     counters = pa.table(
         {

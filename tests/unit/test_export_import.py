@@ -1,5 +1,5 @@
 """A Chrome trace that ``gpu-trace export`` wrote reads back as the run it was
-(``importer.convert_export``), without a store: span ids, parents, hosts behind renumbered pids,
+(``exported_trace.convert_export``), without a store: span ids, parents, hosts behind renumbered pids,
 tids behind synthetic ones, lanes, categories, depths, attributes whose names clash with the
 exporter's own arguments, counters with sources and labels, the run's metadata; in both
 dialects. What the Kineto dialect writes only once (device work's track) comes back as
@@ -16,7 +16,9 @@ import pyarrow as pa
 import pytest
 
 from gpu_trace.export.chrome import write_chrome_trace
-from gpu_trace.store.importer import TraceImportError, convert, is_export, read_trace
+from gpu_trace.store.exported_trace import is_export
+from gpu_trace.store.importer import convert
+from gpu_trace.store.trace_file import TraceImportError, read_trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_chrome import BASE, ROWS, RUN, THREADS, gpu_activity_rows, spans  # noqa: E402

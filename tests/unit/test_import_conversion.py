@@ -1,5 +1,6 @@
-"""`gpu-trace import`'s reading and conversion of Kineto traces (store/importer.py), without a
-store: exact times, lanes and categories, nesting, launch links, and every kind of bad input."""
+"""`gpu-trace import`'s reading and conversion of Kineto traces (store/trace_file.py,
+store/kineto_trace.py), without a store: exact times, lanes and categories, nesting, launch
+links, and every kind of bad input."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from gpu_trace.store.importer import TraceImportError, convert, read_trace, to_ns
+from gpu_trace.store.importer import convert
+from gpu_trace.store.trace_file import TraceImportError, read_trace, to_ns
 
 BASE = 1_790_000_000_000_000_000
 
