@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import html
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -28,6 +28,7 @@ from gpu_trace import config
 from gpu_trace._summary_text import SAMPLER_NOTE
 from gpu_trace.query import frames, reads
 from gpu_trace.query.distributed import RankStats, RankStep, RankSummary, rank_summary
+from gpu_trace.query.series import drawable as _drawable
 from gpu_trace.query.summary import RangeStats, RunSummary
 
 if TYPE_CHECKING:
@@ -40,13 +41,6 @@ log = logging.getLogger(__name__)
 
 #: Rows :meth:`Run.spans` returns unless told otherwise.
 SPAN_LIMIT = 100_000
-#: Counters drawn under the timeline when none are named: these first, then any, up to four.
-TIMELINE_COUNTERS = (
-    "nvml/gpu_util_pct",
-    "nvml/mem_used_bytes",
-    "host/cpu_util_pct",
-    "user/loss",
-)
 
 
 def _pd() -> ModuleType:
@@ -451,7 +445,9 @@ class Run:
         with _opened(self.dsn) as store:
             run = reads.run(store, self.id)
             names = series.counter_series(store, self.id)
-            picked = self._counters_drawn([f"{c['source']}/{c['metric']}" for c in names], counters)
+            picked = series.counters_to_draw(
+                [f"{c['source']}/{c['metric']}" for c in names], counters
+            )
             ov = overview.overview(
                 store, self.id, int(run["started_ns"]), int(run["ended_ns"] or 0)
             )
@@ -470,20 +466,6 @@ class Run:
         if not static:
             return plotly_figure
         return picture.figure_with_picture()(plotly_figure, picture.picture(plotly_figure))
-
-    @staticmethod
-    def _counters_drawn(found: list[str], asked: list[str] | None) -> list[str]:
-        """The counters to read: those asked, or every one of the run's, the usual four first
-        (the timeline keeps the first four with something to draw)."""
-        if asked is None:
-            first = [c for c in TIMELINE_COUNTERS if c in found]
-            return first + [c for c in found if c not in first]
-        missing = [c for c in asked if c not in found]
-        if missing:
-            raise ValueError(
-                f"no counter {', '.join(missing)} in this run; it has: {', '.join(found) or 'none'}"
-            )
-        return list(asked)
 
     def export(self, path: str | Path, *, rank: int = 0, world_size: int | None = None) -> Path:
         """Write the run as Chrome trace JSON (``.json`` or ``.json.gz``) for Perfetto and HTA,
@@ -553,17 +535,6 @@ class Run:
             for k, v in self._describe()
         )
         return f"<b>gpu-trace run {html.escape(self.id)}</b><table>{rows}</table>"
-
-
-def _drawable(rows: Sequence[Mapping[str, object]], t0: int) -> bool:
-    """Whether a counter panel of ``rows`` (``dashboard.timeline.counters``) draws a line in a
-    window starting at ``t0``: some series has two samples, the last in or after the window. A
-    short block has one host sample at most (2 a second), from before it: that is no line, and
-    its panel would be empty axes."""
-    by_series: dict[object, list[int]] = {}
-    for r in rows:
-        by_series.setdefault(r["series"], []).append(int(str(r["ts_ns"])))
-    return any(len(ts) > 1 and max(ts) >= t0 for ts in by_series.values())
 
 
 def runs(limit: int = 50, search: str | None = None, store: str | None = None) -> pd.DataFrame:

@@ -6,6 +6,7 @@ drawn from what they return (:func:`gpu_trace.plots.figures.timeline`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
 from gpu_trace.query.source import Source
@@ -117,3 +118,38 @@ def counters(
                 _point(r["series"], r["ts"], r["value"], r["value"])
             )
     return out
+
+
+#: Counters drawn under a timeline when none are named: these first, then any, up to four.
+TIMELINE_COUNTERS = (
+    "nvml/gpu_util_pct",
+    "nvml/mem_used_bytes",
+    "host/cpu_util_pct",
+    "user/loss",
+)
+
+
+def counters_to_draw(found: list[str], asked: list[str] | None) -> list[str]:
+    """The counters to read of those the run has (``found``): those asked, or every one, the
+    usual four first (a timeline keeps the first four with something to draw: :func:`drawable`).
+    ValueError naming what the run has when an asked one is not there."""
+    if asked is None:
+        first = [c for c in TIMELINE_COUNTERS if c in found]
+        return first + [c for c in found if c not in first]
+    missing = [c for c in asked if c not in found]
+    if missing:
+        raise ValueError(
+            f"no counter {', '.join(missing)} in this run; it has: {', '.join(found) or 'none'}"
+        )
+    return list(asked)
+
+
+def drawable(points: Sequence[Mapping[str, object]], t0: int) -> bool:
+    """Whether a counter panel of ``points`` (:func:`counters`) draws a line in a window starting
+    at ``t0``: some series has two samples, the last in or after the window. A short block has
+    one host sample at most (2 a second), from before it: that is no line, and its panel would
+    be empty axes."""
+    by_series: dict[object, list[int]] = {}
+    for r in points:
+        by_series.setdefault(r["series"], []).append(int(str(r["ts_ns"])))
+    return any(len(ts) > 1 and max(ts) >= t0 for ts in by_series.values())
