@@ -49,6 +49,9 @@ def render_summary(run: dict[str, Any], summary: RunSummary) -> str:
         lines.append(f"status: {run.get('status', '')}: {reason}")
     lines.append(f"command: {run.get('command', '')}")
     lines.append(f"trace id: {run.get('trace_id', '')}  hosts: {','.join(run.get('hosts') or [])}")
+    attrs = run.get("attrs") or {}
+    for key in sorted(k for k in attrs if k.startswith("clock.")):  # a job's other hosts
+        lines.append(f"clock of {key.removeprefix('clock.')}: {attrs[key]}")
     lines.append(f"recording: {describe_recording(run.get('attrs') or {})}")
     lines.append(
         f"events: {fmt.count(summary.events)} ({fmt.count(int(run.get('spans') or 0))} spans, "
@@ -87,21 +90,24 @@ def render_summary(run: dict[str, Any], summary: RunSummary) -> str:
                 right={1, 2, 3, 4, 5, 6},
             )
         )
+    hosts = len(run.get("hosts") or []) > 1  # counters say their host when there are several
     if summary.counters:
-        lines += ["", "counters", _counter_table(summary.counters)]
+        lines += ["", "counters", _counter_table(summary.counters, hosts)]
     if summary.sampler:
-        lines += ["", SAMPLER_NOTE, _counter_table(summary.sampler)]
+        lines += ["", SAMPLER_NOTE, _counter_table(summary.sampler, hosts)]
     return "\n".join(lines)
 
 
-def _counter_table(counters: list[CounterStats]) -> str:
+def _counter_table(counters: list[CounterStats], hosts: bool = False) -> str:
     rows = [
-        [c.source, c.device or "-", c.metric, fmt.count(c.count), f"{c.min:.4g}",
-         f"{c.mean:.4g}", f"{c.max:.4g}"]
+        [*([clip(c.host, 24)] if hosts else []), c.source, c.device or "-", c.metric,
+         fmt.count(c.count), f"{c.min:.4g}", f"{c.mean:.4g}", f"{c.max:.4g}"]
         for c in counters
     ]  # fmt: skip
+    head = ["SOURCE", "DEVICE", "METRIC", "SAMPLES", "MIN", "MEAN", "MAX"]
+    first = 1 if hosts else 0
     return fmt.table(
-        ["SOURCE", "DEVICE", "METRIC", "SAMPLES", "MIN", "MEAN", "MAX"], rows, right={3, 4, 5, 6}
+        (["HOST"] if hosts else []) + head, rows, right={3 + first, 4 + first, 5 + first, 6 + first}
     )
 
 

@@ -56,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="spool directory (default: a new one under GPU_TRACE_HOME/runs)",
     )
+    p.add_argument(
+        "--job",
+        metavar="ID",
+        help="record this command as one part of job ID: every record of the job (each rank "
+        "under its own record, on any host) lands in one run, job-ID (default: GPU_TRACE_JOB, "
+        "or the launcher's job id when it started several records; docs/distributed.md)",
+    )
     _store_arg(p)
     p.add_argument(
         "--nvtx",

@@ -45,6 +45,10 @@ ENVIRONMENT: dict[str, str] = {
     "GPU_TRACE_RUN_DIR": "Set by `gpu-trace record` for the traced program and its children: the "
     "run directory the recorder spools into. When set, recording starts at interpreter start.",
     "GPU_TRACE_RUN_ID": "Set by `gpu-trace record`: the run id.",
+    "GPU_TRACE_JOB": "`gpu-trace record --job`'s default: the job this record is one part of "
+    "(every record of a job, each rank under its own, on any host, lands in the run job-ID). "
+    "Unset: the launcher's job id where it started several records (SLURM_JOB_ID, "
+    "PMIX_NAMESPACE, TORCHELASTIC_RUN_ID), else none.",
     "GPU_TRACE_SIGNAL_ECHO": "Set by `gpu-trace record` for the program it starts: the pipe the "
     "program says on which signals it got, so a signal sent to the whole process group is not "
     "forwarded to it a second time (gpu_trace/signal_echo.py).",
@@ -241,6 +245,12 @@ def _run_id(text: str) -> str:
     return text
 
 
+def _job(text: str) -> str:
+    if not text.strip() or len(text) > 200 or not text.isprintable():
+        raise _Invalid("a job id: 1 to 200 printable characters")
+    return text
+
+
 def _signal_echo(text: str) -> str:
     parts = text.split(":")
     if len(parts) != 3 or not all(p.isdigit() for p in parts):
@@ -277,6 +287,7 @@ CHECKS: dict[str, Callable[[str], object]] = {
     "GPU_TRACE_RECORD_OPS": _new_file,
     "GPU_TRACE_RUN_DIR": _directory,
     "GPU_TRACE_RUN_ID": _run_id,
+    "GPU_TRACE_JOB": _job,
     "GPU_TRACE_SIGNAL_ECHO": _signal_echo,
     "GPU_TRACE_FLUSH_INTERVAL": _number(0, 60, "seconds", lo_open=True),
     "GPU_TRACE_BUFFER_EVENTS": _number(16, MAX_BUFFER_EVENTS, "events", integer=True),

@@ -26,7 +26,7 @@ from typing import Any
 
 from gpu_trace import config
 from gpu_trace.signal_echo import Echo
-from gpu_trace.tracer import context
+from gpu_trace.tracer import context, ranks
 from gpu_trace.tracer.clock import anchor, now_ns
 from gpu_trace.tracer.files import disk_full
 from gpu_trace.tracer.run import RUN_FILE, RunInfo, new_run_id, recorder_attrs, recording_attrs
@@ -62,6 +62,7 @@ def prepare(
     argv: list[str],
     *,
     run_dir: Path | None = None,
+    job: str | None = None,
     nvtx: str | None = None,
     torch: str | None = None,
     tf: str | None = None,
@@ -81,6 +82,11 @@ def prepare(
     there, and a server that cannot be reached stops the run before it starts
     (:data:`SERVER_UNREACHABLE`), unless ``fallback_local``: then the program runs locally, the
     run is recorded as local, and a note says so.
+
+    ``job`` (or ``GPU_TRACE_JOB``, or the launcher's job id: :func:`ranks.job_from_env`): this
+    record is one part of a job; every part records into the run ``job-<ID>`` under the job's
+    trace id, each in a run directory of its own (``<run id>.<host>.<pid>``), and ingest merges
+    them (docs/distributed.md, "One run per job").
     """
     if not argv:
         raise LaunchError("no command given: gpu-trace record [OPTIONS] -- COMMAND [ARGS...]", 2)
@@ -105,8 +111,14 @@ def prepare(
         if unreachable:
             fallback, remote = f"{remote}: {unreachable}", None
             environ.pop("GPU_TRACE_REMOTE", None)
-    run_id = new_run_id() if run_dir is None else Path(run_dir).name
-    run_dir = Path(run_dir) if run_dir is not None else config.runs_dir() / run_id
+    job = (job or "").strip() or ranks.job_from_env(environ)
+    if job:
+        run_id = ranks.job_run_id(job)
+        part = f"{run_id}.{socket.gethostname()}.{os.getpid()}"
+        run_dir = Path(run_dir) if run_dir is not None else config.runs_dir() / part
+    else:
+        run_id = new_run_id() if run_dir is None else Path(run_dir).name
+        run_dir = Path(run_dir) if run_dir is not None else config.runs_dir() / run_id
     created = not run_dir.exists()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -121,7 +133,10 @@ def prepare(
         raise LaunchError(f"run directory {run_dir} is not empty; give a new one", 2)
 
     incoming = context.extract(environ)
-    trace_id = incoming.trace_id if incoming else context.new_trace_id()
+    if incoming:
+        trace_id = incoming.trace_id
+    else:
+        trace_id = ranks.job_trace_id(job) if job else context.new_trace_id()
     # The run's root: the parent of everything the program records across processes and hosts.
     root_span_id = secrets.randbits(63) | 1
     a = anchor()
@@ -138,6 +153,8 @@ def prepare(
         },
     )
     info.attrs["root_span_id"] = f"{root_span_id:016x}"
+    if job:
+        info.attrs[ranks.JOB_ATTR] = job
     info.attrs.update(recorder_attrs())  # who closes the run; ingest marks it died if gone
     if incoming:
         info.attrs["parent_span_id"] = f"{incoming.parent_span_id:016x}"

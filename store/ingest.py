@@ -42,6 +42,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from gpu_trace.store import jobs
 from gpu_trace.tracer import ranks
 from gpu_trace.tracer.clocksync import ClockModel
 from gpu_trace.tracer.records import SCHEMAS
@@ -148,8 +149,11 @@ def ingest(store: Store, run_dir: str | Path, progress: Progress | None = None) 
         info.status, info.attrs["reason"] = "died", died
         report.problems.append(f"run.json: {died}; the run is marked died")
     logged = _logged(store, info.run_id)
+    job = _JobPart.of(store, info)
     with _Inserter(store, info.run_id, report) as inserter:
-        hosts, pid_hosts = _ingest_files(store, files, info, logged, inserter, report, progress)
+        hosts, pid_hosts = _ingest_files(
+            store, files, info, logged, inserter, report, progress, job
+        )
 
     stats = _read_stats(run_dir, report)
     info.hosts = hosts
@@ -163,7 +167,11 @@ def ingest(store: Store, run_dir: str | Path, progress: Progress | None = None) 
         info.attrs["damaged_batches"] = str(report.batches_skipped)
     _write_threads(store, info, stats, pid_hosts, ranks.read(run_dir))
     stored = _stored_run(store, info.run_id)
-    if stored is not None:
+    if job is not None:  # one part of a job: merged into the job's run (store/jobs.py)
+        if job.clock is None and job.peer:
+            report.problems.append(f"{job.peer}: times not mapped onto the run's clock (no anchor)")
+        info = jobs.merge(stored, info, job.clock)
+    elif stored is not None:
         info.hosts = list(dict.fromkeys([*stored.hosts, *info.hosts]))
         if info.attrs.get("side") == "server":  # the client's row stays, with our host added
             stored.hosts = info.hosts
@@ -200,6 +208,7 @@ def _ingest_files(
     inserter: _Inserter,
     report: IngestReport,
     progress: Progress | None = None,
+    job: _JobPart | None = None,
 ) -> tuple[list[str], dict[int, str]]:
     pending = {kind: _Pending() for kind in SCHEMAS}
     hosts: list[str] = list(info.hosts)
@@ -218,7 +227,7 @@ def _ingest_files(
         if spool.problem:
             problem = spool.problem if problem is None else f"{spool.problem}; {problem}"
         if table is not None and models is not None:
-            peer = spool.meta[CLOCK_PEER]
+            peer = spool.meta.get(CLOCK_PEER) or (job.peer if job is not None else "")
             table, note = map_clock(kind, table, models.get(peer), peer)
             problem = note if problem is None else f"{problem}; {note}" if note else problem
         kept = table.num_rows if table is not None else 0
@@ -263,25 +272,75 @@ def _ingest_files(
                 f" is run {info.run_id} (a copied run directory? ingest the one it came from)"
             )
             continue
-        if spool.meta.get(CLOCK_PEER) and spool.kind in ("spans", "counters"):
+        on_peer = spool.meta.get(CLOCK_PEER) or (job is not None and job.peer)
+        if on_peer and spool.kind in ("spans", "counters"):
             deferred.append((path, size, state, spool))  # mapped once every clock row is known
             continue
         if spool.kind == "clock_sync" and spool.table is not None:
             _collect_clock(spool.table, clock_rows)
         add(path, size, state, spool, None)
     if deferred:
+        if job is not None and job.peer:
+            spans = [
+                s.table for _, _, _, s in deferred if s.kind == "spans" and s.table is not None
+            ]
+            run = jobs.stored_collectives(store, info.run_id)
+            job.clock = jobs.part_clock(run, job.stored, info, spans)
+            if job.clock is not None:
+                samples = job.clock.samples(info.started_ns, max(info.ended_ns, info.started_ns))
+                clock_rows.setdefault(job.peer, set()).update(samples)
+                pending["clock_sync"].tables.append(_job_clock_rows(info, job.clock, samples))
+                pending["clock_sync"].rows += len(samples)
         models = _clock_models(store, info.run_id, clock_rows)
         for path, size, state, spool in deferred:
             add(path, size, state, spool, models)
     if progress is not None:
         progress(f"storing the last of {len(files):,} spool files", 0, None)
     for kind, batch in pending.items():
-        if batch.files:
+        if batch.files or batch.tables:
             inserter.submit(kind, batch)
     return hosts, pid_hosts
 
 
 # ---- clocks of other hosts ----------------------------------------------------------------------
+
+
+@dataclass
+class _JobPart:
+    """A run directory that is one part of a job, and the job's run as stored before it."""
+
+    stored: RunInfo | None
+    peer: str  # the part's host when its times need mapping onto the run's clock, else ""
+    clock: jobs.PartClock | None = None
+
+    @classmethod
+    def of(cls, store: Store, info: RunInfo) -> _JobPart | None:
+        if not jobs.is_part(info):
+            return None
+        stored = _stored_run(store, info.run_id)
+        host = info.hosts[0] if info.hosts else ""
+        other = stored is not None and bool(host) and host != jobs.clock_host(stored)
+        return cls(stored, host if other else "")
+
+
+def _job_clock_rows(
+    info: RunInfo, clock: jobs.PartClock, samples: set[tuple[int, int, int]]
+) -> pa.Table:
+    """The part's offset as the run's ``clock_sync`` rows (``show`` and the dashboard list them):
+    on the run's clock host, the part's host the peer."""
+    rows = sorted(samples)
+    n = len(rows)
+    return pa.table(
+        {
+            "peer": pa.array([clock.host] * n, pa.string()),
+            "ts_ns": pa.array([r[0] for r in rows], pa.int64()),
+            "offset_ns": pa.array([r[1] for r in rows], pa.int64()),
+            "rtt_ns": pa.array([r[2] for r in rows], pa.int64()),
+            "uncertainty_ns": pa.array([r[2] // 2 for r in rows], pa.int64()),
+            "run_id": pa.array([info.run_id] * n, pa.string()),
+            "host": pa.array([clock.clock_host] * n, pa.string()),
+        }
+    )
 
 
 def _collect_clock(table: pa.Table, rows: dict[str, set[tuple[int, int, int]]]) -> None:

@@ -13,8 +13,10 @@ The reading side (rank summaries, per-step analysis) is :mod:`gpu_trace.query.di
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import socket
 from collections.abc import Mapping
 from pathlib import Path
@@ -120,3 +122,49 @@ def read(run_dir: str | os.PathLike[str]) -> dict[int, dict[str, str]]:
         if isinstance(data, dict):
             out[int(path.stem)] = {str(k): str(v) for k, v in data.items() if k in KEYS}
     return out
+
+
+# ---- one run per job ---------------------------------------------------------------------------
+
+#: ``run.json`` attrs of a run that is one part of a job (``gpu-trace record --job``).
+JOB_ATTR = "job"
+#: Characters a job id keeps in its run id (others become ``-``).
+_JOB_ID = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def job_from_env(environ: Mapping[str, str] | None = None) -> str | None:
+    """The job this `record` is one part of, when no ``--job`` was given: ``GPU_TRACE_JOB``, else
+    the launcher's own job id where the launcher started several of these records (Slurm's
+    ``SLURM_JOB_ID`` with ``SLURM_NTASKS`` > 1, Open MPI's ``PMIX_NAMESPACE`` with
+    ``OMPI_COMM_WORLD_SIZE`` > 1, torchrun's ``TORCHELASTIC_RUN_ID`` unless it is ``none``, with
+    ``WORLD_SIZE`` > 1); None otherwise. A record alone in an allocation is not a job part."""
+    env = os.environ if environ is None else environ
+    explicit = (env.get("GPU_TRACE_JOB") or "").strip()
+    if explicit:
+        return explicit
+    for job, size in (
+        ("SLURM_JOB_ID", "SLURM_NTASKS"),
+        ("PMIX_NAMESPACE", "OMPI_COMM_WORLD_SIZE"),
+        ("TORCHELASTIC_RUN_ID", "WORLD_SIZE"),
+    ):
+        value = (env.get(job) or "").strip()
+        n = _int(env.get(size))
+        if value and value != "none" and n is not None and int(n) > 1:
+            return value
+    return None
+
+
+def job_run_id(job: str) -> str:
+    """The run id every part of ``job`` records into: ``job-`` and the id's safe characters (at
+    most 64), with a short hash of the whole id when characters were replaced or cut, so two
+    jobs never share a run."""
+    safe = _JOB_ID.sub("-", job.strip()).strip("-.") or "job"
+    if safe != job.strip() or len(safe) > 64:
+        safe = f"{safe[:55]}-{hashlib.sha256(job.encode()).hexdigest()[:8]}"
+    return f"job-{safe}"
+
+
+def job_trace_id(job: str) -> str:
+    """The W3C trace id every part of ``job`` shares (32 hex digits from the job id)."""
+    digest = hashlib.sha256(b"gpu-trace job " + job.encode()).hexdigest()[:32]
+    return digest if int(digest, 16) else "1".rjust(32, "0")

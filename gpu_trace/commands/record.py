@@ -40,6 +40,7 @@ def cmd_record(args: argparse.Namespace) -> int:
         prepared = launch.prepare(
             argv,
             run_dir=args.run_dir,
+            job=args.job,
             nvtx=args.nvtx,
             torch=args.torch,
             tf=args.tf,

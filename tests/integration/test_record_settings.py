@@ -32,6 +32,7 @@ BAD: dict[str, str | None] = {
     "GPU_TRACE_RECORD_OPS": "{missing}/ops.txt",
     "GPU_TRACE_RUN_DIR": "{file}",
     "GPU_TRACE_RUN_ID": "../elsewhere",
+    "GPU_TRACE_JOB": " ",
     "GPU_TRACE_SIGNAL_ECHO": "3:pipe",
     "GPU_TRACE_FLUSH_INTERVAL": "abc",
     "GPU_TRACE_BUFFER_EVENTS": "0",
