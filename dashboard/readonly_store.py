@@ -1,7 +1,7 @@
 """Where the dashboard's data comes from: one store, opened lazily, asked one query at a time.
 
 The dashboard is read-only. Every query it sends is one of its own ``SELECT`` templates with
-``{name:Type}`` parameters (:mod:`gpu_trace.dashboard.timeline`), held to the rule `gpu-trace sql`
+``{name:Type}`` parameters (:mod:`gpu_trace.query`'s), held to the rule `gpu-trace sql`
 is (:mod:`gpu_trace.store.guard`: ClickHouse's parser, reads of the store's tables only),
 checked once per template; and with ``enforce_readonly`` (what ``gpu-trace ui`` uses) the engine
 itself is switched to ``readonly=1`` for this process once the store is open.

@@ -5,13 +5,30 @@ A plain function of a :class:`~gpu_trace.query.source.Source`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict
 
 from gpu_trace.query.source import Source
 from gpu_trace.query.source import rows as query_rows
 
 
-def module_tree(source: Source, run_id: str, limit: int = 300_000) -> dict[str, Any]:
+class ModuleNode(TypedDict):
+    """One path of enclosing modules: its spans' count and total time."""
+
+    path: str  # names joined with ``/``
+    name: str
+    parent: str  # the parent's path ("" at the top)
+    depth: int
+    count: int
+    total_ns: int
+
+
+class ModuleTree(TypedDict):
+    nodes: list[ModuleNode]  # by path
+    spans: int  # module spans read
+    truncated: bool  # the run has more than were read
+
+
+def module_tree(source: Source, run_id: str, limit: int = 300_000) -> ModuleTree:
     """Module spans aggregated by their path of enclosing modules.
 
     Returns ``{"nodes": [{"path", "name", "parent", "depth", "count", "total_ns"}], "spans",
@@ -45,7 +62,7 @@ def module_tree(source: Source, run_id: str, limit: int = 300_000) -> dict[str, 
                 paths[c["span_id"]] = prefix
         return paths[sid]
 
-    nodes: dict[str, dict[str, Any]] = {}
+    nodes: dict[str, ModuleNode] = {}
     for r in rows:
         p = path(r)
         node = nodes.setdefault(
