@@ -3,7 +3,9 @@
 The output is the Trace Event Format's JSON object form, written as a stream: a header, one event
 per line, a trailer. Memory stays constant in the number of spans: each Arrow batch is formatted
 by vectorized string kernels (``json_fragments.py``) into one buffer and written out before the
-next is read.
+next is read. Beside it: ``tracks.py`` (which Chrome pid and tid each lane is drawn on),
+``kineto_dialect.py`` (what the Kineto dialect writes differently), ``envelope.py`` (the header
+and the trailer), ``flows.py`` (flow arrows) and ``rank_traces.py`` (one file per rank).
 
 What goes where (docs/export.md has the user's view):
 
@@ -42,10 +44,8 @@ from __future__ import annotations
 import contextlib
 import gzip
 import io
-import json
 import logging
 import os
-import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -54,13 +54,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from gpu_trace.export.envelope import header, trailer
 from gpu_trace.export.exporter import ExportResult, check_batch
 from gpu_trace.export.flows import FlowLinker
 from gpu_trace.export.json_fragments import (
     attrs_fragment,
     combined,
     dictionary,
-    dictionary_codes,
     dumps,
     int64,
     micros,
@@ -68,70 +68,28 @@ from gpu_trace.export.json_fragments import (
     quote,
     uint64,
 )
-from gpu_trace.tracer.records import (
-    CUDA_API,
-    CUDA_SYNC,
-    KERNEL,
-    MARK,
-    MEMCPY,
-    MEMSET,
-    MODULE,
-    NVTX,
-    OP,
-    STEP,
-    STEP_LANE,
+from gpu_trace.export.kineto_dialect import (
+    DEVICE_CATEGORIES,
+    INT_ARGS,
+    KINETO_CATEGORIES,
+    KINETO_INT_ARGS,
+    KINETO_LIST_ARGS,
+    KINETO_NUMBER_ARGS,
+    attr_map,
+    forward_spans,
+    kineto_rows,
+    without_lane_args,
 )
-from gpu_trace.tracer.trace_format import FORWARD_SPAN, RESERVED_ARGS
+from gpu_trace.export.tracks import GPU_LANE, Tracks
+from gpu_trace.tracer.records import MARK
+from gpu_trace.tracer.trace_format import RESERVED_ARGS
 
 log = logging.getLogger(__name__)
 
 Progress = Callable[[int, "int | None"], None]
 
-#: Our categories as Kineto names them (what HTA and Perfetto's PyTorch views expect).
-KINETO_CATEGORIES = {
-    OP: "cpu_op",
-    MODULE: "python_function",
-    NVTX: "user_annotation",
-    STEP: "user_annotation",
-    KERNEL: "kernel",
-    MEMCPY: "gpu_memcpy",
-    MEMSET: "gpu_memset",
-    CUDA_API: "cuda_runtime",  # "cuda_driver" for a call whose attribute api is "driver"
-    CUDA_SYNC: "cuda_sync",
-}
-#: Device work: in the Kineto dialect, the flow from its launching call is an ``ac2g`` arrow.
-DEVICE_CATEGORIES = (KERNEL, MEMCPY, MEMSET)
-#: First synthetic tid (lane tracks) and pid (counter processes, renumbered pids). Linux pids and
-#: tids stay below 2**22, so these never meet a real one; both stay below 2**31 for old viewers.
-SYNTHETIC_BASE = 1 << 30
-#: Kineto argument names HTA reads as integers: attributes with these names and an integer value
-#: are written as JSON numbers (everything else stays a string, as recorded).
-INT_ARGS = ("correlation", "External id", "Sequence number", "Fwd thread id", "Ev Idx", "cbid")
-#: More of Kineto's numeric arguments, written as JSON numbers in the Kineto dialect as
-#: PyTorch's profiler writes them (HTA reads them as numbers): integers, numbers, integer lists.
-KINETO_INT_ARGS = (
-    *INT_ARGS,
-    "context",
-    "bytes",
-    "registers per thread",
-    "shared memory",
-    "static shared memory",
-    "dynamic shared memory",
-    "queued",
-    "est. achieved occupancy %",
-    "wait_on_stream",
-    "wait_on_cuda_event_record_corr_id",
-    "Record function id",
-)
-KINETO_NUMBER_ARGS = ("memory bandwidth (GB/s)", "blocks per SM", "warps per SM")
-KINETO_LIST_ARGS = ("grid", "block")
 #: Rows formatted at a time; bounds the exporter's memory whatever the batch size.
 CHUNK_ROWS = 1 << 14
-
-_GPU_LANE = re.compile(r"^gpu(\d+)/stream(\d+)$")
-#: A device lane, or the lane of a GPU annotation on one stream (imported traces).
-_DEVICE_TRACK = re.compile(r"^gpu(\d+)/stream(\d+)(/annotations)?$")
-
 
 _HEX_DIGITS = np.frombuffer(b"0123456789abcdef", np.uint8)
 _NIBBLES = np.arange(60, -4, -4, dtype=np.uint64)
@@ -219,23 +177,6 @@ class ChromeTraceExporter:
         started = run.get("started_ns")
         self.base_ns: int | None = int(started) if started else None
 
-        self._hosts: dict[str, int] = {}
-        self._lanes: dict[str, int] = {}
-        self._lane_names: list[str] = []
-        self._pids: dict[tuple[str, int], int] = {}
-        self._used_pids: set[int] = set()
-        self._used_tids: set[int] = set()
-        self._threads: dict[tuple[int, int], tuple[int, int]] = {}  # (cpid, tid) -> (rank, lanes)
-        self._tracks: dict[tuple[int, int, int, int], tuple[int, int, str, str]] = {}
-        self._counter_pids: dict[str, int] = {}
-        self._device_pids: dict[tuple[str, int], int] = {}
-        self._device_streams: set[tuple[int, int]] = set()
-        self._next_pid = SYNTHETIC_BASE
-        self._next_tid = SYNTHETIC_BASE
-        #: What each Chrome process and thread track stands for, for the trailer: the recorded
-        #: host, pid and tid behind renumbered pids and synthetic tids (``gpu-trace import``).
-        self._process_rows: list[dict[str, str | int | bool]] = []
-        self._track_rows: list[dict[str, int]] = []
         self._flows = FlowLinker(self.flow_window)
         self.stats: dict[str, Any] = {
             "path": str(self.path),
@@ -249,6 +190,15 @@ class ChromeTraceExporter:
             "bytes": 0,
             "complete": False,
         }
+        #: Which Chrome pid and tid each recorded thread's lane is drawn on (export/tracks.py).
+        self._tracks = Tracks(
+            kineto=self._kineto,
+            thread_names=self._thread_names,
+            process_names=self._process_names,
+            thread_rows=self._thread_rows,
+            stats=self.stats,
+            put_meta=self._put_meta,
+        )
         self._closed = False
         self._failed = False
         #: Why the first failed ``export``/``export_counters`` failed, in one line; None if none did.
@@ -262,7 +212,7 @@ class ChromeTraceExporter:
             else raw
         )
         self._raw = raw
-        self._write_header(world_size)
+        self._put(header(self.run, rank=rank, world_size=world_size, backend=self.backend).encode())
 
     # ---- the plugin contract ------------------------------------------------------------------
 
@@ -342,11 +292,11 @@ class ChromeTraceExporter:
         rel = start - self.base_ns
         dur = np.maximum(end - start, 0)
 
-        cpid, ctid, track_frag, lane_frag = self._track_columns(batch)
+        cpid, ctid, track_frag, lane_frag = self._tracks.columns(batch)
         device_rows = np.zeros(n, dtype=bool)
         if self._kineto:
             lane_codes, lane_dict = dictionary(batch["lane"])
-            on_device = [bool(_GPU_LANE.match(x or "")) for x in lane_dict.to_pylist()]
+            on_device = [bool(GPU_LANE.match(x or "")) for x in lane_dict.to_pylist()]
             device_rows = np.array(on_device or [False])[lane_codes]
         cat_codes, cat_dict = dictionary(batch["category"])
         cat_names = cat_dict.to_pylist()
@@ -355,7 +305,7 @@ class ChromeTraceExporter:
         shown = [KINETO_CATEGORIES.get(c, c) if self._kineto else c for c in cat_names]
         cat_json = pa.array([dumps(c) for c in shown], pa.string()).take(pa.array(cat_codes))
         if self._kineto:
-            cat_json = _kineto_rows(batch, cat_names, cat_codes, cat_json)
+            cat_json = kineto_rows(batch, cat_names, cat_codes, cat_json)
         our_cat = quote(cat_dict).take(pa.array(cat_codes))
         mark = pa.array(is_mark)
 
@@ -387,7 +337,7 @@ class ChromeTraceExporter:
             lane_frag,
             _depth_fragment(batch),
             attrs_fragment(
-                _without_lane_args(batch, device_rows) if self._kineto else batch["attrs"],
+                without_lane_args(batch, device_rows) if self._kineto else batch["attrs"],
                 reserved=RESERVED_ARGS,
                 integer_keys=KINETO_INT_ARGS if self._kineto else INT_ARGS,
                 number_keys=KINETO_NUMBER_ARGS if self._kineto else (),
@@ -406,7 +356,7 @@ class ChromeTraceExporter:
         if self._kineto:
             if categories is not None:
                 launched = np.isin(categories, DEVICE_CATEGORIES)
-            backward_of = _forward_spans(batch)
+            backward_of = forward_spans(batch)
         arrows = self._flows.link(
             sid, parent, has_parent, cpid, ctid, rel, categories, launched, backward_of
         )
@@ -440,7 +390,7 @@ class ChromeTraceExporter:
         else:
             host_codes, hosts = np.zeros(n, dtype=np.int32), [""]
         pid_frag = pa.array(
-            [f'"pid":{self._counter_pid(h or "")},"tid":0' for h in hosts], pa.string()
+            [f'"pid":{self._tracks.counter_pid(h or "")},"tid":0' for h in hosts], pa.string()
         )
         if "device" in batch.column_names:
             device = pc.fill_null(plain(batch["device"]), "")
@@ -481,7 +431,17 @@ class ChromeTraceExporter:
         self._closed = True
         self.stats["complete"] = complete
         try:
-            self._write_trailer()
+            tail = trailer(
+                self.run,
+                base_ns=self.base_ns,
+                stats=self.stats,
+                flow_window=self.flow_window,
+                kineto=self._kineto,
+                thread_rows=self._thread_rows,
+                process_rows=self._tracks.process_rows,
+                track_rows=self._tracks.track_rows,
+            )
+            self._put(tail.encode())
             self._file.close()
             if self._file is not self._raw:
                 self._raw.close()
@@ -497,254 +457,6 @@ class ChromeTraceExporter:
         finally:
             self._flows.clear()
         return self.stats
-
-    # ---- header, trailer, metadata events -----------------------------------------------------
-
-    def _write_header(self, world_size: int) -> None:
-        # One key per line, "rank" first with a space after the colon: HTA finds a file's rank
-        # with the regex '"rank":\s+(\d+)' over the first lines of the file.
-        head = (
-            "{\n"
-            f'"distributedInfo": {{"rank": {self.rank}, "world_size": {world_size}'
-            + (f', "backend": {dumps(self.backend)}' if self.backend else "")
-            + "},\n"
-            '"schemaVersion": 1,\n'
-            '"displayTimeUnit": "ns",\n'
-            f'"deviceProperties": {self._device_properties()},\n'
-            f'"traceName": {dumps(str(self.run.get("run_id", "")))},\n'
-            '"traceEvents": [\n'
-        )
-        self._put(head.encode())
-
-    def _device_properties(self) -> str:
-        """The run's GPUs as Kineto lists them: the ``device_properties`` attribute (what an
-        imported trace had), else the names NVML gave a recorded run (``gpus``:
-        ``gpu0=NVIDIA H100 80GB HBM3,...``) as ``{"id", "name"}``; ``[]`` without either. HTA
-        reads the GPUs' properties from here."""
-        attrs = self.run.get("attrs") or {}
-        if isinstance(attrs, list):
-            attrs = dict(attrs)
-        try:
-            props = json.loads(attrs.get("device_properties", "[]"))
-        except (TypeError, ValueError):
-            props = []
-        if not props and attrs.get("gpus"):
-            for entry in str(attrs["gpus"]).split(","):
-                key, _, name = entry.partition("=")
-                index = key.strip().removeprefix("gpu")
-                if index.isdigit() and name:
-                    props.append({"id": int(index), "name": name.strip()})
-        return dumps(props if isinstance(props, list) else [])
-
-    def _write_trailer(self) -> None:
-        base = self.base_ns if self.base_ns is not None else 0
-        info = {
-            "run_id": self.run.get("run_id", ""),
-            "trace_id": self.run.get("trace_id", ""),
-            "command": self.run.get("command", ""),
-            "hosts": list(self.run.get("hosts") or []),
-            "status": self.run.get("status", ""),
-            "time_base_ns": base,
-            "time_base": "ts 0 is time_base_ns on the run's reference clock (CLOCK_MONOTONIC ns)",
-            "ts_unit": "us",
-            "spans": self.stats["spans"],
-            "marks": self.stats["marks"],
-            "counters": self.stats["counters"],
-            "flows": self.stats["flows"],
-            "flow_window": self.flow_window,
-            "complete": self.stats["complete"],
-        }
-        attrs = self.run.get("attrs") or {}
-        if isinstance(attrs, list):  # a map as the store may return it: (key, value) pairs
-            attrs = dict(attrs)
-        # What `gpu-trace import` needs to store the run again as it was (docs/import.md).
-        info.update(
-            {
-                "categories": "kineto" if self._kineto else "native",
-                "started_ns": _int_or_zero(self.run.get("started_ns")),
-                "ended_ns": _int_or_zero(self.run.get("ended_ns")),
-                "attrs": {str(k): str(v) for k, v in attrs.items()},
-                "threads": self._thread_rows,
-                "processes": self._process_rows,
-                "tracks": self._track_rows,
-            }
-        )
-        tail = f'\n],\n"gpu_trace": {dumps(info)}'
-        try:
-            wall = base - int(attrs["anchor_mono_ns"]) + int(attrs["anchor_wall_ns"])
-            tail += f',\n"baseTimeNanoseconds": {wall}'
-        except (KeyError, TypeError, ValueError):
-            pass
-        self._put((tail + "\n}\n").encode())
-
-    def _meta(self, name: str, pid: int, tid: int | None, args: dict[str, Any]) -> str:
-        # Process-wide events carry tid 0 as Kineto's do: a missing tid turns HTA's tid column
-        # into floats.
-        return f',\n{{"ph":"M","name":"{name}","pid":{pid},"tid":{tid or 0},"args":{dumps(args)}}}'
-
-    def _process(self, host: str, pid: int) -> int:
-        key = (host, pid)
-        cpid = self._pids.get(key)
-        if cpid is not None:
-            return cpid
-        cpid = pid
-        if cpid in self._used_pids or not 0 < cpid < SYNTHETIC_BASE:
-            cpid = self._new_pid()
-        self._used_pids.add(cpid)
-        self._pids[key] = cpid
-        self._process_rows.append({"chrome_pid": cpid, "host": host, "pid": pid})
-        meta = self._meta(
-            "process_name", cpid, None, {"name": self._process_label(host, pid, cpid)}
-        )
-        meta += self._meta("process_sort_index", cpid, None, {"sort_index": len(self._pids)})
-        self._put_meta(meta, 2)
-        self.stats["processes"] += 1
-        return cpid
-
-    def _process_label(self, host: str, pid: int, cpid: int) -> str:
-        """A process's name as a viewer shows it: Perfetto and chrome://tracing put the Chrome
-        pid after it themselves, so the recorded pid is in the name only where the Chrome pid is
-        not it (a pid another host took first)."""
-        parts = [host, self._process_names.get((host, pid), "")]
-        if cpid != pid:
-            parts.append(f"(pid {pid})")
-        return " ".join(p for p in parts if p) or "process"
-
-    def _new_pid(self) -> int:
-        while self._next_pid in self._used_pids:
-            self._next_pid += 1
-        self._next_pid += 1
-        return self._next_pid - 1
-
-    def _counter_pid(self, host: str) -> int:
-        """The Chrome process a host's counters sit under (Perfetto and chrome://tracing draw a
-        counter event as a track of its pid's process): the host's first process in this file,
-        else its first in the threads rows; only a host without either gets a process of its
-        own, ``<host> counters`` on a synthetic pid."""
-        cpid = self._counter_pids.get(host)
-        if cpid is not None:
-            return cpid
-        pid = next((p for h, p in self._pids if h == host), None)
-        if pid is None:
-            pid = next((int(t["pid"]) for t in self._thread_rows if t["host"] == host), None)
-        if pid is not None:
-            cpid = self._counter_pids[host] = self._process(host, pid)
-            return cpid
-        cpid = self._counter_pids[host] = self._new_pid()
-        self._used_pids.add(cpid)
-        self._process_rows.append({"chrome_pid": cpid, "host": host, "counters": True})
-        label = f"{host} counters" if host else "counters"
-        meta = self._meta("process_name", cpid, None, {"name": label})
-        meta += self._meta("process_sort_index", cpid, None, {"sort_index": 1 << 20})
-        self._put_meta(meta, 2)
-        self.stats["processes"] += 1
-        return cpid
-
-    def _track(self, host: int, pid: int, tid: int, lane: int) -> tuple[int, int, str, str]:
-        """Chrome pid and tid of one lane of one thread, announcing it the first time."""
-        key = (host, pid, tid, lane)
-        found = self._tracks.get(key)
-        if found is not None:
-            return found
-        host_name = next(h for h, i in self._hosts.items() if i == host)
-        lane_name = self._lane_names[lane]
-        device = _DEVICE_TRACK.match(lane_name) if self._kineto else None
-        if device is not None:
-            found = self._tracks[key] = self._device_track(host_name, device)
-            return found
-        cpid = self._process(host_name, pid)
-        rank, lanes = self._threads.get(
-            (cpid, tid), (sum(1 for c, _ in self._threads if c == cpid), 0)
-        )
-        self._threads[(cpid, tid)] = (rank, lanes + 1)
-        if lane_name == STEP_LANE and 0 < tid < SYNTHETIC_BASE and tid not in self._used_tids:
-            ctid, order = tid, 0
-        else:
-            while self._next_tid in self._used_tids:
-                self._next_tid += 1
-            ctid, order = self._next_tid, lanes + 1
-        self._used_tids.add(ctid)
-        self._track_rows.append({"chrome_pid": cpid, "chrome_tid": ctid, "tid": tid})
-        base = self._thread_names.get((host_name, pid, tid)) or f"thread {tid}"
-        meta = self._meta("thread_name", cpid, ctid, {"name": f"{base} · {lane_name}"})
-        meta += self._meta("thread_sort_index", cpid, ctid, {"sort_index": rank * 1024 + order})
-        self._put_meta(meta, 2)
-        self.stats["tracks"] += 1
-        lane_args = f',"lane":{dumps(lane_name)}'
-        m = _GPU_LANE.match(lane_name)
-        if m:
-            lane_args += f',"device":{int(m.group(1))},"stream":{int(m.group(2))}'
-        found = self._tracks[key] = (cpid, ctid, f'"pid":{cpid},"tid":{ctid}', lane_args)
-        return found
-
-    def _device_track(self, host: str, m: re.Match[str]) -> tuple[int, int, str, str]:
-        """Kineto's place for device work: pid the device, tid the stream (a renumbered pid when
-        the device's number is taken), one process per device and host."""
-        dev, stream = int(m.group(1)), int(m.group(2))
-        cpid = self._device_pids.get((host, dev))
-        if cpid is None:
-            cpid = dev if dev not in self._used_pids and dev < SYNTHETIC_BASE else self._new_pid()
-            self._used_pids.add(cpid)
-            self._device_pids[(host, dev)] = cpid
-            self._process_rows.append({"chrome_pid": cpid, "host": host, "device": dev})
-            label = f"{host} GPU {dev}" if host else f"GPU {dev}"
-            meta = self._meta("process_name", cpid, None, {"name": label})
-            meta += self._meta("process_sort_index", cpid, None, {"sort_index": 1 << 19})
-            self._put_meta(meta, 2)
-            self.stats["processes"] += 1
-        if (cpid, stream) not in self._device_streams:
-            self._device_streams.add((cpid, stream))
-            meta = self._meta("thread_name", cpid, stream, {"name": f"stream {stream}"})
-            meta += self._meta("thread_sort_index", cpid, stream, {"sort_index": stream})
-            self._put_meta(meta, 2)
-            self.stats["tracks"] += 1
-        lane_args = f',"lane":{dumps(m.string)}'
-        if not m.group(3):  # Kineto's GPU annotations carry neither
-            lane_args += f',"device":{dev},"stream":{stream}'
-        return cpid, stream, f'"pid":{cpid},"tid":{stream}', lane_args
-
-    def _track_columns(self, batch: pa.Table) -> tuple[np.ndarray, np.ndarray, pa.Array, pa.Array]:
-        """Per row: Chrome pid, Chrome tid, the ``"pid":..,"tid":..`` and lane args fragments."""
-        host_codes, host_dict = dictionary(batch["host"])
-        host_map = np.array(
-            [self._hosts.setdefault(h or "", len(self._hosts)) for h in host_dict.to_pylist()]
-            or [0],
-            dtype=np.int64,
-        )
-        lane_codes, lane_dict = dictionary(batch["lane"])
-        lane_ids = []
-        for lane in lane_dict.to_pylist():
-            lane = lane or ""
-            if lane not in self._lanes:
-                self._lanes[lane] = len(self._lane_names)
-                self._lane_names.append(lane)
-            lane_ids.append(self._lanes[lane])
-        lane_map = np.array(lane_ids or [0], dtype=np.int64)
-        # Distinct (host, pid, tid, lane) by hashing, not sorting: one mixed-radix code per row.
-        parts = [host_map[host_codes], lane_map[lane_codes]]
-        values = []
-        for col in (int64(batch["pid"]), uint64(batch["tid"]).view(np.int64)):
-            codes, uniq = dictionary_codes(col)
-            parts.append(codes)
-            values.append(uniq)
-        radix = [len(self._hosts), len(self._lane_names), len(values[0]), len(values[1])]
-        code = np.zeros(batch.num_rows, dtype=np.int64)
-        for part, r in zip(parts, radix, strict=True):
-            code = code * r + part
-        inverse, combos = dictionary_codes(code)
-        tracks = []
-        for c in combos.tolist():
-            c, t = divmod(c, radix[3])
-            c, p = divmod(c, radix[2])
-            h, ln = divmod(c, radix[1])
-            tid = int(np.int64(values[1][t]).view(np.uint64))
-            tracks.append(self._track(int(h), int(values[0][p]), tid, int(ln)))
-        cpid = np.array([t[0] for t in tracks], dtype=np.int64)[inverse]
-        ctid = np.array([t[1] for t in tracks], dtype=np.int64)[inverse]
-        idx = pa.array(inverse.astype(np.int32))
-        track_frag = pa.array([t[2] for t in tracks], pa.string()).take(idx)
-        lane_frag = pa.array([t[3] for t in tracks], pa.string()).take(idx)
-        return cpid, ctid, track_frag, lane_frag
 
     # ---- bytes out ----------------------------------------------------------------------------
 
@@ -774,33 +486,6 @@ class ChromeTraceExporter:
         self._put(memoryview(data)[offsets[0] : offsets[-1]])
 
 
-def _kineto_rows(
-    batch: pa.Table, cat_names: list[str], cat_codes: np.ndarray, cat_json: pa.Array
-) -> pa.Array:
-    """Kineto's category where ours depends on the row: ``cuda_driver`` for a driver call (its
-    ``api`` attribute says ``driver``, as an imported trace's do; without one, its name is the
-    driver's ``cu*``, not the runtime's ``cuda*``), ``gpu_user_annotation`` for a range on a
-    stream's annotation lane (an imported trace's)."""
-    if CUDA_API in cat_names:
-        is_api = cat_codes == cat_names.index(CUDA_API)
-        api = pc.fill_null(pc.map_lookup(_attr_map(batch["attrs"]), "api", "first"), "")
-        name = plain(batch["name"])
-        named_driver = pc.and_(pc.starts_with(name, "cu"), pc.invert(pc.starts_with(name, "cuda")))
-        driver_rows = pc.or_(pc.equal(api, "driver"), pc.and_(pc.equal(api, ""), named_driver))
-        driver = is_api & np.asarray(pc.fill_null(driver_rows, False), dtype=bool)
-        if driver.any():
-            cat_json = pc.if_else(pa.array(driver), '"cuda_driver"', cat_json)
-    if NVTX in cat_names:
-        lane_codes, lane_dict = dictionary(batch["lane"])
-        on_stream = np.array(
-            [bool(_DEVICE_TRACK.match(x or "")) for x in lane_dict.to_pylist()] or [False]
-        )
-        rows = on_stream[lane_codes] & (cat_codes == cat_names.index(NVTX))
-        if rows.any():
-            cat_json = pc.if_else(pa.array(rows), '"gpu_user_annotation"', cat_json)
-    return cat_json
-
-
 def _depth_fragment(batch: pa.Table) -> pa.Array | str:
     """Per row ``,"depth":N`` where the span's depth is not 0 (``""`` there): the store's depth
     is the recorder's, which the importer cannot work out again from the parents."""
@@ -827,59 +512,11 @@ def _counter_labels(batch: pa.Table) -> pa.Array | str:
     ``args``, whose every entry a viewer draws as a series."""
     if "labels" not in batch.column_names:
         return ""
-    pairs = attrs_fragment(_attr_map(batch["labels"]))
+    pairs = attrs_fragment(attr_map(batch["labels"]))
     if isinstance(pairs, str):
         return ""
     text = pc.binary_join_element_wise(',"labels":{', pc.utf8_slice_codeunits(pairs, 1), "}", "")
     return pc.if_else(pc.equal(pairs, ""), "", text)
-
-
-def _int_or_zero(value: object) -> int:
-    """A run's time as an integer (a store's number, or its text); 0 where it has none."""
-    if isinstance(value, (int, np.integer, str)) and not isinstance(value, bool):
-        with contextlib.suppress(ValueError):
-            return int(value)
-    return 0
-
-
-def _forward_spans(batch: pa.Table) -> np.ndarray | None:
-    """Per row, the span id in the ``forward span`` attribute (a backward op's forward op, in an
-    imported trace), 0 where there is none; None when no row has one."""
-    value = pc.map_lookup(_attr_map(batch["attrs"]), FORWARD_SPAN, "first")
-    if value.null_count == len(value):
-        return None
-    ok = pc.fill_null(pc.match_substring_regex(value, r"^[0-9]{1,19}$"), False)
-    ids = pc.cast(pc.if_else(ok, value, "0"), pa.uint64())
-    return np.asarray(ids, dtype=np.uint64)
-
-
-def _attr_map(col: pa.Array | pa.ChunkedArray) -> pa.MapArray:
-    attrs = combined(col)
-    if isinstance(attrs, pa.MapArray):
-        return attrs
-    # (key, value) structs, as some reads give a map
-    return pa.MapArray.from_arrays(attrs.offsets, attrs.values.field(0), attrs.values.field(1))
-
-
-def _without_lane_args(batch: pa.Table, device_rows: np.ndarray) -> pa.Array:
-    """The attrs of ``batch`` less ``device`` and ``stream`` on the rows of device lanes, where
-    the exporter writes both from the lane (Kineto writes each once, as a number)."""
-    attrs = _attr_map(batch["attrs"])
-    if not device_rows.any():
-        return attrs
-    offsets = np.asarray(attrs.offsets, np.int64)
-    lo, hi = int(offsets[0]), int(offsets[-1])  # a slice's keys and items are not sliced
-    offsets = offsets - lo
-    keys = plain(attrs.keys.slice(lo, hi - lo))
-    items = plain(attrs.items.slice(lo, hi - lo))
-    row = np.repeat(np.arange(len(attrs)), np.diff(offsets))
-    drop = np.asarray(pc.is_in(keys, pa.array(["device", "stream"])), dtype=bool) & device_rows[row]
-    if not drop.any():
-        return attrs
-    keep = pa.array(~drop)
-    counts = np.bincount(row[~drop], minlength=len(attrs))
-    new_offsets = np.concatenate(([0], np.cumsum(counts))).astype(np.int32)
-    return pa.MapArray.from_arrays(pa.array(new_offsets), keys.filter(keep), items.filter(keep))
 
 
 # ---- the convenience entry point ----------------------------------------------------------------
@@ -914,65 +551,4 @@ def write_chrome_trace(
         ok = True
     finally:
         stats = exporter.close(complete=ok)
-    return stats
-
-
-def write_rank_traces(
-    directory: str | os.PathLike[str],
-    run: dict[str, object],
-    threads: Iterable[dict[str, object]],
-    rank_pids: dict[int, set[tuple[str, int]]],
-    span_batches: Iterable[pa.Table],
-    counter_batches: Iterable[pa.Table] = (),
-    *,
-    world_size: int | None = None,
-    backend: str = "",
-    suffix: str = ".json",
-) -> dict[int, dict[str, object]]:
-    """Write one Chrome trace per rank into ``directory``, ``rank-<N><suffix>``, as HTA reads a
-    multi-rank trace (a directory of files, each with ``distributedInfo``); returns each rank's
-    stats. ``rank_pids`` gives each rank's processes as (host, pid); a rank's file holds their
-    spans and its hosts' counters. Spans of processes without a rank (the launcher's) are in no
-    file. One pass over the batches."""
-    import pyarrow.compute as pc
-
-    out = Path(directory)
-    world = world_size if world_size is not None else max(rank_pids, default=-1) + 1
-    thread_rows = list(threads)
-    exporters: dict[int, ChromeTraceExporter] = {}
-    keys: dict[int, pa.Array] = {}
-    hosts: dict[int, pa.Array] = {}
-    for rank, pids in sorted(rank_pids.items()):
-        mine = [
-            t for t in thread_rows if (str(t.get("host", "")), int(str(t.get("pid", 0)))) in pids
-        ]
-        exporters[rank] = ChromeTraceExporter(
-            out / f"rank-{rank}{suffix}",
-            run=run,
-            threads=mine,
-            rank=rank,
-            world_size=world,
-            backend=backend,
-        )
-        keys[rank] = pa.array(sorted(f"{h}\x00{p}" for h, p in pids))
-        hosts[rank] = pa.array(sorted({h for h, _ in pids}))
-    ok = False
-    try:
-        for batch in span_batches:
-            key = pc.binary_join_element_wise(
-                pc.cast(batch["host"], pa.string()), pc.cast(batch["pid"], pa.string()), "\x00"
-            )
-            for rank, exporter in exporters.items():
-                part = batch.filter(pc.is_in(key, value_set=keys[rank]))
-                if part.num_rows:
-                    exporter.write_spans(part)
-        for batch in counter_batches:
-            host = pc.cast(batch["host"], pa.string())
-            for rank, exporter in exporters.items():
-                part = batch.filter(pc.is_in(host, value_set=hosts[rank]))
-                if part.num_rows:
-                    exporter.write_counters(part)
-        ok = True
-    finally:
-        stats = {rank: exporter.close(complete=ok) for rank, exporter in exporters.items()}
     return stats

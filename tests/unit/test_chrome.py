@@ -17,7 +17,8 @@ import pytest
 
 import gpu_trace
 from gpu_trace._progress import TerminalProgress
-from gpu_trace.export.chrome import SYNTHETIC_BASE, ChromeTraceExporter, write_chrome_trace
+from gpu_trace.export.chrome import ChromeTraceExporter, write_chrome_trace
+from gpu_trace.export.tracks import SYNTHETIC_BASE
 from gpu_trace.tracer.records import ATTRS
 from gpu_trace.tracer.spool import list_spool, read_spool_file
 
