@@ -208,10 +208,11 @@ def dir_bytes(path: Path) -> int:
     return total
 
 
-def run_dirs() -> dict[str, Path]:
+def run_dirs() -> dict[str, list[Path]]:
     """Run directories under ``GPU_TRACE_HOME/runs`` by run id (from ``run.json``, else the
-    directory's name)."""
-    out: dict[str, Path] = {}
+    directory's name), in name order: one per run, several for a job whose records each wrote
+    one (``record --job``: ``job-ID.HOST.PID``)."""
+    out: dict[str, list[Path]] = {}
     root = config.runs_dir()
     if not root.is_dir():
         return out
@@ -221,7 +222,7 @@ def run_dirs() -> dict[str, Path]:
         run_id = d.name
         with contextlib.suppress(OSError, ValueError, TypeError):
             run_id = RunInfo.load(d).run_id or d.name
-        out.setdefault(run_id, d)
+        out.setdefault(run_id, []).append(d)
     return out
 
 

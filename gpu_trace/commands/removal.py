@@ -49,7 +49,8 @@ class _Target:
 
     run_id: str
     in_store: bool = False
-    run_dir: Path | None = None
+    #: Its run directories: one, none, or one per record of a job (``record --job``).
+    run_dirs: list[Path] = field(default_factory=list)
     store_rows: int = 0
     store_bytes: int | None = None
     dir_bytes: int = 0
@@ -62,9 +63,19 @@ class _Target:
                 parts.append(f"{fmt.count(self.store_rows)} rows in the store")
             else:
                 parts.append(f"~{fmt.size(self.store_bytes)} in the store")
-        if directory and self.run_dir is not None:
-            parts.append(f"{fmt.size(self.dir_bytes)} in {self.run_dir}")
+        if directory and self.run_dirs:
+            parts.append(f"{fmt.size(self.dir_bytes)} in {self.where}")
         return ", ".join(parts) or "nothing on disk"
+
+    @property
+    def run_dir(self) -> Path | None:
+        """The run's (first) directory: where its run.json says whether it still records."""
+        return self.run_dirs[0] if self.run_dirs else None
+
+    @property
+    def where(self) -> str:
+        first = str(self.run_dirs[0]) if self.run_dirs else ""
+        return first if len(self.run_dirs) < 2 else f"{first} and {len(self.run_dirs) - 1} more"
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
@@ -83,7 +94,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
         for ref in args.runs:
             run_id = _resolve(store, ref, dirs, bad)
             if run_id is not None and run_id not in targets:
-                targets[run_id] = _Target(run_id, run_dir=dirs.get(run_id))
+                targets[run_id] = _Target(run_id, run_dirs=dirs.get(run_id, []))
         if bad:
             raise CLIError("; ".join(bad) + "; nothing was removed")
         stored = reads.has_runs(store, list(targets))
@@ -134,17 +145,19 @@ def cmd_gc(args: argparse.Namespace) -> int:
         stored = reads.has_runs(store, list(dirs))
         if not args.spools_only:
             for run_id, status, attrs in reads.runs_started_before(store, before):
-                t = _Target(run_id, in_store=True, run_dir=dirs.get(run_id))
+                t = _Target(run_id, in_store=True, run_dirs=dirs.get(run_id, []))
                 why = _live(store, t, (status, attrs))
-                if not why and t.run_dir is not None and _last_write_ns(t.run_dir) >= before:
-                    why = f"was written to less than {args.older_than} ago ({t.run_dir})"
+                recent = [d for d in t.run_dirs if _last_write_ns(d) >= before]
+                if not why and recent:
+                    why = f"was written to less than {args.older_than} ago ({recent[0]})"
                 if why:
                     kept.append(f"run {t.run_id} {why}")
                     continue
                 runs.append(t)
         handled = {t.run_id for t in runs}
-        for i, (run_id, path) in enumerate(dirs.items()):
-            progress("looking at run directories", i, len(dirs))
+        parts = [(run_id, path) for run_id, paths in dirs.items() for path in paths]
+        for i, (run_id, path) in enumerate(parts):
+            progress("looking at run directories", i, len(parts))
             if run_id in handled:
                 continue
             try:
@@ -156,7 +169,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
             if info is not None and retention.is_live(info):
                 kept.append(f"run {run_id} is still recording ({path})")
                 continue
-            t = _Target(run_id, in_store=run_id in stored, run_dir=path)
+            t = _Target(run_id, in_store=run_id in stored, run_dirs=[path])
             if t.in_store:
                 if _spool_bytes(path):
                     spools.append(t)
@@ -236,7 +249,7 @@ class _Progress(PhaseProgress):
         self.close()
 
 
-def _resolve(store: Store, ref: str, dirs: dict[str, Path], bad: list[str]) -> str | None:
+def _resolve(store: Store, ref: str, dirs: dict[str, list[Path]], bad: list[str]) -> str | None:
     """The run id ``ref`` names in the store, or else among the run directories; None (and a
     line in ``bad``) when it names none or several."""
     try:
@@ -262,11 +275,13 @@ def _live(store: Store, t: _Target, row: tuple[str, dict[str, str]] | None = Non
     from gpu_trace.tracer.run import RunInfo
 
     info = None
-    if t.run_dir is not None:
+    for d in t.run_dirs:  # any record of a job still at it keeps the whole run
         try:
-            info = RunInfo.load(t.run_dir)
+            info = RunInfo.load(d)
         except (OSError, ValueError, TypeError):
             info = None
+        if info is not None and retention.is_live(info):
+            break
     if info is None and t.in_store:
         if row is None:
             stored = reads.run(store, t.run_id)
@@ -289,8 +304,7 @@ def _measure(store: Store, targets: list[_Target]) -> None:
     for t in targets:
         t.store_rows = sum(rows.get(t.run_id, {}).values())
         t.store_bytes = None if sizes is None else sizes.get(t.run_id, 0)
-        if t.run_dir is not None:
-            t.dir_bytes = retention.dir_bytes(t.run_dir)
+        t.dir_bytes = sum(retention.dir_bytes(d) for d in t.run_dirs)
 
 
 def _remove(store: Store, t: _Target, *, store_rows: bool, directory: bool) -> None:
@@ -303,11 +317,13 @@ def _remove(store: Store, t: _Target, *, store_rows: bool, directory: bool) -> N
             store.delete_run(t.run_id)
         except store_mod.StoreError as exc:
             raise CLIError(f"run {t.run_id} not removed: {exc}") from None
-    if directory and t.run_dir is not None and t.run_dir.exists():
+    for d in t.run_dirs if directory else []:
+        if not d.exists():
+            continue
         try:
-            retention.remove_run_dir(t.run_dir)
+            retention.remove_run_dir(d)
         except (OSError, ValueError) as exc:
-            raise CLIError(f"run {t.run_id}: {t.run_dir} not removed: {exc}") from None
+            raise CLIError(f"run {t.run_id}: {d} not removed: {exc}") from None
 
 
 def _total(verb: str, targets: list[_Target]) -> None:
@@ -320,7 +336,7 @@ def _total(verb: str, targets: list[_Target]) -> None:
         if len(known) == len(in_store)
         else f"{fmt.count(sum(t.store_rows for t in in_store))} rows in the store"
     )
-    disk = sum(t.dir_bytes for t in targets if t.run_dir is not None)
+    disk = sum(t.dir_bytes for t in targets if t.run_dirs)
     echo(
         f"{verb} {len(targets)} run(s): {store_part if in_store else 'none in the store'}, "
         f"{fmt.size(disk)} of run directories"

@@ -49,7 +49,7 @@ def _namespaces_work() -> bool:
     return probe.returncode == 0
 
 
-pytestmark = pytest.mark.skipif(
+two_hosts = pytest.mark.skipif(
     not _namespaces_work(), reason="needs root and unshare --uts --time (time namespaces)"
 )
 
@@ -60,7 +60,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _record(home: Path, prog: Path, rank: int, port: int, other_host: str | None):
+def _record(
+    home: Path, prog: Path, rank: int, port: int, other_host: str | None, ingest: bool = False
+):
     env = {
         **os.environ,
         "GPU_TRACE_HOME": str(home),
@@ -70,7 +72,8 @@ def _record(home: Path, prog: Path, rank: int, port: int, other_host: str | None
         "WORLD_SIZE": "2",
         "GPU_TRACE_NVML_HZ": "0",
     }
-    cmd = [sys.executable, "-m", "gpu_trace", "record", "--job", "two-hosts", "--no-ingest"]
+    cmd = [sys.executable, "-m", "gpu_trace", "record", "--job", "two-hosts"]
+    cmd += [] if ingest else ["--no-ingest"]
     cmd += ["--", sys.executable, str(prog)]
     if other_host is not None:  # the second host: its own name and a monotonic clock far ahead
         inner = f"hostname {other_host} && exec " + " ".join(f"'{c}'" for c in cmd)
@@ -84,6 +87,35 @@ def _part_dir(home: Path) -> Path:
     return part
 
 
+def test_ranks_each_under_their_own_record_make_one_run(tmp_path: Path) -> None:
+    # mpirun -n 2 gpu-trace record -- python train.py on one machine: each record ingests at its
+    # end into the same store (they take turns at it), into the one run of the job.
+    prog = script(tmp_path, RANK)
+    port = _free_port()
+    home = tmp_path / "home"
+    procs = [_record(home, prog, rank, port, None, ingest=True) for rank in (0, 1)]
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err
+        assert "sum 256" in out and "run job-two-hosts:" in err
+    listed = gpu_trace("ls", "--json", env={"GPU_TRACE_HOME": str(home)})
+    assert listed.returncode == 0, listed.stderr
+    (run,) = json.loads(listed.stdout)
+    assert run["run_id"] == "job-two-hosts" and run["attrs"]["job_parts"] == "2"
+    assert run["hosts"] == [socket.gethostname()] and run["status"] == "finished"
+    assert not any(k.startswith("clock.") for k in run["attrs"])  # one host: one clock
+    shown = gpu_trace("show", "job-two-hosts", "--json", env={"GPU_TRACE_HOME": str(home)})
+    ranks = json.loads(shown.stdout)["ranks"]
+    assert [r["rank"] for r in ranks["ranks"]] == [0, 1]
+    assert {c["op"]: c["count"] for c in ranks["collectives"]}["all_reduce"] == 8
+    # Both parts' directories are the run's: rm takes them with it.
+    assert len(list((home / "runs").glob("job-two-hosts.*"))) == 2
+    removed = gpu_trace("rm", "job-two-hosts", env={"GPU_TRACE_HOME": str(home)})
+    assert removed.returncode == 0, removed.stderr
+    assert list((home / "runs").glob("job-two-hosts.*")) == []
+
+
+@two_hosts
 def test_two_hosts_land_in_one_run_on_one_clock(tmp_path: Path) -> None:
     prog = script(tmp_path, RANK)
     port = _free_port()
