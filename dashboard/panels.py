@@ -16,7 +16,7 @@ from gpu_trace import _format as fmt
 from gpu_trace.plots import charts
 from gpu_trace.query.gpu_work import DeviceKernels, SpanRef, StepBusy
 from gpu_trace.query.summary import RunSummary
-from gpu_trace.query.tenancy import NO_TENANT
+from gpu_trace.query.tenancy import NO_TENANT, Tenants, TenantSummary
 
 TENANTS_NOTE = (
     "Per tenant, from the sharing runtime's counters and the server's spans in this run: memory "
@@ -306,7 +306,7 @@ def _pair(a: Any, b: Any, show: Any) -> str:
     return " · ".join(show(v) if v is not None else "-" for v in (a, b))
 
 
-def _tenant_row(t: dict[str, Any]) -> list[str]:
+def _tenant_row(t: TenantSummary) -> list[str]:
     busy = "-"
     if t["busy_ns"] is not None:
         busy = fmt.duration(t["busy_ns"])
@@ -327,7 +327,7 @@ def _tenant_row(t: dict[str, Any]) -> list[str]:
     ]
 
 
-def tenants(data: dict[str, Any]) -> html.Div:
+def tenants(data: Tenants) -> html.Div:
     """The Tenants tab: a summary row per tenant, its sessions, then the charts over time."""
     parts: list[Any] = [message(TENANTS_NOTE, "note")]
     if not data["tenants"]:

@@ -14,6 +14,7 @@ import plotly.graph_objects as go
 from gpu_trace import _format as fmt
 from gpu_trace.plots.figures import empty, esc
 from gpu_trace.query.gpu_work import StepBusy, device_lane, short_kernel_name
+from gpu_trace.query.tenancy import TenantBusy, TenantEvent, TenantQueue, Tenants
 
 PARTS = (
     ("client_ns", "client", "#ff7f0e"),
@@ -153,17 +154,17 @@ _MIB = float(1 << 20)
 _HOVER = "%{fullData.name}: %{y:.4g}"
 
 
-def _colors(data: dict[str, Any]) -> dict[str, str]:
+def _colors(data: Tenants) -> dict[str, str]:
     keys = [t["key"] for t in data["tenants"]]
     return {k: TENANT_COLORS[i % len(TENANT_COLORS)] for i, k in enumerate(keys)}
 
 
-def _since(data: dict[str, Any], ts: Any) -> float:
+def _since(data: Tenants, ts: Any) -> float:
     """Seconds since the run started (the timeline's +time)."""
     return (int(ts) - int(data["run_ns"][0])) / 1e9
 
 
-def _tenant_layout(fig: go.Figure, data: dict[str, Any], title: str, **extra: Any) -> go.Figure:
+def _tenant_layout(fig: go.Figure, data: Tenants, title: str, **extra: Any) -> go.Figure:
     """Every tenant chart on the same x range: the tenants' activity, in seconds since the run
     started (as the timeline counts); legend entries in the tenants' order."""
     lo, hi = (_since(data, t) for t in data["range_ns"])
@@ -175,7 +176,7 @@ def _tenant_layout(fig: go.Figure, data: dict[str, Any], title: str, **extra: An
 
 
 def _step_line(
-    data: dict[str, Any],
+    data: Tenants,
     points: list[tuple[int, float]],
     name: str,
     color: str,
@@ -195,7 +196,7 @@ def _step_line(
     )
 
 
-def tenant_memory(data: dict[str, Any]) -> go.Figure:
+def tenant_memory(data: Tenants) -> go.Figure:
     """Memory each tenant holds (solid) and has on the device (dotted) against its quota (dashed).
 
     The y axis is logarithmic when every peak is under a twentieth of the largest quota (memory
@@ -243,12 +244,12 @@ def tenant_memory(data: dict[str, Any]) -> go.Figure:
     return _tenant_layout(fig, data, title, updatemenus=[menu])
 
 
-def tenant_busy(data: dict[str, Any]) -> go.Figure:
+def tenant_busy(data: Tenants) -> go.Figure:
     """Each tenant's share of each bucket's time that the server executed its batches (stacked)."""
     if not data["busy"]:
         return empty("no server execute spans (no forwarded work in this run)")
     colors, width = _colors(data), int(data["bucket_ns"])
-    series: dict[str, list[dict[str, Any]]] = {}
+    series: dict[str, list[TenantBusy]] = {}
     for r in data["busy"]:
         series.setdefault(r["tenant"], []).append(r)
     fig = go.Figure(
@@ -270,12 +271,12 @@ def tenant_busy(data: dict[str, Any]) -> go.Figure:
     return _tenant_layout(fig, data, title, barmode="stack", bargap=0)
 
 
-def tenant_queue(data: dict[str, Any]) -> go.Figure:
+def tenant_queue(data: Tenants) -> go.Figure:
     """Mean queue wait of each tenant's batches per bucket (hover: batches, max)."""
     if not data["queue"]:
         return empty("no server queue spans (no forwarded work in this run)")
     colors, width = _colors(data), int(data["bucket_ns"])
-    series: dict[str, list[dict[str, Any]]] = {}
+    series: dict[str, list[TenantQueue]] = {}
     for r in data["queue"]:
         series.setdefault(r["tenant"], []).append(r)
     fig = go.Figure(
@@ -307,7 +308,7 @@ _COUNTS = (
 _SYMBOLS = {"page-out": "triangle-down", "restore": "triangle-up", "quota wait": "x"}
 
 
-def _event_text(e: dict[str, Any]) -> str:
+def _event_text(e: TenantEvent) -> str:
     a = e["attrs"]
     parts = [f"{e['tenant']} {e['kind']} #{e['index']}"]
     if e["session"]:
@@ -322,7 +323,7 @@ def _event_text(e: dict[str, Any]) -> str:
     return esc(" · ".join(parts))
 
 
-def tenant_paging(data: dict[str, Any]) -> go.Figure:
+def tenant_paging(data: Tenants) -> go.Figure:
     """Page-outs, restores, quota waits and errors per tenant: the cumulative counters as steps,
     the ``server/evict``, ``server/restore`` and ``server/quota-wait`` spans as markers (at their
     start, at their count; hover: reason, bytes, how long)."""
@@ -334,7 +335,7 @@ def tenant_paging(data: dict[str, Any]) -> go.Figure:
             if any(v for _, v in points):
                 color = colors.get(tenant, "#333")
                 fig.add_trace(_step_line(data, points, f"{tenant} {label}", color, dash=dash))
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    groups: dict[tuple[str, str], list[TenantEvent]] = {}
     for e in data["events"]:
         groups.setdefault((e["tenant"], e["kind"]), []).append(e)
     for (tenant, kind), es in sorted(groups.items()):
@@ -356,7 +357,7 @@ def tenant_paging(data: dict[str, Any]) -> go.Figure:
     return _tenant_layout(fig, data, "page-outs, restores and quota waits per tenant")
 
 
-def tenant_lines(data: dict[str, Any], metric: str, title: str, scale: float = 1.0) -> go.Figure:
+def tenant_lines(data: Tenants, metric: str, title: str, scale: float = 1.0) -> go.Figure:
     """One runtime counter over time, a step line per tenant (per session where it has several)."""
     rows = data["counters"].get(metric) or []
     if not rows:

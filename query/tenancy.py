@@ -10,7 +10,7 @@ A run holds only its own sessions' tenants. A plain function of a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict
 
 from gpu_trace.query import reads
 from gpu_trace.query.source import Source
@@ -51,7 +51,107 @@ NO_TENANT = "no tenant recorded"
 _SESSION_SPANS = ("server/receive", "server/queue", "server/execute", "server/reply", *EVENT_LANES)
 
 
-def _stepwise_sum(rows: list[dict[str, Any]]) -> list[tuple[int, float]]:
+class TenantSession(TypedDict):
+    """One session of a tenant: its client process where known, its batches and ops."""
+
+    session: str
+    host: str
+    pid: int | None
+    batches: int
+    ops: int
+
+
+class TenantEntry(TypedDict):
+    key: str  # the tenant
+    sessions: list[TenantSession]
+
+
+class TenantSample(TypedDict):
+    """One runtime counter sample of a tenant's session."""
+
+    tenant: str
+    session: str
+    ts_ns: int
+    value: float
+
+
+class TenantBusy(TypedDict):
+    """A tenant's ``server/execute`` time in one bucket (``ts_ns``: its start)."""
+
+    tenant: str
+    ts_ns: int
+    ns: int
+    share: float
+
+
+class TenantQueue(TypedDict):
+    """A tenant's batches that waited for the executor, started in one bucket."""
+
+    tenant: str
+    ts_ns: int
+    n: int
+    ns: int
+    mean_ns: int
+    max_ns: int
+
+
+class TenantEvent(TypedDict):
+    """A page-out, restore or wait for memory (``kind``: :data:`EVENT_LANES`' words)."""
+
+    tenant: str
+    session: str
+    kind: str
+    start_ns: int
+    end_ns: int
+    attrs: dict[str, str]
+    index: int  # its place among the tenant's events of its kind, from 1
+
+
+class TenantSummary(TypedDict):
+    """One tenant's row of the summary table; None where the run did not record it."""
+
+    tenant: str
+    sessions: list[str]
+    peak_bytes: int | None
+    quota_bytes: int | None
+    peak_share: float | None
+    busy_ns: int | None
+    busy_from: str | None
+    busy_share: float | None
+    batches: int
+    ops: int
+    queue_wait_ns: int | None
+    queue_mean_ns: int | None
+    bytes_in: int | None
+    bytes_out: int | None
+    evictions: int | None
+    restores: int | None
+    quota_waits: int | None
+    quota_errors: int | None
+
+
+#: (ts_ns, value) points of one line.
+Points = list[tuple[int, float]]
+
+
+class Tenants(TypedDict):
+    """What :func:`tenants` returns (see its docstring)."""
+
+    run_ns: tuple[int, int]
+    range_ns: tuple[int, int]
+    bucket_ns: int
+    labelled: bool
+    tenants: list[TenantEntry]
+    counters: dict[str, list[TenantSample]]
+    memory: dict[str, dict[str, Points]]  # tenant -> held, resident, quota
+    cumulative: dict[str, dict[str, Points]]  # tenant -> metric -> totals
+    busy: list[TenantBusy]
+    queue: list[TenantQueue]
+    events: list[TenantEvent]
+    summary: list[TenantSummary]
+
+
+def _stepwise_sum(rows: list[TenantSample]) -> Points:
     """``(ts_ns, value)`` of a sum over sessions, each at its latest sample (rows in time order)."""
     latest: dict[str, float] = {}
     out: list[tuple[int, float]] = []
@@ -65,7 +165,7 @@ def _stepwise_sum(rows: list[dict[str, Any]]) -> list[tuple[int, float]]:
     return out
 
 
-def tenants(source: Source, run_id: str, buckets: int = 60) -> dict[str, Any]:
+def tenants(source: Source, run_id: str, buckets: int = 60) -> Tenants:
     """Per tenant over time: memory against quota, busy share, queue wait, page-outs; a summary.
 
     A tenant is the ``tenant`` label of the run's runtime counters. A run recorded before tenants
@@ -191,18 +291,18 @@ def tenants(source: Source, run_id: str, buckets: int = 60) -> dict[str, Any]:
             return named.get(r["session"]) or f"session {r['session']}"
         return NO_TENANT
 
-    sessions: dict[str, dict[str, dict[str, Any]]] = {}  # tenant -> session -> entry
+    sessions: dict[str, dict[str, TenantSession]] = {}  # tenant -> session -> entry
 
-    def session_entry(tenant: str, session: str, key: str = "") -> dict[str, Any]:
-        blank = {"session": session, "host": "", "pid": None, "batches": 0, "ops": 0}
+    def session_entry(tenant: str, session: str, key: str = "") -> TenantSession:
+        blank = TenantSession(session=session, host="", pid=None, batches=0, ops=0)
         return sessions.setdefault(tenant, {}).setdefault(session or key, blank)
 
-    by_metric: dict[str, list[dict[str, Any]]] = {}
-    grouped: dict[tuple[str, str], list[dict[str, Any]]] = {}  # (metric, tenant) -> rows
+    by_metric: dict[str, list[TenantSample]] = {}
+    grouped: dict[tuple[str, str], list[TenantSample]] = {}  # (metric, tenant) -> rows
     for r in counter_rows:
         tenant = r["tenant"] or named.get(r["session"]) or f"session {r['session']}"
-        row = {"tenant": tenant, "session": r["session"], "ts_ns": int(r["ts_ns"]),
-               "value": float(r["value"])}  # fmt: skip
+        row = TenantSample(tenant=tenant, session=r["session"], ts_ns=int(r["ts_ns"]),
+                           value=float(r["value"]))  # fmt: skip
         by_metric.setdefault(r["metric"], []).append(row)
         grouped.setdefault((r["metric"], tenant), []).append(row)
         sessions.setdefault(tenant, {})
@@ -212,17 +312,17 @@ def tenants(source: Source, run_id: str, buckets: int = 60) -> dict[str, Any]:
         # Without a session (an older run): one entry per client process.
         entry = session_entry(tenant_of(c), c["session"], f"{c['host']}:{c['pid']}")
         if c["host"]:
-            entry.update(host=c["host"], pid=int(c["pid"]))
+            entry["host"], entry["pid"] = c["host"], int(c["pid"])
         entry["batches"] += int(c["batches"])
         entry["ops"] += int(c["ops"])
     for r in event_rows:
         sessions.setdefault(tenant_of(r), {})
 
-    def points(metric: str, tenant: str) -> list[tuple[int, float]]:
+    def points(metric: str, tenant: str) -> Points:
         return [(r["ts_ns"], r["value"]) for r in grouped.get((metric, tenant), [])]
 
-    memory: dict[str, dict[str, list[tuple[int, float]]]] = {}
-    cumulative: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    memory: dict[str, dict[str, Points]] = {}
+    cumulative: dict[str, dict[str, Points]] = {}
     for tenant in sessions:
         memory[tenant] = {
             "held": points("tenant_memory_bytes", tenant)
@@ -235,26 +335,26 @@ def tenants(source: Source, run_id: str, buckets: int = 60) -> dict[str, Any]:
         }
 
     busy = [
-        {"tenant": tenant_of(r), "ts_ns": lo + int(r["b"]) * bucket, "ns": int(r["ns"]), "share": int(r["ns"]) / bucket}
+        TenantBusy(tenant=tenant_of(r), ts_ns=lo + int(r["b"]) * bucket, ns=int(r["ns"]), share=int(r["ns"]) / bucket)
         for r in busy_rows
     ]  # fmt: skip
     queue = [
-        {"tenant": tenant_of(r), "ts_ns": lo + int(r["b"]) * bucket, "n": int(r["n"]), "ns": int(r["ns"]), "mean_ns": int(r["ns"]) // max(1, int(r["n"])),
-         "max_ns": int(r["max_ns"])}
+        TenantQueue(tenant=tenant_of(r), ts_ns=lo + int(r["b"]) * bucket, n=int(r["n"]), ns=int(r["ns"]), mean_ns=int(r["ns"]) // max(1, int(r["n"])),
+                    max_ns=int(r["max_ns"]))
         for r in queue_rows
     ]  # fmt: skip
-    events: list[dict[str, Any]] = []
+    events: list[TenantEvent] = []
     seen: dict[tuple[str, str], int] = {}
     for r in event_rows:
         tenant, kind = tenant_of(r), EVENT_LANES[r["lane"]]
         seen[(tenant, kind)] = seen.get((tenant, kind), 0) + 1
         events.append(
-            {"tenant": tenant, "session": r["session"], "kind": kind,
-             "start_ns": int(r["start_ns"]), "end_ns": int(r["end_ns"]),
-             "attrs": dict(r["attrs"] or {}), "index": seen[(tenant, kind)]}
+            TenantEvent(tenant=tenant, session=r["session"], kind=kind,
+                        start_ns=int(r["start_ns"]), end_ns=int(r["end_ns"]),
+                        attrs=dict(r["attrs"] or {}), index=seen[(tenant, kind)])
         )  # fmt: skip
 
-    summary = []
+    summary: list[TenantSummary] = []
     for tenant in sorted(sessions):
         summary.append(
             _tenant_summary(tenant, sessions[tenant], memory[tenant], cumulative[tenant],
@@ -283,14 +383,14 @@ def tenants(source: Source, run_id: str, buckets: int = 60) -> dict[str, Any]:
 
 def _tenant_summary(
     tenant: str,
-    sessions: dict[str, dict[str, Any]],
-    memory: dict[str, list[tuple[int, float]]],
-    cumulative: dict[str, list[tuple[int, float]]],
-    busy: list[dict[str, Any]],
-    queue: list[dict[str, Any]],
+    sessions: dict[str, TenantSession],
+    memory: dict[str, Points],
+    cumulative: dict[str, Points],
+    busy: list[TenantBusy],
+    queue: list[TenantQueue],
     run_ns: int,
     labelled: bool,
-) -> dict[str, Any]:
+) -> TenantSummary:
     """One tenant's row of the summary table; None where the run did not record it."""
 
     def last(metric: str) -> int | None:
@@ -310,19 +410,23 @@ def _tenant_summary(
     wait = last("queue_wait_ns")
     if wait is None and queue:
         wait = sum(q["ns"] for q in queue)
-    return {
-        "tenant": tenant,
-        "sessions": sorted(s["session"] for s in sessions.values() if s["session"]),
-        "peak_bytes": peak,
-        "quota_bytes": quota,
-        "peak_share": peak / quota if peak is not None and quota else None,
-        "busy_ns": busy_ns,
-        "busy_from": busy_from if busy_ns is not None else None,
-        "busy_share": busy_ns / run_ns if busy_ns is not None and run_ns > 0 else None,
-        "batches": batches,
-        "ops": sum(s["ops"] for s in sessions.values()),
-        "queue_wait_ns": wait,
-        "queue_mean_ns": wait // batches if wait is not None and batches else None,
-        **{m: last(m) for m in ("bytes_in", "bytes_out", "evictions", "restores",
-                                "quota_waits", "quota_errors")},
-    }  # fmt: skip
+    return TenantSummary(
+        tenant=tenant,
+        sessions=sorted(s["session"] for s in sessions.values() if s["session"]),
+        peak_bytes=peak,
+        quota_bytes=quota,
+        peak_share=peak / quota if peak is not None and quota else None,
+        busy_ns=busy_ns,
+        busy_from=busy_from if busy_ns is not None else None,
+        busy_share=busy_ns / run_ns if busy_ns is not None and run_ns > 0 else None,
+        batches=batches,
+        ops=sum(s["ops"] for s in sessions.values()),
+        queue_wait_ns=wait,
+        queue_mean_ns=wait // batches if wait is not None and batches else None,
+        bytes_in=last("bytes_in"),
+        bytes_out=last("bytes_out"),
+        evictions=last("evictions"),
+        restores=last("restores"),
+        quota_waits=last("quota_waits"),
+        quota_errors=last("quota_errors"),
+    )
