@@ -174,4 +174,23 @@ def render_ranks(ranks: RankSummary) -> str:
             f"straggler: rank {ranks.straggler}, last to enter {fmt.count(ranks.straggler_last)} "
             f"collectives; the others waited {fmt.duration(ranks.straggler_wait_ns)} for it"
         )
+    if ranks.step_stragglers:
+        shown = sorted(ranks.step_stragglers, key=lambda s: -s.caused_ns)[:STEP_STRAGGLERS]
+        lines += [
+            "",
+            f"stragglers per step (the {len(shown)} steps with the most waiting of "
+            f"{len(ranks.step_stragglers)}; CAUSED: the others' wait for it in the step)",
+        ]
+        rows = [
+            [str(s.step), str(s.rank), fmt.count(s.entered_last), fmt.duration(s.caused_ns),
+             " ".join(f"{r}:{fmt.duration(ns)}" for r, ns in s.caused.items())]
+            for s in sorted(shown, key=lambda s: s.step)
+        ]  # fmt: skip
+        lines.append(
+            fmt.table(["STEP", "RANK", "LAST", "CAUSED", "BY RANK"], rows, right={0, 1, 2, 3})
+        )
     return "\n".join(lines)
+
+
+#: How many steps' stragglers `show` lists (those with the most waiting).
+STEP_STRAGGLERS = 10

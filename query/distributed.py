@@ -105,6 +105,19 @@ class RankStep:
 
 
 @dataclass(frozen=True)
+class StepStraggler:
+    """One step (the ranks' i-th, matched by order) and the rank that made the others wait most
+    in it: the collectives whose last enter fell in that rank's step, the waiting they caused
+    (``caused``: per rank, every rank's wait caused in the step, for the ranking)."""
+
+    step: int
+    rank: int
+    entered_last: int
+    caused_ns: int
+    caused: dict[int, int]  # rank -> wait it caused in this step
+
+
+@dataclass(frozen=True)
 class CollectiveStats:
     """One kind of collective (``all_reduce``...) over the run."""
 
@@ -129,12 +142,18 @@ class RankSummary:
     straggler_last: int  # how many collectives it entered last
     straggler_wait_ns: int  # the waiting it caused
     steps: list[RankStep] = field(default_factory=list)  # every rank's steps, by rank and time
+    #: Per step in which a rank entered a collective last: who made the others wait most.
+    step_stragglers: list[StepStraggler] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, object]:
         """Plain data for JSON (``show --json``)."""
         out = asdict(self)
         out["collectives"] = [
             {**c, "calls": {str(k): v for k, v in c["calls"].items()}} for c in out["collectives"]
+        ]
+        out["step_stragglers"] = [
+            {**s, "caused": {str(k): v for k, v in s["caused"].items()}}
+            for s in out["step_stragglers"]
         ]
         return out
 
@@ -188,6 +207,7 @@ def rank_summary(store: Queries, run_id: str) -> RankSummary | None:
     }
     per_op: dict[str, list[int]] = {}  # op -> [count, total, skew sum, skew max]
     last: dict[int, list[int]] = {}  # rank -> [times last, wait caused]
+    lates: list[tuple[int, int, int]] = []  # (late rank, its enter, wait caused) per collective
     for op, n, first, latest, late, total, caused in store.query(_LINKED, params).result_rows:
         got = per_op.setdefault(str(op), [0, 0, 0, 0])
         got[0] += 1
@@ -200,6 +220,7 @@ def rank_summary(store: Queries, run_id: str) -> RankSummary | None:
                 was = last.setdefault(int(late), [0, 0])
                 was[0] += 1
                 was[1] += int(caused)
+                lates.append((int(late), int(latest), int(caused)))
     calls: dict[str, dict[int, int]] = {}
     per_rank: dict[int, list[int]] = {}  # rank -> [calls, waited]
     for op, rank, n, waited in store.query(_PER_RANK, params).result_rows:
@@ -250,7 +271,37 @@ def rank_summary(store: Queries, run_id: str) -> RankSummary | None:
         straggler_last=times,
         straggler_wait_ns=caused_ns,
         steps=steps,
+        step_stragglers=step_stragglers(steps, lates),
     )
+
+
+def step_stragglers(
+    steps: list[RankStep], lates: Iterable[tuple[int, int, int]]
+) -> list[StepStraggler]:
+    """Per step, the rank that made the others wait most: each collective's wait is counted in
+    the step of the rank that entered it last, the one its enter falls in (``lates``: late rank,
+    its enter, the wait caused); steps of the ranks are matched by order (``RankStep.step``)."""
+    starts: dict[int, list[RankStep]] = {}
+    for s in steps:
+        starts.setdefault(s.rank, []).append(s)
+    for mine in starts.values():
+        mine.sort(key=lambda s: s.start_ns)
+    per_step: dict[int, dict[int, list[int]]] = {}  # step -> rank -> [times last, caused]
+    for rank, enter, caused in lates:
+        mine = starts.get(rank, [])
+        i = bisect.bisect_right([s.start_ns for s in mine], enter) - 1
+        if i < 0 or enter >= mine[i].start_ns + mine[i].step_ns:
+            continue  # entered between steps: counted in the run's ranking only
+        got = per_step.setdefault(mine[i].step, {}).setdefault(rank, [0, 0])
+        got[0] += 1
+        got[1] += caused
+    out = []
+    for step, ranks in sorted(per_step.items()):
+        rank, (n, caused) = max(ranks.items(), key=lambda kv: (kv[1][1], kv[1][0]))
+        out.append(
+            StepStraggler(step, rank, n, caused, {r: v[1] for r, v in sorted(ranks.items())})
+        )
+    return out
 
 
 # The ranks' collective spans, each with its rank (from the processes chosen above).

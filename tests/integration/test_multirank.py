@@ -231,6 +231,14 @@ def test_the_rank_that_sleeps_before_each_all_reduce_is_the_straggler(tmp_path: 
         assert sleeping["idle_ns"] > waiting["idle_ns"], (waiting, sleeping)
         for s in (waiting, sleeping):
             assert s["compute_ns"] + s["comm_ns"] - s["overlap_ns"] + s["idle_ns"] == s["step_ns"]
+    # per step, the straggler: rank 1 in each step, with the wait it caused there
+    per_step = ranks["step_stragglers"]
+    assert [(s["step"], s["rank"], s["entered_last"]) for s in per_step] == [
+        (i, 1, 1) for i in range(ROUNDS)
+    ]
+    assert sum(s["caused_ns"] for s in per_step) == ranks["straggler_wait_ns"]
+    assert all(s["caused_ns"] > SLEEP * 1e9 / 2 for s in per_step)
+    assert "stragglers per step" in text
 
 
 def test_a_program_without_ranks_has_no_ranks(tmp_path: Path) -> None:

@@ -175,3 +175,23 @@ def test_interval_arithmetic_matches_sets_of_points(
     assert points(ranks._both(ua, ub)) == pa & pb
     window = set(range(lo, lo + width))
     assert ranks._Covered(ua).within(lo, lo + width) == len(pa & window)
+
+
+def test_each_step_names_the_rank_that_made_the_others_wait_most() -> None:
+    def step(rank: int, i: int, start: int) -> ranks.RankStep:
+        return ranks.RankStep(rank, i, f"ProfilerStep#{i}", start, 1000, 0, 0, 0, 1000)
+
+    steps = [step(r, i, 1000 * i + 10 * r) for r in (0, 1, 2) for i in range(3)]
+    lates = [
+        (1, 100, 50),  # step 0: rank 1 late twice (80 in all), rank 2 once (70)
+        (1, 900, 30),
+        (2, 500, 70),
+        (0, 2500, 5),  # step 2: rank 0
+        (2, 3500, 99),  # after every step of rank 2: the run's ranking only
+    ]
+    got = ranks.step_stragglers(steps, lates)
+    assert [(s.step, s.rank, s.entered_last, s.caused_ns) for s in got] == [
+        (0, 1, 2, 80),
+        (2, 0, 1, 5),
+    ]
+    assert got[0].caused == {1: 80, 2: 70}
