@@ -15,6 +15,7 @@ from dash.development.base_component import Component
 from gpu_trace import _format as fmt
 from gpu_trace.plots import charts
 from gpu_trace.query.gpu_work import DeviceKernels, SpanRef, StepBusy
+from gpu_trace.query.relatives import SpanDetail, SpanRow, StepCounterpart
 from gpu_trace.query.summary import RunSummary
 from gpu_trace.query.tenancy import NO_TENANT, Tenants, TenantSummary
 
@@ -97,7 +98,7 @@ def _goto(label: str, span_id: str, start: int, end: int, current: bool = False)
     )
 
 
-def _span_line(s: dict[str, Any], base: int) -> str:
+def _span_line(s: SpanRow, base: int) -> str:
     dur = int(s["end_ns"]) - int(s["start_ns"])
     return (
         f"{s['name']} · {s['lane']} · {s['host']} pid {s['pid']} · "
@@ -139,8 +140,8 @@ def _launch(start_ns: int, chain: list[SpanRef], base: int) -> list[Component]:
 
 
 def details(
-    s: dict[str, Any] | None,
-    steps: list[dict[str, Any]],
+    s: SpanDetail | None,
+    steps: list[StepCounterpart],
     base: int,
     chain: list[SpanRef] | None = None,
 ) -> html.Div:
@@ -150,7 +151,7 @@ def details(
     if s is None:
         return html.Div("Click a span to see its details.", className="hint", id="details-empty")
     dur = int(s["end_ns"]) - int(s["start_ns"])
-    fields = [
+    fields: list[list[Any]] = [
         ["name", s["name"]],
         ["category", s["category"]],
         ["lane", s["lane"]],

@@ -9,11 +9,12 @@ flows and span details themselves are read per request (:mod:`gpu_trace.query.wi
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore
 from gpu_trace.query import overview, reads, relatives, series, windows
-from gpu_trace.query.relatives import MAX_FLOWS, Flows
+from gpu_trace.query.relatives import MAX_FLOWS, Flows, SpanDetail, StepCounterpart
 from gpu_trace.query.series import CounterPoint, CounterSeries
 from gpu_trace.query.windows import (
     BUCKET_PX,
@@ -140,13 +141,13 @@ def clock_sync(source: ReadOnlyStore, run_id: str) -> list[dict[str, Any]]:
 
 def span(
     source: ReadOnlyStore, run_id: str, span_id: str, start_ns: int | None = None
-) -> dict[str, Any] | None:
+) -> SpanDetail | None:
     """:func:`gpu_trace.query.relatives.span`."""
     return relatives.span(source, run_id, span_id, start_ns)
 
 
 def same_range_in_steps(
-    source: ReadOnlyStore, run_id: str, s: dict[str, Any]
-) -> list[dict[str, Any]]:
+    source: ReadOnlyStore, run_id: str, s: Mapping[str, Any]
+) -> list[StepCounterpart]:
     """:func:`gpu_trace.query.relatives.same_range_in_steps`."""
     return relatives.same_range_in_steps(source, run_id, s)

@@ -312,7 +312,7 @@ def launch_trace(xs: list[int] | None = None, ys: list[int] | None = None) -> di
 
 
 def launch_link(
-    tracks: list[TrackInfo], call: dict[str, object], work: dict[str, object], base: int
+    tracks: list[TrackInfo], call: Mapping[str, object], work: Mapping[str, object], base: int
 ) -> tuple[list[int], list[int]]:
     """x (ns since ``base``) and timeline rows of the line from ``call``'s start to ``work``'s
     start; empty when either is on a track not drawn."""

@@ -8,6 +8,7 @@ functions of a :class:`~gpu_trace.query.source.Source`; span ids are decimal str
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple, TypedDict, cast
 
 import numpy as np
@@ -19,6 +20,42 @@ from gpu_trace.query.windows import Tracks, text_ids
 
 #: Flow lines drawn at most per window.
 MAX_FLOWS = 1500
+
+
+class SpanRow(TypedDict):
+    """A span as its details read it (ids as decimal strings)."""
+
+    span_id: str
+    parent_span_id: str
+    host: str
+    pid: int
+    tid: int
+    lane: str
+    category: str
+    name: str
+    depth: int
+    start_ns: int
+    end_ns: int
+    attrs: dict[str, str]
+
+
+class SpanDetail(SpanRow):
+    """One span with its parent and children (:func:`span`)."""
+
+    parent: SpanRow | None
+    children: list[SpanRow]  # the first 100 by start
+    children_total: int
+    children_partial: bool  # its thread held too many spans inside it: the total is a floor
+
+
+class StepCounterpart(TypedDict):
+    """The same range in one step (:func:`same_range_in_steps`)."""
+
+    step: str  # the step's name
+    current: bool  # the step the span asked about is in
+    span_id: str
+    start_ns: int
+    end_ns: int
 
 
 class FlowLink(TypedDict):
@@ -88,7 +125,7 @@ MAX_NESTED_SCAN = 1_000_000
 
 def span(
     source: Source, run_id: str, span_id: str, start_ns: int | None = None
-) -> dict[str, Any] | None:
+) -> SpanDetail | None:
     """One span with its parent (on any host) and children (first 100 and their count).
 
     Parents and children are as the OTLP export has them (:mod:`gpu_trace.query.nesting`): the
@@ -187,7 +224,7 @@ def span(
     out["children"] = sorted(children, key=lambda r: int(r["start_ns"]))[:100]
     out["children_total"] = total + count
     out["children_partial"] = partial
-    return out
+    return cast(SpanDetail, out)  # the row's columns and the keys set above
 
 
 class _Selected(NamedTuple):
@@ -248,7 +285,7 @@ def _enclosed(source: Source, run_id: str, me: _Selected) -> tuple[list[int], in
     return first, len(found), table.num_rows >= MAX_NESTED_SCAN
 
 
-def same_range_in_steps(source: Source, run_id: str, s: dict[str, Any]) -> list[dict[str, Any]]:
+def same_range_in_steps(source: Source, run_id: str, s: Mapping[str, Any]) -> list[StepCounterpart]:
     """The same range (name, lane, process) at the same position in every other step.
 
     A span's position is its occurrence index within the step it starts in; each other step of
@@ -270,7 +307,11 @@ def same_range_in_steps(source: Source, run_id: str, s: dict[str, Any]) -> list[
     if mine is None:
         return []
     if s["category"] == "step":  # a step's counterparts are the other steps
-        return [{**st, "step": st["name"], "current": st is mine} for st in own]
+        return [
+            StepCounterpart(step=st["name"], current=st is mine, span_id=st["span_id"],
+                            start_ns=st["start_ns"], end_ns=st["end_ns"])
+            for st in own
+        ]  # fmt: skip
     same = text_ids(
         query_rows(
             source,
@@ -302,10 +343,13 @@ def same_range_in_steps(source: Source, run_id: str, s: dict[str, Any]) -> list[
             by_step[i].append(r)
     index = own.index(mine)
     k = next((j for j, r in enumerate(by_step[index]) if r["span_id"] == s["span_id"]), 0)
-    out = []
+    out: list[StepCounterpart] = []
     for st, found in zip(own, by_step):
         if not found:
             continue
         r = found[min(k, len(found) - 1)]
-        out.append({"step": st["name"], "current": st is mine, **r})
+        out.append(
+            StepCounterpart(step=st["name"], current=st is mine, span_id=r["span_id"],
+                            start_ns=r["start_ns"], end_ns=r["end_ns"])
+        )  # fmt: skip
     return out

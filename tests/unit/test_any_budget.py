@@ -22,7 +22,7 @@ BUDGET = {
     "collectors/gpu_activity": 0,
     "collectors/nvml": 11,
     "collectors/nvtx": 11,
-    "dashboard": 52,  # -92: its reads to query/ (+22 there), its figures and charts to plots/ (27)
+    "dashboard": 48,  # -96: its reads to query/ (+20 there), its figures and charts to plots/ (27)
     "framework_patches": 62,
     "framework_patches/torch": 68,
     "gpu_trace": 15,  # +2: a run's row from the store as JSON (_summary_text)
@@ -39,7 +39,7 @@ BUDGET = {
     "runtime/worker": 8,  # +1: the front's backend settings as JSON (_adopt_flags)
     "plots": 27,  # from dashboard/: the timeline figure and the charts (plotly's dicts)
     "export": 13,  # from tracer/ (the exporters moved out with their counts)
-    "query": 38,  # from tracer/: RunSummary.as_dict (JSON for show --json), query parameters; +22:
+    "query": 36,  # from tracer/: RunSummary.as_dict (JSON for show --json), query parameters; +20:
     # the dashboard's reads (windows' bars, span details: rows of the store as read)
     "store": 20,  # from tracer/: the store client, ingest, import
     "tracer": 22,  # -50: the store, query and export modules moved to their own folders
