@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import Any, TypedDict, cast
 
 import numpy as np
 import pyarrow as pa
@@ -85,6 +85,36 @@ class TrackInfo:
         return min(max(0, depth - self.min_depth), self.levels - 1)
 
 
+class _BarMarks(TypedDict, total=False):
+    pinned: bool  # narrower than the bar threshold, drawn anyway
+    tenant: str  # a server span's: whose work it is
+    session: str
+
+
+class Bar(_BarMarks):
+    """A span drawn as a bar (its id as a decimal string)."""
+
+    span_id: str
+    host: str
+    pid: int
+    tid: int
+    lane: str
+    category: str
+    name: str
+    depth: int
+    start_ns: int
+    end_ns: int
+
+
+def _bars(rows: list[dict[str, Any]]) -> list[Bar]:
+    """Span rows read as bars are (``id`` as text, ``toString(span_id)``) as bars."""
+    return cast(list[Bar], text_ids(rows))
+
+
+def _pinned(bar: Bar) -> Bar:
+    return {**bar, "pinned": True}
+
+
 class Tracks(TypedDict):
     """A run's tracks (:func:`tracks`)."""
 
@@ -106,7 +136,7 @@ class Window:
     t0: int
     t1: int
     bucket_ns: int
-    bars: list[dict[str, Any]] = field(default_factory=list)
+    bars: list[Bar] = field(default_factory=list)
     #: Density: spans counted per timeline row and bucket (rows x buckets), and their busy ns.
     count: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
     busy_ns: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
@@ -364,7 +394,7 @@ def _window(
         "run_id = {run:String} AND start_ns < {t1:Int64} AND start_ns >= {lo:Int64}"
         " AND end_ns >= {t0:Int64}"
     )
-    bars = text_ids(
+    bars = _bars(
         query_rows(
             source,
             f"""
@@ -432,14 +462,14 @@ def _window(
 
 
 def _cell_pins(
-    source: Source, run_id: str, wanted: overview.CellPins, drawn: list[dict[str, object]]
-) -> list[tuple[dict[str, object], int, int, int]]:
+    source: Source, run_id: str, wanted: overview.CellPins, drawn: list[Bar]
+) -> list[tuple[Bar, int, int, int]]:
     """The overview cells' longest spans that a zoomed-out window draws anyway, read from the
     store by where they start (the primary key: a few granules), with the row and bucket of
     the density cell each was counted in and its length. One already drawn (a short step or batch) is left out."""
     if not len(wanted.start_ns):
         return []
-    rows = text_ids(
+    rows = _bars(
         query_rows(
             source,
             """
@@ -451,13 +481,13 @@ def _cell_pins(
             {"run": run_id, "starts": sorted({int(x) for x in wanted.start_ns})},
         )
     )
-    by_key: dict[tuple[object, ...], list[dict[str, object]]] = {}
+    by_key: dict[tuple[object, ...], list[Bar]] = {}
     for r in rows:
-        key = (r["host"], r["pid"], r["tid"], r["lane"], r["depth"], r["start_ns"],
-               r["end_ns"] - r["start_ns"])  # fmt: skip
-        by_key.setdefault(key, []).append(r)
+        mine: tuple[object, ...] = (r["host"], r["pid"], r["tid"], r["lane"], r["depth"],
+                                    r["start_ns"], r["end_ns"] - r["start_ns"])  # fmt: skip
+        by_key.setdefault(mine, []).append(r)
     seen = {(b["span_id"], b["start_ns"]) for b in drawn}
-    out = []
+    out: list[tuple[Bar, int, int, int]] = []
     for k, start, dur, row, cell in zip(
         wanted.keys, wanted.start_ns, wanted.dur_ns, wanted.row, wanted.bucket
     ):
@@ -469,14 +499,14 @@ def _cell_pins(
         if (b["span_id"], b["start_ns"]) in seen:
             continue
         seen.add((b["span_id"], b["start_ns"]))
-        out.append(({**b, "pinned": True}, int(row), int(cell), int(dur)))
+        out.append((_pinned(b), int(row), int(cell), int(dur)))
     return out
 
 
 def _pins(
     source: Source, where: str, params: dict[str, object], threshold: int,
     tracks: list[TrackInfo],
-) -> list[dict[str, object]]:  # fmt: skip
+) -> list[Bar]:  # fmt: skip
     """The spans of a zoomed-in window narrower than ``threshold`` that are drawn as bars
     anyway: the longest of each row in each of :data:`PINS_PER_ROW` parts of the window and
     the :data:`MAX_PINNED_KINDS` longest steps and forwarded batches (:func:`overview.pick_pins`,
@@ -525,12 +555,12 @@ def _pins(
         track_rows(found, tracks), overview.window_part(start, t0, t1, PINS_PER_ROW),
         end - start, kind.astype(bool), MAX_PINNED_KINDS, start,
     )  # fmt: skip
-    out: list[dict[str, object]] = []
+    out: list[Bar] = []
     seen = set()
-    for b in text_ids(found.take(pa.array(keep, pa.int64())).to_pylist()):
+    for b in _bars(found.take(pa.array(keep, pa.int64())).to_pylist()):
         if (b["span_id"], b["start_ns"]) not in seen:  # a step or batch found twice
             seen.add((b["span_id"], b["start_ns"]))
-            out.append({**b, "pinned": True})
+            out.append(_pinned(b))
     return out
 
 
