@@ -65,15 +65,16 @@ SLEEP = 0.3
 ROUNDS = 4
 
 
-def torchrun(*args: str) -> list[str]:
-    """`python -m torch.distributed.run` (what the torchrun script runs) on two local ranks."""
+def torchrun(*args: str, ranks: int = 2) -> list[str]:
+    """`python -m torch.distributed.run` (what the torchrun script runs) on ``ranks`` local
+    ranks."""
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node",
-        "2",
+        str(ranks),
         *args,
     ]
 
@@ -89,16 +90,17 @@ def show() -> dict:
     return json.loads(out.stdout)
 
 
-def test_ddp_under_torchrun_is_one_run_of_ranks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("world", [2, 4])
+def test_ddp_under_torchrun_is_one_run_of_ranks(tmp_path: Path, world: int) -> None:
     prog = script(tmp_path, DDP_TRAIN)
     bare, recorded = tmp_path / "bare", tmp_path / "recorded"
     bare.mkdir()
     recorded.mkdir()
-    ran = plain(torchrun(str(prog), str(bare)))
+    ran = plain(torchrun(str(prog), str(bare), ranks=world))
     assert ran.returncode == 0, ran.stderr
-    out = gpu_trace("record", "--", *torchrun(str(prog), str(recorded)))
+    out = gpu_trace("record", "--", *torchrun(str(prog), str(recorded), ranks=world))
     assert out.returncode == 0, out.stderr
-    for rank in (0, 1):  # recording changes nothing the program computes
+    for rank in range(world):  # recording changes nothing the program computes
         name = f"losses-{rank}.txt"
         assert (recorded / name).read_text() == (bare / name).read_text()
 
@@ -106,8 +108,8 @@ def test_ddp_under_torchrun_is_one_run_of_ranks(tmp_path: Path) -> None:
     run_id = data["run"]["run_id"]
     ranks = data["ranks"]
     assert ranks is not None, "show --json has no ranks"
-    assert ranks["world_size"] == 2 and ranks["backend"] == "gloo"
-    assert [r["rank"] for r in ranks["ranks"]] == [0, 1]
+    assert ranks["world_size"] == world and ranks["backend"] == "gloo"
+    assert [r["rank"] for r in ranks["ranks"]] == list(range(world))
     # every rank's process has its rank and world size stored, and one pid each
     procs = sql_json(
         "SELECT DISTINCT pid, process_attrs['rank'] AS rank, process_attrs['world_size'] AS world,"
@@ -117,8 +119,7 @@ def test_ddp_under_torchrun_is_one_run_of_ranks(tmp_path: Path) -> None:
         run=run_id,
     )
     assert [(p["rank"], p["world"], p["local"]) for p in procs] == [
-        ("0", "2", "0"),
-        ("1", "2", "1"),
+        (str(r), str(world), str(r)) for r in range(world)
     ]
     assert {p["launcher"] for p in procs} == {"torchrun"}
     assert [r["pid"] for r in ranks["ranks"]] == [int(p["pid"]) for p in procs]
@@ -135,19 +136,20 @@ def test_ddp_under_torchrun_is_one_run_of_ranks(tmp_path: Path) -> None:
     for s in spans:
         by_pid.setdefault(int(s["pid"]), []).append(s["seq"])
         assert int(s["bytes"]) > 0 and s["dtype"] == "Float", s
-    assert len(by_pid) == 2
-    first, second = by_pid.values()
-    assert len(first) == len(second) >= 6  # one bucket per step at least
-    assert first == second, "the ranks' all_reduces are not linked by sequence number"
+    assert len(by_pid) == world
+    first, *others = by_pid.values()
+    assert len(first) >= 6  # one bucket per step at least
+    for other in others:
+        assert other == first, "the ranks' all_reduces are not linked by sequence number"
     kinds = {c["op"]: c for c in ranks["collectives"]}
     assert kinds["all_reduce"]["count"] == len(first)
-    assert kinds["all_reduce"]["calls"] == {"0": len(first), "1": len(first)}
+    assert kinds["all_reduce"]["calls"] == {str(r): len(first) for r in range(world)}
 
     # per rank and step: each rank's own steps (detected at each optimizer.step), whose
     # computation, communication, overlap and idle time add up to the step, to the ns
     steps = ranks["steps"]
-    assert [s["step"] for s in steps if s["rank"] == 0] == list(range(6))
-    assert [s["step"] for s in steps if s["rank"] == 1] == list(range(6))
+    for rank in range(world):
+        assert [s["step"] for s in steps if s["rank"] == rank] == list(range(6))
     for s in steps:
         assert s["compute_ns"] + s["comm_ns"] - s["overlap_ns"] + s["idle_ns"] == s["step_ns"], s
         assert min(s["compute_ns"], s["comm_ns"], s["idle_ns"], s["overlap_ns"]) >= 0, s
@@ -157,7 +159,7 @@ def test_ddp_under_torchrun_is_one_run_of_ranks(tmp_path: Path) -> None:
         for key in ("step_ns", "compute_ns", "comm_ns", "overlap_ns", "idle_ns"):
             assert r[key] == sum(s[key] for s in mine), key
     stored = stored_run(run_id)  # the same figures from Python
-    assert list(stored.ranks()["rank"]) == [0, 1]
+    assert list(stored.ranks()["rank"]) == list(range(world))
     assert stored.rank_steps().to_dict("records") == steps
     side = stored.compare_ranks(0, 1)
     assert list(side["step"]) == list(range(6))
@@ -165,7 +167,7 @@ def test_ddp_under_torchrun_is_one_run_of_ranks(tmp_path: Path) -> None:
 
     text = gpu_trace("show", "last")
     assert text.returncode == 0, text.stderr
-    assert "ranks (world size 2, backend gloo" in text.stdout
+    assert f"ranks (world size {world}, backend gloo" in text.stdout
     assert "steps per rank" in text.stdout
     assert "all_reduce" in text.stdout
 
@@ -173,10 +175,10 @@ def test_ddp_under_torchrun_is_one_run_of_ranks(tmp_path: Path) -> None:
     traces = tmp_path / "traces"
     exported = gpu_trace("export", "last", "--ranks-dir", str(traces))
     assert exported.returncode == 0, exported.stderr
-    assert sorted(p.name for p in traces.iterdir()) == ["rank-0.json", "rank-1.json"]
-    for rank in (0, 1):
+    assert sorted(p.name for p in traces.iterdir()) == [f"rank-{r}.json" for r in range(world)]
+    for rank in range(world):
         trace = json.loads((traces / f"rank-{rank}.json").read_text())
-        assert trace["distributedInfo"] == {"rank": rank, "world_size": 2, "backend": "gloo"}
+        assert trace["distributedInfo"] == {"rank": rank, "world_size": world, "backend": "gloo"}
         pids = {e["pid"] for e in trace["traceEvents"] if e.get("name") == "all_reduce"}
         assert pids == {ranks["ranks"][rank]["pid"]}
     hta = pytest.importorskip("hta.trace_analysis")
@@ -184,8 +186,8 @@ def test_ddp_under_torchrun_is_one_run_of_ranks(tmp_path: Path) -> None:
         warnings.simplefilter("ignore")
         analysis = hta.TraceAnalysis(trace_dir=str(traces))
         overlap = analysis.get_comm_comp_overlap(visualize=False)
-    assert sorted(analysis.t.traces) == [0, 1]
-    assert sorted(overlap["rank"]) == [0, 1]  # no GPU kernels on a CPU: the shares are NaN
+    assert sorted(analysis.t.traces) == list(range(world))
+    assert sorted(overlap["rank"]) == list(range(world))  # no GPU kernels on a CPU: NaN shares
 
 
 def test_the_rank_that_sleeps_before_each_all_reduce_is_the_straggler(tmp_path: Path) -> None:
