@@ -2,8 +2,9 @@
 
 What `gpu-trace ls`, `show`, `sql` and `export` and the dashboard's timeline give on a terminal or
 in a browser, as pandas DataFrames and a plotly figure for a notebook, from the same code: the
-store's reads (``query/reads.py``: runs, the per-lane summary, forwarding), its read-only SQL
-(``store/guard.py``), the dashboard's step times and timeline figure, the exporter seam.
+store's reads (``query/``: runs, the per-lane summary, forwarding, the timeline's windows), its
+read-only SQL (``store/guard.py``), the timeline figure the dashboard draws too (``plots/``), the
+exporter seam. Nothing of the CLI or the dashboard is imported.
 
 Each call opens the store, reads and closes it again: an embedded chDB store is locked to one
 process while it is open, and a notebook that held it would lock `gpu-trace ls` out. Times are

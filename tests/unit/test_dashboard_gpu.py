@@ -22,6 +22,7 @@ from gpu_trace.dashboard import (  # noqa: E402
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore  # noqa: E402
 from gpu_trace.plots import charts, figures  # noqa: E402
 from gpu_trace.query import gpu_work  # noqa: E402
+from gpu_trace.query.gpu import busy_ns  # noqa: E402
 from gpu_trace.query.source import rows as query_rows
 from gpu_trace.store.client import Store  # noqa: E402
 from gpu_trace.store.importer import import_trace  # noqa: E402
@@ -154,6 +155,20 @@ def test_covered_matches_a_brute_force_count() -> None:
         mask[a:b] = True
     want = [int(mask[max(0, a) : max(0, b)].sum()) for a, b in zip(w0, w1)]
     assert gpu_work.covered(s, e, w0, w1).tolist() == want
+
+
+def test_the_union_per_step_is_the_busy_time_gpu_trace_show_reports(source: ReadOnlyStore) -> None:
+    # One busy time: the per-step figures cut the same union that query/gpu.py's busy_ns
+    # measures for gpu-trace show (work on two streams at once counts once).
+    devices = gpu_work.intervals(source, "gpu")
+    for d in gpu_work.top_kernels(source, "gpu"):
+        s, e = devices[d["device"]]
+        assert int((e - s).sum()) == d["busy_ns"]
+    rng = np.random.default_rng(11)
+    start = np.sort(rng.integers(0, 10_000, 300))
+    end = start + rng.integers(1, 200, 300)
+    s, e = gpu_work.union(start, end)
+    assert int((e - s).sum()) == busy_ns(start, end)
 
 
 def test_forwarded_ops_gain_their_gpu_time_by_parent_links(source: ReadOnlyStore) -> None:
