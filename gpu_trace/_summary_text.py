@@ -124,19 +124,19 @@ def render_ranks(ranks: RankSummary) -> str:
     head += f", backend {ranks.backend}" if ranks.backend else ""
     head += f", job {clip(ranks.job, 40)})" if ranks.job else ")"
     lines = ["", head]
+    kernels = any(r.kernel_overlap is not None for r in ranks.ranks)  # a GPU run with NCCL
     rows = [
         [str(r.rank), "-" if r.local_rank is None else str(r.local_rank),
          "-" if r.node is None else str(r.node), clip(r.host, 24),
          ",".join(str(p) for p in r.pids), fmt.duration(r.busy_ns), fmt.count(r.collectives),
-         fmt.duration(r.waited_ns)]
+         fmt.duration(r.waited_ns),
+         *([] if not kernels else
+           ["-" if r.kernel_overlap is None else f"{100 * r.kernel_overlap:.1f}%"])]
         for r in ranks.ranks
     ]  # fmt: skip
+    heads = ["RANK", "LOCAL", "NODE", "HOST", "PID", "BUSY", "COLLECTIVES", "WAITED"]
     lines.append(
-        fmt.table(
-            ["RANK", "LOCAL", "NODE", "HOST", "PID", "BUSY", "COLLECTIVES", "WAITED"],
-            rows,
-            right={0, 1, 2, 5, 6, 7},
-        )
+        fmt.table(heads + (["NCCL OVERLAP"] if kernels else []), rows, right={0, 1, 2, 5, 6, 7, 8})
     )
     if any(r.steps for r in ranks.ranks):
         lines += [

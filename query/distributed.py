@@ -86,6 +86,9 @@ class RankStats:
     comm_ns: int = 0
     overlap_ns: int = 0
     idle_ns: int = 0
+    #: Of its NCCL kernels' time, the share a computation kernel ran beside (HTA's
+    #: ``comp_comm_overlap_ratio``, :func:`kernel_overlap`); None without NCCL kernels.
+    kernel_overlap: float | None = None
 
 
 @dataclass(frozen=True)
@@ -229,6 +232,7 @@ def rank_summary(store: Queries, run_id: str) -> RankSummary | None:
         mine[0] += int(n)
         mine[1] += int(waited)
     steps = rank_steps(store, run_id, main)
+    overlap = kernel_overlap(store, run_id, main)
     totals: dict[int, list[int]] = {}  # rank -> [steps, step, compute, comm, overlap, idle]
     for s in steps:
         got = totals.setdefault(s.rank, [0] * 6)
@@ -247,6 +251,7 @@ def rank_summary(store: Queries, run_id: str) -> RankSummary | None:
             pids=sorted(pids[r]),
             entered_last=last.get(r, [0, 0])[0],
             caused_ns=last.get(r, [0, 0])[1],
+            kernel_overlap=overlap.get(r),
             **dict(zip(_TOTALS, totals.get(r, [0] * 6))),
         )
         for r, p in sorted(main.items())
@@ -393,6 +398,49 @@ GROUP BY rank, unit, kind, island ORDER BY rank, unit, kind, lo
 """
 
 Intervals = list[tuple[int, int]]  # disjoint, in order
+
+# Each rank's kernels merged into islands, communication (named nccl) and computation apart.
+_KERNEL_ISLANDS = f"""
+SELECT rank, kind, min(start_ns) AS lo, max(end_ns) AS hi
+FROM (
+    SELECT rank, kind, start_ns, end_ns,
+           sum(if(rn = 1 OR start_ns > reach, 1, 0)) OVER (
+               PARTITION BY rank, kind ORDER BY start_ns, end_ns
+               ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS island
+    FROM (
+        SELECT rank, kind, start_ns, end_ns,
+               max(end_ns) OVER (PARTITION BY rank, kind ORDER BY start_ns, end_ns
+                                 ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS reach,
+               row_number() OVER (PARTITION BY rank, kind ORDER BY start_ns, end_ns) AS rn
+        FROM (
+            SELECT r.rank AS rank, s.start_ns AS start_ns, s.end_ns AS end_ns,
+                   if(positionCaseInsensitive(s.name, 'nccl') > 0, 'comm', 'compute') AS kind
+            FROM __db__.spans AS s
+            INNER JOIN ({_RANK_PROCS}) AS r ON r.host = s.host AND r.pid = s.pid
+            WHERE s.run_id = {{run_id:String}} AND s.category = 'kernel' AND s.end_ns > s.start_ns
+        )
+    )
+)
+GROUP BY rank, kind, island ORDER BY rank, kind, lo
+"""
+
+
+def kernel_overlap(store: Queries, run_id: str, procs: Mapping[int, Process]) -> dict[int, float]:
+    """Per rank with NCCL kernels, the share of their time (merged) a computation kernel ran
+    beside: the definition of HTA's ``get_comm_comp_overlap`` (kernels named ``nccl`` are
+    communication, the others computation), from the run's own spans."""
+    params = {"run_id": run_id, "procs": [(p.host, p.pid, r) for r, p in procs.items()]}
+    islands: dict[int, dict[str, Intervals]] = {}
+    for rank, kind, lo, hi in store.query(_KERNEL_ISLANDS, params).result_rows:
+        islands.setdefault(int(rank), {}).setdefault(str(kind), []).append((int(lo), int(hi)))
+    out = {}
+    for rank, kinds in islands.items():
+        comm = kinds.get("comm", [])
+        total = sum(hi - lo for lo, hi in comm)
+        if total:
+            both = _both(kinds.get("compute", []), comm)
+            out[rank] = sum(hi - lo for lo, hi in both) / total
+    return out
 
 
 def _union(parts: Iterable[Intervals]) -> Intervals:
