@@ -103,3 +103,29 @@ def result(out: subprocess.CompletedProcess) -> dict:
     assert out.returncode == 0, out.stderr[-4000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line[len("RESULT ") :])
+
+
+#: The token of :func:`cpu_server`'s servers.
+CPU_TOKEN = "forwarding-unit-tests-token-0123"
+
+
+@contextlib.contextmanager
+def cpu_server(home: Path) -> Iterator[str]:
+    """A server on the CPU device running one intra-op thread (``OMP_NUM_THREADS=1``: CPU
+    reductions split the same way as a test's one-thread reference), what the forwarding unit
+    tests share; yields its address (clients use :data:`CPU_TOKEN`)."""
+    with served(home, CPU_TOKEN, device="cpu", env={"OMP_NUM_THREADS": "1"}) as (address, _):
+        yield address
+
+
+@contextlib.contextmanager
+def connected(address: str) -> Iterator[object]:
+    """This process connected to a :func:`cpu_server` (explicit mode): yields the remote
+    ``torch.device``; disconnected after."""
+    from gpu_trace import runtime
+
+    device = runtime.connect(address, token=CPU_TOKEN)
+    try:
+        yield device
+    finally:
+        runtime.disconnect()

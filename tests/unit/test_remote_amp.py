@@ -29,7 +29,7 @@ from tests import serving
 from tests.conftest import REPO
 from tests.cuda_build import CudaBuild
 
-TOKEN = "remote-amp-token-0123456"
+TOKEN = serving.CPU_TOKEN
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 
 
@@ -46,16 +46,14 @@ def one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    home = tmp_path_factory.mktemp("home")
-    with serving.served(home, TOKEN, device="cpu", env={"OMP_NUM_THREADS": "1"}) as (address, _):
+    with serving.cpu_server(tmp_path_factory.mktemp("home")) as address:
         yield address
 
 
 @pytest.fixture
 def dev(served: str) -> Iterator[torch.device]:
-    device = runtime.connect(served, token=TOKEN)
-    yield device
-    runtime.disconnect()
+    with serving.connected(served) as device:
+        yield device
     assert not autocast.is_patched()
 
 

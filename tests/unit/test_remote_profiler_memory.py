@@ -13,25 +13,22 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from gpu_trace import runtime
 from gpu_trace.runtime.client import profiler_memory
 from tests import serving
 
-TOKEN = "remote-profiler-memory-0123"
+TOKEN = serving.CPU_TOKEN
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    home = tmp_path_factory.mktemp("home")
-    with serving.served(home, TOKEN, device="cpu", env={"OMP_NUM_THREADS": "1"}) as (address, _):
+    with serving.cpu_server(tmp_path_factory.mktemp("home")) as address:
         yield address
 
 
 @pytest.fixture
 def dev(served: str) -> Iterator[torch.device]:
-    device = runtime.connect(served, token=TOKEN)
-    yield device
-    runtime.disconnect()
+    with serving.connected(served) as device:
+        yield device
 
 
 def _memory_events(prof: profile, path: Path) -> list[dict]:

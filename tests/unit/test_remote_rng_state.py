@@ -21,21 +21,19 @@ from tests import serving
 from tests.cuda_build import CudaBuild
 from tests.integration.test_remote_server import Raw
 
-TOKEN = "remote-rng-token-01234567"
+TOKEN = serving.CPU_TOKEN
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    home = tmp_path_factory.mktemp("home")
-    with serving.served(home, TOKEN, device="cpu", env={"OMP_NUM_THREADS": "1"}) as (address, _):
+    with serving.cpu_server(tmp_path_factory.mktemp("home")) as address:
         yield address
 
 
 @pytest.fixture
 def dev(served: str) -> Iterator[torch.device]:
-    device = runtime.connect(served, token=TOKEN)
-    yield device
-    runtime.disconnect()
+    with serving.connected(served) as device:
+        yield device
 
 
 def test_a_saved_state_replays_the_same_draws(dev: torch.device) -> None:
