@@ -1,8 +1,10 @@
 """The import rules between the package's layers, read from the source (no module is imported).
 
-tracer/ is the bottom layer (capture -> record -> store -> views): it imports nothing above it, so
-what a run records besides its own ranges is handed to it (``gpu_trace/_capture.py``). Collectors
-and framework patches use each other's public names only.
+tracer/ is the bottom layer (capture -> record -> store -> query -> views/export): it imports
+nothing above it, so what a run records besides its own ranges is handed to it
+(``gpu_trace/_capture.py``). store/ sits on the tracer, query/ on the store, export/ on both; SQL
+is written only in store/ and query/, and the public ``Run`` reads through query/ without the CLI
+or the dashboard. Collectors and framework patches use each other's public names only.
 """
 
 from __future__ import annotations
@@ -152,14 +154,17 @@ def test_builders_load_by_path_and_build_with_the_helper_passed_in(
         module.build(tmp_path / "x.so", cc=str(tmp_path / "no-such-cc"), cbuild=cbuild)
 
 
+def package_dirs() -> dict[str, str]:
+    """pyproject.toml's [tool.setuptools.package-dir]: each top-level folder's package."""
+    import tomllib
+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return dict(tomllib.load(f)["tool"]["setuptools"]["package-dir"])
+
+
+ROOT = Path(__file__).resolve().parents[2]
 #: The folders mapped into gpu_trace.* besides gpu_trace/ itself.
-TOP_LEVEL = (
-    "gpu_trace.tracer",
-    "gpu_trace.collectors",
-    "gpu_trace.framework_patches",
-    "gpu_trace.runtime",
-    "gpu_trace.dashboard",
-)
+TOP_LEVEL = tuple(p for p in package_dirs() if p != "gpu_trace")
 
 
 def test_collectors_and_framework_patches_share_no_file_name_with_another_module() -> None:
@@ -174,8 +179,94 @@ def test_collectors_and_framework_patches_share_no_file_name_with_another_module
         name: owners
         for name, owners in everywhere.items()
         if len(owners) > 1
-        and any(
-            m.startswith(("gpu_trace.collectors.", "gpu_trace.framework_patches.")) for m in owners
-        )
+        and any(m.startswith(UNIQUE_NAMES) for m in owners)
     }
     assert found == {}
+
+
+#: Packages whose file names are unique across the package (the others predate the rule).
+UNIQUE_NAMES = (
+    "gpu_trace.collectors.",
+    "gpu_trace.framework_patches.",
+    "gpu_trace.store.",
+    "gpu_trace.query.",
+    "gpu_trace.export.",
+)
+
+
+#: The read side's layers, bottom up, and what each may import from the package besides itself
+#: (settings and standard-library-only helpers are everyone's).
+COMMON = ("gpu_trace.config", "gpu_trace._imports", "gpu_trace._progress", "gpu_trace._format")
+LAYERS = {
+    "gpu_trace.store": ("gpu_trace.tracer",),
+    "gpu_trace.query": ("gpu_trace.tracer", "gpu_trace.store"),
+    "gpu_trace.export": ("gpu_trace.tracer", "gpu_trace.store", "gpu_trace.query"),
+}
+
+
+def _allowed(target: str, names: list[str], allowed: tuple[str, ...]) -> bool:
+    if target == "gpu_trace":  # `from gpu_trace import config`
+        return all(f"gpu_trace.{n}".startswith(allowed) for n in names)
+    return any(target == a or target.startswith(a + ".") for a in allowed)
+
+
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_each_read_layer_imports_only_the_layers_below_it(layer: str) -> None:
+    allowed = (layer, *LAYERS[layer], *COMMON)
+    found = [
+        f"{module}:{line} imports {target}"
+        for module, path in modules(layer)
+        for target, names, line in imports(module, path)
+        if target.startswith("gpu_trace") and not _allowed(target, names, allowed)
+    ]
+    assert found == []
+
+
+def test_sql_is_written_only_in_the_store_and_the_query_layer() -> None:
+    # Every query template names its tables ``__db__.<table>`` (the store swaps in the checked
+    # database name); the CLI, the dashboard, Run, the exporters and everything else format what
+    # query/ returns and write none.
+    found = []
+    for package in ("gpu_trace", *TOP_LEVEL):
+        if package in ("gpu_trace.store", "gpu_trace.query"):
+            continue
+        for module, path in modules(package):
+            if module.startswith(("gpu_trace.store", "gpu_trace.query")):
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if (
+                    isinstance(node, ast.Constant)
+                    and isinstance(node.value, str)
+                    and "__db__." in node.value
+                ):
+                    found.append(f"{module}:{node.lineno}")
+    assert found == []
+
+
+def _reached(start: str) -> dict[str, str]:
+    """Every gpu_trace module ``start`` imports, directly or not (nested imports included), each
+    with the module that imports it."""
+    files = {m: p for package in ("gpu_trace", *TOP_LEVEL) for m, p in modules(package)}
+    seen = {start: start}
+    todo = [start]
+    while todo:
+        module = todo.pop()
+        for target, names, _ in imports(module, files[module]):
+            for name in (target, *(f"{target}.{n}" for n in names)):
+                if name in files and name not in seen:
+                    seen[name] = module
+                    todo.append(name)
+    return seen
+
+
+@pytest.mark.parametrize("public", ["gpu_trace.run_view", "gpu_trace.profiling"])
+def test_the_public_run_needs_neither_the_cli_nor_the_dashboard(public: str) -> None:
+    # gpu_trace.runs(), run(), Run and profile() read through query/ and draw with plots/: a
+    # notebook loads neither the CLI's commands nor the Dash app.
+    reached = _reached(public)
+    found = sorted(
+        f"{m} (imported by {by})"
+        for m, by in reached.items()
+        if m.startswith(("gpu_trace.cli", "gpu_trace.commands", "gpu_trace.dashboard"))
+    )
+    assert found == []
