@@ -250,7 +250,7 @@ class Replay:
     def once(self, trace: bool = False) -> float:
         """One replay: the timed batches' seconds, less their ``rt::`` ops' (not ATen ops: no
         bare peer; counted in :attr:`rt_ops`)."""
-        from gpu_trace.runtime.server import executor as ex
+        from gpu_trace.runtime.server import op_runner as ex
         from gpu_trace.runtime.sharing.scheduler import Work
         from gpu_trace.runtime.sharing.sessions import Session
 
@@ -376,7 +376,7 @@ def time_bare(calls: list[Any]) -> float:
 def _ablate(part: str) -> Any:
     """Turn one part of the executor off (for the breakdown); returns how to turn it on again."""
     from gpu_trace.runtime.server import allowlist
-    from gpu_trace.runtime.server import executor as ex
+    from gpu_trace.runtime.server import op_runner as ex
     from gpu_trace.runtime.sharing.memory import Memory
 
     if part == "rules":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from gpu_trace.runtime.server.executor import _free_early
+from gpu_trace.runtime.server.batch_parts import free_early as _free_early
 from gpu_trace.runtime.sharing.scheduler import Parked, Work
 from gpu_trace.runtime.sharing.sessions import MemoryAccount
 
