@@ -28,7 +28,14 @@ from gpu_trace import _format as fmt
 from gpu_trace import config
 from gpu_trace._summary_text import SAMPLER_NOTE
 from gpu_trace.query import frames, reads
-from gpu_trace.query.distributed import RankStats, RankStep, RankSummary, rank_summary
+from gpu_trace.query.distributed import (
+    CollectiveCall,
+    RankStats,
+    RankSummary,
+    collective_calls,
+    rank_summary,
+)
+from gpu_trace.query.rank_time import RankStep
 from gpu_trace.query.series import drawable as _drawable
 from gpu_trace.query.summary import RangeStats, RunSummary
 
@@ -300,6 +307,18 @@ class Run:
         where ``compute_ns + comm_ns - overlap_ns + idle_ns == step_ns``; empty without ranks."""
         rows = [asdict(s) for s in self._rank_summary().steps]
         return _frame(rows, list(RankStep.__dataclass_fields__))
+
+    def collectives(self) -> pd.DataFrame:
+        """One row per rank and collective, in time order (empty without ranks): the
+        collective (``op``, ``pg``, ``seq``: the same on every rank's row of it), the rank, when
+        it entered and ended (``enter_ns``, ``end_ns``), how long it waited for the last rank to
+        enter (``wait_ns``), whether it was that last rank (``last``) and how many ranks took part
+        (``ranks``). ``df.groupby(["op", "pg", "seq"])`` gives each collective; the skew is its
+        largest ``wait_ns``."""
+        self._check()
+        with _opened(self.dsn) as store:
+            rows = [asdict(c) for c in collective_calls(store, self.id)]
+        return _frame(rows, list(CollectiveCall.__dataclass_fields__))
 
     def compare_ranks(self, a: int, b: int) -> pd.DataFrame:
         """Ranks ``a`` and ``b`` side by side, one row per step (their i-th steps matched):

@@ -226,7 +226,7 @@ def _render_forwarding(fwd: dict) -> str:
 def _export_ranks(args: argparse.Namespace) -> int:
     """`export RUN --ranks-dir DIR`: one Chrome trace per rank (docs/distributed.md)."""
     from gpu_trace.export.rank_traces import write_rank_traces
-    from gpu_trace.query.distributed import processes
+    from gpu_trace.query.rank_time import processes
 
     out: Path = args.ranks_dir
     if args.output is not None:

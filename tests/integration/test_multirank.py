@@ -241,6 +241,13 @@ def test_the_rank_that_sleeps_before_each_all_reduce_is_the_straggler(tmp_path: 
     assert sum(s["caused_ns"] for s in per_step) == ranks["straggler_wait_ns"]
     assert all(s["caused_ns"] > SLEEP * 1e9 / 2 for s in per_step)
     assert "stragglers per step" in text
+    # every rank's part in every collective, from Python
+    calls = stored_run(show()["run"]["run_id"]).collectives()
+    assert len(calls) == 2 * ROUNDS and set(calls["op"]) == {"all_reduce"}
+    assert (calls.groupby(["op", "pg", "seq"])["rank"].apply(sorted) == [[0, 1]] * ROUNDS).all()
+    assert list(calls[calls["last"]]["rank"]) == [1] * ROUNDS
+    waits = calls.groupby("rank")["wait_ns"].sum()
+    assert waits[0] == {r["rank"]: r["waited_ns"] for r in ranks["ranks"]}[0] and waits[1] == 0
 
 
 def test_a_program_without_ranks_has_no_ranks(tmp_path: Path) -> None:

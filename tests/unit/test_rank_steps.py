@@ -1,4 +1,4 @@
-"""Per step and rank: computation, communication, their overlap and idle time (query/distributed.py),
+"""Per step and rank: computation, communication, their overlap and idle time (query/rank_time.py),
 on a real chDB store holding spans whose figures are known exactly, and the interval arithmetic
 they rest on."""
 
@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from gpu_trace._summary_text import render_ranks
 from gpu_trace.query import distributed as ranks
+from gpu_trace.query import rank_time
 from gpu_trace.run_view import Run
 from gpu_trace.store.client import Store
 from gpu_trace.tracer.ranks import COLLECTIVE_LANE
@@ -81,7 +82,7 @@ def store(dsn: str) -> Iterator[Store]:
         yield opened
 
 
-def figures(step: ranks.RankStep) -> tuple[int, ...]:
+def figures(step: rank_time.RankStep) -> tuple[int, ...]:
     return tuple(v // US for v in (step.compute_ns, step.comm_ns, step.overlap_ns, step.idle_ns))
 
 
@@ -166,20 +167,20 @@ def points(intervals: list[tuple[int, int]]) -> set[int]:
 def test_interval_arithmetic_matches_sets_of_points(
     a: list[tuple[int, int]], b: list[tuple[int, int]], lo: int, width: int
 ) -> None:
-    ua = ranks._union([[(s, s + d) for s, d in a]])
-    ub = ranks._union([[(s, s + d) for s, d in b]])
+    ua = rank_time._union([[(s, s + d) for s, d in a]])
+    ub = rank_time._union([[(s, s + d) for s, d in b]])
     pa, pb = points(ua), points(ub)
     assert pa == {t for s, d in a for t in range(s, s + d)}
     assert all(x[1] < y[0] for x, y in zip(ua, ua[1:]))  # disjoint, in order, not touching
-    assert points(ranks._minus(ua, ub)) == pa - pb
-    assert points(ranks._both(ua, ub)) == pa & pb
+    assert points(rank_time._minus(ua, ub)) == pa - pb
+    assert points(rank_time._both(ua, ub)) == pa & pb
     window = set(range(lo, lo + width))
-    assert ranks._Covered(ua).within(lo, lo + width) == len(pa & window)
+    assert rank_time._Covered(ua).within(lo, lo + width) == len(pa & window)
 
 
 def test_each_step_names_the_rank_that_made_the_others_wait_most() -> None:
-    def step(rank: int, i: int, start: int) -> ranks.RankStep:
-        return ranks.RankStep(rank, i, f"ProfilerStep#{i}", start, 1000, 0, 0, 0, 1000)
+    def step(rank: int, i: int, start: int) -> rank_time.RankStep:
+        return rank_time.RankStep(rank, i, f"ProfilerStep#{i}", start, 1000, 0, 0, 0, 1000)
 
     steps = [step(r, i, 1000 * i + 10 * r) for r in (0, 1, 2) for i in range(3)]
     lates = [
@@ -189,7 +190,7 @@ def test_each_step_names_the_rank_that_made_the_others_wait_most() -> None:
         (0, 2500, 5),  # step 2: rank 0
         (2, 3500, 99),  # after every step of rank 2: the run's ranking only
     ]
-    got = ranks.step_stragglers(steps, lates)
+    got = rank_time.step_stragglers(steps, lates)
     assert [(s.step, s.rank, s.entered_last, s.caused_ns) for s in got] == [
         (0, 1, 2, 80),
         (2, 0, 1, 5),
