@@ -1,7 +1,8 @@
-"""Dashboard speed on big runs: window query + figure build per zoom level, first page load and
-browser memory in headless Chromium.
+"""Dashboard speed on big runs: the first figure of a run against a plain chDB query, window
+query + figure build per zoom level, first page load and browser memory in headless Chromium.
 
-    python bench/dashboard.py [--spans 10000000] [--lanes 100] [--no-browser] [--loads N]
+    python bench/dashboard.py [--spans 10000000] [--lanes 100] [--rounds 5]
+                              [--baseline CHECKOUT] [--no-browser] [--loads N]
 
 Writes two synthetic runs straight into a fresh embedded store as Arrow (no spool, no recorder):
 ``bench-small`` with a tenth of ``--spans`` and ``bench`` with all of them, both over ``--lanes``
@@ -9,23 +10,40 @@ tracks (4 hosts x 5 processes x ``lanes/20`` threads) and the same time span, so
 10x denser. Each track holds back-to-back spans of 1-100 µs at depths 0-2 and one "step" span of
 about a second every second.
 
-Prints, for the big run: the first (uncached) track query, then for zoom levels from the whole run
-down to 1/100000 of it the window query (bars + density), the flow and counter queries and the
-figure build (with its JSON, what the server sends), and how many spans were bars and density
-cells. With Chromium (``/usr/bin/chromium`` and playwright), the first page load (navigation until
-the timeline's bars are drawn; when the page's scripts, plotly.js included, had run and when the
-layout with the first figure had arrived) on each run, and the page's JS heap after loading and
+First figure, ``--rounds`` rounds: each round a fresh process opens the store (nothing of the run
+kept yet) and times what the dashboard does for a run's first view (``callbacks.open_run``'s
+reads): the run's row and steps, the first (uncached) track query with the overview preparation,
+the first window (the run's steps, plot width 1270 px) with its flows and counters, and the
+figure build with its JSON. Then, in the same process on the same store, the chDB peer: one plain
+``GROUP BY`` giving the same level of detail (spans and busy time per track, depth and 3 px bucket
+of that window). Then each zoom level of the window table below. With ``--baseline CHECKOUT`` (a
+directory holding another checkout, e.g. ``git worktree add /tmp/base HEAD~3``), every round runs
+that checkout's dashboard code too, interleaved (the order alternating), on the same store:
+before/after from one run. Medians and ranges; the ratio to the peer is what compares across
+machines.
+
+Then, for this checkout, the window table: for zoom levels from the whole run down to 1/100000 of
+it the window query (bars + density), the flow and counter queries and the figure build (with its
+JSON, what the server sends), and how many spans were bars and density cells (medians over the
+rounds). With Chromium (``/usr/bin/chromium`` and playwright), the first page load (navigation
+until the timeline's bars are drawn; when the page's scripts, plotly.js included, had run and when
+the layout with the first figure had arrived) on each run, and the page's JS heap after loading and
 after zooming, for both runs: the page holds what is on screen, so 10x more spans should not mean
 more memory; with ``--loads N``, N-1 more first loads per run after that (a fresh browser context
-each), their median and range. No thresholds: figures only, like every bench here (the machine is shared and
-noisy).
+each), their median and range. No thresholds: figures only, like every bench here (the machine is
+shared and noisy).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.abc
+import importlib.machinery
+import json
+import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,16 +53,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from plotly.io.json import to_json_plotly as to_json  # noqa: E402
-
-from gpu_trace.dashboard import timeline  # noqa: E402
-from gpu_trace.dashboard.readonly_store import ReadOnlyStore  # noqa: E402
-from gpu_trace.plots import figures  # noqa: E402
-from gpu_trace.query import reads
-from gpu_trace.store.client import Store  # noqa: E402
-from gpu_trace.tracer.run import RunInfo  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 RUN_NS = 10_000_000_000  # 10 s
 CHUNK = 1_000_000
@@ -55,8 +65,10 @@ def _dict(values: list[str], codes: np.ndarray) -> pa.Array:
     return pa.DictionaryArray.from_arrays(pa.array(codes.astype(np.int32)), pa.array(values))
 
 
-def make_run(store: Store, run_id: str, spans: int, lanes: int, seed: int = 0) -> float:
+def make_run(store: Any, run_id: str, spans: int, lanes: int, seed: int = 0) -> float:
     """Insert ``spans`` synthetic spans over ``lanes`` tracks; returns seconds taken."""
+    from gpu_trace.tracer.run import RunInfo
+
     t0 = time.perf_counter()
     rng = np.random.default_rng(seed)
     threads = max(1, lanes // 20)
@@ -137,35 +149,166 @@ def make_run(store: Store, run_id: str, spans: int, lanes: int, seed: int = 0) -
     return time.perf_counter() - t0
 
 
-def bench_queries(source: ReadOnlyStore, run_id: str, width: int = 1270) -> None:
-    t = time.perf_counter()
+#: The chDB peer: the first window's level of detail (spans and busy time per track, depth and
+#: bucket), one plain query.
+PEER = """
+SELECT host, pid, tid, lane, depth,
+       intDiv(greatest(start_ns, {t0:Int64}) - {t0:Int64}, {bucket:Int64}) AS bucket,
+       count() AS n, sum(least(end_ns, {t1:Int64}) - greatest(start_ns, {t0:Int64})) AS busy_ns
+FROM __db__.spans
+WHERE run_id = {run:String} AND start_ns < {t1:Int64} AND end_ns >= {t0:Int64}
+GROUP BY host, pid, tid, lane, depth, bucket
+"""
+WIDTH = 1270  # the plot of a 1600 px browser window
+ZOOMS = (1, 10, 100, 1_000, 10_000, 100_000)
+
+
+class _Checkout(importlib.abc.MetaPathFinder):
+    """Imports ``gpu_trace`` and its subpackages (top-level folders of a checkout, as the
+    editable install maps them) from ``root``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        parts = fullname.split(".")
+        if parts[0] != "gpu_trace" or len(parts) > 2:
+            return None
+        where = self.root / "gpu_trace" if len(parts) == 1 else self.root / parts[1]
+        if len(parts) == 2 and not where.is_dir():
+            where = self.root / "gpu_trace" / parts[1]
+            if not where.is_dir():
+                return None
+        init = where / "__init__.py"
+        return (
+            importlib.machinery.ModuleSpec(
+                fullname,
+                importlib.machinery.SourceFileLoader(fullname, str(init)),
+                origin=str(init),
+                is_package=True,
+            )
+            if init.exists()
+            else None
+        )
+
+
+def first_figure(root: Path, store_dir: str, run_id: str) -> dict[str, Any]:
+    """One round in a fresh process: the first figure of ``run_id`` with ``root``'s dashboard
+    code, the chDB peer, then the zoom levels (seconds each)."""
+    sys.meta_path.insert(0, _Checkout(root))
+    from plotly.io.json import to_json_plotly as to_json
+
+    from gpu_trace.dashboard import timeline
+    from gpu_trace.dashboard.readonly_store import ReadOnlyStore
+    from gpu_trace.plots import figures
+    from gpu_trace.store.client import Store
+
+    source = ReadOnlyStore(store=Store(f"chdb://{store_dir}"))
+    out: dict[str, Any] = {}
+    a = time.perf_counter()
+    run = timeline.run(source, run_id)
+    steps = timeline.steps_extent(source, run_id)
+    t0, t1 = (steps[0], steps[1]) if steps else (int(run["started_ns"]), int(run["ended_ns"]))
+    b = time.perf_counter()
     tr = timeline.prepare(source, run_id)
-    print(f"  first open (one scan: overview grid, long spans, tracks, grid rows; kept in memory): "
-          f"{1e3 * (time.perf_counter() - t):.0f} ms, {len(tr['tracks'])} tracks, "
-          f"{tr['rows']} rows")  # fmt: skip
-    run = reads.run(source, run_id)
-    print(f"  {'window':>12} {'query':>8} {'flows+ctr':>9} {'figure':>8} {'total':>8}"
-          f" {'bars':>6} {'density spans':>14} {'cells':>7}")  # fmt: skip
-    for frac in (1, 10, 100, 1_000, 10_000, 100_000):
-        span = RUN_NS // frac
-        t0 = RUN_NS // 3
-        t1 = t0 + span
+    c = time.perf_counter()
+    w = timeline.window(source, run_id, t0, t1, WIDTH)
+    fl = timeline.flows(source, run_id, t0, t1)
+    cs = timeline.counters(source, run_id, ["nvml/gpu_util_pct"], t0, t1, WIDTH)
+    d = time.perf_counter()
+    to_json(figures.timeline(run, tr, w, fl, cs, [], WIDTH))
+    e = time.perf_counter()
+    out["first"] = {"run+steps": b - a, "tracks+overview": c - b, "window": d - c,
+                    "figure": e - d, "total": e - a}  # fmt: skip
+    out["shown"] = [len(w.bars), w.density_spans, w.density_cells]
+    bucket = max(1, -(-(t1 - t0) // max(1, WIDTH // 3)))
+    p = time.perf_counter()
+    peer = source.query_arrow(PEER, {"run": run_id, "t0": t0, "t1": t1, "bucket": bucket})
+    out["peer"] = time.perf_counter() - p
+    out["peer_cells"] = peer.num_rows
+    out["zooms"] = []
+    span = int(run["ended_ns"]) - int(run["started_ns"])
+    for frac in ZOOMS:
+        z0 = int(run["started_ns"]) + span // 3
+        z1 = z0 + span // frac
         a = time.perf_counter()
-        w = timeline.window(source, run_id, t0, t1, width)
+        w = timeline.window(source, run_id, z0, z1, WIDTH)
         b = time.perf_counter()
-        fl = timeline.flows(source, run_id, t0, t1)
-        cs = timeline.counters(source, run_id, ["nvml/gpu_util_pct"], t0, t1, width)
+        fl = timeline.flows(source, run_id, z0, z1)
+        cs = timeline.counters(source, run_id, ["nvml/gpu_util_pct"], z0, z1, WIDTH)
         c = time.perf_counter()
-        fig = figures.timeline(run, tr, w, fl, cs, [], width)
-        to_json(fig)
+        to_json(figures.timeline(run, tr, w, fl, cs, [], WIDTH))
         d = time.perf_counter()
-        print(f"  {figures.fmt.duration(span):>12} {1e3 * (b - a):6.0f}ms {1e3 * (c - b):7.0f}ms"
-              f" {1e3 * (d - c):6.0f}ms {1e3 * (d - a):6.0f}ms {len(w.bars):6,}"
-              f" {w.density_spans:14,} {w.density_cells:7,}")  # fmt: skip
+        out["zooms"].append([span // frac, b - a, c - b, d - c, d - a, len(w.bars),
+                             w.density_spans, w.density_cells])  # fmt: skip
+    source.close()
+    return out
 
 
-def bench_browser(source: ReadOnlyStore, runs: list[str], loads: int = 1) -> None:
+def _round(root: Path, store_dir: str, run_id: str) -> dict[str, Any]:
+    found = subprocess.run(
+        [sys.executable, __file__, "--round", str(root), store_dir, run_id],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if found.returncode:
+        raise RuntimeError(f"round with {root} failed:\n{found.stderr[-3000:]}")
+    return dict(json.loads(found.stdout.strip().splitlines()[-1]))
+
+
+def _spread(values: list[float], scale: float = 1e3) -> str:
+    v = sorted(values)
+    return f"{scale * statistics.median(v):6.0f} ({scale * v[0]:.0f}-{scale * v[-1]:.0f})"
+
+
+def bench_first_figure(
+    store_dir: str, run_id: str, rounds: int, baseline: Path | None
+) -> dict[str, Any]:
+    """Rounds of :func:`first_figure` in fresh processes, this checkout and ``baseline``
+    interleaved; prints medians and ranges (ms) and the ratios to the chDB peer."""
+    sides = [("this checkout", ROOT)] + ([("baseline", baseline)] if baseline else [])
+    found: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in sides}
+    for i in range(rounds):
+        for name, root in sides if i % 2 else sides[::-1]:
+            found[name].append(_round(root, store_dir, run_id))
+    load = os.getloadavg()
+    print(f"first figure of {run_id!r}, {rounds} rounds (a fresh process each), median (range) in"
+          f" ms; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} CPUs:")  # fmt: skip
+    parts = ("run+steps", "tracks+overview", "window", "figure", "total")
+    print(f"  {'':>14} " + " ".join(f"{k:>17}" for k in parts) + f" {'chDB peer':>17} {'/peer':>6}")
+    for name, _ in sides[::-1]:
+        rs = found[name]
+        ratio = [r["first"]["total"] / r["peer"] for r in rs]
+        print(f"  {name:>14} " + " ".join(f"{_spread([r['first'][k] for r in rs]):>17}"
+              for k in parts) + f" {_spread([r['peer'] for r in rs]):>17}"
+              f" {statistics.median(ratio):5.1f}x")  # fmt: skip
+    shown = found["this checkout"][0]
+    print(
+        f"  (first window: {shown['shown'][0]:,} bars, {shown['shown'][1]:,} spans in "
+        f"{shown['shown'][2]:,} density cells; the peer: {shown['peer_cells']:,} cells)"
+    )
+    print(f"  windows, median over the rounds (ms), plot width {WIDTH} px:")
+    print(f"  {'window':>12} {'':>13} {'query':>8} {'flows+ctr':>9} {'figure':>8} {'total':>8}"
+          f" {'bars':>6} {'density spans':>14} {'cells':>7}")  # fmt: skip
+    for z in range(len(ZOOMS)):
+        for name, _ in sides[::-1]:
+            rows = [r["zooms"][z] for r in found[name]]
+            med = [statistics.median(r[k] for r in rows) for k in (1, 2, 3, 4)]
+            last = rows[-1]
+            print(f"  {figures_duration(last[0]):>12} {name:>13} {1e3 * med[0]:6.0f}ms"
+                  f" {1e3 * med[1]:7.0f}ms {1e3 * med[2]:6.0f}ms {1e3 * med[3]:6.0f}ms"
+                  f" {last[5]:6,} {last[6]:14,} {last[7]:7,}")  # fmt: skip
+    return found
+
+
+def figures_duration(ns: int) -> str:
+    from gpu_trace import _format
+
+    return _format.duration(ns)
+
+
+def bench_browser(source: Any, runs: list[str], loads: int = 1) -> None:
     from gpu_trace.dashboard.app import Server
+    from gpu_trace.query import reads
 
     try:
         from playwright.sync_api import sync_playwright
@@ -263,28 +406,39 @@ def _load_once(browser: Any, url: str, run_id: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--round"]:  # one round of bench_first_figure, in its own process
+        print(json.dumps(first_figure(Path(argv[1]), argv[2], argv[3])))
+        return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--spans", type=int, default=10_000_000)
     p.add_argument("--lanes", type=int, default=100)
+    p.add_argument("--rounds", type=int, default=5, help="first-figure rounds (fresh processes)")
+    p.add_argument("--baseline", type=Path, help="another checkout to time in the same rounds")
     p.add_argument("--no-browser", action="store_true")
     p.add_argument("--loads", type=int, default=1,
                    help="page loads per run: the first, then N-1 more (median and range)")  # fmt: skip
     p.add_argument("--keep", action="store_true", help="keep the temporary store")
     args = p.parse_args(argv)
+    if args.baseline and not (args.baseline / "query").is_dir():
+        p.error(f"--baseline {args.baseline}: not a checkout of gpu-trace")
+    from gpu_trace.dashboard.readonly_store import ReadOnlyStore
+    from gpu_trace.store.client import Store
+
     tmp = Path(tempfile.mkdtemp(prefix="gpu-trace-bench-dashboard-"))
     try:
         store = Store(f"chdb://{tmp / 'store'}")
         small = make_run(store, "bench-small", args.spans // 10, args.lanes, seed=1)
         big = make_run(store, "bench", args.spans, args.lanes)
+        store.close()  # an embedded store is one process's at a time: the rounds open it
         print(f"generated {args.spans // 10:,} + {args.spans:,} spans over {args.lanes} tracks "
               f"in {small:.1f} + {big:.1f} s (Arrow straight into chDB)")  # fmt: skip
-        source = ReadOnlyStore(store=store)
-        print(f"run 'bench' ({args.spans:,} spans), plot width 1270 px:")
-        bench_queries(source, "bench")
+        bench_first_figure(str(tmp / "store"), "bench", max(1, args.rounds), args.baseline)
         if not args.no_browser:
+            source = ReadOnlyStore(store=Store(f"chdb://{tmp / 'store'}"))
             print("headless Chromium (first page load includes Dash's and plotly's scripts):")
             bench_browser(source, ["bench-small", "bench"], max(1, args.loads))
-        source.close()
+            source.close()
     finally:
         if args.keep:
             print(f"kept {tmp}")
