@@ -21,14 +21,12 @@ import torch
 
 from gpu_trace.runtime.client import profiler_memory
 from gpu_trace.runtime.client.connection import Connection, OpRecord, now_ns
+from gpu_trace.runtime.client.signatures import Call, Many, One, cache, miss
 from gpu_trace.runtime.protocol.errors import RemoteError, ServerGone
 from gpu_trace.runtime.protocol.shapes import (
     DYNAMIC,
-    MAX_PLANS,
-    RESIZED,
     Alias,
     NewTensor,
-    ShapeCache,
 )
 from gpu_trace.runtime.protocol.templates import numbers
 from gpu_trace.runtime.protocol.values import (
@@ -57,7 +55,8 @@ forked_from: int | None = None
 #: True in transparent mode, where remote tensors stand for CUDA tensors (``.is_cuda``).
 cuda_alias = False
 DEVICE = torch.device("privateuseone", 0)  # replaced by device.register() with remote:0
-cache = ShapeCache()
+#: Ready plans by signature key, the shape cache's own dict (signatures.py).
+_plans: dict[Any, Any] = cache.plans
 
 _kinds: dict[Any, str] = {}
 _names: dict[Any, str] = {}
@@ -379,8 +378,8 @@ def _dispatch(cls: Any, func: Any, types: Any, args: tuple = (), kwargs: Any = N
     if kind == "tensor":
         plan = _plans.get(tuple(key))
         if plan is None:
-            plan = _miss(c, func, args, kwargs or {}, tuple(key), name, kind)
-        if type(plan) is _One:  # one new tensor: most ops
+            plan = miss(c, func, args, kwargs or {}, tuple(key), name, kind)
+        if type(plan) is One:  # one new tensor: most ops
             ident = next(c.ids)
             out = _make(c, ident, plan)
             record = OpRecord(name, _stack(), t0)
@@ -388,14 +387,14 @@ def _dispatch(cls: Any, func: Any, types: Any, args: tuple = (), kwargs: Any = N
             return out
         if plan is DYNAMIC:
             return _dynamic(c, func, name, wire_args, wire_kwargs, e, t0)
-        return _issue_plan(c, cast(_Many, plan), name, wire_args, wire_kwargs, inputs, nums, e, t0)
+        return _issue_plan(c, cast(Many, plan), name, wire_args, wire_kwargs, inputs, nums, e, t0)
     if kind == "none":  # in-place list ops (``_foreach_add_``...): a template call, no reply
         key_t = tuple(key)
         plan = _plans.get(key_t)
         if plan is None:
-            plan = _miss(c, func, args, kwargs or {}, key_t, name, kind)
+            plan = miss(c, func, args, kwargs or {}, key_t, name, kind)
         record = OpRecord(name, _stack(), t0)
-        _send(c, cast(_Call, plan), record, wire_args, wire_kwargs, None, nums, e)
+        _send(c, cast(Call, plan), record, wire_args, wire_kwargs, None, nums, e)
         return None
     if kind == "scalar":
         key_t = tuple(key)
@@ -403,7 +402,7 @@ def _dispatch(cls: Any, func: Any, types: Any, args: tuple = (), kwargs: Any = N
             return _query_cache[key_t]
         plan = _plans.get(key_t)
         if plan is None:
-            plan = _Call()
+            plan = Call()
             cache.put(key_t, plan)
         record = OpRecord(name, _stack(), t0)
         seq = _send(c, plan, record, wire_args, wire_kwargs, None, nums, e, True)
@@ -415,179 +414,10 @@ def _dispatch(cls: Any, func: Any, types: Any, args: tuple = (), kwargs: Any = N
     raise NotImplementedError(f"{name} returns tensors and other values: not forwarded")
 
 
-class _One:
-    """A plan made ready: the op's one result is a new tensor (``contiguous``: its strides are
-    those a new tensor of its shape gets, so the wrapper is made without giving them).
-
-    ``tid``: the op's template in the session whose ``epoch`` is ``tepoch`` (0: none there).
-    """
-
-    __slots__ = (
-        "shape", "dtype", "stride", "offset", "sig", "contiguous", "tid", "tepoch", "nbytes"
-    )  # fmt: skip
-
-    def __init__(
-        self, dtype: Any, shape: tuple, stride: tuple, offset: int, owns: bool = True
-    ) -> None:
-        self.shape = shape
-        self.dtype = dtype
-        self.stride = stride
-        self.offset = offset
-        self.sig = (dtype, shape, stride, offset)
-        self.contiguous = offset == 0 and _contiguous_strides(shape) == stride
-        self.tid = 0
-        self.tepoch = 0
-        #: Its result's storage bytes (0: the result is a view of an input).
-        self.nbytes = profiler_memory.storage_bytes(dtype, shape, stride, offset) if owns else 0
-
-
-class _Many:
-    """A plan made ready for any other results: ``described`` as the shape cache describes
-    them (:mod:`gpu_trace.runtime.protocol.shapes`); ``tid``/``tepoch`` as :class:`_One`'s."""
-
-    __slots__ = ("is_tuple", "described", "tid", "tepoch", "owns")
-
-    def __init__(self, is_tuple: bool, described: tuple, owns: bool = True) -> None:
-        self.is_tuple = is_tuple
-        self.described = described
-        self.tid = 0
-        self.tepoch = 0
-        self.owns = owns  # its new results have storages of their own (the op makes no views)
-
-
-class _Call:
-    """The plan of an op with a non-tensor result (``.item()``, ``bool()``...: run at once) or
-    none (in place, issued without waiting); ``tid``/``tepoch`` as :class:`_One`'s."""
-
-    __slots__ = ("tid", "tepoch")
-
-    def __init__(self) -> None:
-        self.tid = 0
-        self.tepoch = 0
-
-
-#: Ready plans by signature key, the shape cache's own dict (see :func:`_plan`).
-_plans: dict[Any, Any] = cache.plans
-
-
-#: Signatures that differ only in float values a value-blind op may take, each with its plan
-#: and template, before its calls with new values go as JSON ops (see :func:`_miss`).
-VOLATILE_AFTER = 4
-
-
-class _Seen:
-    """A value-blind signature: how many float values it took, and the twin of its first plan
-    (the same results, no template: sent as JSON)."""
-
-    __slots__ = ("count", "twin")
-
-    def __init__(self, twin: _One | _Many | _Call) -> None:
-        self.count = 1
-        self.twin = twin
-
-
-#: Per value-blind key, what was seen of it.
-_blind: dict[object, _Seen] = {}
-#: Per op, by ``id(op)``: whether float arguments leave its results' metadata alone.
-_value_blind: dict[int, bool] = {}
-_FLOAT = (float,)
-
-
-def _blind_key(k: object) -> object:
-    """A signature key with every float's value left out."""
-    if type(k) is tuple:
-        if len(k) == 2 and k[0] is float:
-            return _FLOAT
-        return tuple([_blind_key(x) for x in k])
-    return k
-
-
-def _is_value_blind(func: torch._ops.OpOverload, kind: str) -> bool:
-    """Ops whose float arguments cannot change what their results look like: those returning
-    nothing, pointwise ones (ATen's ``pointwise`` tag: the result is the broadcast of the
-    tensor inputs; a float's type counts, which the key keeps, not its value) and foreach ones
-    (each result shaped as its input). Not ``arange``, ``upsample_*.vec`` and the like."""
-    blind = _value_blind.get(id(func))
-    if blind is None:
-        blind = kind == "none" or str(func.name()).startswith("aten::_foreach_")
-        blind = blind or torch.Tag.pointwise in getattr(func, "tags", ())
-        _value_blind[id(func)] = blind
-    return blind
-
-
-def _miss(
-    c: Connection,
-    func: torch._ops.OpOverload,
-    args: tuple,
-    kwargs: dict,
-    key: tuple,
-    name: str,
-    kind: str,
-) -> _One | _Many | _Call | str:
-    """The plan of a signature not in the cache.
-
-    A float that changes at every step (an optimizer's bias corrections, a learning-rate
-    schedule: ``param.add_(buf, alpha=-lr)``) makes a new signature at every call: a ``meta``
-    run (hundreds of µs), a cache entry and a template each time, until the cache starts over
-    and the session may define no more. For ops whose floats cannot change their results'
-    metadata, once a signature has taken :data:`VOLATILE_AFTER` float values, a new one reuses
-    the plan of the first (no ``meta`` run) and goes as a JSON op: no entry, no template.
-    """
-    bkey = _blind_key(key) if _is_value_blind(func, kind) else key
-    entry = _blind.get(bkey) if bkey != key else None
-    if entry is not None:
-        entry.count += 1
-        if entry.count > VOLATILE_AFTER:
-            twin = entry.twin
-            twin.tepoch = c.epoch  # its tid stays 0: the op goes as JSON
-            return twin
-    plan = _Call() if kind != "tensor" else _plan(func, args, kwargs, key, name)
-    if kind != "tensor":
-        cache.put(key, plan)
-    if bkey != key and entry is None and not isinstance(plan, str):  # not DYNAMIC
-        if len(_blind) >= MAX_PLANS:
-            _blind.clear()
-        _blind[bkey] = _Seen(_twin(plan))
-    return plan
-
-
-def _twin(plan: _One | _Many | _Call) -> _One | _Many | _Call:
-    """A plan like ``plan`` with no template of its own."""
-    if type(plan) is _One:
-        return _One(plan.dtype, plan.shape, plan.stride, plan.offset, plan.nbytes > 0)
-    if type(plan) is _Many:
-        return _Many(plan.is_tuple, plan.described, plan.owns)
-    return _Call()
-
-
-def _plan(func: Any, args: tuple, kwargs: dict, key: tuple, name: str) -> Any:
-    """Compute, make ready and cache the plan of a signature not seen yet (or raise)."""
-    plan = cache.plan(func, args, kwargs, None)
-    if plan is RESIZED:
-        raise NotImplementedError(
-            f"{name} would change a remote tensor's shape in place; use the functional form"
-        )
-    if plan is not DYNAMIC:
-        is_tuple, described = plan
-        owns = profiler_memory.allocates(func)
-        if not is_tuple and len(described) == 1 and type(described[0]) is NewTensor:
-            dtype, shape, stride, offset = described[0]
-            plan = _One(dtype, shape, stride, offset, owns)
-        else:
-            plan = _Many(is_tuple, described, owns)
-    cache.put(key, plan)
-    return plan
-
-
-def _contiguous_strides(shape: tuple) -> tuple:
-    """The strides ``_make_wrapper_subclass`` gives a tensor of ``shape`` when given none."""
-    return tuple(torch.empty(shape, device="meta").stride())
-
-
 _mws = torch.Tensor._make_wrapper_subclass
 
 
-def _make(c: Connection, ident: int, one: _One) -> RemoteTensor:
+def _make(c: Connection, ident: int, one: One) -> RemoteTensor:
     """The remote tensor of a new result (``one``: its ready plan)."""
     if one.contiguous:
         r = _mws(RemoteTensor, one.shape, dtype=one.dtype, device=DEVICE)
@@ -606,7 +436,7 @@ def _make(c: Connection, ident: int, one: _One) -> RemoteTensor:
 
 def _issue_plan(
     c: Connection,
-    plan: _Many,
+    plan: Many,
     name: str,
     wire_args: list,
     wire_kwargs: dict,
@@ -640,7 +470,7 @@ def _issue_plan(
 
 def _send(
     c: Connection,
-    plan: _One | _Many | _Call,
+    plan: One | Many | Call,
     record: OpRecord,
     wire_args: list,
     wire_kwargs: dict,
@@ -660,7 +490,7 @@ def _send(
     if tid:
         if nums is None:
             nums = numbers(wire_args, wire_kwargs, outs)
-        elif type(plan) is _One:
+        elif type(plan) is One:
             nums.append(outs[0])  # type: ignore[index]
         elif outs is not None:
             nums.extend(numbers([], {}, outs))
