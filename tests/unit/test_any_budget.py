@@ -41,7 +41,7 @@ BUDGET = {
     "export": 13,  # from tracer/ (the exporters moved out with their counts)
     "query": 36,  # from tracer/: RunSummary.as_dict (JSON for show --json), query parameters; +20:
     # the dashboard's reads (windows' bars, span details: rows of the store as read)
-    "store": 20,  # from tracer/: the store client, ingest, import
+    "store": 16,  # from tracer/: the store client, ingest, import; -4: ingest's insert connections
     "tracer": 22,  # -50: the store, query and export modules moved to their own folders
 }
 PACKAGE_ROOTS = (
