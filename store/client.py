@@ -36,6 +36,12 @@ import pyarrow as pa
 
 from gpu_trace import config
 from gpu_trace.store import guard as query_guard
+from gpu_trace.store.arrow_inserts import (
+    InsertConnection,
+    insert_in_place,
+    open_engine,
+    reads_in_place,
+)
 from gpu_trace.store.dsn import parse_dsn
 from gpu_trace.store.embedded import (
     RUNS_CHANGED,
@@ -60,7 +66,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "Store",
     "StoreError",
-    "InsertConnection",
+    "InsertConnection",  # from store/arrow_inserts.py, which ingest uses through the Store
     "LimitExceeded",
     # Named here too for the dashboard, which imports them from this module.
     "parse_dsn",
@@ -83,67 +89,6 @@ class LimitExceeded(StoreError):
         super().__init__(said[what])
         self.what = what
         self.limit = limit
-
-
-class InsertConnection:
-    """Another connection to a store (:meth:`Store.connect_again`), for inserts running beside the
-    store's own queries: pass it to :meth:`Store.insert_arrow`, and close it when done.
-
-    On an embedded store it is a handle on the same chDB engine (an insert reads the Arrow table
-    where it lies); on a server, or a store read read-only, a clickhouse-connect client.
-    """
-
-    def __init__(self, *, client: Client | None = None, engine: Engine | None = None) -> None:
-        self.client = client
-        self.engine = engine
-
-    def close(self) -> None:
-        """Close the connection. Idempotent."""
-        client, self.client = self.client, None
-        engine, self.engine = self.engine, None
-        for handle in (client, engine):
-            if handle is not None:
-                with contextlib.suppress(Exception):
-                    handle.close()
-
-
-def _in_place_ok(column: pa.ChunkedArray) -> bool:
-    """Whether chDB's ``Python()`` table function reads ``column`` as an ArrowStream body's would
-    be read: integers, floats, strings, dictionary strings, string maps without a null value (a
-    NULL there fails Python()'s cast, where ArrowStream stores the default). A table with another
-    column goes as ArrowStream."""
-    t = column.type
-    if pa.types.is_dictionary(t):
-        return bool(pa.types.is_integer(t.index_type) and pa.types.is_string(t.value_type))
-    if pa.types.is_map(t):
-        return bool(
-            pa.types.is_string(t.key_type)
-            and pa.types.is_string(t.item_type)
-            and all(chunk.items.null_count == 0 for chunk in column.chunks)
-        )
-    return bool(pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_string(t))
-
-
-def _declared(column: pa.ChunkedArray, field: pa.Field) -> pa.Field:
-    """``field``, non-nullable if ``column`` has no nulls (a map: nor its values)."""
-    t = field.type
-    if pa.types.is_map(t):  # _in_place_ok: no null values
-        t = pa.map_(
-            pa.field("key", t.key_type, nullable=False),
-            pa.field("value", t.item_type, nullable=False),
-        )
-    return pa.field(field.name, t, nullable=column.null_count > 0)
-
-
-def _insert_in_place(engine: Engine, table_ref: str, table: pa.Table) -> None:
-    """``INSERT ... SELECT * FROM Python(table)`` on a chDB handle: the engine reads the Arrow
-    columns in memory, by the local variable's name."""
-    # Columns without nulls are declared so: Python() then reads them as non-Nullable types,
-    # which the insert need not convert (about a tenth of its time).
-    declared = pa.schema([_declared(c, f) for c, f in zip(table.columns, table.schema)])
-    gpu_trace_insert_rows = table.cast(declared)  # noqa: F841 - Python() finds it by this name
-    columns = ", ".join(f"`{name}`" for name in table.column_names)
-    engine.query(f"INSERT INTO {table_ref} ({columns}) SELECT * FROM Python(gpu_trace_insert_rows)")
 
 
 class Store:
@@ -299,13 +244,8 @@ class Store:
         return self.target.kind == "chdb" and not self.read_only and not self._refusing
 
     def _open_engine(self) -> Engine:
-        """A new handle on this store's chDB engine (the path spelled as clickhouse-connect
-        spells it: chDB compares engine paths literally)."""
-        from chdb.state import connect as engine_connect
-
-        path = self.target.path
         try:
-            return engine_connect(os.path.realpath(path) if path else ":memory:")
+            return open_engine(self.target.path)
         except Exception as exc:
             raise StoreError(
                 f"cannot open the store {self.target.display()}: {first_line(exc)}"
@@ -326,22 +266,22 @@ class Store:
         :meth:`connect_again`) or this store's own.
 
         On an embedded store the engine reads the table where it lies (chDB's ``Python()`` table
-        function: no copy of the rows); on a server, or for a column type that function reads
-        otherwise (:func:`_in_place_ok`), the table goes as one ArrowStream body. Missing values
-        (nulls) are stored as the column's default either way.
+        function, :mod:`gpu_trace.store.arrow_inserts`: no copy of the rows); on a server, or for a
+        column that function reads otherwise (``reads_in_place``), the table goes as one
+        ArrowStream body. Missing values (nulls) are stored as the column's default either way.
         """
         if self.client is None:
             raise StoreError("the store is closed")
         try:
-            if self._in_place and all(_in_place_ok(c) for c in table.columns):
+            if self._in_place and all(reads_in_place(c) for c in table.columns):
                 if connection is not None and connection.engine is not None:
-                    _insert_in_place(connection.engine, self._table(table_name), table)
+                    insert_in_place(connection.engine, self._table(table_name), table)
                     return
                 if connection is None:
                     with self._engine_lock:
                         if self._engine is None:
                             self._engine = self._open_engine()
-                        _insert_in_place(self._engine, self._table(table_name), table)
+                        insert_in_place(self._engine, self._table(table_name), table)
                     return
             client = connection.client if connection is not None else self.client
             if client is None:
