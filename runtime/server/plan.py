@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from gpu_trace.runtime.sharing.memory import Memory
     from gpu_trace.runtime.sharing.sessions import Session
 
-#: What the executor knows of an ATen op (``Executor._entry``): its callable, its rule, whether
+#: What the executor knows of an ATen op (``_entry`` in runtime/server/op_runner.py): its callable, its rule, whether
 #: it takes sizes, may run again, draws random numbers, and how it is sized.
 Entry = tuple[
     Callable[..., object],

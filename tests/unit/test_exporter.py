@@ -138,28 +138,13 @@ def test_the_cli_exports_through_the_seam(tmp_path: Path, monkeypatch) -> None:
     from gpu_trace.commands import CLIError
     from gpu_trace.commands import runs as runs_cmd
     from gpu_trace.export import exporter as exporter_mod
+    from gpu_trace.store.client import Store
+    from tests.dashboard_data import add_run
 
-    class Store:
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return None
-
-        def run(self, run_id):
-            return {"run_id": run_id}
-
-        def counts(self, run_id):
-            return {"spans": 3}
-
-        def threads(self, run_id):
-            return []
-
-        def iter_spans(self, run_id):
-            yield batch()
-
-        def iter_counters(self, run_id):
-            return iter(())
+    dsn = f"chdb://{tmp_path / 'store'}"
+    with Store(dsn) as store:  # a real run of three spans
+        add_run(store, "r", [{"name": f"s{i}", "lane": "l", "start_ns": i, "end_ns": i + 1}
+                             for i in range(3)], 0, 3)  # fmt: skip
 
     made = []
 
@@ -167,10 +152,10 @@ def test_the_cli_exports_through_the_seam(tmp_path: Path, monkeypatch) -> None:
         made.append(name)
         return Raising()
 
-    monkeypatch.setattr(runs_cmd, "_open_store", lambda args: Store())
-    monkeypatch.setattr(runs_cmd, "_resolve", lambda store, ref: "r")
     monkeypatch.setattr(exporter_mod, "get_exporter", fake_get_exporter)
-    args = argparse.Namespace(output=tmp_path / "t.json", run="last", rank=0, world_size=None)
+    args = argparse.Namespace(
+        output=tmp_path / "t.json", run="last", rank=0, world_size=None, store=dsn
+    )
     with pytest.raises(CLIError, match=r"^cannot write .*t\.json: the exporter failed"):
         runs_cmd.cmd_export(args)
     assert made == ["chrome"]
