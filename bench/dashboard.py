@@ -160,7 +160,7 @@ WHERE run_id = {run:String} AND start_ns < {t1:Int64} AND end_ns >= {t0:Int64}
 GROUP BY host, pid, tid, lane, depth, bucket
 """
 WIDTH = 1270  # the plot of a 1600 px browser window
-ZOOMS = (1, 10, 100, 1_000, 10_000, 100_000)
+ZOOMS = (1, 4, 10, 100, 1_000, 10_000, 100_000)  # 4: the fine overview (read then)
 
 
 class _Checkout(importlib.abc.MetaPathFinder):
@@ -286,7 +286,7 @@ def bench_first_figure(
         f"  (first window: {shown['shown'][0]:,} bars, {shown['shown'][1]:,} spans in "
         f"{shown['shown'][2]:,} density cells; the peer: {shown['peer_cells']:,} cells)"
     )
-    print(f"  windows, median over the rounds (ms), plot width {WIDTH} px:")
+    print(f"  windows after it, median over the rounds (ms), plot width {WIDTH} px:")
     print(f"  {'window':>12} {'':>13} {'query':>8} {'flows+ctr':>9} {'figure':>8} {'total':>8}"
           f" {'bars':>6} {'density spans':>14} {'cells':>7}")  # fmt: skip
     for z in range(len(ZOOMS)):

@@ -60,19 +60,27 @@ def run(source: ReadOnlyStore, run_id: str) -> dict[str, Any]:
     return source.cached(("run", run_id), lambda: reads.run(source, run_id))
 
 
-def _overview(source: ReadOnlyStore, run_id: str) -> overview.Overview:
+def _overview(source: ReadOnlyStore, run_id: str, cells: int = overview.CELLS) -> overview.Overview:
+    """The run's overview in ``cells`` cells (kept)."""
+
     def compute() -> overview.Overview:
         r = run(source, run_id)
-        return overview.overview(source, run_id, int(r["started_ns"]), int(r["ended_ns"] or 0))
+        return overview.overview(
+            source, run_id, int(r["started_ns"]), int(r["ended_ns"] or 0), cells
+        )
 
-    return source.cached(("overview", run_id), compute)
+    key = ("overview", run_id) if cells == overview.CELLS else ("overview", run_id, cells)
+    return source.cached(key, compute)
 
 
-def _overview_rows(source: ReadOnlyStore, run_id: str) -> OverviewRows:
-    """Timeline rows of the overview's grid cells and long spans (once per run)."""
+def _overview_rows(source: ReadOnlyStore, run_id: str, cells: int = overview.CELLS) -> OverviewRows:
+    """Timeline rows of the overview's grid cells and long spans (once per run and grid)."""
+    key = ("overview_rows", run_id) if cells == overview.CELLS else ("overview_rows", run_id, cells)
     return source.cached(
-        ("overview_rows", run_id),
-        lambda: windows.overview_rows(_overview(source, run_id), tracks(source, run_id)["tracks"]),
+        key,
+        lambda: windows.overview_rows(
+            _overview(source, run_id, cells), tracks(source, run_id)["tracks"]
+        ),
     )
 
 
@@ -82,36 +90,48 @@ def steps_extent(source: ReadOnlyStore, run_id: str) -> tuple[int, int, int] | N
 
 
 def prepare(source: ReadOnlyStore, run_id: str) -> Tracks:
-    """Read what a run's zoomed-out windows are answered from, once: the overview (one scan), the
-    tracks, and the timeline row of each overview cell. Returns the tracks."""
+    """Read what a run's first figure is answered from, once: the coarse overview (one grouped
+    scan, :data:`~gpu_trace.query.overview.COARSE_CELLS`), the tracks, and the timeline row of
+    each of its cells. Returns the tracks. (The fine overview is read when a window first needs
+    it: one zoomed in by more than the coarse grid's cells allow, less than the store's path.)"""
     found = tracks(source, run_id)
-    _overview_rows(source, run_id)
+    _overview_rows(source, run_id, overview.COARSE_CELLS)
     return found
 
 
 def prepared(source: ReadOnlyStore, run_id: str) -> bool:
-    """Whether :func:`prepare` has read this run (its windows are then quick)."""
-    return ("overview_rows", run_id) in source.cache
+    """Whether :func:`prepare` has read this run (its first windows are then quick)."""
+    return ("overview_rows", run_id, overview.COARSE_CELLS) in source.cache
 
 
 def tracks(source: ReadOnlyStore, run_id: str) -> Tracks:
-    """:func:`gpu_trace.query.windows.tracks`, cached per run."""
+    """:func:`gpu_trace.query.windows.tracks`, cached per run (of the coarse overview: every
+    span is counted in either grid, so the tracks are the same)."""
     return source.cached(
-        ("tracks", run_id), lambda: windows.tracks(source, run_id, _overview(source, run_id))
+        ("tracks", run_id),
+        lambda: windows.tracks(source, run_id, _overview(source, run_id, overview.COARSE_CELLS)),
     )
 
 
 def window(source: ReadOnlyStore, run_id: str, t0: int, t1: int, width_px: int = 1600) -> Window:
-    """:func:`gpu_trace.query.windows.window` of the run's kept overview and tracks."""
+    """:func:`gpu_trace.query.windows.window` of the run's kept overview and tracks: the coarse
+    overview where the window's buckets are at least its cell wide, the fine one where they are
+    at least the fine cell wide (read at the first such window), else the store."""
+    r = run(source, run_id)
+    start, end = int(r["started_ns"]), int(r["ended_ns"] or 0)
+    bucket = windows.bucket_size(int(t0), int(t1), width_px)
+    cells = overview.COARSE_CELLS
+    if overview.cell_size(start, end, cells) > bucket >= overview.cell_size(start, end):
+        cells = overview.CELLS
     return windows.window(
         source,
         run_id,
         t0,
         t1,
         width_px,
-        _overview(source, run_id),
+        _overview(source, run_id, cells),
         tracks(source, run_id),
-        lambda: _overview_rows(source, run_id),
+        lambda: _overview_rows(source, run_id, cells),
     )
 
 

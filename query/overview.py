@@ -27,33 +27,44 @@ import pyarrow.compute as pc
 
 from gpu_trace.query.source import Source
 
-#: Cells across a run in the overview grid.
+#: Cells across a run in the overview grid; spans shorter than one of them are counted in it.
 CELLS = 4096
+#: Cells across a run in the coarse grid a run's first figure is drawn from (four of the fine
+#: grid's in each, the same spans counted: a fifth of the groups to make, as many as a plain
+#: query at the first window's level of detail for plots up to 3000 px wide). Windows whose
+#: buckets are at least one of these wide are answered from it.
+COARSE_CELLS = CELLS // 4
 
 _GRID = """
 SELECT host, pid, tid, lane, depth, intDiv(start_ns - {o:Int64}, {cell:Int64}) AS cell,
-       countIf(end_ns >= start_ns AND end_ns - start_ns < {cell:Int64}) AS n,
-       sumIf(end_ns - start_ns, end_ns >= start_ns AND end_ns - start_ns < {cell:Int64}) AS busy_ns,
-       count() AS spans, countIf(end_ns < start_ns) AS unended,
-       max(end_ns - start_ns) AS max_dur, argMax(start_ns, end_ns - start_ns) AS top_start
+       countIf(end_ns >= start_ns AND end_ns - start_ns < {split:Int64}) AS n,
+       sumIf(end_ns - start_ns, end_ns >= start_ns AND end_ns - start_ns < {split:Int64}) AS busy_ns,
+       count() AS spans, countIf(end_ns < start_ns) AS unended, max(end_ns - start_ns) AS max_dur,
+       maxIf(end_ns - start_ns, end_ns >= start_ns AND end_ns - start_ns < {split:Int64}) AS top_dur,
+       argMaxIf(start_ns, end_ns - start_ns,
+                end_ns >= start_ns AND end_ns - start_ns < {split:Int64}) AS top_start
 FROM __db__.spans WHERE run_id = {run:String}
 GROUP BY host, pid, tid, lane, depth, cell
+ORDER BY cell
 """
 
+#: The spans at least a cell long (``short`` 0), then the steps and forwarded batches shorter
+#: than a cell (``short`` 1): always drawn, so kept by name too (the longest
+#: :data:`MAX_SHORT_PINS`; they are counted in the grid as well). One round trip.
 _LONG = """
-SELECT toString(span_id) AS id, host, pid, tid, lane, category, name, depth, start_ns, end_ns
+SELECT toString(span_id) AS id, host, pid, tid, lane, category, name, depth, start_ns, end_ns,
+       0 AS short
 FROM __db__.spans
-WHERE run_id = {run:String} AND end_ns - start_ns >= {cell:Int64}
-"""
-
-#: Steps and forwarded batches shorter than a cell: always drawn, so kept by name too (the
-#: longest :data:`MAX_SHORT_PINS`; they are counted in the grid as well).
-_SHORT_PINS = """
-SELECT toString(span_id) AS id, host, pid, tid, lane, category, name, depth, start_ns, end_ns
-FROM __db__.spans
-WHERE run_id = {run:String} AND end_ns >= start_ns AND end_ns - start_ns < {cell:Int64}
-  AND (category = 'step' OR lane IN {lanes:Array(String)})
-ORDER BY end_ns - start_ns DESC LIMIT {cap:UInt32}
+WHERE run_id = {run:String} AND end_ns - start_ns >= {split:Int64}
+UNION ALL
+SELECT * FROM (
+    SELECT toString(span_id) AS id, host, pid, tid, lane, category, name, depth, start_ns,
+           end_ns, 1 AS short
+    FROM __db__.spans
+    WHERE run_id = {run:String} AND end_ns >= start_ns AND end_ns - start_ns < {split:Int64}
+      AND (category = 'step' OR lane IN {lanes:Array(String)})
+    ORDER BY end_ns - start_ns DESC LIMIT {cap:UInt32}
+)
 """
 #: Short steps and forwarded batches kept per run at most.
 MAX_SHORT_PINS = 20_000
@@ -84,14 +95,21 @@ class Overview:
 
     origin: int
     cell_ns: int
-    #: host, pid, tid, lane, depth, cell, n, busy_ns, spans, unended, max_dur, top_start (where
-    #: the cell's longest span starts: found by its start when it is drawn anyway)
+    #: host, pid, tid, lane, depth, cell, n, busy_ns (of its spans shorter than ``split_ns``),
+    #: spans, unended, max_dur (of all its spans), top_dur, top_start (the length and start of
+    #: its longest span shorter than ``split_ns``: found by its start when it is drawn anyway)
     grid: pa.Table
     #: id, host, pid, tid, lane, category, name, depth, start_ns, end_ns, short: the spans at
     #: least a cell long, then short steps and forwarded batches (``short``: also in the grid).
     long: pa.Table
     #: Columns as numpy arrays, made once (a chunked column is copied by each ``to_numpy``).
     arrays: dict[tuple[str, str], np.ndarray] = field(default_factory=dict, repr=False)
+    #: Spans at least this long are in ``long`` (0: ``cell_ns``); the coarse grid's is the fine
+    #: grid's cell, so both keep the same spans apart.
+    split_ns: int = 0
+
+    def __post_init__(self) -> None:
+        self.split_ns = self.split_ns or self.cell_ns
 
     def column(self, table: str, name: str) -> np.ndarray:
         """A column of ``grid`` or ``long`` as numpy (``kind`` of ``long``: a step or a
@@ -147,10 +165,10 @@ class Overview:
         cstart = self.origin + cell[lo:hi] * self.cell_ns
         # Candidates drawn anyway: the long spans not drawn as bars, and each grid cell's
         # longest span where it is shorter than a cell (known by its length and start only).
-        g_dur = self.column("grid", "max_dur")[lo:hi]
+        g_dur = self.column("grid", "top_dur")[lo:hi]
         g_start = self.column("grid", "top_start")[lo:hi]
         g_ok = (grid_row[lo:hi] >= 0) & (self.column("grid", "n")[lo:hi] > 0)
-        g_ok &= (g_dur >= 0) & (g_dur < self.cell_ns) & (g_start < t1) & (g_start + g_dur >= t0)
+        g_ok &= (g_dur >= 0) & (g_dur < self.split_ns) & (g_start < t1) & (g_start + g_dur >= t0)
         cand = np.flatnonzero(g_ok) if pins[0] else np.zeros(0, np.int64)
         c_start = np.r_[start[rest], g_start[cand]]
         chosen = pick_pins(
@@ -270,24 +288,31 @@ def bin_cells(
 _KEYS = ("host", "pid", "tid", "lane", "depth")
 
 
-def overview(source: Source, run_id: str, started_ns: int, ended_ns: int) -> Overview:
-    """The run's overview: three scans of the run (a caller keeps it: the dashboard once per
-    run)."""
-    cell = max(1, -(-(max(ended_ns, started_ns + 1) - started_ns) // CELLS))
-    params = {"run": run_id, "o": int(started_ns), "cell": int(cell)}
+def cell_size(started_ns: int, ended_ns: int, cells: int = CELLS) -> int:
+    """The length of a cell of a run's grid of ``cells`` cells."""
+    return max(1, -(-(max(ended_ns, started_ns + 1) - started_ns) // cells))
+
+
+def overview(
+    source: Source, run_id: str, started_ns: int, ended_ns: int, cells: int = CELLS
+) -> Overview:
+    """The run's overview in ``cells`` cells (:data:`CELLS`, or :data:`COARSE_CELLS` for a
+    first figure): two round trips (the grid, ordered by cell by the store; the long spans with
+    the short steps and batches) that a caller keeps (the dashboard once per run). Whatever
+    ``cells``, spans as long as a cell of :data:`CELLS` are the long ones."""
+    cell = cell_size(started_ns, ended_ns, cells)
+    split = cell_size(started_ns, ended_ns, CELLS)
+    params = {"run": run_id, "o": int(started_ns), "cell": int(cell), "split": int(split)}
     grid = source.query_arrow(_GRID, params)
     grid = grid.cast(plain(grid.schema))
-    grid = grid.take(pc.sort_indices(grid, [("cell", "ascending")]))
-    long = source.query_arrow(_LONG, params)
-    long = long.cast(plain(long.schema))
-    pins = source.query_arrow(
-        _SHORT_PINS, {**params, "cap": MAX_SHORT_PINS, "lanes": list(PIN_LANES)}
-    )
-    pins = pins.cast(long.schema)
-    long = pa.concat_tables([long, pins]).append_column(
-        "short", pa.array(np.r_[np.zeros(long.num_rows, bool), np.ones(pins.num_rows, bool)])
-    )
-    return Overview(origin=int(started_ns), cell_ns=int(cell), grid=grid, long=long)
+    found = source.query_arrow(_LONG, {**params, "cap": MAX_SHORT_PINS, "lanes": list(PIN_LANES)})
+    found = found.cast(plain(found.schema))
+    # UNION ALL's parts come back in any order: the long spans first, then the short pins.
+    short = found["short"].to_numpy(zero_copy_only=False).astype(bool)
+    order = np.r_[np.flatnonzero(~short), np.flatnonzero(short)]
+    long = found.drop_columns(["short"]).take(pa.array(order, pa.int64()))
+    long = long.append_column("short", pa.array(short[order]))
+    return Overview(origin=int(started_ns), cell_ns=int(cell), grid=grid, long=long, split_ns=split)
 
 
 def track_totals(ov: Overview) -> list[dict[str, Any]]:
@@ -295,23 +320,41 @@ def track_totals(ov: Overview) -> list[dict[str, Any]]:
     g = ov.grid
     if not g.num_rows:
         return []
-    out = g.group_by(["host", "pid", "tid", "lane"]).aggregate(
-        [
-            ("spans", "sum"),
-            ("depth", "min"),
-            ("depth", "max"),
-            ("max_dur", "max"),
-            ("unended", "sum"),
-        ]
-    )
-    names = {
-        "spans_sum": "spans",
-        "depth_min": "min_depth",
-        "depth_max": "max_depth",
-        "max_dur_max": "max_dur",
-        "unended_sum": "unended",
-    }
-    return [{names.get(k, k): v for k, v in row.items()} for row in out.to_pylist()]
+    code, first = track_codes(g)
+    n = len(first)
+    spans = np.bincount(code, weights=ov.column("grid", "spans"), minlength=n)
+    unended = np.bincount(code, weights=ov.column("grid", "unended"), minlength=n)
+    depth = ov.column("grid", "depth").astype(np.int64)
+    lo = np.full(n, np.iinfo(np.int64).max)
+    hi = np.full(n, np.iinfo(np.int64).min)
+    top = np.full(n, np.iinfo(np.int64).min)
+    np.minimum.at(lo, code, depth)
+    np.maximum.at(hi, code, depth)
+    np.maximum.at(top, code, ov.column("grid", "max_dur").astype(np.int64))
+    keys = g.select(["host", "pid", "tid", "lane"]).take(pa.array(first, pa.int64())).to_pylist()
+    return [
+        {**k, "spans": int(spans[i]), "min_depth": int(lo[i]), "max_depth": int(hi[i]),
+         "max_dur": int(top[i]), "unended": int(unended[i])}
+        for i, k in enumerate(keys)
+    ]  # fmt: skip
+
+
+def track_codes(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's track (host, pid, tid, lane) as a number from 0, and the first row of each
+    track: the four columns' codes combined, without joining 800,000 strings."""
+    parts = []
+    for name in ("host", "pid", "tid", "lane"):
+        col = table[name]
+        if pa.types.is_dictionary(col.type):  # chunks may each have their own dictionary
+            col = col.cast(col.type.value_type)
+        enc = pa.chunked_array(col).combine_chunks().dictionary_encode()
+        parts.append((enc.indices.to_numpy(zero_copy_only=False).astype(np.int64),
+                      len(enc.dictionary)))  # fmt: skip
+    key = np.zeros(table.num_rows, np.int64)
+    for codes, size in parts:
+        key = key * max(1, size) + codes
+    _, first, code = np.unique(key, return_index=True, return_inverse=True)
+    return code.reshape(-1).astype(np.int64), first.astype(np.int64)
 
 
 def plain(schema: pa.Schema) -> pa.Schema:
@@ -326,11 +369,14 @@ def plain(schema: pa.Schema) -> pa.Schema:
 
 __all__ = [
     "CELLS",
+    "COARSE_CELLS",
+    "cell_size",
     "Overview",
     "bin_cells",
     "overview",
     "pick_pins",
     "plain",
+    "track_codes",
     "track_totals",
     "window_part",
 ]

@@ -216,23 +216,14 @@ def track_rows(table: pa.Table, tracks: list[TrackInfo]) -> np.ndarray:
     track's first row plus its level; -1 where the track is not drawn."""
     if not table.num_rows:
         return np.zeros(0, np.int64)
-    keys = (
-        pc.binary_join_element_wise(
-            table["host"].cast(pa.string()),
-            pc.cast(table["pid"], pa.string()),
-            pc.cast(table["tid"], pa.string()),
-            table["lane"].cast(pa.string()),
-            "|",
-        )
-        .combine_chunks()
-        .dictionary_encode()
-    )
-    by_key = {f"{t.host}|{t.pid}|{t.tid}|{t.lane}": t for t in tracks}
-    found = [by_key.get(k) for k in keys.dictionary.to_pylist()]
+    code, first_of = overview.track_codes(table)
+    keys = table.select(["host", "pid", "tid", "lane"]).take(pa.array(first_of, pa.int64()))
+    by_key = {t.key: t for t in tracks}
+    found = [by_key.get((str(k["host"]), int(k["pid"]), int(k["tid"]), str(k["lane"])))
+             for k in keys.to_pylist()]  # fmt: skip
     first = np.array([t.row if t else -1 for t in found], np.int64)
     lowest = np.array([t.min_depth if t else 0 for t in found], np.int64)
     levels = np.array([t.levels if t else 1 for t in found], np.int64)
-    code = keys.indices.to_numpy(zero_copy_only=False)
     depth = table["depth"].to_numpy().astype(np.int64)
     row = first[code] + np.clip(depth - lowest[code], 0, levels[code] - 1)
     return np.where(first[code] >= 0, row, -1)
@@ -241,6 +232,11 @@ def track_rows(table: pa.Table, tracks: list[TrackInfo]) -> np.ndarray:
 def overview_rows(ov: overview.Overview, tracks: list[TrackInfo]) -> OverviewRows:
     """Timeline rows of the overview's grid cells and long spans."""
     return track_rows(ov.grid, tracks), track_rows(ov.long, tracks)
+
+
+def bucket_size(t0: int, t1: int, width_px: int) -> int:
+    """The density bucket (ns) of the window ``[t0, t1)`` on a plot ``width_px`` wide."""
+    return max(1, -(-(int(t1) - int(t0)) // max(1, int(width_px) // BUCKET_PX)))
 
 
 def steps_extent(source: Source, run_id: str) -> tuple[int, int, int] | None:
@@ -364,8 +360,7 @@ def _window(
     t0, t1 = int(t0), int(t1)
     if t1 <= t0:
         raise ValueError(f"empty window [{t0}, {t1})")
-    buckets = max(1, int(width_px) // BUCKET_PX)
-    bucket = max(1, -(-(t1 - t0) // buckets))
+    bucket = bucket_size(t0, t1, width_px)
     nb = max(1, -(-(t1 - t0) // bucket))
     if bucket >= ov.cell_ns:  # zoomed out: answered from the overview in memory
         grid_row, long_row = rows()
