@@ -47,7 +47,14 @@ from gpu_trace.tracer import ranks
 from gpu_trace.tracer.clocksync import ClockModel
 from gpu_trace.tracer.records import SCHEMAS
 from gpu_trace.tracer.run import STATS_DIR, RunInfo, recorder_died
-from gpu_trace.tracer.spool import SpoolFile, list_spool, read_spool_file, spool_dir
+from gpu_trace.tracer.spool import (
+    SUFFIX,
+    SpoolFile,
+    count_rows,
+    list_spool,
+    read_spool_file,
+    spool_dir,
+)
 
 if TYPE_CHECKING:
     from importlib.metadata import EntryPoint
@@ -56,10 +63,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Rows per insert: about one part of the engine's (``max_insert_block_size``, 1,048,449 rows).
-#: Each insert makes a part the engine merges later: smaller batches cost more CPU in all (at 3M
-#: spans, 250k-row batches took 1.8x the CPU of 1M-row ones). The rows are the spool files' own,
-#: memory-mapped, so a batch's memory is mostly the page cache's.
+#: Most rows per insert: about one part of the engine's (``max_insert_block_size``, 1,048,449
+#: rows). Each insert makes a part the engine merges later: smaller batches cost more CPU in all
+#: (at 3M spans, 250k-row batches took 1.8x the CPU of 1M-row ones), but a kind with fewer rows
+#: than this many inserts' worth is split so that its inserts run side by side (``_batch_rows``).
+#: The rows are the spool files' own, memory-mapped, so a batch's memory is mostly the page
+#: cache's.
 BATCH_ROWS = 1_000_000
 #: Inserts in flight at once, each on its own connection: the engine writes one batch while the
 #: next is read and checked. At most this many batches are held in memory.
@@ -190,8 +199,11 @@ def ingest(store: Store, run_dir: str | Path, progress: Progress | None = None) 
 
 
 #: Entry point group of spool converters: ``fn(run_dir) -> list[str]`` turns raw files that a
-#: layer above this one writes into the spool (GPU activity, ``collectors/gpu_activity``) into
-#: spool files, and returns one line per problem. Found by name, so ingest imports nothing above.
+#: layer above this one writes into the spool directory (GPU activity, ``collectors/gpu_activity``:
+#: ``gpu_activity-*.bin``) into spool files, and returns one line per problem. Found by name, so
+#: ingest imports nothing above. They run only when the spool directory holds a file that is not a
+#: spool file (a name not ending ``.arrow``, temporaries aside): loading them costs a fresh process
+#: about 30 ms.
 CONVERTERS = "gpu_trace.spool_converters"
 
 
@@ -205,6 +217,11 @@ def _converters() -> tuple[EntryPoint, ...]:
 def convert_spool(run_dir: Path) -> list[str]:
     """Run every spool converter on ``run_dir``; a failing one is a problem line, not an error."""
     problems: list[str] = []
+    spool = spool_dir(run_dir)
+    if not spool.is_dir() or all(
+        p.suffix == SUFFIX or p.name.startswith(".") for p in spool.iterdir()
+    ):
+        return problems  # nothing raw to convert
     for ep in _converters():
         try:
             problems.extend(ep.load()(run_dir))
@@ -225,6 +242,7 @@ def _ingest_files(
     job: _JobPart | None = None,
 ) -> tuple[list[str], dict[int, str]]:
     pending = {kind: _Pending() for kind in SCHEMAS}
+    batch_rows = _batch_rows([p for p in files if logged.get((p.name, p.stat().st_size)) != "done"])
     hosts: list[str] = list(info.hosts)
     pid_hosts: dict[int, str] = {}
     clock_rows: dict[str, set[tuple[int, int, int]]] = {}
@@ -263,7 +281,7 @@ def _ingest_files(
         if table is not None and table.num_rows:
             batch.tables.append(table)
             batch.rows += table.num_rows
-        if batch.rows >= BATCH_ROWS:
+        if batch.rows >= batch_rows[kind]:
             inserter.submit(kind, batch)
             pending[kind] = _Pending()
 
@@ -314,6 +332,18 @@ def _ingest_files(
         if batch.files or batch.tables:
             inserter.submit(kind, batch)
     return hosts, pid_hosts
+
+
+def _batch_rows(files: list[Path]) -> dict[str, int]:
+    """Rows per insert of each kind: :data:`BATCH_ROWS`, or less so that a kind's rows make at
+    least :data:`INSERT_WORKERS` inserts to run side by side (a million spans: two of 500k). The
+    rows are counted from the files' batch headers (memory-mapped, not decoded)."""
+    rows = dict.fromkeys(SCHEMAS, 0)
+    for path in files:
+        kind = path.name.split("-", 1)[0]
+        if kind in rows:
+            rows[kind] += count_rows(path) or 0
+    return {kind: max(1, min(BATCH_ROWS, -(-n // INSERT_WORKERS))) for kind, n in rows.items()}
 
 
 # ---- clocks of other hosts ----------------------------------------------------------------------

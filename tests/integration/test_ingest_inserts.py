@@ -190,3 +190,11 @@ def test_a_failed_insert_leaves_its_files_pending_and_the_stored_ones_done(
         "SELECT count(), uniqExact(span_id) FROM __db__.spans WHERE run_id = 'failing'"
     ).result_rows[0]
     assert count == (60, 60)
+
+
+def test_spool_converters_run_when_a_raw_file_is_in_the_spool(tmp_path: Path) -> None:
+    run_dir = spool_run(tmp_path / "runs" / "raw", files=1, rows_per_file=10)
+    assert ingest_module.convert_spool(run_dir) == []  # spool files only: nothing loaded or run
+    (run_dir / "spool" / "gpu_activity-7-abcdef.bin").write_bytes(b"not CUPTI records")
+    problems = ingest_module.convert_spool(run_dir)
+    assert any("gpu_activity-7-abcdef.bin" in p for p in problems), problems
