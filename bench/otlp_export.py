@@ -72,7 +72,8 @@ class Discard:
 
 def bench_map(spans: int, repeats: int) -> None:
     from gpu_trace.export.exporter import export_run, get_exporter
-    from gpu_trace.export.otlp import OtlpExporter, parse_kinds
+    from gpu_trace.export.otlp import OtlpExporter
+    from gpu_trace.export.span_mapping import parse_kinds
 
     table = synthetic(spans)
     run = {"run_id": "r", "trace_id": "0af7651916cd43dd8448eb211c80319c", "started_ns": 0}

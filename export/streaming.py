@@ -2,8 +2,8 @@
 
 It runs in the `gpu-trace record` process, never in the program: a reader thread follows the
 run's spool (``spool/spans-*.arrow`` files appear as the program's recorders flush, every 0.5 s
-by default), maps new spans (:class:`~gpu_trace.export.otlp.SpanMapper`) and puts them in a
-bounded queue; a sender thread takes up to :data:`~gpu_trace.export.otlp.BATCH_SPANS` at a time
+by default), maps new spans (:class:`~gpu_trace.export.span_mapping.SpanMapper`) and puts them in a
+bounded queue; a sender thread takes up to :data:`~gpu_trace.export.span_mapping.BATCH_SPANS` at a time
 and sends them. A slow or dead collector costs the program nothing: the program only writes its
 spool, as always, and never waits on this. When the queue is full the reader waits (the spool on
 disk is the buffer, so a slow collector makes the stream fall behind, not lose spans); a batch the
@@ -39,10 +39,10 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from gpu_trace.export.otlp import (
+from gpu_trace.export.otlp import RequestBuilder
+from gpu_trace.export.span_mapping import (
     BATCH_SPANS,
     DEFAULT_KINDS,
-    RequestBuilder,
     Row,
     RunFacts,
     SpanMapper,

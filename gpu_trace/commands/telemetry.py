@@ -57,7 +57,7 @@ def wanted(args: argparse.Namespace) -> bool:
 
 def _collector(args: argparse.Namespace) -> tuple[Collector, Target, frozenset[str]]:
     from gpu_trace.export.endpoint import Collector, from_settings
-    from gpu_trace.export.otlp import parse_kinds
+    from gpu_trace.export.span_mapping import parse_kinds
 
     try:
         kinds = parse_kinds(args.otlp_spans)

@@ -14,7 +14,7 @@ import torch
 import gpu_trace
 from gpu_trace import runtime
 from gpu_trace.export.chrome import write_chrome_trace
-from gpu_trace.export.otlp import RunFacts, SpanMapper, parse_kinds, rows
+from gpu_trace.export.span_mapping import RunFacts, SpanMapper, parse_kinds, rows
 from gpu_trace.query import reads
 from gpu_trace.runtime.client import tensor as rt
 from gpu_trace.runtime.server.server import Server

@@ -14,10 +14,10 @@ import pytest
 
 from gpu_trace.export import endpoint as ep
 from gpu_trace.export.exporter import SPAN_BATCH_SCHEMA, export_run
-from gpu_trace.export.otlp import (
+from gpu_trace.export.otlp import OtlpExporter
+from gpu_trace.export.span_mapping import (
     DEFAULT_KINDS,
     KINDS,
-    OtlpExporter,
     Row,
     RunFacts,
     SpanMapper,
@@ -209,7 +209,7 @@ def test_in_end_order_a_span_waits_for_the_span_enclosing_it() -> None:
 def test_waiting_to_be_enclosed_counts_against_the_held_limit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("gpu_trace.export.otlp.MAX_HELD", 2)
+    monkeypatch.setattr("gpu_trace.export.span_mapping.MAX_HELD", 2)
     mapper = SpanMapper(RunFacts.of(RUN), parse_kinds("all"), order="end")
     marks = [row(10 + i, 0, "nvtx/gpu_trace", "mark", f"m{i}", i, i) for i in range(3)]
     assert parents(mapper.add(marks)) == {"m0": hx(ROOT)}  # the oldest, as top-level
