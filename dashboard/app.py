@@ -11,6 +11,8 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -160,7 +162,10 @@ def create_app(source: ReadOnlyStore) -> Any:
 
         app.interpolate_index = interpolate_index
     display = source.display()
-    views = FirstViews(lambda search, width: callbacks.first_view(source, search, width))
+    views = FirstViews(
+        lambda search, width: callbacks.first_view(source, search, width),
+        lambda view: _zoom_ahead(source, view),
+    )
 
     def page() -> Any:
         from flask import has_request_context, request
@@ -208,16 +213,18 @@ class FirstViews:
     """First views started when a page is asked for, taken by that page's layout request.
 
     ``build(search, width)`` runs on one background thread; what no layout request takes within
-    :data:`KEEP_S` is dropped (and at most :data:`KEEP` are kept).
+    :data:`KEEP_S` is dropped (and at most :data:`KEEP` are kept). ``then(view)``, if given,
+    runs on the same thread after each build (reading ahead what the view's zooms need).
     """
 
     KEEP = 8
     KEEP_S = 30.0
 
-    def __init__(self, build: Any) -> None:
+    def __init__(self, build: Any, then: Callable[[dict], None] | None = None) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         self._build = build
+        self._then = then
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpu-trace-view")
         self._lock = threading.Lock()
         self._started: dict[tuple[str, int | None], tuple[float, Any]] = {}
@@ -232,7 +239,17 @@ class FirstViews:
             if key not in self._started:
                 while len(self._started) >= self.KEEP:
                     self._started.pop(next(iter(self._started)))
-                self._started[key] = (now, self._pool.submit(self._build, search, width))
+                built = self._pool.submit(self._build, search, width)
+                self._started[key] = (now, built)
+                if self._then is not None:
+                    self._pool.submit(self._after, built)
+
+    def _after(self, built: Future[dict]) -> None:
+        try:
+            if self._then is not None:
+                self._then(built.result())
+        except Exception as exc:  # ahead of time only: the page reports its own errors
+            log.debug("gpu-trace: reading ahead after a first view failed: %s", exc)
 
     def take(self, search: str, width: int | None) -> dict:
         with self._lock:
@@ -280,8 +297,18 @@ def _asked(cookie: str | None) -> tuple[str, int | None] | None:
         return None
 
 
+def _zoom_ahead(source: ReadOnlyStore, view: dict) -> None:
+    """After a run's first view: its fine overview, ahead of the first zoom that needs it."""
+    from gpu_trace.dashboard import timeline
+
+    run_id = view.get(("run", "value"))
+    if isinstance(run_id, str) and run_id and timeline.prepared(source, run_id):
+        timeline.prepare_zoom(source, run_id)
+
+
 def warm(source: ReadOnlyStore, run: str | None = None) -> None:
-    """Read a run's overview and tracks ahead of its first page (the newest run by default).
+    """Read a run's overview and tracks ahead of its first page (the newest run by default),
+    then what its zooms need (:func:`~gpu_trace.dashboard.timeline.prepare_zoom`).
 
     Runs on a background thread of ``gpu-trace ui``; a failure here is the page's to report.
     """
@@ -290,6 +317,7 @@ def warm(source: ReadOnlyStore, run: str | None = None) -> None:
     try:
         run_id = reads.resolve_run(source, run or "last")
         timeline.prepare(source, run_id)
+        timeline.prepare_zoom(source, run_id)
     except Exception as exc:  # the page shows store errors; nothing to do here
         log.debug("gpu-trace: warming the dashboard failed: %s", exc)
 

@@ -44,6 +44,7 @@ __all__ = [
     "counters",
     "flows",
     "prepare",
+    "prepare_zoom",
     "prepared",
     "run",
     "same_range_in_steps",
@@ -97,6 +98,13 @@ def prepare(source: ReadOnlyStore, run_id: str) -> Tracks:
     found = tracks(source, run_id)
     _overview_rows(source, run_id, overview.COARSE_CELLS)
     return found
+
+
+def prepare_zoom(source: ReadOnlyStore, run_id: str) -> None:
+    """Read the fine overview and its rows ahead of the first zoom that needs them (a window
+    zoomed in past the coarse grid's cells): ``gpu-trace ui``'s background threads call it once
+    a run's first figure is drawn, so that zoom is quick too."""
+    _overview_rows(source, run_id)
 
 
 def prepared(source: ReadOnlyStore, run_id: str) -> bool:
