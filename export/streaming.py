@@ -20,8 +20,8 @@ top-level if none came within :data:`HOLD_NS`. For that the mapper needs spans i
 ended, which the spool only nearly is (PyTorch's op spans reach it in batches, up to about 1.5 s
 after the module around them): spans are mapped once :data:`SETTLE_NS` past their end, in end
 order. A forwarding server's spans that come back to the client are on the server's clock; they
-are mapped with a clock model from the run's clock samples (:func:`~gpu_trace.store.ingest.
-map_clock`), and wait for the first samples. :meth:`RunStream.close` reads the rest, sends it and
+are mapped with a clock model from the run's clock samples (:func:`~gpu_trace.store.
+clock_mapping.map_clock`), and wait for the first samples. :meth:`RunStream.close` reads the rest, sends it and
 the run's root span within a deadline, and reports what was sent and dropped.
 """
 
@@ -48,7 +48,7 @@ from gpu_trace.export.span_mapping import (
     SpanMapper,
     rows,
 )
-from gpu_trace.store.ingest import CLOCK_PEER, CLOCK_WINDOW_NS, map_clock
+from gpu_trace.store.clock_mapping import CLOCK_PEER, CLOCK_WINDOW_NS, map_clock
 from gpu_trace.tracer.clock import now_ns
 from gpu_trace.tracer.clocksync import ClockModel
 from gpu_trace.tracer.run import RunInfo

@@ -40,7 +40,7 @@ from gpu_trace.runtime.protocol.span_tables import (
     trace_owner,
     write_stats,
 )
-from gpu_trace.store.ingest import CLOCK_PEER
+from gpu_trace.store.clock_mapping import CLOCK_PEER
 from gpu_trace.tracer import recorder
 from gpu_trace.tracer.buffer import private_bits
 from gpu_trace.tracer.clocksync import ClockModel, Sample, measure

@@ -17,7 +17,7 @@ every 200 ms and when the session says goodbye:
 Either way the spool holds the server's raw times (``start_ns``/``end_ns`` on the server's clock,
 also kept in attrs ``raw_start_ns``/``raw_end_ns``) and names the clock in its metadata
 (``clock_peer``); ingest maps them onto the client's clock with the run's ``clock_sync`` rows
-(:mod:`gpu_trace.store.ingest`), so both paths give the same rows. Either way each span carries
+(:mod:`gpu_trace.store.clock_mapping`), so both paths give the same rows. Either way each span carries
 its session and tenant in attrs ``session`` and ``tenant``
 (:func:`~gpu_trace.runtime.protocol.span_tables.span_owner`): a TRACE message names them once
 and the client stamps them on its spans, a spool's spans are stamped here.
@@ -44,7 +44,7 @@ from gpu_trace.runtime.protocol.span_tables import (
     write_stats,
 )
 from gpu_trace.runtime.protocol.wire import MsgType, json_frame
-from gpu_trace.store.ingest import CLOCK_PEER
+from gpu_trace.store.clock_mapping import CLOCK_PEER
 
 if TYPE_CHECKING:
     from gpu_trace.runtime.server.device_activity import DeviceActivity

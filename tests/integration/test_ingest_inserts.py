@@ -13,6 +13,7 @@ import pyarrow as pa
 import pytest
 
 from gpu_trace.store import ingest as ingest_module
+from gpu_trace.store import inserter
 from gpu_trace.store.client import Store, StoreError
 from gpu_trace.store.ingest import ingest
 from gpu_trace.tracer.records import SPAN_SCHEMA, attrs_column, dict_column, numeric_column
@@ -147,7 +148,7 @@ def log_rows(store: Store, run_id: str) -> list[tuple[str, str, int]]:
 def test_each_file_is_logged_pending_before_its_insert_and_done_after(
     store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(ingest_module, "BATCH_ROWS", 20)  # two files a batch
+    monkeypatch.setattr(inserter, "BATCH_ROWS", 20)  # two files a batch
     run_dir = spool_run(tmp_path / "runs" / "logged", files=6, rows_per_file=10)
     report = ingest(store, run_dir)
     assert report.rows["spans"] == 60 and report.files_ingested == 6
@@ -161,8 +162,8 @@ def test_each_file_is_logged_pending_before_its_insert_and_done_after(
 def test_a_failed_insert_leaves_its_files_pending_and_the_stored_ones_done(
     store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(ingest_module, "BATCH_ROWS", 20)
-    monkeypatch.setattr(ingest_module, "INSERT_WORKERS", 1)  # batches one after another
+    monkeypatch.setattr(inserter, "BATCH_ROWS", 20)
+    monkeypatch.setattr(inserter, "INSERT_WORKERS", 1)  # batches one after another
     run_dir = spool_run(tmp_path / "runs" / "failing", files=6, rows_per_file=10)
     real = Store.insert_arrow
     calls = {"spans": 0}

@@ -32,7 +32,8 @@ from gpu_trace.runtime.server.device_activity import DeviceActivity
 from gpu_trace.runtime.server.server import Server
 from gpu_trace.runtime.server.sink import SpoolSink
 from gpu_trace.store.client import Store
-from gpu_trace.store.ingest import CLOCK_WINDOW_NS, ingest
+from gpu_trace.store.clock_mapping import CLOCK_WINDOW_NS
+from gpu_trace.store.ingest import ingest
 from gpu_trace.tracer.clocksync import ClockModel
 from gpu_trace.tracer.run import RunInfo
 from tests import cuda_headers
