@@ -11,12 +11,15 @@ tracks (4 hosts x 5 processes x ``lanes/20`` threads) and the same time span, so
 about a second every second.
 
 First figure, ``--rounds`` rounds: each round a fresh process opens the store (nothing of the run
-kept yet) and times what the dashboard does for a run's first view (``callbacks.open_run``'s
+kept yet; the one-time imports a running server has made already are made first) and times
+what the dashboard does for a run's first view (``callbacks.open_run``'s
 reads): the run's row and steps, the first (uncached) track query with the overview preparation,
 the first window (the run's steps, plot width 1270 px) with its flows and counters, and the
 figure build with its JSON. Then, in the same process on the same store, the chDB peer: one plain
 ``GROUP BY`` giving the same level of detail (spans and busy time per track, depth and 3 px bucket
-of that window). Then each zoom level of the window table below. With ``--baseline CHECKOUT`` (a
+of that window); then what the dashboard reads ahead on its own thread once a first view is out
+(the fine overview, ``timeline.prepare_zoom``; nothing where a checkout lacks it); then each zoom
+level of the window table below. With ``--baseline CHECKOUT`` (a
 directory holding another checkout, e.g. ``git worktree add /tmp/base HEAD~3``), every round runs
 that checkout's dashboard code too, interleaved (the order alternating), on the same store:
 before/after from one run. Medians and ranges; the ratio to the peer is what compares across
@@ -203,6 +206,10 @@ def first_figure(root: Path, store_dir: str, run_id: str) -> dict[str, Any]:
     from gpu_trace.plots import figures
     from gpu_trace.store.client import Store
 
+    # What a running server has paid before any run's first figure (once per process): pyarrow's
+    # to_numpy imports pandas (0.2-0.4 s here), plotly's JSON encoder its modules.
+    pa.array([0]).to_numpy()
+    to_json(figures.empty("warm-up"))
     source = ReadOnlyStore(store=Store(f"chdb://{store_dir}"))
     out: dict[str, Any] = {}
     a = time.perf_counter()
@@ -226,6 +233,13 @@ def first_figure(root: Path, store_dir: str, run_id: str) -> dict[str, Any]:
     peer = source.query_arrow(PEER, {"run": run_id, "t0": t0, "t1": t1, "bucket": bucket})
     out["peer"] = time.perf_counter() - p
     out["peer_cells"] = peer.num_rows
+    # What the dashboard reads ahead after a first view, on its own thread (not in the first
+    # figure): the fine overview, for zooms past the coarse one (none before it existed).
+    ahead = getattr(timeline, "prepare_zoom", None)
+    p = time.perf_counter()
+    if ahead is not None:
+        ahead(source, run_id)
+    out["ahead"] = time.perf_counter() - p
     out["zooms"] = []
     span = int(run["ended_ns"]) - int(run["started_ns"])
     for frac in ZOOMS:

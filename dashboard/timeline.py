@@ -108,17 +108,24 @@ def prepare_zoom(source: ReadOnlyStore, run_id: str) -> None:
 
 
 def prepared(source: ReadOnlyStore, run_id: str) -> bool:
-    """Whether :func:`prepare` has read this run (its first windows are then quick)."""
-    return ("overview_rows", run_id, overview.COARSE_CELLS) in source.cache
+    """Whether :func:`prepare` (or a first window) has read this run: its tracks and a grid's
+    rows (its first windows are then quick)."""
+    return ("tracks", run_id) in source.cache and (
+        ("overview_rows", run_id, overview.COARSE_CELLS) in source.cache
+        or ("overview_rows", run_id) in source.cache
+    )
 
 
 def tracks(source: ReadOnlyStore, run_id: str) -> Tracks:
-    """:func:`gpu_trace.query.windows.tracks`, cached per run (of the coarse overview: every
-    span is counted in either grid, so the tracks are the same)."""
-    return source.cached(
-        ("tracks", run_id),
-        lambda: windows.tracks(source, run_id, _overview(source, run_id, overview.COARSE_CELLS)),
-    )
+    """:func:`gpu_trace.query.windows.tracks`, cached per run: of the overview read already,
+    else the coarse one (every span is counted in either grid, so the tracks are the same)."""
+
+    def compute() -> Tracks:
+        fine = source.cache.get(("overview", run_id))
+        found = fine if fine is not None else _overview(source, run_id, overview.COARSE_CELLS)
+        return windows.tracks(source, run_id, found)
+
+    return source.cached(("tracks", run_id), compute)
 
 
 def window(source: ReadOnlyStore, run_id: str, t0: int, t1: int, width_px: int = 1600) -> Window:

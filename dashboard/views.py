@@ -234,8 +234,9 @@ def draw(source: ReadOnlyStore, win: dict, picked: list | None) -> Outputs:
     try:
         run_id, t0, t1 = win["run"], int(win["t0"]), int(win["t1"])
         run = timeline.run(source, run_id)
-        tr = timeline.tracks(source, run_id)
+        # The window first: it reads the grid it is answered from, the tracks then come from it.
         w = timeline.window(source, run_id, t0, t1, width)
+        tr = timeline.tracks(source, run_id)
         fl = timeline.flows(source, run_id, t0, t1)
         cs = timeline.counters(source, run_id, list(picked or []), t0, t1, width)
         clock = [c for c in timeline.clock_sync(source, run_id) if t0 <= c["ts_ns"] < t1]
