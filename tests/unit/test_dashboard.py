@@ -886,3 +886,31 @@ def test_counter_axes_start_at_zero_and_bytes_read_as_bytes(source: ReadOnlyStor
     assert layout["yaxis2"]["rangemode"] == layout["yaxis3"]["rangemode"] == "tozero"
     assert (layout["yaxis3"]["tickformat"], layout["yaxis3"]["ticksuffix"]) == ("~s", "B")
     assert "ticksuffix" not in layout["yaxis2"]
+
+
+def test_the_coarse_and_the_fine_overview_draw_a_window_alike(source: ReadOnlyStore) -> None:
+    """A run's first figure comes from the coarse grid, zooms past it from the fine one: a window
+    both can answer gets the same bars (always-drawn ones included) and the same spans in each
+    row's density, each cell within one bucket of where the other grid put it."""
+    run = reads.run(source, "minute")
+    start, end = int(run["started_ns"]), int(run["ended_ns"])
+    tr = timeline.tracks(source, "minute")
+    coarse = overview.overview(source, "minute", start, end, overview.COARSE_CELLS)
+    fine = overview.overview(source, "minute", start, end)
+    assert coarse.cell_ns > fine.cell_ns and coarse.split_ns == fine.split_ns == fine.cell_ns
+    assert coarse.grid.num_rows < fine.grid.num_rows
+    t0, t1 = start, end
+    assert windows.bucket_size(t0, t1, MINUTE_WIDTH) >= coarse.cell_ns  # both answer it
+    a = windows.window(source, "minute", t0, t1, MINUTE_WIDTH, coarse, tr)
+    b = windows.window(source, "minute", t0, t1, MINUTE_WIDTH, fine, tr)
+    key = lambda w: sorted((x["span_id"], x["start_ns"], bool(x.get("pinned"))) for x in w.bars)  # noqa: E731
+    assert key(a) == key(b) and a.bar_threshold_ns == b.bar_threshold_ns
+    assert (a.count.sum(axis=1) == b.count.sum(axis=1)).all()
+    assert a.total_spans == b.total_spans == overlapping(source, "minute", t0, t1)
+    # Each row's cumulative count never drifts by more than one bucket's worth.
+    ca, cb = a.count.cumsum(axis=1), b.count.cumsum(axis=1)
+    assert (ca[:, 1:] >= cb[:, :-1]).all() and (cb[:, 1:] >= ca[:, :-1]).all()
+    # The tracks are the same whichever grid they come from.
+    assert [t.key for t in windows.tracks(source, "minute", fine)["tracks"]] == [
+        t.key for t in tr["tracks"]
+    ]
