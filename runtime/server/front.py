@@ -1,6 +1,6 @@
 """The front of ``gpu-trace serve --isolation process``: each session in a worker of its own.
 
-The front authenticates a client (:mod:`gpu_trace.runtime.server.server`), then hands its
+The front authenticates a client (:mod:`gpu_trace.runtime.server.conversation`), then hands its
 connection to a standby worker (:mod:`gpu_trace.runtime.server.standby`) with an
 :class:`~gpu_trace.runtime.channel.messages.Assign` and the socket itself (``SCM_RIGHTS``): from
 then on the client talks to its worker alone, with no hop through the front. The connection's

@@ -1,16 +1,13 @@
 """`gpu-trace serve`: the forwarding server. One process owns the device for every client.
 
-Each connection gets a reader thread: it authenticates the client (CHALLENGE/HELLO; connections not
-authenticated yet are bounded in number and time apart from sessions, see
-:mod:`gpu_trace.runtime.server.handshakes`), answers heartbeats at once (their timestamps are
-clock-sync samples, so they never wait behind work), validates every frame and hands uploads and
-batches to the scheduler, in order. One executor thread runs the work
-(:mod:`gpu_trace.runtime.server.executor`); a lone small batch runs on the connection's thread when
-the device is idle. Each connection polls for its client's next message for :attr:`Server.spin_ns`
-while the device is idle (giving the CPU away between tries; see
-:meth:`~gpu_trace.runtime.protocol.wire.FrameReader.spin`), then sleeps in ``recv`` (no ``select``;
-a receive timeout ends idle connections). Traced sessions' spans go to the sink
-(:mod:`gpu_trace.runtime.server.sink`): back to the client, or into a shared store.
+The server holds the listening socket, the sessions and what runs their work. Each accepted
+connection gets a thread of its own, bounded apart from sessions until it authenticates
+(:mod:`gpu_trace.runtime.server.handshakes`); what is said on it, the handshake and then a
+session's messages or an admin's requests, is :mod:`gpu_trace.runtime.server.conversation`'s. One
+executor thread runs the work (:mod:`gpu_trace.runtime.server.executor`); with ``process``
+isolation each session runs in a worker process of its own instead (:mod:`.front`). Traced
+sessions' spans go to the sink (:mod:`gpu_trace.runtime.server.sink`): back to the client, or into
+a shared store.
 """
 
 from __future__ import annotations
@@ -18,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import os
 import socket
 import threading
 import time
@@ -28,34 +24,17 @@ from typing import Any
 from gpu_trace import config
 from gpu_trace.runtime.protocol import auth
 from gpu_trace.runtime.protocol.addresses import parse_address
-from gpu_trace.runtime.protocol.templates import define, expand
-from gpu_trace.runtime.protocol.values import tensor_from_bytes, tensor_meta
 from gpu_trace.runtime.protocol.wire import (
-    CALLS_SYNC,
-    MAX_FRAME,
-    MAX_HANDSHAKE_FRAME,
-    PONG_BODY,
-    PROTOCOL_VERSION,
     ConnectionClosed,
     FrameReader,
     FrameWriter,
     MsgType,
     ProtocolError,
-    decode_admin,
-    decode_calls,
-    decode_chunk,
-    decode_clock,
-    decode_json,
-    decode_ping,
-    decode_split,
-    field_bool,
-    field_int,
-    field_list,
-    frame,
     json_frame,
     tune,
 )
 from gpu_trace.runtime.server import admin
+from gpu_trace.runtime.server.conversation import Refused, handshake, read_loop
 from gpu_trace.runtime.server.device_activity import DeviceActivity
 from gpu_trace.runtime.server.executor import Executor
 from gpu_trace.runtime.server.front import Front
@@ -70,10 +49,7 @@ from gpu_trace.runtime.sharing.tenants import Tenant, check_tenants, single_tena
 
 log = logging.getLogger(__name__)
 
-now_ns = time.perf_counter_ns
 
-#: Batches of at most this many ops may run on the connection's thread when the device is idle.
-INLINE_OPS = 16
 #: Where sessions' work runs: ``process`` (a worker process each) or ``shared`` (this process).
 ISOLATIONS = ("process", "shared")
 
@@ -199,7 +175,7 @@ class Server:
         self._sock: socket.socket | None = None
         self._threads: list[threading.Thread] = []
         self._conns: set[socket.socket] = set()
-        self._closing = threading.Event()
+        self.closing = threading.Event()
         self.protocol_errors = 0
 
     @property
@@ -258,7 +234,7 @@ class Server:
     def serve_forever(self) -> None:
         if self._sock is None:
             self.start()
-        self._closing.wait()
+        self.closing.wait()
 
     def _reclaim(self, need_bytes: int, session: Session, reason: str) -> int:
         """Memory's :class:`~gpu_trace.runtime.sharing.memory.Reclaim`: the pager pages others
@@ -274,12 +250,12 @@ class Server:
         ``SIGTERM``) is what :meth:`close` tells the clients."""
         if reason and self.stop_reason is None:
             self.stop_reason = reason
-        self._closing.set()
+        self.closing.set()
 
     def close(self) -> None:
         """Stop: the work running finishes, traced sessions' spans go to the sink, every client
         is told the server is shutting down (a ``ServerGone`` at its next sync point)."""
-        self._closing.set()
+        self.closing.set()
         if self._sock is not None:
             with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_RDWR)  # wakes accept() (close alone does not)
@@ -381,11 +357,11 @@ class Server:
 
     def _accept_loop(self) -> None:
         assert self._sock is not None
-        while not self._closing.is_set():
+        while not self.closing.is_set():
             try:
                 conn, peer = self._sock.accept()
             except OSError as exc:
-                if self._closing.is_set() or exc.errno in (errno.EBADF, errno.EINVAL):
+                if self.closing.is_set() or exc.errno in (errno.EBADF, errno.EINVAL):
                     return
                 if exc.errno == errno.ECONNABORTED:  # the peer gave up before we took it
                     continue
@@ -412,7 +388,7 @@ class Server:
         session: Session | None = None
         try:
             tune(conn)
-            session = self._handshake(conn, writer, deadline)
+            session = handshake(self, conn, writer, deadline)
         except Exception as exc:
             self._conn_failed(exc, conn, writer, peer)
         if session is not None:
@@ -444,7 +420,7 @@ class Server:
         (the server of ``--isolation shared``, and a worker process's, which is handed one
         authenticated connection by the front)."""
         try:
-            self._read_loop(conn, writer, session)
+            read_loop(self, conn, writer, session)
         except Exception as exc:
             self._conn_failed(exc, conn, writer, peer)
         finally:
@@ -452,6 +428,31 @@ class Server:
             session.closed = True
             self.scheduler.drop(session)
             self.scheduler.submit(session, Work("close"))
+
+    def open_session(
+        self,
+        client: dict[str, str],
+        send: Callable[..., None],
+        tenant: Tenant,
+        binary: bool,
+        conn: socket.socket,
+    ) -> Session:
+        """A session for an authenticated client on ``conn``, or :class:`Refused` when the
+        server, or ``tenant``'s share of it, is full."""
+        with self._lock:
+            if len(self.sessions) >= self.max_sessions:
+                raise Refused(f"server full ({self.max_sessions} sessions)")
+            cap = self.tenant_sessions(tenant)
+            if sum(s.tenant.name == tenant.name for s in self.sessions.values()) >= cap:
+                raise Refused(f"tenant {tenant.name!r} has its {cap} sessions open already")
+            session = Session(client, send, tenant)
+            session.trace = self.sink.accepts(client)
+            session.binary = binary
+            self.sessions[session.id] = session
+            self.memory.attach(session)
+            self._session_conns[session.id] = conn
+        self.ledger.open(session)
+        return session
 
     def adopt(self, conn: socket.socket, session: Session) -> FrameWriter:
         """Take on ``session``, authenticated elsewhere, on ``conn`` (a worker process's one
@@ -491,194 +492,6 @@ class Server:
             log.debug("gpu-trace serve: %s: connection ended: %s", peer, exc)
         else:  # a bug must cost one connection, never the server
             log.error("gpu-trace serve: %s: connection failed", peer, exc_info=exc)
-
-    def _handshake(
-        self, conn: socket.socket, writer: FrameWriter, deadline: float
-    ) -> Session | None:
-        """CHALLENGE, HELLO, WELCOME, all by ``deadline`` (:mod:`.handshakes`)."""
-        conn.settimeout(max(0.001, deadline - time.monotonic()))
-        nonce = auth.new_nonce()
-        writer.send(
-            json_frame(
-                MsgType.CHALLENGE,
-                {"v": PROTOCOL_VERSION, "nonce": nonce.hex(), "device": str(self.device)},
-            )
-        )
-        reader = FrameReader(conn, MAX_HANDSHAKE_FRAME)
-        mtype, body = reader.read_by(deadline)
-        if mtype != MsgType.HELLO:
-            raise ProtocolError("expected HELLO")
-        hello = decode_json(body)
-        if hello.get("v") != PROTOCOL_VERSION:
-            raise ProtocolError(f"protocol version {str(hello.get('v'))[:10]} not supported")
-        # Every tenant's token is tried, in constant time each, whatever the answer: a wrong
-        # token gets the same refusal, after the same work, however many tenants there are.
-        tenant = auth.match(self.tenants, nonce, hello.get("mac"))
-        if tenant is None:
-            time.sleep(0.05)  # slow down guessing
-            raise Refused("authentication failed")
-        client = hello.get("client")
-        if not isinstance(client, dict):
-            raise ProtocolError("HELLO needs a client object")
-        client = {str(k)[:64]: str(v)[:256] for k, v in list(client.items())[:32]}
-        mode = hello.get("mode", "session")
-        if mode not in ("session", "admin"):
-            raise ProtocolError("HELLO mode must be session or admin")
-        binary = field_bool(hello, "binary")
-        welcome = {
-            "device": str(self.device),
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "sink": self.sink.kind,
-            "tenant": tenant.name,
-            # Batches may carry an op stream and templates
-            # (:mod:`gpu_trace.runtime.protocol.templates`).
-            "templates": True,
-            # CALLS frames are taken (:mod:`gpu_trace.runtime.protocol.wire`).
-            "binary": True,
-        }
-        self.handshakes.done(conn)  # authenticated: out of the handshakes' bound and deadline
-        if mode == "admin":
-            writer.send(
-                json_frame(MsgType.WELCOME, {**welcome, "session": 0, "admin": tenant.admin})
-            )
-            conn.settimeout(None)
-            self._admin_loop(conn, writer, tenant)
-            return None
-        with self._lock:
-            if len(self.sessions) >= self.max_sessions:
-                raise Refused(f"server full ({self.max_sessions} sessions)")
-            cap = self.tenant_sessions(tenant)
-            if sum(s.tenant.name == tenant.name for s in self.sessions.values()) >= cap:
-                raise Refused(f"tenant {tenant.name!r} has its {cap} sessions open already")
-            session = Session(client, writer.send, tenant)
-            session.trace = self.sink.accepts(client)
-            session.binary = binary
-            self.sessions[session.id] = session
-            self.memory.attach(session)
-            self._session_conns[session.id] = conn
-        self.ledger.open(session)
-        writer.send(json_frame(MsgType.WELCOME, {**welcome, "session": session.id}))
-        conn.settimeout(None)  # blocking, for polling; the read loop times out itself
-        return session
-
-    def _admin_loop(self, conn: socket.socket, writer: FrameWriter, tenant: Tenant) -> None:
-        """An admin client's requests (:mod:`gpu_trace.runtime.server.admin`); no session."""
-        reader = FrameReader(conn, MAX_HANDSHAKE_FRAME)
-        reader.set_timeout(self.idle_timeout_s)
-        while not self._closing.is_set():
-            mtype, body = reader.read()
-            if mtype == MsgType.ADMIN:
-                reply = admin.handle(self, tenant, decode_admin(body))
-                writer.send(json_frame(MsgType.ADMIN_REPLY, reply))
-            elif mtype == MsgType.PING:
-                t1 = now_ns()
-                writer.send(frame(MsgType.PONG, PONG_BODY.pack(decode_ping(body), t1, now_ns())))
-            elif mtype == MsgType.BYE:
-                writer.send(frame(MsgType.BYE))
-                return
-            else:
-                raise ProtocolError(f"unexpected message {MsgType(mtype).name} from an admin")
-
-    def _read_loop(self, conn: socket.socket, writer: FrameWriter, session: Session) -> None:
-        reader = FrameReader(conn, MAX_FRAME, delay_ns=self.delay_ns)
-        reader.set_timeout(self.idle_timeout_s)
-        submit = self._submitter()
-        read = reader.read
-        spin, busy, queued = self.spin_ns, self.executor.lock.locked, self.scheduler.depth
-
-        def device_busy() -> bool:  # work runs or waits: the CPU is better left to it
-            return busy() or queued() > 0
-
-        # Not stopped by _closing: close() tells each client why, then shuts its socket.
-        while not session.closed:
-            if spin and not device_busy():  # poll while the next batch would run at once
-                reader.spin(spin, device_busy)
-            mtype, body = read()
-            if mtype == MsgType.CALLS:
-                seq, span, flags, frees, stream = decode_calls(body)
-                head = {"seq": seq, "ops": expand(session.templates, stream, []), "free": frees}
-                if span:
-                    head["tp"] = span
-                if flags & CALLS_SYNC:
-                    head["sync"] = True
-                submit(session, Work("batch", head, None, reader.frame_started_ns, now_ns()))
-            elif mtype == MsgType.BATCH:
-                self._on_batch(session, reader.frame_started_ns, body, submit)
-            elif mtype == MsgType.PING:
-                t1 = now_ns()
-                t0 = decode_ping(body)
-                writer.send(frame(MsgType.PONG, PONG_BODY.pack(t0, t1, now_ns())))
-            elif mtype == MsgType.PUT:
-                head = decode_json(body)
-                ident = field_int(head, "blob", 1)
-                meta = tensor_meta(head.get("dtype"), head.get("shape"), head.get("nbytes"))
-                submit(session, Work("put", ident, meta))
-            elif mtype == MsgType.CHUNK:
-                ident, offset, data = decode_chunk(body)
-                submit(session, Work("chunk", None, (ident, offset, data)))
-            elif mtype == MsgType.CLOCK:
-                samples = decode_clock(body)
-                if session.trace:
-                    self.sink.clock(session, samples)
-            elif mtype == MsgType.BYE:
-                done = threading.Event()
-                self.scheduler.submit(session, Work("bye", done=done))
-                deadline = time.monotonic() + self.idle_timeout_s
-                # A stopping server's executor may never run it: don't hold close() up.
-                while not done.wait(0.1) and not self._closing.is_set():
-                    if time.monotonic() > deadline:
-                        break
-                return
-            else:
-                raise ProtocolError(f"unexpected message {MsgType(mtype).name} from a client")
-
-    def _submitter(self) -> Callable[[Session, Work], None]:
-        """``submit(session, work)``: a lone small batch runs at once on the calling thread
-        when the device is idle (no hand-off to the executor's); anything else is queued."""
-        scheduler, executor = self.scheduler, self.executor
-
-        def submit(session: Session, work: Work) -> None:
-            if not (
-                work.kind == "batch"
-                and len(work.head["ops"]) <= INLINE_OPS
-                and executor.try_inline(session, work)
-            ):
-                scheduler.submit(session, work)
-
-        return submit
-
-    def _on_batch(
-        self, session: Session, start: int, body: bytes, submit: Callable[[Session, Work], None]
-    ) -> None:
-        """A BATCH frame: its inline uploads, then its ops (templates' calls expanded)."""
-        head, data = decode_split(body)
-        xb = head.get("xb")
-        if xb is not None:  # the op stream (templates' calls) before the blobs
-            if type(xb) is not int or not 0 <= xb <= len(data):
-                raise ProtocolError("field 'xb' must be the op stream's length")
-            if "defs" in head:
-                define(session.templates, head["defs"])
-            head["ops"] = expand(session.templates, data[:xb], head.get("ops"))
-            data = data[xb:]
-        elif type(head.setdefault("ops", [])) is not list:
-            raise ProtocolError("field 'ops' must be a list")
-        if "blobs" in head:
-            off = 0
-            for entry in field_list(head, "blobs", 1 << 16):  # [id, dtype, shape, nbytes]
-                if type(entry) is not list or len(entry) != 4:
-                    raise ProtocolError("an inline blob is [id, dtype, shape, nbytes]")
-                dtype, shape, nbytes = tensor_meta(entry[1], entry[2], entry[3])
-                if off + nbytes > len(data):
-                    raise ProtocolError("inline blobs longer than the batch")
-                tensor = tensor_from_bytes(dtype, shape, data[off : off + nbytes])
-                off += nbytes
-                submit(session, Work("put-inline", entry[0], (tensor, nbytes)))
-        submit(session, Work("batch", head, None, start, now_ns()))
-
-
-class Refused(ProtocolError):
-    """A well-formed HELLO that is refused: a wrong token, a full server."""
 
 
 def _check_device(device: str) -> str:
