@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import json
 import os
 import shutil
@@ -175,23 +176,17 @@ class _Checkout(importlib.abc.MetaPathFinder):
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         parts = fullname.split(".")
-        if parts[0] != "gpu_trace" or len(parts) > 2:
+        if parts[0] != "gpu_trace":
             return None
+        if len(parts) > 2:  # inside a subpackage: its __path__ is the checkout's
+            return importlib.machinery.PathFinder.find_spec(fullname, path)
         where = self.root / "gpu_trace" if len(parts) == 1 else self.root / parts[1]
         if len(parts) == 2 and not where.is_dir():
             where = self.root / "gpu_trace" / parts[1]
-            if not where.is_dir():
-                return None
-        init = where / "__init__.py"
-        return (
-            importlib.machinery.ModuleSpec(
-                fullname,
-                importlib.machinery.SourceFileLoader(fullname, str(init)),
-                origin=str(init),
-                is_package=True,
-            )
-            if init.exists()
-            else None
+        if not (where / "__init__.py").exists():  # a module of gpu_trace itself
+            return importlib.machinery.PathFinder.find_spec(fullname, path)
+        return importlib.util.spec_from_file_location(
+            fullname, where / "__init__.py", submodule_search_locations=[str(where)]
         )
 
 
@@ -212,7 +207,7 @@ def first_figure(root: Path, store_dir: str, run_id: str) -> dict[str, Any]:
     to_json(figures.empty("warm-up"))
     source = ReadOnlyStore(store=Store(f"chdb://{store_dir}"))
     out: dict[str, Any] = {}
-    a = time.perf_counter()
+    a, cpu = time.perf_counter(), time.process_time()
     run = timeline.run(source, run_id)
     steps = timeline.steps_extent(source, run_id)
     t0, t1 = (steps[0], steps[1]) if steps else (int(run["started_ns"]), int(run["ended_ns"]))
@@ -225,13 +220,15 @@ def first_figure(root: Path, store_dir: str, run_id: str) -> dict[str, Any]:
     d = time.perf_counter()
     to_json(figures.timeline(run, tr, w, fl, cs, [], WIDTH))
     e = time.perf_counter()
+    out["cpu"] = time.process_time() - cpu
     out["first"] = {"run+steps": b - a, "tracks+overview": c - b, "window": d - c,
                     "figure": e - d, "total": e - a}  # fmt: skip
     out["shown"] = [len(w.bars), w.density_spans, w.density_cells]
     bucket = max(1, -(-(t1 - t0) // max(1, WIDTH // 3)))
-    p = time.perf_counter()
+    p, cpu = time.perf_counter(), time.process_time()
     peer = source.query_arrow(PEER, {"run": run_id, "t0": t0, "t1": t1, "bucket": bucket})
     out["peer"] = time.perf_counter() - p
+    out["peer_cpu"] = time.process_time() - cpu
     out["peer_cells"] = peer.num_rows
     # What the dashboard reads ahead after a first view, on its own thread (not in the first
     # figure): the fine overview, for zooms past the coarse one (none before it existed).
@@ -281,10 +278,12 @@ def bench_first_figure(
     interleaved; prints medians and ranges (ms) and the ratios to the chDB peer."""
     sides = [("this checkout", ROOT)] + ([("baseline", baseline)] if baseline else [])
     found: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in sides}
+    before = os.getloadavg()
     for i in range(rounds):
         for name, root in sides if i % 2 else sides[::-1]:
             found[name].append(_round(root, store_dir, run_id))
     load = os.getloadavg()
+    print(f"load average {before[0]:.1f} {before[1]:.1f} {before[2]:.1f} before the rounds")
     print(f"first figure of {run_id!r}, {rounds} rounds (a fresh process each), median (range) in"
           f" ms; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} CPUs:")  # fmt: skip
     parts = ("run+steps", "tracks+overview", "window", "figure", "total")
@@ -295,6 +294,16 @@ def bench_first_figure(
         print(f"  {name:>14} " + " ".join(f"{_spread([r['first'][k] for r in rs]):>17}"
               for k in parts) + f" {_spread([r['peer'] for r in rs]):>17}"
               f" {statistics.median(ratio):5.1f}x")  # fmt: skip
+    print("  CPU time of the process (chDB's threads included; what other work on the machine moves"
+          " least), median (range) in ms:")  # fmt: skip
+    for name, _ in sides[::-1]:
+        rs = found[name]
+        ratio = [r["cpu"] / r["peer_cpu"] for r in rs]
+        print(f"  {name:>14}  first figure {_spread([r['cpu'] for r in rs])}, chDB peer"
+              f" {_spread([r['peer_cpu'] for r in rs])}, ratio {statistics.median(ratio):.1f}x")  # fmt: skip
+    for name, _ in sides[::-1]:
+        print(f"  {name:>14}  read ahead after the first view (its own thread: the fine overview):"
+              f" {_spread([r.get('ahead', 0.0) for r in found[name]])} ms")  # fmt: skip
     shown = found["this checkout"][0]
     print(
         f"  (first window: {shown['shown'][0]:,} bars, {shown['shown'][1]:,} spans in "
