@@ -27,12 +27,16 @@ order, for good:
    the layer says how many those are, and a worker should call :func:`contain` from the thread
    that will run its session, before it starts the threads that run ops.
 5. ``seccomp`` (Linux 3.17, for ``SECCOMP_FILTER_FLAG_TSYNC``): a deny-list filter on every
-   thread, complementing the layers above: no process creation (``fork``, ``vfork``, ``clone``
-   without ``CLONE_THREAD``, ``execve``; ``clone3`` answers ``ENOSYS``, so glibc uses ``clone``
-   for threads); no sockets but ``AF_UNIX`` (UDP and raw sockets too, which Landlock leaves
-   alone); signals (``kill``, ``tgkill``...) to its own process only; no ``ptrace``,
-   ``process_vm_*``, mounts, namespaces, keyrings, ``bpf``, ``perf_event_open``, ``userfaultfd``,
-   ``io_uring``. Everything else is allowed. A syscall of a foreign ABI (i386, x32) kills it.
+   thread (:mod:`gpu_trace.runtime.worker.syscall_filter`), complementing the layers above: no
+   process creation (``fork``, ``vfork``, ``clone`` without ``CLONE_THREAD``, ``execve``;
+   ``clone3`` answers ``ENOSYS``, so glibc uses ``clone`` for threads); no sockets but
+   ``AF_UNIX`` (UDP and raw sockets too, which Landlock leaves alone); signals (``kill``,
+   ``tgkill``...) to its own process only; no ``ptrace``, ``process_vm_*``, mounts, namespaces,
+   keyrings, ``bpf``, ``perf_event_open``, ``userfaultfd``, ``io_uring``. Everything else is
+   allowed. A syscall of a foreign ABI (i386, x32) kills it.
+
+The calls into the kernel, and the syscall numbers they need, are in
+:mod:`gpu_trace.runtime.worker.syscalls`.
 
 A layer the kernel lacks is skipped and said so in :class:`Contained`, never raised; so is one
 that fails. The caller decides whether to run a worker so contained (:meth:`Contained.held`).
@@ -47,7 +51,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import functools
 import glob
 import logging
 import os
@@ -57,7 +60,16 @@ import struct
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+
+from gpu_trace.runtime.worker import syscall_filter
+from gpu_trace.runtime.worker.syscalls import (
+    PR_SET_DUMPABLE,
+    PR_SET_NO_NEW_PRIVS,
+    SYSCALLS,
+    machine,
+    prctl,
+    syscall,
+)
 
 __all__ = ["Contained", "Containment", "contain", "default_paths", "for_worker"]
 
@@ -184,44 +196,10 @@ def _apply(c: Containment, layers: Iterable[str]) -> Contained:
         if name == "uid" and "dumpable" in wanted and states[name].startswith("held"):
             # A change of uid resets the process's dumpable flag to fs.suid_dumpable, which an
             # administrator may have set to 1.
-            _prctl(_PR_SET_DUMPABLE, 0)
+            prctl(PR_SET_DUMPABLE, 0)
     contained = Contained(states)
     log.debug("worker contained: %s", contained.summary())
     return contained
-
-
-# ---- the calls -----------------------------------------------------------------------------------
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def _check(ret: int) -> int:
-    if ret == -1:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return ret
-
-
-def _syscall(nr: int, *args: Any) -> int:
-    # Python ints would go as C ints: the syscall's arguments are longs or pointers.
-    fn = _libc().syscall
-    fn.restype = ctypes.c_long
-    cargs = [ctypes.c_long(a) if isinstance(a, int) else a for a in args]
-    return _check(fn(ctypes.c_long(nr), *cargs))
-
-
-def _prctl(option: int, value: int) -> None:
-    fn = _libc().prctl
-    fn.restype = ctypes.c_int
-    zero = ctypes.c_ulong(0)
-    _check(fn(ctypes.c_int(option), ctypes.c_ulong(value), zero, zero, zero))
-
-
-_PR_SET_DUMPABLE = 4
-_PR_SET_NO_NEW_PRIVS = 38
 
 
 # ---- 1. rlimits ----------------------------------------------------------------------------------
@@ -260,8 +238,8 @@ def _rlimits(c: Containment) -> str:
 
 
 def _dumpable(c: Containment) -> str:
-    _prctl(_PR_SET_DUMPABLE, 0)
-    _prctl(_PR_SET_NO_NEW_PRIVS, 1)
+    prctl(PR_SET_DUMPABLE, 0)
+    prctl(PR_SET_NO_NEW_PRIVS, 1)
     return "held"
 
 
@@ -272,8 +250,8 @@ def _uid(c: Containment) -> str:
     if os.geteuid() != 0:
         return "skipped: not root" if c.uid is not None else "skipped: no uid given"
     if c.uid is None:
-        if _machine() not in _SYSCALLS:
-            return f"skipped: no uid given, capabilities kept (no syscall numbers for {_machine()})"
+        if machine() not in SYSCALLS:
+            return f"skipped: no uid given, capabilities kept (no syscall numbers for {machine()})"
         # Root keeps uid 0 but no capability: with CAP_PERFMON or CAP_SYS_ADMIN it reads other
         # processes' maps and environ past Landlock on some kernels (6.18 here).
         _drop_capabilities()
@@ -300,13 +278,13 @@ def _drop_capabilities() -> None:
         last = 63
     for cap in range(last + 1):
         try:
-            _prctl(_PR_CAPBSET_DROP, cap)
+            prctl(_PR_CAPBSET_DROP, cap)
         except OSError as e:
             if e.errno != errno.EINVAL:  # a capability this kernel does not know
                 raise
     header = ctypes.create_string_buffer(struct.pack("=Ii", _LINUX_CAPABILITY_VERSION_3, 0), 8)
     data = ctypes.create_string_buffer(24)  # two of {effective, permitted, inheritable}, all 0
-    _syscall(_SYSCALLS[_machine()]["capset"], header, data)
+    syscall(SYSCALLS[machine()]["capset"], header, data)
 
 
 # ---- 4. landlock ---------------------------------------------------------------------------------
@@ -342,10 +320,10 @@ _SCOPE_SIGNAL = 1 << 1
 
 
 def _landlock(c: Containment) -> str:
-    if _machine() not in _SYSCALLS:
-        return f"unavailable: no syscall numbers for {_machine()}"
+    if machine() not in SYSCALLS:
+        return f"unavailable: no syscall numbers for {machine()}"
     try:
-        abi = _syscall(_LANDLOCK_CREATE_RULESET, None, 0, _LANDLOCK_CREATE_RULESET_VERSION)
+        abi = syscall(_LANDLOCK_CREATE_RULESET, None, 0, _LANDLOCK_CREATE_RULESET_VERSION)
     except OSError as e:
         if e.errno == errno.ENOSYS:
             return "unavailable: the kernel has no Landlock"
@@ -362,15 +340,15 @@ def _landlock(c: Containment) -> str:
     scoped = _SCOPE_ABSTRACT_UNIX_SOCKET | _SCOPE_SIGNAL if abi >= 6 else 0
     size = 24 if abi >= 6 else 16 if abi >= 4 else 8  # struct landlock_ruleset_attr as of that ABI
     attr = ctypes.create_string_buffer(struct.pack("=QQQ", fs, net, scoped)[:size], size)
-    _prctl(_PR_SET_NO_NEW_PRIVS, 1)  # landlock_restrict_self needs it without CAP_SYS_ADMIN
-    ruleset = _syscall(_LANDLOCK_CREATE_RULESET, attr, size, 0)
+    prctl(PR_SET_NO_NEW_PRIVS, 1)  # landlock_restrict_self needs it without CAP_SYS_ADMIN
+    ruleset = syscall(_LANDLOCK_CREATE_RULESET, attr, size, 0)
     try:
         for path in _expand(default_paths() + c.readable):
             _allow(ruleset, path, _FS_READ & fs)
         for path in _expand(c.writable):
             _allow(ruleset, path, _FS_WRITE & fs)
         earlier = 0 if abi >= 8 else _thread_count() - 1
-        _syscall(_LANDLOCK_RESTRICT_SELF, ruleset, _LANDLOCK_RESTRICT_SELF_TSYNC if abi >= 8 else 0)
+        syscall(_LANDLOCK_RESTRICT_SELF, ruleset, _LANDLOCK_RESTRICT_SELF_TSYNC if abi >= 8 else 0)
     finally:
         os.close(ruleset)
     what = ["fs"] + (["net"] if net else []) + (["signals"] if scoped else [])
@@ -386,7 +364,7 @@ def _allow(ruleset: int, path: str, access: int) -> None:
         if access:
             # struct landlock_path_beneath_attr is packed: u64 allowed_access, s32 parent_fd.
             rule = ctypes.create_string_buffer(struct.pack("=Qi", access, fd), 12)
-            _syscall(_LANDLOCK_ADD_RULE, ruleset, _LANDLOCK_RULE_PATH_BENEATH, rule, 0)
+            syscall(_LANDLOCK_ADD_RULE, ruleset, _LANDLOCK_RULE_PATH_BENEATH, rule, 0)
     finally:
         os.close(fd)
 
@@ -410,239 +388,9 @@ def _thread_count() -> int:
 
 # ---- 5. seccomp ----------------------------------------------------------------------------------
 
-_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
-_X32_SYSCALL_BIT = 0x40000000
-# fork and vfork exist on x86_64 only; everything from pidfd_send_signal (424) on is numbered
-# alike everywhere.
-_COMMON = {
-    "pidfd_send_signal": 424,
-    "io_uring_setup": 425,
-    "io_uring_enter": 426,
-    "io_uring_register": 427,
-    "open_tree": 428,
-    "move_mount": 429,
-    "fsopen": 430,
-    "fsconfig": 431,
-    "fsmount": 432,
-    "fspick": 433,
-    "clone3": 435,
-    "pidfd_getfd": 438,
-    "process_madvise": 440,
-    "mount_setattr": 442,
-}
-_SYSCALLS: dict[str, dict[str, int]] = {
-    "x86_64": {
-        "seccomp": 317,
-        "capset": 126,
-        "socket": 41,
-        "clone": 56,
-        "fork": 57,
-        "vfork": 58,
-        "execve": 59,
-        "execveat": 322,
-        "kill": 62,
-        "tkill": 200,
-        "tgkill": 234,
-        "rt_sigqueueinfo": 129,
-        "rt_tgsigqueueinfo": 297,
-        "ptrace": 101,
-        "process_vm_readv": 310,
-        "process_vm_writev": 311,
-        "kcmp": 312,
-        "mount": 165,
-        "umount2": 166,
-        "pivot_root": 155,
-        "chroot": 161,
-        "unshare": 272,
-        "setns": 308,
-        "keyctl": 250,
-        "add_key": 248,
-        "request_key": 249,
-        "bpf": 321,
-        "perf_event_open": 298,
-        "userfaultfd": 323,
-        "init_module": 175,
-        "finit_module": 313,
-        "delete_module": 176,
-        "kexec_load": 246,
-        "kexec_file_load": 320,
-        **_COMMON,
-    },
-    "aarch64": {
-        "seccomp": 277,
-        "capset": 91,
-        "socket": 198,
-        "clone": 220,
-        "execve": 221,
-        "execveat": 281,
-        "kill": 129,
-        "tkill": 130,
-        "tgkill": 131,
-        "rt_sigqueueinfo": 138,
-        "rt_tgsigqueueinfo": 240,
-        "ptrace": 117,
-        "process_vm_readv": 270,
-        "process_vm_writev": 271,
-        "kcmp": 272,
-        "mount": 40,
-        "umount2": 39,
-        "pivot_root": 41,
-        "chroot": 51,
-        "unshare": 97,
-        "setns": 268,
-        "keyctl": 219,
-        "add_key": 217,
-        "request_key": 218,
-        "bpf": 280,
-        "perf_event_open": 241,
-        "userfaultfd": 282,
-        "init_module": 105,
-        "finit_module": 273,
-        "delete_module": 106,
-        "kexec_load": 104,
-        "kexec_file_load": 294,
-        **_COMMON,
-    },
-}
-#: Refused with EPERM, whatever their arguments.
-_DENIED = (
-    "fork",
-    "vfork",
-    "execve",
-    "execveat",
-    "ptrace",
-    "process_vm_readv",
-    "process_vm_writev",
-    "kcmp",
-    "pidfd_getfd",
-    "pidfd_send_signal",
-    "process_madvise",
-    "mount",
-    "umount2",
-    "mount_setattr",
-    "open_tree",
-    "move_mount",
-    "fsopen",
-    "fsconfig",
-    "fsmount",
-    "fspick",
-    "pivot_root",
-    "chroot",
-    "unshare",
-    "setns",
-    "keyctl",
-    "add_key",
-    "request_key",
-    "bpf",
-    "perf_event_open",
-    "userfaultfd",
-    # io_uring does socket and file work without the syscalls this filter sees.
-    "io_uring_setup",
-    "io_uring_enter",
-    "io_uring_register",
-    "init_module",
-    "finit_module",
-    "delete_module",
-    "kexec_load",
-    "kexec_file_load",
-)
-#: Signals: allowed when the first argument (a pid or tgid) is this process.
-_OWN_PID = ("kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo")
-
-_SECCOMP_SET_MODE_FILTER = 1
-_SECCOMP_FILTER_FLAG_TSYNC = 1
-_RET_KILL_PROCESS = 0x80000000
-_RET_ERRNO = 0x00050000
-_RET_ALLOW = 0x7FFF0000
-_LD_W_ABS = 0x20  # BPF_LD | BPF_W | BPF_ABS
-_JEQ = 0x15  # BPF_JMP | BPF_JEQ | BPF_K
-_JGE = 0x35  # BPF_JMP | BPF_JGE | BPF_K
-_JSET = 0x45  # BPF_JMP | BPF_JSET | BPF_K
-_RET = 0x06  # BPF_RET | BPF_K
-# struct seccomp_data: int nr; u32 arch; u64 instruction_pointer; u64 args[6]. The low 32 bits
-# of args[0] (little-endian) hold an int argument whatever the caller left in the upper ones.
-_NR, _ARCH, _ARG0 = 0, 4, 16
-_AF_UNIX = 1
-_CLONE_THREAD = 0x00010000
-# CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET: not even for a thread.
-_CLONE_NAMESPACES = 0x7E020000
-
-
-class _SockFprog(ctypes.Structure):
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-
-
-def _op(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
-    return struct.pack("=HBBI", code, jt, jf, k)  # struct sock_filter
-
-
-def _filter(machine: str, pid: int) -> bytes:
-    """The BPF program: a deny-list (see the module's docstring), everything else allowed."""
-    nrs = _SYSCALLS[machine]
-    eperm = _op(_RET, _RET_ERRNO | errno.EPERM)
-    allow = _op(_RET, _RET_ALLOW)
-    prog = [
-        _op(_LD_W_ABS, _ARCH),
-        _op(_JEQ, _AUDIT_ARCH[machine], 1, 0),
-        _op(_RET, _RET_KILL_PROCESS),  # another ABI's numbers would dodge this list
-        _op(_LD_W_ABS, _NR),
-    ]
-    if machine == "x86_64":
-        prog += [_op(_JGE, _X32_SYSCALL_BIT, 0, 1), _op(_RET, _RET_KILL_PROCESS)]
-
-    def case(nr: int, block: list[bytes]) -> None:
-        # Every path through a block returns, so the next case still sees the number in A.
-        prog.append(_op(_JEQ, nr, 0, len(block)))
-        prog.extend(block)
-
-    for name in _DENIED:
-        if name in nrs:
-            case(nrs[name], [eperm])
-    case(nrs["clone3"], [_op(_RET, _RET_ERRNO | errno.ENOSYS)])  # its flags are out of reach
-    for name in _OWN_PID:
-        own = [_op(_LD_W_ABS, _ARG0), _op(_JEQ, pid & 0xFFFFFFFF, 0, 1), allow, eperm]
-        case(nrs[name], own)
-    case(nrs["socket"], [_op(_LD_W_ABS, _ARG0), _op(_JEQ, _AF_UNIX, 0, 1), allow, eperm])
-    thread = [
-        _op(_LD_W_ABS, _ARG0),
-        _op(_JSET, _CLONE_THREAD, 0, 2),
-        _op(_JSET, _CLONE_NAMESPACES, 1, 0),
-        allow,
-        eperm,
-    ]
-    case(nrs["clone"], thread)
-    prog.append(allow)
-    return b"".join(prog)
-
 
 def _seccomp(c: Containment) -> str:
-    machine = _machine()
-    if machine not in _SYSCALLS or sys.byteorder != "little":
-        return f"unavailable: no syscall numbers for {machine}"
-    code = _filter(machine, os.getpid())
-    buf = ctypes.create_string_buffer(code, len(code))
-    prog = _SockFprog(len(code) // 8, ctypes.cast(buf, ctypes.c_void_p))
-    _prctl(_PR_SET_NO_NEW_PRIVS, 1)  # a filter needs it without CAP_SYS_ADMIN
-    # The seccomp() call, not prctl(PR_SET_SECCOMP): TSYNC puts the filter on every thread (torch
-    # and CUDA started some), where prctl would filter the calling thread only.
-    try:
-        tid = _syscall(
-            _SYSCALLS[machine]["seccomp"],
-            _SECCOMP_SET_MODE_FILTER,
-            _SECCOMP_FILTER_FLAG_TSYNC,
-            ctypes.byref(prog),
-        )
-    except OSError as e:
-        if e.errno == errno.ENOSYS:
-            return "unavailable: the kernel has no seccomp()"
-        raise
-    if tid:
-        return f"failed: thread {tid} has a seccomp filter of its own"
-    return "held (deny-list, every thread)"
-
-
-def _machine() -> str:
-    return os.uname().machine
+    return syscall_filter.install()
 
 
 _LAYERS: dict[str, Callable[[Containment], str]] = {

@@ -47,7 +47,7 @@ from gpu_trace import runtime
 runtime.serving_process()
 import torch
 
-from gpu_trace.runtime.worker import sandbox
+from gpu_trace.runtime.worker import sandbox, syscalls
 
 args = json.loads(sys.argv[1])
 torch.set_num_threads(2)
@@ -61,7 +61,7 @@ c = sandbox.Containment(
 sandbox._apply(c, args["first"])
 if args["dumpable_again"]:
     # As a worker that never was root is: a change of uid makes a process undumpable.
-    sandbox._prctl(sandbox._PR_SET_DUMPABLE, 1)
+    syscalls.prctl(syscalls.PR_SET_DUMPABLE, 1)
 contained = sandbox.contain(c) if args["layers"] is None else sandbox._apply(c, args["layers"])
 results = {"layers": contained.layers}
 
