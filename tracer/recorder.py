@@ -7,15 +7,13 @@ every ``flush_interval_s`` and once more at exit, on an uncaught exception, on S
 After ``fork`` the child starts with empty buffers, its own spool files and its own flusher.
 
 Nothing here raises into the traced program: failures are logged once and recording goes on or
-stops quietly. A spool write that fails (a full disk) keeps its table, up to one buffer's worth of
-rows, and is tried again first at the next flush, so recording resumes, losing nothing, when space
-comes back; rows given up on are counted as dropped (``not_written`` in the stats file).
+stops quietly. What a flush writes, the spool's tables (kept and retried while the disk is full)
+and the stats file, is :mod:`gpu_trace.tracer.spool_output`'s.
 """
 
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import signal
@@ -32,26 +30,18 @@ import pyarrow as pa
 
 from gpu_trace.config import RecorderSettings
 from gpu_trace.tracer.background import BackgroundThread
-from gpu_trace.tracer.buffer import ThreadBuffer, ThreadRef, thread_name
+from gpu_trace.tracer.buffer import ThreadBuffer, ThreadRef
 from gpu_trace.tracer.clock import now_ns
-from gpu_trace.tracer.columns import spans_to_table
-from gpu_trace.tracer.files import disk_full, replace_text
 from gpu_trace.tracer.records import (
     CLOCK_SYNC_SCHEMA,
-    COUNTER_SCHEMA,
     STEP,
     STEP_LANE,
-    attrs_column,
     dict_column,
     numeric_column,
 )
-from gpu_trace.tracer.run import STATS_DIR
-from gpu_trace.tracer.spool import SpoolWriter
+from gpu_trace.tracer.spool_output import SpoolOutput, process_name
 
 log = logging.getLogger(__name__)
-
-#: A table the full disk refused is split in halves down to this many rows (a few hundred KiB).
-MIN_SPLIT_ROWS = 4096
 
 #: Seconds between two looks at how full the threads' buffers are: the flusher flushes early when
 #: one is a quarter full and holds at least FILL_MIN_EVENTS (so an early flush never writes a
@@ -105,13 +95,7 @@ class Recorder:
         # (number, start_ns, buffer, span_id)
         self._step: tuple[int, int, ThreadBuffer, int] | None = None
         self._step_number = -1
-        self._events = 0
         self._write_errors = 0
-        # Tables the spool could not take yet, oldest first: written before anything newer.
-        self._unwritten: list[tuple[str, pa.Table]] = []
-        self._not_written = 0  # rows given up on (counted as dropped)
-        self._write_failures = 0
-        self._write_error = ""  # why the spool is not being written now; "" when it is
         self._io_level = logging.WARNING if warn_write_errors else logging.INFO
         self._warned_drop = False
         self._stop = threading.Event()
@@ -119,8 +103,6 @@ class Recorder:
         self._flusher: BackgroundThread | None = None
         self._flush_lock = threading.Lock()
         self._closed = False
-        self._thread_names: dict[str, str] = {}  # every thread that recorded, by OS thread id
-        self._stats_written = ""  # the stats file's text as last written
         self._open_writer()
 
     # ---- set-up -------------------------------------------------------------------------------
@@ -132,10 +114,13 @@ class Recorder:
             "trace_id": self.trace_id,
             "host": self.host,
             "pid": str(self.pid),
-            "process_name": _process_name(),
+            "process_name": process_name(),
             "clock": "CLOCK_MONOTONIC",
         }
-        self.writer = SpoolWriter(self.run_dir, meta)
+        #: The spool and stats files this process's flushes write (:mod:`.spool_output`).
+        self.output = SpoolOutput(
+            self.run_dir, meta, self.pid, self.settings.buffer_events, self._io_level
+        )
 
     def start(self) -> None:
         """Start the background flusher: a thread with no Python frame between its flushes, so
@@ -272,18 +257,19 @@ class Recorder:
             thread = ref()  # once: the thread may be collected between two calls
             if thread is None or not thread.is_alive():
                 dead.append(buf)
-        self._write_spans(spans, tids)
-        self._write_counters(counters)
+        out = self.output
+        out.write_spans(spans, tids)
+        out.write_counters(counters)
         if samples:
             cols = list(zip(*samples))
             arrays = [dict_column(cols[0])] + [numeric_column(c, pa.int64()) for c in cols[1:]]
-            self._write("clock_sync", pa.table(arrays, schema=CLOCK_SYNC_SCHEMA))
+            out.write("clock_sync", pa.table(arrays, schema=CLOCK_SYNC_SCHEMA))
         for source in sources:
             try:
                 for kind, table in source.drain():
                     if kind == "spans":
-                        self._name_threads(table)
-                    self._write(kind, table)
+                        out.name_threads(table)
+                    out.write(kind, table)
             except Exception:
                 log.exception("gpu-trace: source %s failed to drain; dropping it", source.name)
                 with self._lock:
@@ -293,7 +279,10 @@ class Recorder:
                 self._buffers = [
                     (r, b) for r, b in self._buffers if b not in dead or b.spans or b.counters
                 ]
-        self._write_stats(buffers, sources)
+        out.write_stats(
+            [(b.tid, b.thread_name) for _, b in buffers],
+            sum(b.dropped for _, b in buffers) + sum(s.dropped() for s in sources),
+        )
         if not self._warned_drop and any(b.dropped for _, b in buffers):
             self._warned_drop = True
             log.warning(
@@ -301,129 +290,11 @@ class Recorder:
                 "dropped and counted (raise GPU_TRACE_BUFFER_EVENTS or lower GPU_TRACE_FLUSH_INTERVAL)"
             )
 
-    def _name_threads(self, table: pa.Table) -> None:
-        """Name the threads a source's spans were recorded on: those may have no buffer (the
-        main thread's ops at op level in a program without module calls, threads whose ops only
-        the native observer records), and their lanes were "thread <tid>"."""
-        for chunk in table.column("tid").chunks:
-            if len(chunk) and not chunk.null_count:  # read from the buffer: no pandas (spool.py)
-                tids = np.frombuffer(chunk.buffers()[1], np.uint64, len(chunk), chunk.offset * 8)
-                for tid in np.unique(tids).tolist():
-                    if str(tid) not in self._thread_names:
-                        self._thread_names[str(tid)] = thread_name(tid)
-
-    def _write(self, kind: str, table: pa.Table) -> None:
-        if table.num_rows:
-            self._unwritten.append((kind, table))
-            self._write_unwritten()
-
-    def _write_unwritten(self) -> None:
-        """Write the waiting tables in order; stop at the first that fails (to retry it next)."""
-        while self._unwritten:
-            kind, table = self._unwritten[0]
-            try:
-                self.writer.write(kind, table)
-            except OSError as exc:
-                if disk_full(exc) and table.num_rows >= 2 * MIN_SPLIT_ROWS:
-                    # Less may fit: write halves, so a nearly full disk takes all it has room for.
-                    half = table.num_rows // 2
-                    self._unwritten[0:1] = [(kind, table.slice(0, half)), (kind, table.slice(half))]
-                    continue
-                self._write_failed(exc)
-                return
-            except Exception:
-                self._unwritten.pop(0)  # it would fail again: give it up, then the boundary logs
-                self._not_written += table.num_rows
-                raise
-            self._unwritten.pop(0)
-            if kind in ("spans", "counters"):
-                self._events += table.num_rows
-        if self._write_error:
-            self._write_error = ""
-            log.log(self._io_level, "gpu-trace: writing the spool in %s again", self.run_dir)
-
-    def _write_failed(self, exc: OSError) -> None:
-        self._write_failures += 1
-        reason = "the disk is full" if disk_full(exc) else (exc.strerror or str(exc))
-        waiting = sum(t.num_rows for _, t in self._unwritten)
-        limit = self.settings.buffer_events
-        while waiting > limit and len(self._unwritten) > 1:
-            _, oldest = self._unwritten.pop(0)
-            waiting -= oldest.num_rows
-            self._not_written += oldest.num_rows
-        if not self._write_error:
-            log.log(
-                self._io_level,
-                "gpu-trace: cannot write the spool in %s (%s); up to %d events wait in memory "
-                "and are written when it can be, the rest are dropped and counted",
-                self.run_dir,
-                reason,
-                limit,
-            )
-        self._write_error = reason
-
-    def _write_spans(self, spans: list[tuple[object, ...]], tids: list[np.ndarray]) -> None:
-        if not spans:
-            return
-        self._write("spans", spans_to_table(spans, self.pid, np.concatenate(tids)))
-
-    def _write_counters(self, counters: list[tuple[object, ...]]) -> None:
-        if not counters:
-            return
-        source, device, metric, ts, value, labels = zip(*counters)
-        table = pa.table(
-            {
-                "source": dict_column(source),
-                "device": dict_column(device),
-                "metric": dict_column(metric),
-                "ts_ns": numeric_column(ts, pa.int64()),
-                "value": numeric_column(value, pa.float64()),
-                "labels": attrs_column(list(labels)),
-            },
-            schema=COUNTER_SCHEMA,
-        )
-        self._write("counters", table)
-
     def dropped(self) -> int:
         with self._lock:
             total = sum(b.dropped for _, b in self._buffers)
             sources = list(self._sources)
-        return total + sum(s.dropped() for s in sources) + self._not_written
-
-    def _write_stats(
-        self,
-        buffers: list[tuple[ThreadRef, ThreadBuffer]],
-        sources: list[Source],
-    ) -> None:
-        """Per-process totals, rewritten at every flush where they changed, so a killed process
-        still reports them (and an idle flush writes nothing: background.py)."""
-        # Ended threads too (their buffers are dropped once drained): a lane keeps its name.
-        self._thread_names.update((str(b.tid), b.thread_name) for _, b in buffers)
-        threads = dict(self._thread_names)
-        stats = {
-            "pid": self.pid,
-            "process_name": _process_name(),
-            "events": self._events,
-            "dropped": sum(b.dropped for _, b in buffers)
-            + sum(s.dropped() for s in sources)
-            + self._not_written,
-            "threads": threads,
-        }
-        if self._write_failures:
-            stats["not_written"] = self._not_written
-            stats["write_failures"] = self._write_failures
-            stats["write_error"] = self._write_error
-        text = json.dumps(stats)
-        if text == self._stats_written:
-            return
-        d = self.run_dir / STATS_DIR
-        try:
-            d.mkdir(exist_ok=True)
-            replace_text(d / f"{self.pid}.json", text)
-            self._stats_written = text
-        except OSError as exc:  # the spool's failure is the one reported; this one is retried
-            if not self._write_failures:
-                self._write_failed(exc)
+        return total + sum(s.dropped() for s in sources) + self.output.not_written
 
     # ---- lifetime -----------------------------------------------------------------------------
 
@@ -441,17 +312,7 @@ class Recorder:
         with self._lock:
             self._close_step(now_ns())
         self.flush()
-        if self._unwritten:  # the disk is still full: what waits is lost, and counted
-            lost = sum(t.num_rows for _, t in self._unwritten)
-            self._unwritten = []
-            self._not_written += lost
-            log.log(
-                self._io_level,
-                "gpu-trace: %d events could not be written to %s (%s) and are dropped",
-                lost,
-                self.run_dir,
-                self._write_error,
-            )
+        if self.output.give_up():  # the disk is still full: what waits is lost, and counted
             self.flush()  # the stats file, with the count (it fits where it was)
         for source in list(self._sources):
             try:
@@ -465,28 +326,17 @@ class Recorder:
         self._flush_lock = threading.Lock()
         self._local = threading.local()
         self._buffers = []
-        self._thread_names = {}
-        self._stats_written = ""
         self._clock_samples = []
         self._step = None
-        self._events = 0
-        self._unwritten = []
-        self._not_written = self._write_failures = 0
-        self._write_error = ""
         self._closed = False
         self._stop = threading.Event()
-        self._open_writer()
+        self._open_writer()  # and a new output: nothing unwritten, no counts, no stats yet
         for source in self._sources:
             try:
                 source.after_fork_in_child()
             except Exception:
                 log.exception("gpu-trace: source %s failed after fork", source.name)
         self.start()
-
-
-def _process_name() -> str:
-    argv = getattr(sys, "argv", None) or [sys.executable]
-    return " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(argv[:4]))[:200]
 
 
 # ---- the process-wide recorder -----------------------------------------------------------------

@@ -16,9 +16,10 @@ import pytest
 
 from gpu_trace.config import RecorderSettings
 from gpu_trace.tracer import files
-from gpu_trace.tracer.recorder import MIN_SPLIT_ROWS, Recorder
+from gpu_trace.tracer.recorder import Recorder
 from gpu_trace.tracer.run import RunInfo
 from gpu_trace.tracer.spool import SpoolWriter, list_spool, read_spool_file
+from gpu_trace.tracer.spool_output import MIN_SPLIT_ROWS
 
 
 class Disk:
@@ -62,7 +63,7 @@ def recorder(tmp_path: Path, disk: Disk, buffer_events: int = 1 << 20) -> Record
         run_dir=tmp_path / "run", run_id="r", flush_interval_s=60, buffer_events=buffer_events
     )
     rec = Recorder(settings)
-    rec.writer = SpoolWriter(rec.run_dir, rec.writer.meta, open_file=disk.open)
+    rec.output.writer = SpoolWriter(rec.run_dir, rec.output.writer.meta, open_file=disk.open)
     return rec
 
 
