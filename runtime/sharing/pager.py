@@ -34,9 +34,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gpu_trace.runtime.sharing.host_copies import (
+    PageOutStats,
+    bytes_of,
+    copy_out_cuda,
+    storage_groups,
+    use_count,
+)
 from gpu_trace.runtime.sharing.restore import (
     Gate,
     PagedStorage,
@@ -58,28 +64,6 @@ now_ns = time.perf_counter_ns
 
 #: The server's default for how long a session may sit idle before it is paged out (seconds).
 DEFAULT_IDLE_S = 300.0
-
-
-@dataclass
-class PageOutStats:
-    """One page-out: ``bytes`` copied to the host, ``alloc_ns`` getting the host buffers,
-    ``copy_ns`` the copies (CUDA event times on a GPU, from when the session's own work was
-    done), ``all_ns`` the whole call."""
-
-    session: int
-    bytes: int
-    storages: int
-    pinned: bool
-    device: str
-    start_ns: int
-    alloc_ns: int = 0
-    copy_ns: int = 0
-    all_ns: int = 0
-
-    @property
-    def bytes_per_s(self) -> float:
-        """The copies' bandwidth (bytes copied over ``copy_ns``)."""
-        return self.bytes * 1e9 / self.copy_ns if self.copy_ns else 0.0
 
 
 class _Paged:
@@ -193,7 +177,7 @@ class Pager:
         torch = self.torch
         t0 = now_ns()
         handles = session.handles
-        groups = self._groups(session)
+        groups = storage_groups(torch, self.device, session)
         if not groups:
             self._tried[session.id] = session.usage.last_active_ns
             return 0
@@ -206,11 +190,12 @@ class Pager:
             stats.pinned = stats.pinned and pinned
         stats.alloc_ns = now_ns() - t0
         if self.cuda:
-            self._copy_out_cuda(session, groups, stats)
+            own = self.stream_of(session) if self.stream_of is not None else None
+            copy_out_cuda(torch, self.device, self._side_stream(), own, groups, stats)
         else:
             c0 = now_ns()
             for st, storage in groups:
-                st.host.copy_(_bytes_of(torch, storage))
+                st.host.copy_(bytes_of(torch, storage))
             stats.copy_ns = max(1, now_ns() - c0)
         account = session.account
         notify, account.on_change = account.on_change, None
@@ -221,7 +206,7 @@ class Pager:
                 host_storage = st.host.untyped_storage()
                 for t in st.tensors:
                     t.data = view_on(torch, t, host_storage)
-                if _use_count(torch, storage) > 1:  # held elsewhere: nothing would be freed
+                if use_count(torch, storage) > 1:  # held elsewhere: nothing would be freed
                     for t in st.tensors:
                         t.data = view_on(torch, t, storage)
                     st.host = None
@@ -290,78 +275,11 @@ class Pager:
                     )
         return torch.empty(nbytes, dtype=torch.uint8), False
 
-    def _copy_out_cuda(
-        self,
-        session: Session,
-        groups: list[tuple[PagedStorage, torch.UntypedStorage]],
-        stats: PageOutStats,
-    ) -> None:
-        """Copy ``groups`` into their host buffers on the pager's stream, and wait for them.
-
-        The side stream first waits for the session's stream (its last batch may still be
-        writing these tensors) and for the device's default stream (work outside batches; the
-        pager's stream, like every stream from PyTorch's pool, does not synchronize with it by
-        itself): events on those two, where a device-wide synchronize, or this thread's current
-        stream (another session's, when a batch of it asks for room), would also wait for other
-        tenants' kernels in flight. The host then waits for the copies' own event only, so the
-        device storages can be freed (the allocator may hand them to the session's stream at
-        once).
-        """
-        torch = self.torch
-        side = self._side_stream()
-        side.wait_stream(torch.cuda.default_stream(self.device))
-        own = self.stream_of(session) if self.stream_of is not None else None
-        if own is not None:
-            side.wait_stream(own)
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record(side)
-        with torch.cuda.stream(side):
-            for st, storage in groups:
-                st.host.copy_(_bytes_of(torch, storage), non_blocking=True)
-        end.record(side)
-        end.synchronize()
-        stats.copy_ns = max(1, int(start.elapsed_time(end) * 1e6))
-
     def _side_stream(self) -> torch.cuda.Stream:
         """The pager's own CUDA stream: page-out and restore copies."""
         if self._stream is None:
             self._stream = self.torch.cuda.Stream(self.device)
         return self._stream
-
-    def _groups(self, session: Session) -> list[tuple[PagedStorage, Any]]:
-        """The session's device storages that paging out would free, with their tensors."""
-        torch = self.torch
-        kind = self.device.type  # "cuda" and "cuda:0" are one device here
-        keep = _graph_keys(torch, session.graphs)
-        groups: dict[int, tuple[PagedStorage, Any]] = {}
-        seen: set[int] = set()
-        for handle, t in session.handles.items():
-            if (
-                not isinstance(t, torch.Tensor)
-                or t.layout != torch.strided
-                or t.device.type != kind
-                or t.is_quantized
-            ):
-                continue
-            storage = t.untyped_storage()
-            key = storage.data_ptr()
-            if not key or key in keep or storage.nbytes() == 0:
-                continue
-            if session.handles.key(handle) != key:  # storage swapped under the account
-                keep.add(key)
-                groups.pop(key, None)
-                continue
-            entry = groups.get(key)
-            if entry is None:
-                entry = groups[key] = (PagedStorage(storage.nbytes(), [], []), storage)
-            st = entry[0]
-            st.handles.append(handle)
-            for x in (t, t._base):
-                if x is not None and id(x) not in seen:
-                    seen.add(id(x))
-                    st.tensors.append(x)
-        return list(groups.values())
 
     def request_page_out(
         self, session: Session, reason: str = "admin", timeout_s: float = 30.0
@@ -590,32 +508,8 @@ class Pager:
 # ---- helpers -------------------------------------------------------------------------------------
 
 
-def _bytes_of(torch: Any, storage: Any) -> Any:
-    """A storage's bytes as a flat uint8 tensor."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
-def _use_count(torch: Any, storage: Any) -> int:
-    """References to ``storage`` from tensors (and this one Python object)."""
-    count = getattr(torch._C, "_storage_Use_Count", None)
-    return int(count(storage._cdata)) if count is not None else 1
-
-
-def _graph_keys(torch: Any, graphs: dict[int, Any]) -> set[int]:
-    """Storages of the tensors kept graphs hold (``rt::fn`` leaves and outputs)."""
-    keys: set[int] = set()
-    stack = list(graphs.values())
-    while stack:
-        x = stack.pop()
-        if isinstance(x, torch.Tensor):
-            keys.add(x.untyped_storage().data_ptr())
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-    return keys
-
-
 def _held(session: Session, st: PagedStorage) -> bool:
     return any(session.handles.key(h) == st.key for h in st.handles)
 
 
-__all__ = ["DEFAULT_IDLE_S", "PageOutStats", "Pager"]
+__all__ = ["DEFAULT_IDLE_S", "Pager"]
