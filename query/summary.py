@@ -121,9 +121,12 @@ SELECT name, pid, start_ns, end_ns - start_ns AS dur_ns FROM __db__.spans
 WHERE run_id = {run:String} AND category = 'step' ORDER BY pid, start_ns LIMIT {limit:UInt32}
 """
 
+# The mean sums a series' values in sorted order: a float sum depends on its order, and the
+# engine adds parts in whatever order they lie (a run imported back, or ingested in other
+# batches, would show a mean a last digit off).
 _COUNTERS = """
 SELECT host, source, device, metric, count() AS count, min(value) AS min,
-       avg(value) AS mean, max(value) AS max
+       arraySum(arraySort(groupArray(value))) / count() AS mean, max(value) AS max
 FROM __db__.counters WHERE run_id = {run_id:String}
 GROUP BY host, source, device, metric ORDER BY source, device, metric, host
 """
