@@ -4,18 +4,18 @@ Precedence, highest first: an explicit argument, a CLI flag, a ``GPU_TRACE_*`` e
 variable, the default. Every variable the project reads is listed in :data:`ENVIRONMENT`; nothing
 else in the code base reads ``os.environ`` for a ``GPU_TRACE_*`` name. Each has one parser in
 :data:`CHECKS`, used where it is read and by :func:`check_environment` before a program is
-recorded, so a bad value is refused up front with its variable, value and accepted range.
+recorded, so a bad value is refused up front with its variable, value and accepted range (the
+parsers of each kind of value: :mod:`gpu_trace._value_parsers`).
 """
 
 from __future__ import annotations
 
-import math
 import os
-import re
-import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from gpu_trace import _value_parsers as v
 
 #: Every environment variable gpu-trace reads, with what it means.
 ENVIRONMENT: dict[str, str] = {
@@ -113,205 +113,47 @@ DEFAULT_BUFFER_EVENTS = 1 << 20
 MAX_BUFFER_EVENTS = 1 << 30
 
 
-# ---- checking values -----------------------------------------------------------------------------
-#
-# Every variable has one parser below, used by its getter and by check_environment(), so a value
-# is judged the same way before the program starts (`gpu-trace record`, `gpu_trace.start()`) and
-# where it is read. A parser returns the typed value or raises ValueError saying what it accepts;
-# the caller adds the variable and the value to make the message.
-
-
-class _Invalid(ValueError):
-    """What a value should have been (the caller names the variable and the value)."""
-
-
-def _number(
-    lo: float, hi: float, what: str, *, lo_open: bool = False, integer: bool = False
-) -> Callable[[str], float]:
-    bounds = f"{'(' if lo_open else '['}{_plain(lo)}, {_plain(hi)}]"
-    expected = f"a {'whole ' if integer else ''}number of {what} in {bounds}"
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise _Invalid(expected) from None
-        # NaN fails every comparison and infinity every bound: both are refused here.
-        if not math.isfinite(value) or not (lo < value if lo_open else lo <= value) or value > hi:
-            raise _Invalid(expected)
-        if integer and not value.is_integer():
-            raise _Invalid(expected)
-        return int(value) if integer else value
-
-    return parse
-
-
-def _plain(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else f"{x:g}"
-
-
-def _choice(*options: str) -> Callable[[str], str]:
-    def parse(text: str) -> str:
-        value = text.strip().lower()
-        if value not in options:
-            raise _Invalid(f"one of {', '.join(options)}")
-        return value
-
-    return parse
-
-
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
-
-
-def _flag(text: str) -> bool:
-    value = text.strip().lower()
-    if value not in _TRUE + _FALSE:
-        raise _Invalid(f"one of {', '.join(_TRUE + _FALSE)}")
-    return value in _TRUE
-
-
-def _directory(text: str) -> Path:
-    path = Path(text).expanduser()
-    if path.exists() and not path.is_dir():
-        raise _Invalid("a directory (this path is something else)")
-    return path
-
-
-def _new_file(text: str) -> Path:
-    path = Path(text).expanduser()
-    if path.is_dir() or not path.parent.is_dir():
-        raise _Invalid("a file path in an existing directory")
-    return path
-
-
-def _file(text: str) -> Path:
-    path = Path(text).expanduser()
-    if not path.is_file():
-        raise _Invalid("an existing file")
-    return path
-
-
-def _dsn(text: str) -> str:
-    from gpu_trace.store.dsn import parse_dsn
-
-    try:
-        parse_dsn(text)
-    except ValueError as exc:
-        raise _Invalid(f"chdb:///path or http(s)://user:password@host:port ({exc})") from None
-    return text
-
-
-_CLUSTER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
-
-
-def _cluster(text: str) -> str:
-    if not _CLUSTER.match(text):
-        raise _Invalid("a cluster name (letters, digits, _ . -)")
-    return text
-
-
-def _address(text: str) -> str:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) <= 65535:
-        raise _Invalid("HOST:PORT with a port in [1, 65535]")
-    return text
-
-
-def _token(text: str) -> str:
-    if len(text) < 16:
-        raise _Invalid("at least 16 characters")
-    return text
-
-
-def _command(text: str) -> str:
-    # A compiler that is not there is not refused: the builds it is for fall back (native NVTX
-    # capture off with a note, the Python gpu_trace.range), as documented.
-    try:
-        words = shlex.split(text)
-    except ValueError:
-        words = []
-    if not words:
-        raise _Invalid("a command line (shell quoting)")
-    return text
-
-
-_RUN_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
-
-
-def _run_id(text: str) -> str:
-    if not _RUN_ID.match(text) or text in (".", ".."):
-        raise _Invalid("1 to 128 letters, digits and _ . : -")
-    return text
-
-
-def _job(text: str) -> str:
-    if not text.strip() or len(text) > 200 or not text.isprintable():
-        raise _Invalid("a job id: 1 to 200 printable characters")
-    return text
-
-
-def _signal_echo(text: str) -> str:
-    parts = text.split(":")
-    if len(parts) != 3 or not all(p.isdigit() for p in parts):
-        raise _Invalid("FD:PID:INODE, set by gpu-trace record for the program it starts")
-    return text
-
-
-def _anything(text: str) -> str:
-    return text
-
-
-def _nvml_families(text: str) -> frozenset[str]:
-    from gpu_trace.collectors.nvml.families import ALL, parse
-
-    try:
-        return parse(text)
-    except ValueError:
-        raise _Invalid(f"NVML families from {', '.join(sorted(ALL))}, default, all") from None
-
-
 #: The parser of every variable in ENVIRONMENT. TRACEPARENT is never refused: a malformed
 #: propagated context is ignored (W3C Trace Context), the run then starts a trace of its own.
 CHECKS: dict[str, Callable[[str], object]] = {
-    "GPU_TRACE_HOME": _directory,
-    "GPU_TRACE_STORE": _dsn,
-    "GPU_TRACE_CLUSTER": _cluster,
-    "GPU_TRACE_REMOTE": _address,
-    "GPU_TRACE_REMOTE_SYNC": _flag,
-    "GPU_TRACE_REMOTE_TOKEN": _token,
-    "GPU_TRACE_REMOTE_TIMEOUT": _number(0, 3600, "seconds", lo_open=True),
-    "GPU_TRACE_SPIN_US": _number(0, 1_000_000, "microseconds"),
-    "GPU_TRACE_HANDSHAKE_TIMEOUT": _number(0, 3600, "seconds", lo_open=True),
-    "GPU_TRACE_MAX_HANDSHAKES": _number(1, 100_000, "connections", integer=True),
-    "GPU_TRACE_RECORD_OPS": _new_file,
-    "GPU_TRACE_RUN_DIR": _directory,
-    "GPU_TRACE_RUN_ID": _run_id,
-    "GPU_TRACE_JOB": _job,
-    "GPU_TRACE_SIGNAL_ECHO": _signal_echo,
-    "GPU_TRACE_FLUSH_INTERVAL": _number(0, 60, "seconds", lo_open=True),
-    "GPU_TRACE_BUFFER_EVENTS": _number(16, MAX_BUFFER_EVENTS, "events", integer=True),
-    "GPU_TRACE_NVTX": _choice("native", "python", "off"),
-    "GPU_TRACE_NVTX_CLOCK": _choice("auto", "monotonic"),
-    "GPU_TRACE_CC": _command,
-    "GPU_TRACE_GPU_ACTIVITY": _choice("auto", "on", "off"),
-    "GPU_TRACE_CUPTI_LIBRARY": _file,
-    "GPU_TRACE_TORCH": _choice("module", "op", "off"),
-    "GPU_TRACE_TORCH_SHAPES": _flag,
-    "GPU_TRACE_TORCH_OPS": _choice("native", "kineto"),
-    "GPU_TRACE_TF": _choice("layer", "op", "off"),
-    "GPU_TRACE_NVML_HZ": _number(0, 1000, "samples per second"),
-    "GPU_TRACE_HOST_HZ": _number(0, 1000, "samples per second"),
-    "GPU_TRACE_NVML_REPLAY": _file,
-    "GPU_TRACE_NVML_FAMILIES": _nvml_families,
-    "GPU_TRACE_KEEP_SPOOL": _flag,
-    "TRACEPARENT": _anything,
+    "GPU_TRACE_HOME": v.directory,
+    "GPU_TRACE_STORE": v.dsn,
+    "GPU_TRACE_CLUSTER": v.cluster,
+    "GPU_TRACE_REMOTE": v.address,
+    "GPU_TRACE_REMOTE_SYNC": v.flag,
+    "GPU_TRACE_REMOTE_TOKEN": v.token,
+    "GPU_TRACE_REMOTE_TIMEOUT": v.number(0, 3600, "seconds", lo_open=True),
+    "GPU_TRACE_SPIN_US": v.number(0, 1_000_000, "microseconds"),
+    "GPU_TRACE_HANDSHAKE_TIMEOUT": v.number(0, 3600, "seconds", lo_open=True),
+    "GPU_TRACE_MAX_HANDSHAKES": v.number(1, 100_000, "connections", integer=True),
+    "GPU_TRACE_RECORD_OPS": v.new_file,
+    "GPU_TRACE_RUN_DIR": v.directory,
+    "GPU_TRACE_RUN_ID": v.run_id,
+    "GPU_TRACE_JOB": v.job,
+    "GPU_TRACE_SIGNAL_ECHO": v.signal_echo,
+    "GPU_TRACE_FLUSH_INTERVAL": v.number(0, 60, "seconds", lo_open=True),
+    "GPU_TRACE_BUFFER_EVENTS": v.number(16, MAX_BUFFER_EVENTS, "events", integer=True),
+    "GPU_TRACE_NVTX": v.choice("native", "python", "off"),
+    "GPU_TRACE_NVTX_CLOCK": v.choice("auto", "monotonic"),
+    "GPU_TRACE_CC": v.command,
+    "GPU_TRACE_GPU_ACTIVITY": v.choice("auto", "on", "off"),
+    "GPU_TRACE_CUPTI_LIBRARY": v.file,
+    "GPU_TRACE_TORCH": v.choice("module", "op", "off"),
+    "GPU_TRACE_TORCH_SHAPES": v.flag,
+    "GPU_TRACE_TORCH_OPS": v.choice("native", "kineto"),
+    "GPU_TRACE_TF": v.choice("layer", "op", "off"),
+    "GPU_TRACE_NVML_HZ": v.number(0, 1000, "samples per second"),
+    "GPU_TRACE_HOST_HZ": v.number(0, 1000, "samples per second"),
+    "GPU_TRACE_NVML_REPLAY": v.file,
+    "GPU_TRACE_NVML_FAMILIES": v.nvml_families,
+    "GPU_TRACE_KEEP_SPOOL": v.flag,
+    "TRACEPARENT": v.anything,
     # The program's own OpenTelemetry SDK reads these too: never refused up front; `--otlp`
     # checks them when it sends (export/endpoint.py: from_settings).
-    "OTEL_EXPORTER_OTLP_ENDPOINT": _anything,
-    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": _anything,
-    "OTEL_EXPORTER_OTLP_HEADERS": _anything,
-    "OTEL_EXPORTER_OTLP_TRACES_HEADERS": _anything,
+    "OTEL_EXPORTER_OTLP_ENDPOINT": v.anything,
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": v.anything,
+    "OTEL_EXPORTER_OTLP_HEADERS": v.anything,
+    "OTEL_EXPORTER_OTLP_TRACES_HEADERS": v.anything,
 }
 
 
@@ -324,7 +166,7 @@ def parse(name: str, text: str) -> object:
     """``text`` as variable ``name`` takes it; ValueError naming both and what is accepted."""
     try:
         return CHECKS[name](text)
-    except _Invalid as exc:
+    except v.Invalid as exc:
         got = f"{len(text)} characters (not shown)" if name in SECRETS else repr(text)
         raise ValueError(f"{name} must be {exc}, got {got}") from None
 
@@ -464,7 +306,7 @@ def nvml_replay(explicit: Path | None = None) -> Path | None:
 def nvml_families() -> frozenset[str]:
     """NVML families to sample (``GPU_TRACE_NVML_FAMILIES``; default: the cheap ones)."""
     value = _get("GPU_TRACE_NVML_FAMILIES", None)
-    return value if isinstance(value, frozenset) else _nvml_families("default")
+    return value if isinstance(value, frozenset) else v.nvml_families("default")
 
 
 def _rate(name: str, explicit: float | None, default: float) -> float:
