@@ -304,6 +304,26 @@ void comm_push(const CommRec& r) {
 }
 
 #ifdef GT_PARAM_COMMS
+// Getters of ParamCommsDebugInfo that some PyTorch releases lack (2.11 has no sequence number):
+// read where the release has them, a blank where not. The overload taking `int` wins where its
+// return type is well formed, so one source builds against each release.
+template <typename T>
+auto param_seq(const T* i, int) -> decltype(static_cast<int64_t>(i->getSequenceNumber())) {
+  return static_cast<int64_t>(i->getSequenceNumber());
+}
+template <typename T>
+int64_t param_seq(const T*, long) {
+  return -1;
+}
+template <typename T>
+auto param_desc(const T* i, int) -> decltype(std::string(i->getProcessGroupDesc())) {
+  return std::string(i->getProcessGroupDesc());
+}
+template <typename T>
+std::string param_desc(const T*, long) {
+  return std::string();
+}
+
 void read_param_comms(CommRec& r) {
   auto* base = c10::ThreadLocalDebugInfo::get(c10::DebugInfoKind::PARAM_COMMS_INFO);
   if (base == nullptr) {
@@ -311,13 +331,16 @@ void read_param_comms(CommRec& r) {
   }
   // Only ParamCommsDebugInfo is kept under PARAM_COMMS_INFO (RECORD_PARAM_COMMS).
   auto* info = static_cast<torch::ParamCommsDebugInfo*>(base);
-  r.seq = info->getSequenceNumber();
+  r.seq = param_seq(info, 0);
   r.in_elems = info->getInMessageNelems();
   r.out_elems = info->getOutMessageNelems();
   r.bytes = r.in_elems * static_cast<int64_t>(c10::elementSize(info->getDType()));
   r.dtype = intern_text(c10::toString(info->getDType()));
   r.pg = intern_text(info->getProcessGroupName());
-  r.pg_desc = intern_text(info->getProcessGroupDesc());
+  const std::string desc = param_desc(info, 0);
+  if (!desc.empty()) {
+    r.pg_desc = intern_text(desc);
+  }
   r.rank = info->getRank();
   r.world = info->getWorldSize();
   std::string ranks;
