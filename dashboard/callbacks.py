@@ -15,7 +15,7 @@ from typing import Any
 from dash import ALL, Dash, Input, Output, Patch, State, ctx, no_update
 from dash.exceptions import PreventUpdate
 
-from gpu_trace.dashboard import address, panels, reports, timeline
+from gpu_trace.dashboard import address, panels, rank_view, reports, timeline
 from gpu_trace.dashboard.address import Address
 from gpu_trace.dashboard.layout import TABS
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore
@@ -38,6 +38,7 @@ from gpu_trace.dashboard.views import (
 )
 from gpu_trace.plots import figures
 from gpu_trace.query import gpu_work, reads, windows
+from gpu_trace.query.distributed import rank_summary
 
 log = logging.getLogger(__name__)
 
@@ -297,6 +298,15 @@ def register(app: Dash, source: ReadOnlyStore) -> None:
             return no_update
         try:
             return panels.tenants(reports.tenants(source, run_id))
+        except Exception as exc:
+            return _fail(exc)
+
+    @app.callback(Output("ranks-body", "children"), Input("tabs", "value"), Input("run", "value"))
+    def show_ranks(tab: str, run_id: str | None) -> Any:
+        if tab != "ranks" or not run_id:
+            return no_update
+        try:
+            return rank_view.ranks(rank_summary(source, run_id))
         except Exception as exc:
             return _fail(exc)
 

@@ -20,6 +20,7 @@ TABS = (
     ("timeline", "Timeline"),
     ("summary", "Summary"),
     ("tenants", "Tenants"),
+    ("ranks", "Ranks"),
     ("compare", "Compare"),
     ("export", "Export"),
 )
@@ -176,6 +177,7 @@ def page(store_display: str, view: dict[tuple[str, str], Any] | None = None) -> 
             timeline,
             _panel("summary", [dcc.Loading(html.Div(id="summary-body"))], tab == "summary"),
             _panel("tenants", [dcc.Loading(html.Div(id="tenants-body"))], tab == "tenants"),
+            _panel("ranks", [dcc.Loading(html.Div(id="ranks-body"))], tab == "ranks"),
             compare,
             export,
         ]

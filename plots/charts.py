@@ -24,7 +24,7 @@ PARTS = (
 )
 
 
-def _layout(fig: go.Figure, title: str, height: int = 320, **extra: Any) -> go.Figure:
+def layout(fig: go.Figure, title: str, height: int = 320, **extra: Any) -> go.Figure:
     fig.update_layout(
         title={"text": esc(title), "font": {"size": 14}},
         height=height,
@@ -60,7 +60,7 @@ def top_self(rows: list[dict[str, Any]]) -> go.Figure:
                    marker_color="#1f77b4"),
         ]
     )  # fmt: skip
-    return _layout(
+    return layout(
         fig, "top ranges by self time (ms)", height=120 + 18 * len(rows), barmode="overlay"
     )
 
@@ -82,7 +82,7 @@ def module_tree(modules: dict[str, Any]) -> go.Figure:
             root_color="white",
         )
     )
-    return _layout(fig, "module tree (total ms)", height=420)
+    return layout(fig, "module tree (total ms)", height=420)
 
 
 def forwarding(fwd: dict[str, Any]) -> go.Figure:
@@ -113,7 +113,7 @@ def forwarding(fwd: dict[str, Any]) -> go.Figure:
     title = "forwarded time per op (ms)"
     if bad:
         title += f" ({bad} negative values from malformed spans drawn as 0)"
-    return _layout(fig, title, height=140 + 18 * len(ops), barmode="stack")
+    return layout(fig, title, height=140 + 18 * len(ops), barmode="stack")
 
 
 def steps(rows: list[dict[str, Any]]) -> go.Figure:
@@ -138,7 +138,7 @@ def steps(rows: list[dict[str, Any]]) -> go.Figure:
     )
     fig.update_xaxes(title_text="step")
     fig.update_yaxes(title_text="ms", rangemode="tozero")
-    return _layout(fig, "step times")
+    return layout(fig, "step times")
 
 
 # ---- tenants -------------------------------------------------------------------------------------
@@ -170,7 +170,7 @@ def _tenant_layout(fig: go.Figure, data: Tenants, title: str, **extra: Any) -> g
     lo, hi = (_since(data, t) for t in data["range_ns"])
     pad = (hi - lo) * 0.01
     fig.update_xaxes(ticksuffix=" s", range=[lo - pad, hi + pad])
-    fig = _layout(fig, title, height=300, **extra)
+    fig = layout(fig, title, height=300, **extra)
     fig.update_layout(legend_traceorder="normal")
     return fig
 
@@ -393,7 +393,7 @@ def compare_steps(data: dict[str, Any]) -> go.Figure:
             )
         )
     fig.update_yaxes(title_text="ms", rangemode="tozero")
-    return _layout(fig, "step times, side by side")
+    return layout(fig, "step times, side by side")
 
 
 def compare_bars(rows: list[dict[str, Any]], label: str, names: tuple[str, str], title: str):
@@ -407,7 +407,7 @@ def compare_bars(rows: list[dict[str, Any]], label: str, names: tuple[str, str],
             for k, n in zip(("a", "b"), names)
         ]
     )  # fmt: skip
-    return _layout(fig, title, height=140 + 22 * len(rows), barmode="group")
+    return layout(fig, title, height=140 + 22 * len(rows), barmode="group")
 
 
 def gpu_busy(rows: list[StepBusy]) -> go.Figure:
@@ -432,4 +432,4 @@ def gpu_busy(rows: list[StepBusy]) -> go.Figure:
             )  # fmt: skip
     fig.update_yaxes(range=[0, 100], ticksuffix="%")
     fig.update_xaxes(showticklabels=len(rows) <= 60)
-    return _layout(fig, "GPU busy and idle share of each step", barmode="stack")
+    return layout(fig, "GPU busy and idle share of each step", barmode="stack")

@@ -364,3 +364,40 @@ def cupti_run(store: Store, run_id: str = "cupti") -> int:
                 hosts=["h100"], status="finished", attrs={})
     )  # fmt: skip
     return n
+
+
+def ranked_run(store: Store, run_id: str = "ranked") -> None:
+    """Two ranks (pids 100 and 200: rank 0 and 1, gloo, and NCCL kernels on rank 0), three steps
+    of 1 ms each. In step ``i`` (``t = 1000 * i`` µs) each rank runs an op, then an all_reduce
+    (sequence number ``i + 1``): rank 0 enters at ``t + 300``, rank 1 at ``t + 500`` (it made rank
+    0 wait 200 µs: the straggler in every step), both end at ``t + 600``. Rank 0's GPU runs a
+    compute kernel ``[t + 100, t + 400)`` and an NCCL kernel ``[t + 350, t + 600)``: 50 of its
+    250 µs beside computation (NCCL overlap 20%)."""
+    us = 1000
+    spans: list[dict[str, Any]] = []
+
+    def add(pid: int, name: str, lane: str, cat: str, t0: int, t1: int, tid: int = 1,
+            **attrs: str) -> None:  # fmt: skip
+        spans.append({"pid": pid, "tid": tid, "name": name, "lane": lane, "category": cat,
+                      "start_ns": t0 * us, "end_ns": t1 * us, "attrs": attrs})  # fmt: skip
+
+    for i in range(3):
+        t = 1000 * i
+        for pid, enter, busy in ((100, 300, 250), (200, 500, 450)):
+            add(pid, f"ProfilerStep#{i}", "steps", "step", t, t + 1000)
+            add(pid, "aten::mm", "torch/ops", "op", t + 20, t + 20 + busy)
+            add(pid, "all_reduce", "torch/collectives", "collective", t + enter, t + 600,
+                seq=str(i + 1), pg="0", backend="gloo")  # fmt: skip
+        add(100, "ampere_sgemm_128x64_nn", "gpu0/stream7", "kernel", t + 100, t + 400, tid=0,
+            device="0", stream="7")  # fmt: skip
+        add(100, "ncclDevKernel_AllReduce_Sum_f32", "gpu0/stream13", "kernel", t + 350, t + 600,
+            tid=0, device="0", stream="13")  # fmt: skip
+    add_run(store, run_id, spans, 0, 3000 * us)
+    facts = {100: {"rank": "0", "world_size": "2", "backend": "gloo"},
+             200: {"rank": "1", "world_size": "2", "backend": "gloo"}}  # fmt: skip
+    store.insert_rows(
+        "threads",
+        ["run_id", "host", "pid", "tid", "process_name", "thread_name", "updated_ns",
+         "process_attrs"],
+        [[run_id, "client", pid, 1, "python", "main", 1, f] for pid, f in facts.items()],
+    )  # fmt: skip

@@ -24,6 +24,7 @@ from tests.dashboard_data import (  # noqa: E402
     forwarded_run,
     gpu_run,
     minute_run,
+    ranked_run,
     tenants_run,
 )
 
@@ -41,6 +42,7 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tenants_run(store, "tenants-xss", ("alice", XSS))
     minute_run(store)
     gpu_run(store)
+    ranked_run(store)
     source = ReadOnlyStore(store=store)
     server = Server(source, "127.0.0.1", 0).start()
     yield server
@@ -559,3 +561,21 @@ def test_an_address_with_a_window_and_a_search_term_restores_the_view(page, app:
     assert page.inner_text("#search-count") == "70 matches · name contains, any case"
     assert page.locator("#search").input_value() == "train_step"
     page.screenshot(path=str(ARTIFACTS / "search.png"), full_page=True)
+
+
+def test_the_ranks_tab_shows_a_jobs_ranks_and_charts(page, app: Server) -> None:
+    """A two-rank run's Ranks tab: the ranks with their waiting and NCCL overlap, the straggler,
+    per-step figures and both charts drawn with their titles clear of the axes; a run without
+    ranks says so."""
+    page.goto(f"{app.url}/?run=ranked&tab=ranks")
+    page.locator("#ranks-step-time .scatterlayer, #ranks-step-time .barlayer").first.wait_for()
+    page.locator("#ranks-comm .scatterlayer .trace").first.wait_for()
+    page.wait_for_timeout(300)
+    page.screenshot(path=str(ARTIFACTS / "ranks.png"), full_page=True)
+    body = page.inner_text("#ranks-body")
+    assert "straggler: rank 1" in body and "NCCL overlap" in body and "20.0%" in body
+    assert "stragglers per step" in body
+    assert page.evaluate(TITLES_OVER_AXES) == []
+    page.goto(f"{app.url}/?run=minute&tab=ranks")
+    page.locator("#ranks-none").wait_for()
+    assert "This run has no ranks" in page.inner_text("#ranks-body")
