@@ -130,8 +130,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.close()
     why = f" ({server.stop_reason})" if server.stop_reason else ""
     gpu = ""
-    if activity is not None:
-        c = activity.counts
+    c = server.gpu_activity_counts()  # this process's capture, or its workers'
+    if c is not None:
         gpu = (
             f"; {c.spans} GPU activity spans sent ({c.dropped} records dropped by CUPTI,"
             f" {c.unattributed} outside traced ops, {c.late} after their session ended)"

@@ -115,6 +115,8 @@ class Report(Message):
     batches: int
     #: Run directories of spool files written since the last report (``spool:`` sinks).
     dirty: list[str] = field(default_factory=list)
+    #: The worker's GPU activity so far (``device_activity.Counts`` as a dict), when it captures.
+    gpu_activity: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -107,6 +107,7 @@ class Link:
     paged: list[int | None] = dataclasses.field(default_factory=list)
     paged_event: threading.Event = dataclasses.field(default_factory=threading.Event)
     nice: int = 0  # what the front last set its threads to
+    gpu_activity: dict[str, int] = dataclasses.field(default_factory=dict)  # as last reported
 
 
 class Front:
@@ -122,6 +123,7 @@ class Front:
         self.deaths = 0
         self.killed = 0
         self._batches_ended = 0
+        self._activity_ended: dict[str, int] = {}  # ended sessions' workers' GPU activity
 
     # ---- a session's life ------------------------------------------------------------------------
 
@@ -179,6 +181,8 @@ class Front:
             worker.close()
             with self._lock:
                 self._batches_ended += session.batches
+                for key, n in link.gpu_activity.items():
+                    self._activity_ended[key] = self._activity_ended.get(key, 0) + n
             self._rebalance(session.tenant.name)
 
     def _follow(self, link: Link) -> None:
@@ -217,6 +221,9 @@ class Front:
         link.state = report.state
         link.resident = max(0, int(report.memory_bytes) - int(report.paged_bytes))
         session.batches = int(report.batches)
+        link.gpu_activity = {
+            str(k): int(v) for k, v in report.gpu_activity.items() if type(v) is int
+        }
         self.server.memory.changed(session)
         self._renice(link)  # under las, a session sinks as it attains service
         sink = self.server.sink
@@ -327,6 +334,16 @@ class Front:
         """Batches the workers ran, the live sessions' as last reported."""
         with self._lock:
             return self._batches_ended + sum(lk.session.batches for lk in self.links.values())
+
+    def gpu_activity(self) -> dict[str, int]:
+        """The workers' GPU activity summed (``device_activity.Counts``' fields), the live
+        sessions' as last reported; empty when no worker captured any."""
+        with self._lock:
+            out = dict(self._activity_ended)
+            for link in self.links.values():
+                for key, n in link.gpu_activity.items():
+                    out[key] = out.get(key, 0) + n
+        return out
 
     def state(self, session: Session) -> str | None:
         link = self.links.get(session.id)

@@ -13,6 +13,7 @@ a shared store.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import socket
@@ -35,7 +36,7 @@ from gpu_trace.runtime.protocol.wire import (
 )
 from gpu_trace.runtime.server import admin
 from gpu_trace.runtime.server.conversation import Refused, handshake, read_loop
-from gpu_trace.runtime.server.device_activity import DeviceActivity
+from gpu_trace.runtime.server.device_activity import Counts, DeviceActivity
 from gpu_trace.runtime.server.executor import Executor
 from gpu_trace.runtime.server.front import Front
 from gpu_trace.runtime.server.handshakes import Handshakes
@@ -218,6 +219,17 @@ class Server:
             first = self.front.standby.first
             return first.gpu_activity if first is not None else "off"
         return "on" if self.gpu_activity is not None else "off"
+
+    def gpu_activity_counts(self) -> Counts | None:
+        """What the server's GPU activity came to (this process's capture, or its workers' as
+        they reported it); None when nothing captured any."""
+        if self.front is not None:
+            got = self.front.gpu_activity()
+            if not got:
+                return None
+            names = {f.name for f in dataclasses.fields(Counts)}
+            return Counts(**{k: v for k, v in got.items() if k in names})
+        return self.gpu_activity.counts if self.gpu_activity is not None else None
 
     def batches_served(self) -> int:
         """Batches run so far (by this process's executor, or by the workers)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -316,7 +317,9 @@ class Worker:
         account = session.account
         usage = session.usage.snapshot()
         state = _state(server, session)
-        key = (tuple(usage.values()), account.bytes, account.paged_bytes, state)
+        activity = dataclasses.asdict(server.gpu_activity.counts) if server.gpu_activity else {}
+        key = (tuple(usage.values()), account.bytes, account.paged_bytes, state,
+               tuple(activity.values()))  # fmt: skip
         if key == self._reported and not force:
             return
         self._reported = key
@@ -333,6 +336,7 @@ class Worker:
                 state=state,
                 batches=int(session.batches),
                 dirty=dirty,
+                gpu_activity=activity,
             )
         )
 

@@ -49,6 +49,11 @@ def test_messages_round_trip_with_a_descriptor() -> None:
     worker.send(Report({"ops": 3}, 10, 12, 0, "idle", 1))
     msg, fd = front.recv(5)
     assert isinstance(msg, Report) and msg.usage == {"ops": 3} and fd is None
+    # a worker that captures GPU activity reports its counts (serve's closing line sums them)
+    counts = {"records": 40, "spans": 20, "unattributed": 1, "late": 0, "dropped": 0}
+    worker.send(Report({}, 0, 0, 0, "idle", 2, gpu_activity=counts))
+    msg, _ = front.recv(5)
+    assert isinstance(msg, Report) and msg.gpu_activity == counts
     for s in (front, worker, a, b):
         s.close()
 
