@@ -28,6 +28,7 @@ class Worker(Protocol):
 
     context_lost: Callable[[], bool]
 
+
 #: What CUDA says after a kernel's out-of-range index (the text a worker looks for).
 DEVICE_ASSERT = "CUDA error: device-side assert triggered (a test probe's stand-in)"
 
