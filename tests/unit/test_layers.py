@@ -178,8 +178,7 @@ def test_collectors_and_framework_patches_share_no_file_name_with_another_module
     found = {
         name: owners
         for name, owners in everywhere.items()
-        if len(owners) > 1
-        and any(m.startswith(UNIQUE_NAMES) for m in owners)
+        if len(owners) > 1 and any(m.startswith(UNIQUE_NAMES) for m in owners)
     }
     assert found == {}
 
