@@ -279,11 +279,11 @@ def test_item_values_are_exact_and_older_servers_get_json(
     and bools; a JSON DONE for complex). A server that does not say ``binary`` in its WELCOME
     (an older one) is sent JSON batches only, and its client still gets every value."""
     from gpu_trace.runtime.protocol import auth
-    from gpu_trace.runtime.server import server as server_module
+    from gpu_trace.runtime.server import conversation
 
     calls: list[int] = []
-    decode_calls = server_module.decode_calls
-    monkeypatch.setattr(server_module, "decode_calls", lambda b: calls.append(1) or decode_calls(b))
+    decode_calls = conversation.decode_calls
+    monkeypatch.setattr(conversation, "decode_calls", lambda b: calls.append(1) or decode_calls(b))
     if not binary:
         handshake = auth.client_handshake
 
