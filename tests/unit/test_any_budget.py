@@ -22,7 +22,8 @@ BUDGET = {
     "collectors/gpu_activity": 0,
     "collectors/nvml": 11,
     "collectors/nvtx": 11,
-    "dashboard": 48,  # -96: its reads to query/ (+20 there), its figures and charts to plots/ (27)
+    "dashboard": 49,  # -96: its reads to query/ (+20 there), its figures and charts to plots/ (27);
+    # +1: the Ranks tab's callback returns a component or dash.no_update, as its siblings do
     "framework_patches": 62,
     "framework_patches/torch": 68,
     "gpu_trace": 15,  # +2: a run's row from the store as JSON (_summary_text)
