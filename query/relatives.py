@@ -14,6 +14,7 @@ from typing import Any, NamedTuple, TypedDict, cast
 import numpy as np
 
 from gpu_trace.query import nesting
+from gpu_trace.query.gpu_work import SpanRef
 from gpu_trace.query.source import Source
 from gpu_trace.query.source import rows as query_rows
 from gpu_trace.query.windows import Tracks, text_ids
@@ -22,20 +23,10 @@ from gpu_trace.query.windows import Tracks, text_ids
 MAX_FLOWS = 1500
 
 
-class SpanRow(TypedDict):
-    """A span as its details read it (ids as decimal strings)."""
+class SpanRow(SpanRef):
+    """A span as its details read it (ids as decimal strings): a launch chain's span, with its
+    attributes."""
 
-    span_id: str
-    parent_span_id: str
-    host: str
-    pid: int
-    tid: int
-    lane: str
-    category: str
-    name: str
-    depth: int
-    start_ns: int
-    end_ns: int
     attrs: dict[str, str]
 
 
