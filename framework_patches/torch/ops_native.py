@@ -311,9 +311,15 @@ class NativeOpSource:
         if closing:
             self.stop()
             self._cut(now_ns())
-        records = self._take()
+        # The cuts before the records: a record that ended before a cut was in the library when
+        # the cut was made (the owner pushes a node's record before it goes on), so every record
+        # of a cut taken here is taken with it. Taken the other way round, a pass could end and
+        # the next forward cut between the two (the flusher preempted on a loaded machine): the
+        # pass's last nodes then went to a later cut, whose passes lack theirs, and made second
+        # ranges of the calls they belong to (181 ``lstm2.backward`` for 180 calls).
         with self._lock:
             cuts, self._cuts = self._cuts, []
+        records = self._take()
         if not cuts:
             if (
                 not self.nodes_only

@@ -12,6 +12,7 @@ import logging
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -251,3 +252,66 @@ def test_with_no_build_a_run_uses_the_sessions_and_builds_it_for_the_next(
     building.join(120)
     assert (home / "lib" / ops_native.library_name()).is_file()
     assert ops_native.available()
+
+
+def test_a_pass_ending_while_the_flusher_drains_is_matched_whole(tmp_path, monkeypatch) -> None:
+    """The flusher takes a pass's first nodes, and before it reads the cuts the pass ends and the
+    next forward cuts (a flusher preempted on a loaded machine, made certain here: its take waits
+    for that cut). Every module call still gets one backward range, under its pass's range: the
+    pass's last nodes are matched with its cut, not a later one (where they made second,
+    parentless ranges: 181 ``lstm2.backward`` for 180 calls, 4 ``Sequence.backward`` for 3)."""
+    taken, cut = threading.Event(), threading.Event()
+    armed: list[bool] = []
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 2)
+
+        def forward(self, x):
+            h = self.a(x)
+            if not armed:  # the first pass stops after b's nodes, before a's
+
+                def pause(grad):
+                    armed.append(True)
+                    assert taken.wait(30), "the flusher never drained"
+                    return grad
+
+                h.register_hook(pause)
+            return self.b(h)
+
+    def work() -> None:
+        source = torch_patches._ops
+        take = source._take
+
+        def take_then_wait():
+            got = take()
+            if armed and not taken.is_set():
+                taken.set()  # the owner finishes the pass and cuts at the next forward
+                assert cut.wait(30), "the owner never cut"
+            return got
+
+        monkeypatch.setattr(source, "_take", take_then_wait)
+        model = Net()
+        for step in range(3):
+            time.sleep(0.05)  # a cut at each forward (they are made 20 ms apart at most)
+            loss = model(torch.randn(3, 4)).sum()
+            if step == 1:
+                cut.set()  # the second forward made its cut
+            loss.backward()
+
+    monkeypatch.setenv("GPU_TRACE_FLUSH_INTERVAL", "0.01")
+    rows = record(tmp_path, monkeypatch, "native", work)
+    assert taken.is_set() and cut.is_set()
+    modules = [r for r in rows if r["category"] == "module"]
+    counts = collections.Counter(r["name"] for r in modules)
+    assert counts["Net"] == counts["Net.a"] == counts["Net.b"] == 3
+    assert {n: counts[n + ".backward"] for n in ("Net", "Net.a", "Net.b")} == {
+        "Net": 3,
+        "Net.a": 3,
+        "Net.b": 3,
+    }
+    ids = {r["span_id"]: r["name"] for r in modules}
+    assert {ids.get(r["parent_span_id"]) for r in modules if r["name"] == "Net.backward"} == {
+        "Tensor.backward"
+    }
