@@ -196,6 +196,10 @@ def pytest_step(
     # GPU machines), pytest's unknown-option warning is an error under filterwarnings=error.
     argv += ["-W", "ignore::pytest.PytestConfigWarning"]
     argv += ["--junitxml", str(run.data(f"junit-{name}.xml"))]
+    # Failures written when they happen, and the stacks of a test still running near the
+    # deadline: a file killed at its deadline still says why (scripts/gpucheck/instant.py).
+    argv += ["-p", "scripts.gpucheck.instant"]
+    argv += ["-o", f"faulthandler_timeout={max(10, int(limit_s) - 15)}"]
     if importlib.util.find_spec("pytest_timeout") is not None:
         argv += ["--timeout", str(max(10, int(limit_s) - 10))]  # a hung test fails alone
     return Step(name, [*argv, *paths], limit_s, expect_s=expect_s)

@@ -332,6 +332,35 @@ def test_a_test_files_failures_and_skips_come_from_its_junit_file(tmp_path: Path
     assert parts.pytest_outcome(Run("cpu-dry-run", run.work), [skipped]).status == "ok"
 
 
+FAILS_THEN_HANGS = """
+import time
+
+def test_fails():
+    assert 1 + 1 == 3, "arithmetic"
+
+def test_hangs():
+    time.sleep(600)
+"""
+
+
+def test_a_file_killed_at_its_deadline_still_says_why_and_where(tmp_path: Path) -> None:
+    """The failure's text is in the log when the test fails, not at the session's end, and the
+    test still running near the deadline has its stack dumped (scripts/gpucheck/instant.py): a
+    file cut at its deadline brings back both (on 2026-11-28's H200 it brought back ``FF``)."""
+    sample = tmp_path / "test_sample.py"
+    sample.write_text(FAILS_THEN_HANGS)
+    run = Run("gpu", tmp_path / "work")
+    (run.work / "data").mkdir(parents=True)
+    step = parts.pytest_step(run, [str(sample)], 20)
+    assert "faulthandler_timeout=10" in step.argv
+    step.argv[step.argv.index("faulthandler_timeout=10")] = "faulthandler_timeout=3"
+    done = run_step(step, tmp_path / "log", 12)
+    assert done.timed_out
+    log = (tmp_path / "log").read_text()
+    assert "[failed now] " in log and "::test_fails (call)" in log and "arithmetic" in log
+    assert "Timeout" in log and "in test_hangs" in log
+
+
 MEET = """
 import time
 from pathlib import Path
