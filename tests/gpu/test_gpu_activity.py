@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 from gpu_trace.store.ingest import convert_spool
 from tests.conftest import recorded
+from tests.gpu import children
+
+#: One recorded run's limit: under the GPU check's deadline for this file (scripts/gpucheck/
+#: parts.py), so that a run that hangs fails with its stacks (tests/gpu/children.py).
+RECORD_TIMEOUT_S = 30
 
 PROGRAM = textwrap.dedent(
     """
@@ -60,10 +64,10 @@ def _record(tmp_path: Path, mode: str) -> tuple[dict, list[dict]]:
     prog.write_text(PROGRAM)
     run_dir = tmp_path / "run"
     env = {**os.environ, "GPU_TRACE_HOME": str(tmp_path / "home")}
-    out = subprocess.run(
+    out = children.run(
         [sys.executable, "-m", "gpu_trace", "record", "--no-ingest", "--run-dir", str(run_dir),
          "--gpu-activity", "on", "--torch", "op", "--", sys.executable, str(prog), mode],
-        capture_output=True, text=True, env=env, timeout=600, check=False,
+        env, RECORD_TIMEOUT_S,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert convert_spool(run_dir) == []

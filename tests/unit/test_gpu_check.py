@@ -334,31 +334,39 @@ def test_a_test_files_failures_and_skips_come_from_its_junit_file(tmp_path: Path
 
 FAILS_THEN_HANGS = """
 import time
+from pathlib import Path
 
 def test_fails():
     assert 1 + 1 == 3, "arithmetic"
 
 def test_hangs():
-    time.sleep(600)
+    # "hangs" until its stacks are in the log (faulthandler_timeout), then ends the session
+    deadline = time.monotonic() + 120
+    while "in test_hangs" not in Path({log!r}).read_text():
+        assert time.monotonic() < deadline, "no stacks dumped"
+        time.sleep(0.1)
 """
 
 
-def test_a_file_killed_at_its_deadline_still_says_why_and_where(tmp_path: Path) -> None:
-    """The failure's text is in the log when the test fails, not at the session's end, and the
-    test still running near the deadline has its stack dumped (scripts/gpucheck/instant.py): a
-    file cut at its deadline brings back both (on 2026-11-28's H200 it brought back ``FF``)."""
+def test_a_file_cut_at_its_deadline_would_still_say_why_and_where(tmp_path: Path) -> None:
+    """The failure's text is in the log when the test fails, before the next test runs (not at
+    the session's end), and a test still running near the deadline has its stack dumped
+    (scripts/gpucheck/instant.py): a file cut at its deadline brings back both (on 2026-11-28's
+    H200 it brought back ``FF``). The "hanging" test ends once its stacks are in the log."""
+    log = tmp_path / "log"
     sample = tmp_path / "test_sample.py"
-    sample.write_text(FAILS_THEN_HANGS)
+    sample.write_text(FAILS_THEN_HANGS.format(log=str(log)))
     run = Run("gpu", tmp_path / "work")
     (run.work / "data").mkdir(parents=True)
-    step = parts.pytest_step(run, [str(sample)], 20)
-    assert "faulthandler_timeout=10" in step.argv
-    step.argv[step.argv.index("faulthandler_timeout=10")] = "faulthandler_timeout=3"
-    done = run_step(step, tmp_path / "log", 12)
-    assert done.timed_out
-    log = (tmp_path / "log").read_text()
-    assert "[failed now] " in log and "::test_fails (call)" in log and "arithmetic" in log
-    assert "Timeout" in log and "in test_hangs" in log
+    step = parts.pytest_step(run, [str(sample)], 180)
+    assert "faulthandler_timeout=165" in step.argv
+    step.argv[step.argv.index("faulthandler_timeout=165")] = "faulthandler_timeout=2"
+    done = run_step(step, log, 180)
+    assert done.rc == 1 and not done.timed_out
+    text = log.read_text()
+    now = text.index("[failed now] ")
+    assert "::test_fails (call)" in text[now:] and "arithmetic" in text[now:]
+    assert now < text.index("Timeout") < text.index("in test_hangs")
 
 
 MEET = """
