@@ -40,9 +40,6 @@ shared and noisy).
 from __future__ import annotations
 
 import argparse
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import json
 import os
 import shutil
@@ -54,6 +51,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import checkout
 import numpy as np
 import pyarrow as pa
 
@@ -167,33 +165,10 @@ WIDTH = 1270  # the plot of a 1600 px browser window
 ZOOMS = (1, 4, 10, 100, 1_000, 10_000, 100_000)  # 4: the fine overview (read then)
 
 
-class _Checkout(importlib.abc.MetaPathFinder):
-    """Imports ``gpu_trace`` and its subpackages (top-level folders of a checkout, as the
-    editable install maps them) from ``root``."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        parts = fullname.split(".")
-        if parts[0] != "gpu_trace":
-            return None
-        if len(parts) > 2:  # inside a subpackage: its __path__ is the checkout's
-            return importlib.machinery.PathFinder.find_spec(fullname, path)
-        where = self.root / "gpu_trace" if len(parts) == 1 else self.root / parts[1]
-        if len(parts) == 2 and not where.is_dir():
-            where = self.root / "gpu_trace" / parts[1]
-        if not (where / "__init__.py").exists():  # a module of gpu_trace itself
-            return importlib.machinery.PathFinder.find_spec(fullname, path)
-        return importlib.util.spec_from_file_location(
-            fullname, where / "__init__.py", submodule_search_locations=[str(where)]
-        )
-
-
 def first_figure(root: Path, store_dir: str, run_id: str) -> dict[str, Any]:
     """One round in a fresh process: the first figure of ``run_id`` with ``root``'s dashboard
     code, the chDB peer, then the zoom levels (seconds each)."""
-    sys.meta_path.insert(0, _Checkout(root))
+    checkout.use_tree(root)
     from plotly.io.json import to_json_plotly as to_json
 
     from gpu_trace.dashboard import timeline

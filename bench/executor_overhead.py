@@ -53,38 +53,14 @@ import sys
 import time
 from typing import Any
 
+import checkout
+
 TOKEN = "bench-executor-token-0123456789"
 
 #: The replays and the bare loop run on one thread: its CPU time, not the wall clock, so that
 #: time the thread spends descheduled on this shared machine is not counted (the record step's
 #: client and server threads are not timed).
 CLOCK = time.thread_time_ns
-
-
-# ---- which tree ----------------------------------------------------------------------------------
-
-
-def _use_tree(tree: str) -> None:
-    """Import ``gpu_trace`` from ``tree`` (another checkout), mapped as its pyproject maps it."""
-    import importlib.abc
-    import importlib.util
-
-    import tomllib
-
-    with open(os.path.join(tree, "pyproject.toml"), "rb") as f:
-        dirs = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
-    mapping = {name: os.path.join(tree, path) for name, path in dirs.items()}
-
-    class Finder(importlib.abc.MetaPathFinder):
-        def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-            if fullname in mapping:
-                init = os.path.join(mapping[fullname], "__init__.py")
-                return importlib.util.spec_from_file_location(
-                    fullname, init, submodule_search_locations=[mapping[fullname]]
-                )
-            return None
-
-    sys.meta_path.insert(0, Finder())
 
 
 # ---- models --------------------------------------------------------------------------------------
@@ -162,7 +138,7 @@ def record(
     import torch
 
     from gpu_trace.runtime.client.device import connect, disconnect
-    from gpu_trace.runtime.server import server as server_module
+    from gpu_trace.runtime.server import conversation as server_module
     from gpu_trace.runtime.server.server import Server
 
     srv = Server("127.0.0.1:0", token=TOKEN, spin_us=0, device=device).start()
@@ -511,7 +487,7 @@ def main() -> None:
     parser.add_argument("--tree", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.tree:
-        _use_tree(args.tree)
+        checkout.use_tree(args.tree)
     if args.child:
         result = child(args.child, args.width, args.warm, args.steps, args.repeat, args.device)
         print(json.dumps(result))

@@ -41,40 +41,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import checkout
+
 HERE = Path(__file__).resolve()
 TREE = HERE.parents[1]
 
 NAMES = [f"aten::op_{i}" for i in range(200)]
 LANES = ["nvtx/gpu_trace", "nvtx/default", "cpu/main", "gpu0/stream7"]
-
-
-# ---- which tree ----------------------------------------------------------------------------------
-
-
-def _use_tree(tree: Path) -> None:
-    """Import ``gpu_trace`` from ``tree`` (another checkout), mapped as its pyproject maps it."""
-    import importlib.abc
-    import importlib.util
-
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
-
-    with open(tree / "pyproject.toml", "rb") as f:
-        dirs = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
-    mapping = {name: str(tree / path) for name, path in dirs.items()}
-
-    class Finder(importlib.abc.MetaPathFinder):
-        def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-            if fullname in mapping:
-                init = os.path.join(mapping[fullname], "__init__.py")
-                return importlib.util.spec_from_file_location(
-                    fullname, init, submodule_search_locations=[mapping[fullname]]
-                )
-            return None
-
-    sys.meta_path.insert(0, Finder())
 
 
 # ---- the spans -----------------------------------------------------------------------------------
@@ -221,35 +194,11 @@ def _child(tree: Path, run_dir: Path, args: argparse.Namespace, store_dir: Path,
     return result
 
 
-def _checkout(baseline: str, tmp: Path) -> tuple[Path, str | None]:
-    """The baseline's tree, and the worktree to remove after (None for a directory given)."""
-    if Path(baseline).is_dir():
-        return Path(baseline).resolve(), None
-    tree = tmp / "baseline"
-    subprocess.run(
-        ["git", "-C", str(TREE), "worktree", "add", "--detach", "-q", str(tree), baseline],
-        check=True,
-    )
-    return tree, str(tree)
-
-
 def _spread(values: list[float], fmt: str = "{:.2f}") -> str:
     med = statistics.median(values)
     if len(values) == 1:
         return fmt.format(med)
     return f"{fmt.format(med)} ({fmt.format(min(values))}-{fmt.format(max(values))})"
-
-
-def _describe(tree: Path) -> str:
-    rev = subprocess.run(
-        ["git", "-C", str(tree), "log", "-1", "--format=%h"], capture_output=True, text=True
-    ).stdout.strip()
-    dirty = subprocess.run(
-        ["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
-    return f"{rev}{' + working tree' if dirty else ''}" if rev else str(tree)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -267,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     if args.child:
-        _use_tree(Path(args.tree))
+        checkout.use_tree(args.tree)
         result = measure(
             Path(args.child), args.spans, Path(args.store), args.peer_first, args.insert_df
         )
@@ -279,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         trees = [("after", TREE)]
         if args.baseline:
-            base, worktree = _checkout(args.baseline, tmp)
+            base, worktree = checkout.worktree(args.baseline, tmp)
             trees.insert(0, ("before", base))
         run_dir = tmp / "runs" / "bench-run"
         write_run(run_dir, synthetic_spans(args.spans), args.file_rows)
@@ -287,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
         load0 = os.getloadavg()
         print(f"spans: {args.spans:,} in {files} spool files; {os.cpu_count()} CPUs")
         for label, tree in trees:
-            print(f"{label}: {_describe(tree)}")
+            print(f"{label}: {checkout.describe(tree)}")
         results: dict[str, list[dict]] = {label: [] for label, _ in trees}
         for rnd in range(args.rounds):
             order = trees if rnd % 2 == 0 else trees[::-1]
@@ -305,10 +254,7 @@ def main(argv: list[str] | None = None) -> None:
                 )
         load1 = os.getloadavg()
     finally:
-        if worktree:
-            subprocess.run(
-                ["git", "-C", str(TREE), "worktree", "remove", "--force", worktree], check=False
-            )
+        checkout.remove(worktree)
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
 
