@@ -18,7 +18,6 @@ from typing import Any
 from urllib.parse import unquote
 
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore
-from gpu_trace.query import reads
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +103,7 @@ def _dash() -> Any:
 def create_app(source: ReadOnlyStore) -> Any:
     """A Dash app on ``source`` (nothing is asked of the store until a page loads)."""
     dash = _dash()
-    from gpu_trace.dashboard import callbacks, layout
+    from gpu_trace.dashboard import callbacks, layout, warmup
 
     app = dash.Dash(
         __name__,
@@ -180,7 +179,8 @@ def create_app(source: ReadOnlyStore) -> Any:
         return layout.page(display, view)
 
     app.layout = page
-    callbacks.register(app, source)
+    app.warmer = warmup.Warmer(source)
+    callbacks.register(app, source, app.warmer)
 
     @app.server.before_request
     def _start_first_view() -> None:
@@ -304,22 +304,6 @@ def _zoom_ahead(source: ReadOnlyStore, view: dict) -> None:
     run_id = view.get(("run", "value"))
     if isinstance(run_id, str) and run_id and timeline.prepared(source, run_id):
         timeline.prepare_zoom(source, run_id)
-
-
-def warm(source: ReadOnlyStore, run: str | None = None) -> None:
-    """Read a run's overview and tracks ahead of its first page (the newest run by default),
-    then what its zooms need (:func:`~gpu_trace.dashboard.timeline.prepare_zoom`).
-
-    Runs on a background thread of ``gpu-trace ui``; a failure here is the page's to report.
-    """
-    from gpu_trace.dashboard import timeline
-
-    try:
-        run_id = reads.resolve_run(source, run or "last")
-        timeline.prepare(source, run_id)
-        timeline.prepare_zoom(source, run_id)
-    except Exception as exc:  # the page shows store errors; nothing to do here
-        log.debug("gpu-trace: warming the dashboard failed: %s", exc)
 
 
 class Server:

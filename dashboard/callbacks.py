@@ -36,6 +36,7 @@ from gpu_trace.dashboard.views import (
     open_run,
     plot_width,
 )
+from gpu_trace.dashboard.warmup import Warmer
 from gpu_trace.plots import figures
 from gpu_trace.query import gpu_work, reads, windows
 from gpu_trace.query.distributed import rank_summary
@@ -59,8 +60,9 @@ __all__ = [
 ]
 
 
-def register(app: Dash, source: ReadOnlyStore) -> None:
-    """Attach every callback of the page to ``app``."""
+def register(app: Dash, source: ReadOnlyStore, warmer: Warmer | None = None) -> None:
+    """Attach every callback of the page to ``app``; ``warmer`` reads each run stored while the
+    page is open ahead of its first view (dashboard/warmup.py)."""
 
     app.clientside_callback(
         "function(p) { return window.innerWidth; }",
@@ -108,6 +110,8 @@ def register(app: Dash, source: ReadOnlyStore) -> None:
             runs = reads.runs(source, limit=500, search=runs_search or None)
         except Exception as exc:
             return [], [], [], [], _fail(exc), no_update, no_update
+        if ticked and warmer is not None and runs:
+            warmer.want()  # a run stored while the page is open: the newest, read ahead
         opened: object = no_update
         if ticked and not current and runs and str(shown_stamp).startswith("0:"):
             with contextlib.suppress(Exception):

@@ -172,11 +172,7 @@ def _serve_ui(dsn: str, host: str, port: int, run: str | None, browser: bool = F
         err(f"listening on {host}: anyone who can reach this port can read every run (no login)")
     url = server.url + "/" + (f"?run={run}" if run else "")
     err(f"dashboard on {url} (store {dsn}); Ctrl-C stops")
-    import threading
-
-    from gpu_trace.dashboard.app import warm
-
-    threading.Thread(target=warm, args=(source, run), name="gpu-trace-ui-warm", daemon=True).start()
+    server.app.warmer.want(run, zoom=True)  # the run the page opens on, read ahead
     if browser:
         import webbrowser
 

@@ -914,3 +914,41 @@ def test_the_coarse_and_the_fine_overview_draw_a_window_alike(source: ReadOnlySt
     assert [t.key for t in windows.tracks(source, "minute", fine)["tracks"]] == [
         t.key for t in tr["tracks"]
     ]
+
+
+def test_a_run_stored_while_the_page_is_open_is_read_ahead_of_its_first_view(
+    source: ReadOnlyStore,
+) -> None:
+    """The page's periodic check that finds the store's runs changed has the newest run's
+    overview and tracks read on the dashboard's warm-up thread (dashboard/warmup.py), so its
+    first figure, when clicked, is drawn from them; the check that finds nothing new reads
+    nothing."""
+    from gpu_trace.dashboard.app import create_app
+
+    app = create_app(source)
+    client = app.server.test_client()
+    newest = reads.resolve_run(source, "last")
+    for key in [k for k in source.cache if newest in k]:  # as if stored after the page opened
+        del source.cache[key]
+    assert not timeline.prepared(source, newest)
+    key = next(k for k in app.callback_map if "runs-table.children" in k)
+    spec = app.callback_map[key]
+
+    def tick(stamp: str | None) -> int:
+        values = {"runs-refresh.n_intervals": 2, "runs-stamp.data": stamp}
+        given = [{"id": d["id"], "property": d["property"],
+                  "value": values.get(f"{d['id']}.{d['property']}")}
+                 for d in spec["inputs"] + spec["state"]]  # fmt: skip
+        n = len(spec["inputs"])
+        body = {"output": key, "outputs": [dict(zip(("id", "property"), o.rsplit(".", 1)))
+                                           for o in key.strip(".").split("...")],
+                "inputs": given[:n], "state": given[n:],
+                "changedPropIds": ["runs-refresh.n_intervals"]}  # fmt: skip
+        r = client.post("/_dash-update-component", json=body)
+        return r.status_code
+
+    current = source.runs_stamp()
+    assert tick(current) == 204  # nothing changed: no update, nothing read
+    assert app.warmer.wait(60) and not timeline.prepared(source, newest)
+    assert tick("an older stamp") == 200
+    assert app.warmer.wait(60) and timeline.prepared(source, newest)
