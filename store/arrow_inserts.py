@@ -22,7 +22,13 @@ if TYPE_CHECKING:
     from chdb.state.sqlitelike import Connection as Engine
     from clickhouse_connect.driver.client import Client
 
-__all__ = ["InsertConnection", "insert_in_place", "open_engine", "reads_in_place"]
+__all__ = [
+    "InsertConnection",
+    "insert_in_place",
+    "open_engine",
+    "python_fn_refused",
+    "reads_in_place",
+]
 
 
 def open_engine(path: str) -> Engine:
@@ -81,6 +87,16 @@ def _declared(column: pa.ChunkedArray, field: pa.Field) -> pa.Field:
             pa.field("value", t.item_type, nullable=False),
         )
     return pa.field(field.name, t, nullable=column.null_count > 0)
+
+
+def python_fn_refused(exc: BaseException) -> bool:
+    """Whether ``exc`` is chDB refusing its ``Python()`` table function itself, before any row:
+    switched off (``allow_python_table_function=0``: ``FUNCTION_NOT_ALLOWED``) or missing from the
+    build (``Unknown table function``)."""
+    text = str(exc)
+    return "FUNCTION_NOT_ALLOWED" in text or (
+        "Unknown table function" in text and "python" in text.lower()
+    )
 
 
 def insert_in_place(engine: Engine, table_ref: str, table: pa.Table) -> None:

@@ -40,6 +40,7 @@ from gpu_trace.store.arrow_inserts import (
     InsertConnection,
     insert_in_place,
     open_engine,
+    python_fn_refused,
     reads_in_place,
 )
 from gpu_trace.store.dsn import parse_dsn
@@ -131,6 +132,9 @@ class Store:
         self._engine_lock = threading.Lock()
         #: Set by :meth:`set_readonly`: inserts then go through the refusing connection.
         self._refusing = False
+        #: chDB's ``Python()`` table function answers here (False once it refused: a chDB
+        #: without it, or ``allow_python_table_function=0``); inserts then go as ArrowStream.
+        self._python_fn = True
         #: True when the store is read from its files, read-only (``reading=True`` on an
         #: embedded store this process can't write): reads work, every write fails.
         self.read_only = False
@@ -241,7 +245,12 @@ class Store:
     def _in_place(self) -> bool:
         """Whether Arrow inserts go to the engine in memory (an embedded store this process
         writes) rather than as an ArrowStream body."""
-        return self.target.kind == "chdb" and not self.read_only and not self._refusing
+        return (
+            self.target.kind == "chdb"
+            and not self.read_only
+            and not self._refusing
+            and self._python_fn
+        )
 
     def _open_engine(self) -> Engine:
         try:
@@ -274,15 +283,22 @@ class Store:
             raise StoreError("the store is closed")
         try:
             if self._in_place and all(reads_in_place(c) for c in table.columns):
-                if connection is not None and connection.engine is not None:
-                    insert_in_place(connection.engine, self._table(table_name), table)
-                    return
-                if connection is None:
-                    with self._engine_lock:
-                        if self._engine is None:
-                            self._engine = self._open_engine()
-                        insert_in_place(self._engine, self._table(table_name), table)
-                    return
+                try:
+                    if connection is not None and connection.engine is not None:
+                        insert_in_place(connection.engine, self._table(table_name), table)
+                        return
+                    if connection is None:
+                        with self._engine_lock:
+                            if self._engine is None:
+                                self._engine = self._open_engine()
+                            insert_in_place(self._engine, self._table(table_name), table)
+                        return
+                except Exception as exc:
+                    if not python_fn_refused(exc):
+                        raise
+                    self._without_python_fn(exc)
+            if connection is not None and connection.client is None and not self._in_place:
+                connection.client = connect(self.target, lock_timeout_s=0)  # was an engine's
             client = connection.client if connection is not None else self.client
             if client is None:
                 raise StoreError("the connection is closed")
@@ -294,6 +310,17 @@ class Store:
                 f"writing {table.num_rows} rows to {table_name} in {self.target.display()} failed: "
                 f"{first_line(exc)}"
             ) from exc
+
+    def _without_python_fn(self, exc: BaseException) -> None:
+        """chDB refused its ``Python()`` table function (before reading a row): every insert of
+        this store goes as an ArrowStream body from now on, said once."""
+        if self._python_fn:
+            self._python_fn = False
+            log.warning(
+                "gpu-trace: chDB's Python() table function is not available (%s): inserts go as "
+                "ArrowStream (slower, the same rows)",
+                first_line(exc),
+            )
 
     def _insert_stream(self, client: Client, table_name: str, table: pa.Table) -> None:
         """``table`` as one ArrowStream body through clickhouse-connect."""

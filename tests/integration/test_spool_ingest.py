@@ -81,3 +81,40 @@ def test_ingest_tells_its_progress_a_file_at_a_time(tmp_path: Path) -> None:
     assert told == [("ingesting spool files", i, files) for i in range(files)] + [
         (f"storing the last of {files} spool files", 0, None)
     ]
+
+
+def test_a_chdb_refusing_its_python_table_function_stores_as_arrowstream(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
+    """Inserts read Arrow in place through chDB's ``Python()`` table function; a chDB that
+    refuses it (``allow_python_table_function=0`` here, or a build without it) stores every row
+    as ArrowStream instead, says so once, and loses nothing (before: every insert failed)."""
+    import logging
+
+    from gpu_trace.store import client as store_client
+
+    real = store_client.open_engine
+
+    def refusing(path: str):
+        engine = real(path)
+        engine.query("SET allow_python_table_function = 0")
+        return engine
+
+    monkeypatch.setattr(store_client, "open_engine", refusing)
+    run_dir = tmp_path / "r"
+    RunInfo(run_id="r", trace_id="ab" * 16, started_ns=0, ended_ns=10, status="finished").save(
+        run_dir
+    )
+    writer = SpoolWriter(run_dir, META)
+    writer.write("spans", spans(3 * BATCH_ROWS))
+    writer.write("spans", spans(100, start=10**12))
+    with caplog.at_level(logging.WARNING, logger="gpu_trace.store.client"):
+        with Store(f"chdb://{tmp_path / 'store'}") as store:
+            report = ingest(store, run_dir)
+            assert report.rows["spans"] == 3 * BATCH_ROWS + 100 and not report.problems
+            _, rows = store.sql(
+                "SELECT count(), count(DISTINCT (span_id, start_ns)) FROM gpu_trace.spans"
+            )
+            assert rows == [(3 * BATCH_ROWS + 100, 3 * BATCH_ROWS + 100)]
+    said = [r.getMessage() for r in caplog.records if "Python() table function" in r.getMessage()]
+    assert len(said) == 1 and "ArrowStream" in said[0], said
