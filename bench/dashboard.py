@@ -182,6 +182,7 @@ def first_figure(root: Path, store_dir: str, run_id: str) -> dict[str, Any]:
     to_json(figures.empty("warm-up"))
     source = ReadOnlyStore(store=Store(f"chdb://{store_dir}"))
     out: dict[str, Any] = {}
+    queries = _time_queries(source)
     a, cpu = time.perf_counter(), time.process_time()
     run = timeline.run(source, run_id)
     steps = timeline.steps_extent(source, run_id)
@@ -196,6 +197,8 @@ def first_figure(root: Path, store_dir: str, run_id: str) -> dict[str, Any]:
     to_json(figures.timeline(run, tr, w, fl, cs, [], WIDTH))
     e = time.perf_counter()
     out["cpu"] = time.process_time() - cpu
+    out["queries"] = list(queries)
+    queries.clear()
     out["first"] = {"run+steps": b - a, "tracks+overview": c - b, "window": d - c,
                     "figure": e - d, "total": e - a}  # fmt: skip
     out["shown"] = [len(w.bars), w.density_spans, w.density_cells]
@@ -229,6 +232,23 @@ def first_figure(root: Path, store_dir: str, run_id: str) -> dict[str, Any]:
                              w.density_spans, w.density_cells])  # fmt: skip
     source.close()
     return out
+
+
+def _time_queries(source: Any) -> list[tuple[str, float]]:
+    """Every query ``source`` answers from now on, timed: (its first words, seconds), in order."""
+    timed: list[tuple[str, float]] = []
+    for name in ("query", "query_arrow"):
+        method = getattr(source, name)
+
+        def timing(template: str, params: Any = None, _method: Any = method) -> Any:
+            t = time.perf_counter()
+            try:
+                return _method(template, params)
+            finally:
+                timed.append((" ".join(template.split())[:90], time.perf_counter() - t))
+
+        setattr(source, name, timing)
+    return timed
 
 
 def _round(root: Path, store_dir: str, run_id: str) -> dict[str, Any]:
@@ -276,6 +296,14 @@ def bench_first_figure(
         ratio = [r["cpu"] / r["peer_cpu"] for r in rs]
         print(f"  {name:>14}  first figure {_spread([r['cpu'] for r in rs])}, chDB peer"
               f" {_spread([r['peer_cpu'] for r in rs])}, ratio {statistics.median(ratio):.1f}x")  # fmt: skip
+    print("  the first figure's queries, this checkout, median (range) in ms and their share of"
+          " the total:")  # fmt: skip
+    rs = found["this checkout"]
+    totals = [r["first"]["total"] for r in rs]
+    for k, (text, _) in enumerate(rs[0]["queries"]):
+        took = [r["queries"][k][1] for r in rs if len(r["queries"]) > k]
+        share = statistics.median(t / total for t, total in zip(took, totals))
+        print(f"    {_spread(took):>17} {100 * share:3.0f}%  {text}")
     for name, _ in sides[::-1]:
         print(f"  {name:>14}  read ahead after the first view (its own thread: the fine overview):"
               f" {_spread([r.get('ahead', 0.0) for r in found[name]])} ms")  # fmt: skip
