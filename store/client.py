@@ -135,6 +135,7 @@ class Store:
         #: chDB's ``Python()`` table function answers here (False once it refused: a chDB
         #: without it, or ``allow_python_table_function=0``); inserts then go as ArrowStream.
         self._python_fn = True
+        self._python_fn_lock = threading.Lock()  # inserts run on several threads
         #: True when the store is read from its files, read-only (``reading=True`` on an
         #: embedded store this process can't write): reads work, every write fails.
         self.read_only = False
@@ -314,8 +315,9 @@ class Store:
     def _without_python_fn(self, exc: BaseException) -> None:
         """chDB refused its ``Python()`` table function (before reading a row): every insert of
         this store goes as an ArrowStream body from now on, said once."""
-        if self._python_fn:
-            self._python_fn = False
+        with self._python_fn_lock:
+            said, self._python_fn = not self._python_fn, False
+        if not said:
             log.warning(
                 "gpu-trace: chDB's Python() table function is not available (%s): inserts go as "
                 "ArrowStream (slower, the same rows)",
