@@ -106,7 +106,12 @@ def test_ddp_under_torchrun_is_one_run_of_ranks(tmp_path: Path, world: int) -> N
     bare.mkdir()
     recorded.mkdir()
     ran = plain(torchrun(str(prog), str(bare), ranks=world))
-    assert ran.returncode == 0, ran.stderr
+    # The unrecorded baseline (nothing of gpu-trace runs in it): a rank aborting in gloo's
+    # teardown after every rank wrote its losses still leaves the whole baseline. Seen twice in
+    # full suites under load, never in 30 runs beside three busy processes (7ed0623).
+    teardown = "terminate called without an active exception" in ran.stderr
+    written = all((bare / f"losses-{r}.txt").is_file() for r in range(world))
+    assert ran.returncode == 0 or (teardown and written), ran.stderr
     out = gpu_trace("record", "--", *torchrun(str(prog), str(recorded), ranks=world))
     assert out.returncode == 0, out.stderr
     for rank in range(world):  # recording changes nothing the program computes
