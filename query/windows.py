@@ -16,7 +16,7 @@ screen, not the run: at most ``MAX_BARS`` bars plus ``rows x buckets`` cells.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypedDict, cast
 
@@ -383,7 +383,12 @@ def _window(
             capped=found["capped"],
             pinned=found["pinned"] + len(extra),
         )
-    lo = t0 - tr["max_dur"] - 1  # lets the primary key prune by start_ns
+    # The store is read from a little before t0 (the primary key prunes by start_ns): a span
+    # that starts earlier than that and still reaches the window is a long one, in the
+    # overview's long spans already (taken from memory), so a narrow window of a run with
+    # second-long steps reads its own stretch of the run, not a step's length of it.
+    lo = t0 - min(ov.split_ns, tr["max_dur"] + 1)
+    early = _early(ov, lo, t0)
     base = {"run": run_id, "t0": t0, "t1": t1, "lo": lo}
     where = (
         "run_id = {run:String} AND start_ns < {t1:Int64} AND start_ns >= {lo:Int64}"
@@ -401,24 +406,20 @@ def _window(
             {**base, "min": bucket, "cap": MAX_BARS + 1},
         )
     )
+    e_dur = early["end_ns"].to_numpy() - early["start_ns"].to_numpy()
+    if early.num_rows:
+        wide_early = _bars(early.filter(pa.array(e_dur >= bucket)).to_pylist())
+        bars = sorted(bars + wide_early, key=lambda b: (b["start_ns"] - b["end_ns"], b["start_ns"]))
+        bars = bars[: MAX_BARS + 1]
     threshold, capped = bucket, False
     if len(bars) > MAX_BARS:
         # Keep the bars strictly longer than the first one left out; the rest become density.
         cut = bars[MAX_BARS]["end_ns"] - bars[MAX_BARS]["start_ns"]
         threshold, capped = cut + 1, True
         bars = [b for b in bars[:MAX_BARS] if b["end_ns"] - b["start_ns"] >= threshold]
-    pinned = _pins(source, where, base, threshold, tr["tracks"])
-    cells = source.query_arrow(
-        f"""
-        SELECT host, pid, tid, lane, depth,
-               intDiv(greatest(start_ns, {{t0:Int64}}) - {{t0:Int64}}, {{bucket:Int64}}) AS bucket,
-               count() AS n,
-               sum(least(end_ns, {{t1:Int64}}) - greatest(start_ns, {{t0:Int64}})) AS busy_ns
-        FROM __db__.spans WHERE {where} AND end_ns - start_ns < {{thr:Int64}}
-        GROUP BY host, pid, tid, lane, depth, bucket
-        """,
-        {**base, "bucket": bucket, "thr": threshold},
-    )
+    # The early spans narrower than the threshold: candidates to be drawn anyway, else density.
+    early = early.filter(pa.array(e_dur < threshold))
+    cells, pinned = _cells(source, where, base, bucket, threshold, tr["tracks"], early)
     # The pinned spans are bars: taken out of the cells they were counted in.
     taken = pa.Table.from_pylist(pinned) if pinned else None
     c_rows: list[np.ndarray] = []
@@ -430,6 +431,11 @@ def _window(
         c_buckets.append(cells["bucket"].to_numpy().astype(np.int64))
         c_spans.append(cells["n"].to_numpy().astype(np.float64))
         c_busy.append(cells["busy_ns"].to_numpy().astype(np.float64))
+    if early.num_rows:  # they start before t0: the first bucket
+        c_rows.append(track_rows(early, tr["tracks"]))
+        c_buckets.append(np.zeros(early.num_rows, np.int64))
+        c_spans.append(np.ones(early.num_rows))
+        c_busy.append((np.minimum(early["end_ns"].to_numpy(), t1) - t0).astype(np.float64))
     if taken is not None:
         s0 = np.maximum(taken["start_ns"].to_numpy(), t0)
         c_rows.append(track_rows(taken, tr["tracks"]))
@@ -478,16 +484,13 @@ def _cell_pins(
     )
     by_key: dict[tuple[object, ...], list[Bar]] = {}
     for r in rows:
-        mine: tuple[object, ...] = (r["host"], r["pid"], r["tid"], r["lane"], r["depth"],
-                                    r["start_ns"], r["end_ns"] - r["start_ns"])  # fmt: skip
-        by_key.setdefault(mine, []).append(r)
+        by_key.setdefault(_span_key(r, r["start_ns"], r["end_ns"] - r["start_ns"]), []).append(r)
     seen = {(b["span_id"], b["start_ns"]) for b in drawn}
     out: list[tuple[Bar, int, int, int]] = []
     for k, start, dur, row, cell in zip(
         wanted.keys, wanted.start_ns, wanted.dur_ns, wanted.row, wanted.bucket
     ):
-        key = (k["host"], k["pid"], k["tid"], k["lane"], k["depth"], int(start), int(dur))
-        found = by_key.get(key)
+        found = by_key.get(_span_key(k, start, dur))
         if not found:
             continue
         b = found.pop(0)
@@ -498,35 +501,53 @@ def _cell_pins(
     return out
 
 
-def _pins(
-    source: Source, where: str, params: dict[str, object], threshold: int,
-    tracks: list[TrackInfo],
-) -> list[Bar]:  # fmt: skip
-    """The spans of a zoomed-in window narrower than ``threshold`` that are drawn as bars
-    anyway: the longest of each row in each of :data:`PINS_PER_ROW` parts of the window and
-    the :data:`MAX_PINNED_KINDS` longest steps and forwarded batches (:func:`overview.pick_pins`,
-    the rule of zoomed-out windows). One ``argMax`` per track, depth and part (a sort of the
-    window's spans by length, ``LIMIT BY``, took ten times as long)."""
+def _early(ov: overview.Overview, lo: int, t0: int) -> pa.Table:
+    """The overview's long spans that start before ``lo`` and reach ``t0`` (id, host, pid,
+    tid, lane, category, name, depth, start_ns, end_ns): every span of the run that does, since
+    ``t0 - lo`` is at most the overview's split (shorter spans could not reach)."""
+    start, end = ov.column("long", "start_ns"), ov.column("long", "end_ns")
+    short = ov.column("long", "short").astype(bool)
+    hit = np.flatnonzero((start < lo) & (end >= t0) & ~short)
+    return ov.long.take(pa.array(hit, pa.int64())).drop_columns(["short"])
+
+
+def _cells(
+    source: Source, where: str, params: dict[str, object], bucket: int, threshold: int,
+    tracks: list[TrackInfo], early: pa.Table,
+) -> tuple[pa.Table, list[Bar]]:  # fmt: skip
+    """A zoomed-in window's density cells (spans narrower than ``threshold`` per track, depth,
+    bucket and part of the window: ``n``, ``busy_ns``, and ``top_dur`` / ``top_start``, the
+    cell's longest span with an end, ``top_start`` >= t1 where none) and the narrower spans drawn
+    as bars anyway: the longest of each row in each of :data:`PINS_PER_ROW` parts of the window
+    and the :data:`MAX_PINNED_KINDS` longest steps and forwarded batches
+    (:func:`overview.pick_pins`, the rule of zoomed-out windows), of the spans ``where`` finds
+    and of ``early`` (the long spans, narrower than ``threshold`` too, that start before
+    ``where``'s reach, from the overview).
+
+    One grouped scan gives both: a cell's longest span is its largest ``length x m + (t1 -
+    start)`` (the earliest of equally long ones), so the rows' longest per part are picked from
+    the cells and only they are read again, by where they start (a tuple ``argMax`` per row and
+    part read the window a second time and took as long as the cells)."""
     t0, t1 = int(str(params["t0"])), int(str(params["t1"]))
-    narrow = f"{where} AND end_ns >= start_ns AND end_ns - start_ns < {{thr:Int64}}"
-    query = {**params, "thr": threshold, "cap": MAX_PINNED_KINDS,
-             "part": max(1, -(-(t1 - t0) // PINS_PER_ROW)),
+    query = {**params, "bucket": bucket, "thr": threshold, "cap": MAX_PINNED_KINDS,
+             "part": max(1, -(-(t1 - t0) // PINS_PER_ROW)), "m": t1 - int(str(params["lo"])) + 1,
              "cats": list(overview.PIN_CATEGORIES), "lanes": list(overview.PIN_LANES)}  # fmt: skip
-    longest = source.query_arrow(
+    top = "maxIf(toInt128(end_ns - start_ns) * {m:Int64} + ({t1:Int64} - start_ns), end_ns >= start_ns)"
+    cells = source.query_arrow(
         f"""
-        SELECT toString(top.1) AS id, host, pid, tid, lane, top.2 AS category, top.3 AS name,
-               depth, top.4 AS start_ns, top.5 AS end_ns
-        FROM (
-            SELECT host, pid, tid, lane, depth,
-                   argMax((span_id, category, name, start_ns, end_ns),
-                          (end_ns - start_ns, -start_ns)) AS top
-            FROM __db__.spans WHERE {narrow}
-            GROUP BY host, pid, tid, lane, depth,
-                     intDiv(greatest(start_ns, {{t0:Int64}}) - {{t0:Int64}}, {{part:Int64}})
-        )
+        SELECT host, pid, tid, lane, depth,
+               intDiv(greatest(start_ns, {{t0:Int64}}) - {{t0:Int64}}, {{bucket:Int64}}) AS bucket,
+               count() AS n,
+               sum(least(end_ns, {{t1:Int64}}) - greatest(start_ns, {{t0:Int64}})) AS busy_ns,
+               toInt64(intDiv({top}, {{m:Int64}})) AS top_dur,
+               toInt64({{t1:Int64}} - {top} % {{m:Int64}}) AS top_start
+        FROM __db__.spans WHERE {where} AND end_ns - start_ns < {{thr:Int64}}
+        GROUP BY host, pid, tid, lane, depth, bucket,
+                 intDiv(greatest(start_ns, {{t0:Int64}}) - {{t0:Int64}}, {{part:Int64}})
         """,
         query,
     )
+    narrow = f"{where} AND end_ns >= start_ns AND end_ns - start_ns < {{thr:Int64}}"
     kinds = source.query_arrow(
         f"""
         SELECT toString(span_id) AS id, host, pid, tid, lane, category, name, depth, start_ns,
@@ -537,26 +558,72 @@ def _pins(
         """,
         query,
     )
-    tables = [t.cast(overview.plain(t.schema)) for t in (longest, kinds) if t.num_rows]
-    if not tables:
-        return []
-    found = pa.concat_tables([t.cast(tables[0].schema) for t in tables])
-    start, end = found["start_ns"].to_numpy(), found["end_ns"].to_numpy()
-    kind = pc.or_(
-        pc.is_in(found["category"], pa.array(overview.PIN_CATEGORIES)),
-        pc.is_in(found["lane"], pa.array(overview.PIN_LANES)),
-    ).to_numpy(zero_copy_only=False)
+    tables = [t.cast(overview.plain(t.schema)) for t in (kinds, early) if t.num_rows]
+    found = pa.concat_tables([t.cast(tables[0].schema) for t in tables]) if tables else None
+    # Candidates: the spans at hand (steps and batches, early ones), then each cell's longest.
+    if found is not None:
+        f_start, f_end = found["start_ns"].to_numpy(), found["end_ns"].to_numpy()
+        f_kind = (
+            pc.or_(
+                pc.is_in(found["category"], pa.array(overview.PIN_CATEGORIES)),
+                pc.is_in(found["lane"], pa.array(overview.PIN_LANES)),
+            )
+            .to_numpy(zero_copy_only=False)
+            .astype(bool)
+        )
+        f_row = track_rows(found, tracks)
+    else:
+        f_start = f_end = f_row = np.zeros(0, np.int64)
+        f_kind = np.zeros(0, bool)
+    c_start = cells["top_start"].to_numpy() if cells.num_rows else np.zeros(0, np.int64)
+    c_dur = cells["top_dur"].to_numpy() if cells.num_rows else np.zeros(0, np.int64)
+    c_row = track_rows(cells, tracks) if cells.num_rows else np.zeros(0, np.int64)
+    c_row = np.where(c_start < t1, c_row, -1)  # a cell of spans without an end has none
+    start = np.r_[f_start, c_start]
     keep = overview.pick_pins(
-        track_rows(found, tracks), overview.window_part(start, t0, t1, PINS_PER_ROW),
-        end - start, kind.astype(bool), MAX_PINNED_KINDS, start,
+        np.r_[f_row, c_row], overview.window_part(start, t0, t1, PINS_PER_ROW),
+        np.r_[f_end - f_start, c_dur], np.r_[f_kind, np.zeros(len(c_start), bool)],
+        MAX_PINNED_KINDS, start,
     )  # fmt: skip
+    n = len(f_start)
+    mine = keep[keep < n]
+    chosen = _bars(found.take(pa.array(mine, pa.int64())).to_pylist()) if found is not None else []
+    from_cells = keep[keep >= n] - n
+    if len(from_cells):
+        wanted = cells.take(pa.array(from_cells, pa.int64()))
+        rows = _bars(
+            query_rows(
+                source,
+                f"""
+                SELECT toString(span_id) AS id, host, pid, tid, lane, category, name, depth,
+                       start_ns, end_ns
+                FROM __db__.spans WHERE {narrow} AND start_ns IN {{starts:Array(Int64)}}
+                """,
+                {**query, "starts": sorted({int(x) for x in c_start[from_cells]})},
+            )
+        )
+        by_key: dict[tuple[object, ...], list[Bar]] = {}
+        for r in rows:
+            by_key.setdefault(_span_key(r, r["start_ns"], r["end_ns"] - r["start_ns"]), []).append(
+                r
+            )
+        for w in wanted.to_pylist():
+            hit = by_key.get(_span_key(w, w["top_start"], w["top_dur"]))
+            if hit:
+                chosen.append(hit.pop(0))
     out: list[Bar] = []
     seen = set()
-    for b in _bars(found.take(pa.array(keep, pa.int64())).to_pylist()):
+    for b in chosen:
         if (b["span_id"], b["start_ns"]) not in seen:  # a step or batch found twice
             seen.add((b["span_id"], b["start_ns"]))
             out.append(_pinned(b))
-    return out
+    return cells, out
+
+
+def _span_key(row: Mapping[str, object], start: object, dur: object) -> tuple[object, ...]:
+    """A span known by its track, depth, start and length (``row``: a span's or a cell's)."""
+    pid, tid, depth = (int(str(row[k])) for k in ("pid", "tid", "depth"))
+    return (row["host"], pid, tid, row["lane"], depth, int(str(start)), int(str(dur)))
 
 
 def spans_in(source: Source, run_id: str, t0: int, t1: int) -> int:

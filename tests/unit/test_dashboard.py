@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -952,3 +953,55 @@ def test_a_run_stored_while_the_page_is_open_is_read_ahead_of_its_first_view(
     assert app.warmer.wait(60) and not timeline.prepared(source, newest)
     assert tick("an older stamp") == 200
     assert app.warmer.wait(60) and timeline.prepared(source, newest)
+
+
+@pytest.mark.parametrize("max_bars", [windows.MAX_BARS, 3])
+@pytest.mark.parametrize(
+    "t0,t1",
+    [
+        (2_500_000_000, 2_510_000_000),
+        (2_450_000_000, 2_600_000_000),
+        (500_000_000, 3_500_000_000),
+        (500_000_000, 6_400_000_000),
+    ],
+)
+def test_a_window_read_from_the_store_takes_the_spans_begun_long_before_it_from_the_overview(
+    source: ReadOnlyStore, monkeypatch, max_bars: int, t0: int, t1: int
+) -> None:
+    """The store is read from one fine cell before the window; the steps and modules that began
+    earlier come from the overview's long spans. The window is the one read wholly from the
+    store (from the longest span's length before it), bar for bar and cell for cell, capped or
+    not."""
+    monkeypatch.setattr(windows, "MAX_BARS", max_bars)
+    ov, tr = timeline._overview(source, "minute"), timeline.tracks(source, "minute")
+    assert windows.bucket_size(t0, t1, MINUTE_WIDTH) < ov.cell_ns  # the store's path
+    assert windows._early(ov, t0 - ov.split_ns, t0).num_rows  # some began long before
+    got = windows.window(source, "minute", t0, t1, MINUTE_WIDTH, ov, tr)
+    whole = dataclasses.replace(ov, split_ns=10**18)  # nothing taken from memory
+    want = windows.window(source, "minute", t0, t1, MINUTE_WIDTH, whole, tr)
+    key = lambda b: (b["span_id"], b["start_ns"], bool(b.get("pinned")))  # noqa: E731
+    assert sorted(map(key, got.bars)) == sorted(map(key, want.bars))
+    assert (got.bar_threshold_ns, got.capped, got.pinned) == (
+        want.bar_threshold_ns,
+        want.capped,
+        want.pinned,
+    )
+    assert np.array_equal(got.count, want.count) and np.allclose(got.busy_ns, want.busy_ns)
+    assert got.total_spans == overlapping(source, "minute", t0, t1)
+    # The spans drawn anyway are the rule's pick of every narrower span in the window.
+    narrow = source.query_arrow(
+        "SELECT toString(span_id) AS id, host, pid, tid, lane, category, name, depth, start_ns,"
+        " end_ns FROM __db__.spans WHERE run_id = 'minute' AND start_ns < {t1:Int64}"
+        " AND end_ns >= {t0:Int64} AND end_ns >= start_ns AND end_ns - start_ns < {thr:Int64}",
+        {"t0": t0, "t1": t1, "thr": got.bar_threshold_ns},
+    )
+    start, end = narrow["start_ns"].to_numpy(), narrow["end_ns"].to_numpy()
+    kind = np.isin(narrow["category"].to_numpy(zero_copy_only=False), overview.PIN_CATEGORIES)
+    kind |= np.isin(narrow["lane"].to_numpy(zero_copy_only=False), overview.PIN_LANES)
+    pick = overview.pick_pins(
+        windows.track_rows(narrow, tr["tracks"]),
+        overview.window_part(start, t0, t1, windows.PINS_PER_ROW),
+        end - start, kind, windows.MAX_PINNED_KINDS, start,
+    )  # fmt: skip
+    rule = {(str(narrow["id"][i]), int(start[i])) for i in pick}
+    assert {(b["span_id"], b["start_ns"]) for b in got.bars if b.get("pinned")} == rule
