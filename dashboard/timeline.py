@@ -14,19 +14,16 @@ from typing import Any
 
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore
 from gpu_trace.query import overview, reads, relatives, series, windows
+from gpu_trace.query import timeline_tracks as run_tracks
 from gpu_trace.query.relatives import MAX_FLOWS, Flows, SpanDetail, StepCounterpart
 from gpu_trace.query.series import CounterPoint, CounterSeries
+from gpu_trace.query.timeline_tracks import MAX_LEVELS, OverviewRows, TrackInfo, Tracks, track_rows
 from gpu_trace.query.windows import (
     BUCKET_PX,
     MAX_BARS,
-    MAX_LEVELS,
     MAX_PINNED_KINDS,
     PINS_PER_ROW,
-    OverviewRows,
-    TrackInfo,
-    Tracks,
     Window,
-    track_rows,
 )
 
 __all__ = [
@@ -79,7 +76,7 @@ def _overview_rows(source: ReadOnlyStore, run_id: str, cells: int = overview.CEL
     key = ("overview_rows", run_id) if cells == overview.CELLS else ("overview_rows", run_id, cells)
     return source.cached(
         key,
-        lambda: windows.overview_rows(
+        lambda: run_tracks.overview_rows(
             _overview(source, run_id, cells), tracks(source, run_id)["tracks"]
         ),
     )
@@ -117,13 +114,13 @@ def prepared(source: ReadOnlyStore, run_id: str) -> bool:
 
 
 def tracks(source: ReadOnlyStore, run_id: str) -> Tracks:
-    """:func:`gpu_trace.query.windows.tracks`, cached per run: of the overview read already,
+    """:func:`gpu_trace.query.timeline_tracks.tracks`, cached per run: of the overview read already,
     else the coarse one (every span is counted in either grid, so the tracks are the same)."""
 
     def compute() -> Tracks:
         fine = source.cache.get(("overview", run_id))
         found = fine if fine is not None else _overview(source, run_id, overview.COARSE_CELLS)
-        return windows.tracks(source, run_id, found)
+        return run_tracks.tracks(source, run_id, found)
 
     return source.cached(("tracks", run_id), compute)
 

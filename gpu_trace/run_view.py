@@ -454,7 +454,7 @@ class Run:
         import plotly.graph_objects as go
 
         from gpu_trace.plots import figures, picture
-        from gpu_trace.query import overview, relatives, series, windows
+        from gpu_trace.query import overview, relatives, series, timeline_tracks, windows
 
         _window(start, end)
         if isinstance(width, bool) or not isinstance(width, int) or not 200 <= width <= 20000:
@@ -471,15 +471,15 @@ class Run:
             ov = overview.overview(
                 store, self.id, int(run["started_ns"]), int(run["ended_ns"] or 0)
             )
-            tracks = windows.tracks(store, self.id, ov)
-            win = windows.window(store, self.id, t0, t1, width, ov, tracks)
-            flows = relatives.flows(store, self.id, t0, t1, tracks)
+            found = timeline_tracks.tracks(store, self.id, ov)
+            win = windows.window(store, self.id, t0, t1, width, ov, found)
+            flows = relatives.flows(store, self.id, t0, t1, found)
             lines = series.counters(store, self.id, picked, t0, t1, width)
             clock = [c for c in reads.clock_sync(store, self.id) if t0 <= c["ts_ns"] < t1]
         if counters is None:
             lines = {k: v for k, v in lines.items() if _drawable(v, t0)}
             lines = dict(list(lines.items())[:4])
-        figure = figures.timeline(run, tracks, win, flows, lines, clock, width)
+        figure = figures.timeline(run, found, win, flows, lines, clock, width)
         picture.labels_as_text(figure)
         figure["layout"]["width"] = width
         plotly_figure = go.Figure(figure)

@@ -36,7 +36,8 @@ from gpu_trace.plots.labels import (  # noqa: F401 (figures.X stays: re-exported
 from gpu_trace.query.gpu_work import DEVICE_CATEGORIES, short_kernel_name
 from gpu_trace.query.relatives import FlowLink, Flows
 from gpu_trace.query.series import CounterPoint
-from gpu_trace.query.windows import TrackInfo, Tracks, Window
+from gpu_trace.query.timeline_tracks import TrackInfo, Tracks
+from gpu_trace.query.windows import Window
 
 #: Bar colour per span category.
 COLORS = {

@@ -12,7 +12,7 @@ import math
 
 from gpu_trace import _format as fmt
 from gpu_trace.query.gpu_work import device_lane
-from gpu_trace.query.windows import TrackInfo
+from gpu_trace.query.timeline_tracks import TrackInfo
 
 #: Bars at least this many pixels wide get their name written in them.
 LABEL_PX = 40

@@ -17,7 +17,8 @@ from gpu_trace.query import nesting
 from gpu_trace.query.gpu_work import SpanRef
 from gpu_trace.query.source import Source
 from gpu_trace.query.source import rows as query_rows
-from gpu_trace.query.windows import Tracks, text_ids
+from gpu_trace.query.timeline_tracks import Tracks
+from gpu_trace.query.windows import text_ids
 
 #: Flow lines drawn at most per window.
 MAX_FLOWS = 1500

@@ -23,7 +23,7 @@ from gpu_trace.dashboard import (  # noqa: E402
 )
 from gpu_trace.dashboard.readonly_store import ReadOnlyStore  # noqa: E402
 from gpu_trace.plots import charts, figures  # noqa: E402
-from gpu_trace.query import overview, reads, windows  # noqa: E402
+from gpu_trace.query import overview, reads, timeline_tracks, windows  # noqa: E402
 from gpu_trace.query.source import rows as query_rows
 from gpu_trace.store.client import Store, StoreError  # noqa: E402
 from tests.dashboard_data import (  # noqa: E402
@@ -912,7 +912,7 @@ def test_the_coarse_and_the_fine_overview_draw_a_window_alike(source: ReadOnlySt
     ca, cb = a.count.cumsum(axis=1), b.count.cumsum(axis=1)
     assert (ca[:, 1:] >= cb[:, :-1]).all() and (cb[:, 1:] >= ca[:, :-1]).all()
     # The tracks are the same whichever grid they come from.
-    assert [t.key for t in windows.tracks(source, "minute", fine)["tracks"]] == [
+    assert [t.key for t in timeline_tracks.tracks(source, "minute", fine)["tracks"]] == [
         t.key for t in tr["tracks"]
     ]
 
@@ -999,7 +999,7 @@ def test_a_window_read_from_the_store_takes_the_spans_begun_long_before_it_from_
     kind = np.isin(narrow["category"].to_numpy(zero_copy_only=False), overview.PIN_CATEGORIES)
     kind |= np.isin(narrow["lane"].to_numpy(zero_copy_only=False), overview.PIN_LANES)
     pick = overview.pick_pins(
-        windows.track_rows(narrow, tr["tracks"]),
+        timeline_tracks.track_rows(narrow, tr["tracks"]),
         overview.window_part(start, t0, t1, windows.PINS_PER_ROW),
         end - start, kind, windows.MAX_PINNED_KINDS, start,
     )  # fmt: skip
