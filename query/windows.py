@@ -428,9 +428,8 @@ def _cells(
         )
         by_key: dict[tuple[object, ...], list[Bar]] = {}
         for r in rows:
-            by_key.setdefault(_span_key(r, r["start_ns"], r["end_ns"] - r["start_ns"]), []).append(
-                r
-            )
+            key = _span_key(r, r["start_ns"], r["end_ns"] - r["start_ns"])
+            by_key.setdefault(key, []).append(r)
         for w in wanted.to_pylist():
             hit = by_key.get(_span_key(w, w["top_start"], w["top_dur"]))
             if hit:
