@@ -42,7 +42,8 @@ SELECT host, pid, tid, lane, depth, intDiv(start_ns - {o:Int64}, {cell:Int64}) A
        count() AS spans, countIf(end_ns < start_ns) AS unended, max(end_ns - start_ns) AS max_dur,
        maxIf(end_ns - start_ns, end_ns >= start_ns AND end_ns - start_ns < {split:Int64}) AS top_dur,
        argMaxIf(start_ns, end_ns - start_ns,
-                end_ns >= start_ns AND end_ns - start_ns < {split:Int64}) AS top_start
+                end_ns >= start_ns AND end_ns - start_ns < {split:Int64}) AS top_start,
+       groupArrayIf(start_ns, end_ns - start_ns >= {split:Int64}) AS long_starts
 FROM __db__.spans WHERE run_id = {run:String}
 GROUP BY host, pid, tid, lane, depth, cell
 ORDER BY cell
@@ -50,24 +51,28 @@ ORDER BY cell
 
 #: The spans at least a cell long (``short`` 0), then the steps and forwarded batches shorter
 #: than a cell (``short`` 1): always drawn, so kept by name too (the longest
-#: :data:`MAX_SHORT_PINS`; they are counted in the grid as well). One round trip.
+#: :data:`MAX_SHORT_PINS`; they are counted in the grid as well). One round trip. ``{where}``:
+#: where the long ones start (the grid's scan noted it), so the primary key reads their granules
+#: only, or nothing where they are too many to name.
 _LONG = """
 SELECT toString(span_id) AS id, host, pid, tid, lane, category, name, depth, start_ns, end_ns,
        0 AS short
 FROM __db__.spans
-WHERE run_id = {run:String} AND end_ns - start_ns >= {split:Int64}
+WHERE run_id = {{run:String}} AND end_ns - start_ns >= {{split:Int64}}{where}
 UNION ALL
 SELECT * FROM (
     SELECT toString(span_id) AS id, host, pid, tid, lane, category, name, depth, start_ns,
            end_ns, 1 AS short
     FROM __db__.spans
-    WHERE run_id = {run:String} AND end_ns >= start_ns AND end_ns - start_ns < {split:Int64}
-      AND (category = 'step' OR lane IN {lanes:Array(String)})
-    ORDER BY end_ns - start_ns DESC LIMIT {cap:UInt32}
+    WHERE run_id = {{run:String}} AND end_ns >= start_ns AND end_ns - start_ns < {{split:Int64}}
+      AND (category = 'step' OR lane IN {{lanes:Array(String)}})
+    ORDER BY end_ns - start_ns DESC LIMIT {{cap:UInt32}}
 )
 """
 #: Short steps and forwarded batches kept per run at most.
 MAX_SHORT_PINS = 20_000
+#: Starts of long spans named in the long spans' query at most (past this it reads every start).
+MAX_LONG_STARTS = 50_000
 #: Grid cells' longest spans drawn anyway per window at most (the longest of them).
 MAX_CELL_PINS = 120
 #: Kinds of span always drawn as bars (up to a cap): steps and forwarded batches.
@@ -299,13 +304,22 @@ def overview(
     """The run's overview in ``cells`` cells (:data:`CELLS`, or :data:`COARSE_CELLS` for a
     first figure): two round trips (the grid, ordered by cell by the store; the long spans with
     the short steps and batches) that a caller keeps (the dashboard once per run). Whatever
-    ``cells``, spans as long as a cell of :data:`CELLS` are the long ones."""
+    ``cells``, spans as long as a cell of :data:`CELLS` are the long ones. The grid's scan notes
+    where they start, so the second reads only their granules (a second whole scan took a
+    fifth of a 10M-span run's first figure)."""
     cell = cell_size(started_ns, ended_ns, cells)
     split = cell_size(started_ns, ended_ns, CELLS)
     params = {"run": run_id, "o": int(started_ns), "cell": int(cell), "split": int(split)}
     grid = source.query_arrow(_GRID, params)
+    starts = np.unique(pc.list_flatten(grid["long_starts"]).to_numpy(zero_copy_only=False))
+    grid = grid.drop_columns(["long_starts"])
     grid = grid.cast(plain(grid.schema))
-    found = source.query_arrow(_LONG, {**params, "cap": MAX_SHORT_PINS, "lanes": list(PIN_LANES)})
+    named = len(starts) <= MAX_LONG_STARTS
+    found = source.query_arrow(
+        _LONG.format(where=" AND start_ns IN {starts:Array(Int64)}" if named else ""),
+        {**params, "cap": MAX_SHORT_PINS, "lanes": list(PIN_LANES),
+         **({"starts": starts.astype(np.int64).tolist()} if named else {})},
+    )  # fmt: skip
     found = found.cast(plain(found.schema))
     # UNION ALL's parts come back in any order: the long spans first, then the short pins.
     short = found["short"].to_numpy(zero_copy_only=False).astype(bool)

@@ -917,6 +917,25 @@ def test_the_coarse_and_the_fine_overview_draw_a_window_alike(source: ReadOnlySt
     ]
 
 
+@pytest.mark.parametrize("run_id", ["lod", "minute"])
+def test_the_long_spans_found_where_the_grid_saw_them_start_are_the_scans(
+    source: ReadOnlyStore, monkeypatch, run_id: str
+) -> None:
+    """The grid's scan notes where the long spans start, so the long spans' query reads those
+    granules only; past :data:`overview.MAX_LONG_STARTS` starts it reads every start. Both give
+    the same long spans (short spans starting where a long one does, as the lod run's 1 us spans
+    do, stay out) and the same grid."""
+    run = reads.run(source, run_id)
+    start, end = int(run["started_ns"]), int(run["ended_ns"])
+    named = overview.overview(source, run_id, start, end)
+    monkeypatch.setattr(overview, "MAX_LONG_STARTS", 0)
+    scanned = overview.overview(source, run_id, start, end)
+    rows = lambda t: sorted(tuple(r.values()) for r in t.to_pylist())  # noqa: E731
+    assert named.long.num_rows == scanned.long.num_rows > 0
+    assert rows(named.long) == rows(scanned.long)
+    assert named.grid.equals(scanned.grid) and "long_starts" not in named.grid.column_names
+
+
 def test_a_run_stored_while_the_page_is_open_is_read_ahead_of_its_first_view(
     source: ReadOnlyStore,
 ) -> None:
