@@ -72,7 +72,9 @@ SELECT * FROM (
 #: Short steps and forwarded batches kept per run at most.
 MAX_SHORT_PINS = 20_000
 #: Starts of long spans named in the long spans' query at most (past this it reads every start).
-MAX_LONG_STARTS = 50_000
+#: A ClickHouse server takes query parameters in the URL (``http_max_uri_size``, 1 MiB by
+#: default): 10,000 starts are about 200 kB of it.
+MAX_LONG_STARTS = 10_000
 #: Grid cells' longest spans drawn anyway per window at most (the longest of them).
 MAX_CELL_PINS = 120
 #: Kinds of span always drawn as bars (up to a cap): steps and forwarded batches.
