@@ -107,6 +107,10 @@ class Window:
         return len(self.bars) + self.density_spans
 
 
+#: A span's columns as a bar has them (its id as text: UInt64 does not fit a JavaScript number).
+_BAR_COLUMNS = (
+    "toString(span_id) AS id, host, pid, tid, lane, category, name, depth, start_ns, end_ns"
+)
 #: The tenant and session of server spans drawn as bars (found by their start: the primary key).
 _BAR_OWNERS = """
 SELECT toString(span_id) AS id, start_ns, attrs['tenant'] AS tenant, attrs['session'] AS session
@@ -222,8 +226,7 @@ def _window(
         query_rows(
             source,
             f"""
-        SELECT toString(span_id) AS id, host, pid, tid, lane, category, name, depth,
-               start_ns, end_ns
+        SELECT {_BAR_COLUMNS}
         FROM __db__.spans WHERE {where} AND end_ns - start_ns >= {{min:Int64}}
         ORDER BY end_ns - start_ns DESC, start_ns LIMIT {{cap:UInt32}}
         """,
@@ -294,34 +297,43 @@ def _cell_pins(
     the density cell each was counted in and its length. One already drawn (a short step or batch) is left out."""
     if not len(wanted.start_ns):
         return []
+    found = _spans_at(
+        source, "run_id = {run:String}", {"run": run_id},
+        list(zip(wanted.keys, wanted.start_ns, wanted.dur_ns)),
+    )  # fmt: skip
+    seen = {(b["span_id"], b["start_ns"]) for b in drawn}
+    out: list[tuple[Bar, int, int, int]] = []
+    for b, dur, row, cell in zip(found, wanted.dur_ns, wanted.row, wanted.bucket):
+        if b is None or (b["span_id"], b["start_ns"]) in seen:
+            continue
+        seen.add((b["span_id"], b["start_ns"]))
+        out.append((_pinned(b), int(row), int(cell), int(dur)))
+    return out
+
+
+def _spans_at(
+    source: Source, where: str, params: Mapping[str, object],
+    wanted: list[tuple[Mapping[str, object], object, object]],
+) -> list[Bar | None]:  # fmt: skip
+    """The spans ``where`` finds known by their track, depth, start and length (``wanted``: a
+    row with host, pid, tid, lane and depth, a start, a length), read by where they start (the
+    primary key: a few granules); each found span answers one of them, None where none is."""
     rows = _bars(
         query_rows(
             source,
-            """
-            SELECT toString(span_id) AS id, host, pid, tid, lane, category, name, depth,
-                   start_ns, end_ns
-            FROM __db__.spans
-            WHERE run_id = {run:String} AND start_ns IN {starts:Array(Int64)}
-            """,
-            {"run": run_id, "starts": sorted({int(x) for x in wanted.start_ns})},
+            f"SELECT {_BAR_COLUMNS} FROM __db__.spans"
+            f" WHERE {where} AND start_ns IN {{starts:Array(Int64)}}",
+            {**params, "starts": sorted({int(str(start)) for _, start, _ in wanted})},
         )
     )
     by_key: dict[tuple[object, ...], list[Bar]] = {}
     for r in rows:
-        by_key.setdefault(_span_key(r, r["start_ns"], r["end_ns"] - r["start_ns"]), []).append(r)
-    seen = {(b["span_id"], b["start_ns"]) for b in drawn}
-    out: list[tuple[Bar, int, int, int]] = []
-    for k, start, dur, row, cell in zip(
-        wanted.keys, wanted.start_ns, wanted.dur_ns, wanted.row, wanted.bucket
-    ):
-        found = by_key.get(_span_key(k, start, dur))
-        if not found:
-            continue
-        b = found.pop(0)
-        if (b["span_id"], b["start_ns"]) in seen:
-            continue
-        seen.add((b["span_id"], b["start_ns"]))
-        out.append((_pinned(b), int(row), int(cell), int(dur)))
+        key = _span_key(r, r["start_ns"], r["end_ns"] - r["start_ns"])
+        by_key.setdefault(key, []).append(r)
+    out: list[Bar | None] = []
+    for row, start, dur in wanted:
+        hit = by_key.get(_span_key(row, start, dur))
+        out.append(hit.pop(0) if hit else None)
     return out
 
 
@@ -374,9 +386,7 @@ def _cells(
     narrow = f"{where} AND end_ns >= start_ns AND end_ns - start_ns < {{thr:Int64}}"
     kinds = source.query_arrow(
         f"""
-        SELECT toString(span_id) AS id, host, pid, tid, lane, category, name, depth, start_ns,
-               end_ns
-        FROM __db__.spans WHERE {narrow}
+        SELECT {_BAR_COLUMNS} FROM __db__.spans WHERE {narrow}
           AND (category IN {{cats:Array(String)}} OR lane IN {{lanes:Array(String)}})
         ORDER BY end_ns - start_ns DESC, start_ns LIMIT {{cap:UInt32}}
         """,
@@ -414,26 +424,9 @@ def _cells(
     chosen = _bars(found.take(pa.array(mine, pa.int64())).to_pylist()) if found is not None else []
     from_cells = keep[keep >= n] - n
     if len(from_cells):
-        wanted = cells.take(pa.array(from_cells, pa.int64()))
-        rows = _bars(
-            query_rows(
-                source,
-                f"""
-                SELECT toString(span_id) AS id, host, pid, tid, lane, category, name, depth,
-                       start_ns, end_ns
-                FROM __db__.spans WHERE {narrow} AND start_ns IN {{starts:Array(Int64)}}
-                """,
-                {**query, "starts": sorted({int(x) for x in c_start[from_cells]})},
-            )
-        )
-        by_key: dict[tuple[object, ...], list[Bar]] = {}
-        for r in rows:
-            key = _span_key(r, r["start_ns"], r["end_ns"] - r["start_ns"])
-            by_key.setdefault(key, []).append(r)
-        for w in wanted.to_pylist():
-            hit = by_key.get(_span_key(w, w["top_start"], w["top_dur"]))
-            if hit:
-                chosen.append(hit.pop(0))
+        wanted = cells.take(pa.array(from_cells, pa.int64())).to_pylist()
+        picked = [(w, w["top_start"], w["top_dur"]) for w in wanted]
+        chosen += [b for b in _spans_at(source, narrow, query, picked) if b is not None]
     out: list[Bar] = []
     seen = set()
     for b in chosen:
